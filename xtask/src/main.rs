@@ -1,0 +1,45 @@
+//! Developer tasks: `cargo xtask conformance` (the ONNX backend test suite), `cargo xtask fetch`.
+
+mod conformance;
+
+use anyhow::{bail, Result};
+use std::path::PathBuf;
+
+/// Where downloaded models and suites live: `$NPUC_CACHE` or `~/.cache/npuc`.
+pub fn cache_dir() -> PathBuf {
+    if let Ok(d) = std::env::var("NPUC_CACHE") {
+        return PathBuf::from(d);
+    }
+    let home = std::env::var("HOME").unwrap_or_else(|_| ".".into());
+    PathBuf::from(home).join(".cache/npuc")
+}
+
+pub fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
+}
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match args.first().map(|s| s.as_str()) {
+        Some("conformance") => conformance::main(&args[1..]),
+        Some("fetch") => {
+            let status = std::process::Command::new("bash")
+                .arg(repo_root().join("scripts/fetch-data.sh"))
+                .args(&args[1..])
+                .status()?;
+            if !status.success() {
+                bail!("fetch failed");
+            }
+            Ok(())
+        }
+        _ => {
+            eprintln!(
+                "usage: cargo xtask conformance [--suite DIR] [--op NAME] [--test SUBSTR] [--json] [--verbose]\n       cargo xtask fetch [suite|models|all]"
+            );
+            std::process::exit(2)
+        }
+    }
+}
