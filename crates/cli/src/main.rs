@@ -1,1 +1,551 @@
-fn main() {}
+//! `npuc`: inspect, run and (soon) compile models. Argument parsing and output formatting only;
+//! the work happens in the library crates.
+
+use anyhow::{anyhow, bail, Context, Result};
+use clap::{Parser, Subcommand};
+use npuc_cli::{npy, ocr};
+use npuc_ir::{Attr, DType, Dim, Model, Tensor, TypeInfo};
+use npuc_runtime::{registry, Session, SessionOptions, Value};
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+#[derive(Parser)]
+#[command(
+    name = "npuc",
+    version,
+    about = "Compile, inspect and run ONNX models on CPU"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Show a model's inputs/outputs, ops, parameters and which nodes npuc supports.
+    Inspect {
+        model: PathBuf,
+        #[arg(long)]
+        json: bool,
+        /// Bind an input's shape, e.g. `x=1x3x224x224` (repeatable).
+        #[arg(long = "input-shape", value_name = "NAME=SHAPE")]
+        input_shape: Vec<String>,
+        /// Bind a symbolic dimension, e.g. `batch=1` (repeatable).
+        #[arg(long = "dim", value_name = "SYM=N")]
+        dim: Vec<String>,
+    },
+    /// Run a model on inputs from .npy or TensorProto .pb files; write outputs as .npy.
+    Run {
+        model: PathBuf,
+        /// `NAME=FILE` (repeatable); FILE is .npy or an ONNX TensorProto .pb.
+        #[arg(long = "input", short = 'i', value_name = "NAME=FILE")]
+        inputs: Vec<String>,
+        #[arg(long = "output-dir", short = 'o')]
+        output_dir: Option<PathBuf>,
+        #[arg(long, default_value_t = 1)]
+        threads: usize,
+    },
+    /// List supported ops with their opset ranges.
+    Ops {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Recognise a line of text in a PNG image with a PaddleOCR recogniser model.
+    Ocr {
+        image: PathBuf,
+        #[arg(long)]
+        model: PathBuf,
+        #[arg(long, default_value_t = 1)]
+        threads: usize,
+        /// Timed repetitions of the inference (median reported).
+        #[arg(long, default_value_t = 5)]
+        runs: usize,
+    },
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let r = match cli.cmd {
+        Cmd::Inspect {
+            model,
+            json,
+            input_shape,
+            dim,
+        } => inspect(&model, json, &input_shape, &dim),
+        Cmd::Run {
+            model,
+            inputs,
+            output_dir,
+            threads,
+        } => run(&model, &inputs, output_dir.as_deref(), threads),
+        Cmd::Ops { json } => ops(json),
+        Cmd::Ocr {
+            image,
+            model,
+            threads,
+            runs,
+        } => ocr_cmd(&image, &model, threads, runs),
+    };
+    if let Err(e) = r {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn load(path: &Path) -> Result<Model> {
+    Ok(npuc_onnx::load_model(path)?)
+}
+
+fn op_key(domain: &str, op: &str) -> String {
+    if domain.is_empty() {
+        op.to_string()
+    } else {
+        format!("{domain}::{op}")
+    }
+}
+
+fn describe(ty: &Option<TypeInfo>) -> String {
+    ty.as_ref()
+        .map(|t| t.describe())
+        .unwrap_or_else(|| "?".into())
+}
+
+fn parse_bindings(
+    input_shape: &[String],
+    dim: &[String],
+) -> Result<(HashMap<String, Vec<usize>>, HashMap<String, usize>)> {
+    let mut shapes = HashMap::new();
+    for s in input_shape {
+        let (n, v) = s
+            .split_once('=')
+            .ok_or_else(|| anyhow!("--input-shape expects NAME=SHAPE, got '{s}'"))?;
+        shapes.insert(
+            n.to_string(),
+            npuc_ir::parse_shape(v).map_err(|e| anyhow!(e))?,
+        );
+    }
+    let mut dims = HashMap::new();
+    for s in dim {
+        let (n, v) = s
+            .split_once('=')
+            .ok_or_else(|| anyhow!("--dim expects SYM=N, got '{s}'"))?;
+        dims.insert(
+            n.to_string(),
+            v.parse::<usize>()
+                .map_err(|_| anyhow!("--dim {n}: '{v}' is not a number"))?,
+        );
+    }
+    Ok((shapes, dims))
+}
+
+/// Applies user bindings to a model's declared input types; errors name unknown inputs.
+fn bind_inputs(
+    m: &mut Model,
+    shapes: &HashMap<String, Vec<usize>>,
+    dims: &HashMap<String, usize>,
+) -> Result<()> {
+    for name in shapes.keys() {
+        if !m.graph.inputs.iter().any(|i| &i.name == name) {
+            bail!("--input-shape: the model has no input '{name}'");
+        }
+    }
+    for vi in &mut m.graph.inputs {
+        if let Some(TypeInfo::Tensor { shape, .. }) = &mut vi.ty {
+            if let Some(s) = shapes.get(&vi.name) {
+                if let Some(old) = shape {
+                    if old.len() != s.len() {
+                        bail!(
+                            "--input-shape {}: rank {} given, the model declares rank {}",
+                            vi.name,
+                            s.len(),
+                            old.len()
+                        );
+                    }
+                }
+                *shape = Some(s.iter().map(|&d| Dim::Fixed(d)).collect());
+            } else if let Some(old) = shape {
+                for d in old.iter_mut() {
+                    if let Dim::Symbolic(sym) = d {
+                        if let Some(&n) = dims.get(sym) {
+                            *d = Dim::Fixed(n);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn inspect(path: &Path, json: bool, input_shape: &[String], dim: &[String]) -> Result<()> {
+    let mut m = load(path)?;
+    let (shapes, dims) = parse_bindings(input_shape, dim)?;
+    bind_inputs(&mut m, &shapes, &dims)?;
+    let reg = registry();
+    let mut hist: BTreeMap<String, usize> = BTreeMap::new();
+    let mut unsupported: Vec<(String, String)> = vec![];
+    let mut n_nodes = 0usize;
+    fn walk(g: &npuc_ir::Graph, m: &Model, f: &mut dyn FnMut(&npuc_ir::Node)) {
+        for n in &g.nodes {
+            f(n);
+            for (_, a) in &n.attrs {
+                for sg in npuc_ir::subgraphs(a) {
+                    walk(sg, m, f);
+                }
+            }
+        }
+    }
+    let opset_of = |d: &str| m.opset(d).unwrap_or(1);
+    walk(&m.graph, &m, &mut |n| {
+        n_nodes += 1;
+        *hist.entry(op_key(&n.domain, &n.op_type)).or_default() += 1;
+        let is_fn = m.functions.iter().any(|f| f.name == n.op_type);
+        if !is_fn
+            && reg
+                .find(&n.domain, &n.op_type, opset_of(&n.domain))
+                .is_none()
+        {
+            unsupported.push((n.display_name(), op_key(&n.domain, &n.op_type)));
+        }
+    });
+    let mut params = 0usize;
+    let mut bytes = 0usize;
+    for i in &m.graph.initializers {
+        params += i.tensor.len();
+        bytes += i.tensor.len() * i.tensor.dtype().size().max(1);
+    }
+    // Constant nodes hold weights too (PP-LCNet stores them that way).
+    walk(&m.graph, &m, &mut |n| {
+        if n.op_type == "Constant" {
+            if let Some(Attr::Tensor(t)) = n.attr("value") {
+                params += t.len();
+                bytes += t.len() * t.dtype().size().max(1);
+            }
+        }
+    });
+    // Output shapes: inferred by running the model once on zeros when every input dim is known
+    // (declared output shapes are often wrong, so they are never reported as fact).
+    let inits: std::collections::HashSet<&str> = m
+        .graph
+        .initializers
+        .iter()
+        .map(|i| i.name.as_str())
+        .collect();
+    let real_inputs: Vec<&npuc_ir::ValueInfo> = m
+        .graph
+        .inputs
+        .iter()
+        .filter(|i| !inits.contains(i.name.as_str()))
+        .collect();
+    let mut inferred: Option<Vec<(String, String)>> = None;
+    let mut infer_note = String::new();
+    if unsupported.is_empty() {
+        let mut feeds = vec![];
+        let mut ok = true;
+        for vi in &real_inputs {
+            match (&vi.ty, vi.dims()) {
+                (
+                    Some(TypeInfo::Tensor {
+                        dtype: Some(dt), ..
+                    }),
+                    Some(d),
+                ) if d.iter().all(|d| matches!(d, Dim::Fixed(_))) => {
+                    let s: Vec<usize> = d
+                        .iter()
+                        .map(|d| if let Dim::Fixed(n) = d { *n } else { 0 })
+                        .collect();
+                    feeds.push((vi.name.clone(), Value::tensor(Tensor::zeros(*dt, s))));
+                }
+                _ => {
+                    ok = false;
+                    infer_note = format!("input '{}' has unbound dims; bind them with --input-shape/--dim to infer output shapes", vi.name);
+                }
+            }
+        }
+        if ok {
+            match Session::new(&m, SessionOptions::default()).and_then(|s| s.run(feeds)) {
+                Ok(outs) => {
+                    inferred = Some(
+                        outs.iter()
+                            .map(|(n, v)| {
+                                (
+                                    n.clone(),
+                                    match v {
+                                        Value::Tensor(t) => format!("{}{:?}", t.dtype(), t.shape()),
+                                        other => other.kind().to_string(),
+                                    },
+                                )
+                            })
+                            .collect(),
+                    )
+                }
+                Err(e) => {
+                    infer_note = format!("running on zeros to infer output shapes failed: {e}")
+                }
+            }
+        }
+    }
+    if json {
+        let j = serde_json::json!({
+            "path": path.display().to_string(),
+            "ir_version": m.ir_version,
+            "producer": {"name": m.producer_name, "version": m.producer_version},
+            "opsets": m.opset_imports.iter().map(|o| serde_json::json!({"domain": o.domain, "version": o.version})).collect::<Vec<_>>(),
+            "inputs": real_inputs.iter().map(|i| serde_json::json!({"name": i.name, "type": describe(&i.ty)})).collect::<Vec<_>>(),
+            "outputs": m.graph.outputs.iter().map(|o| serde_json::json!({
+                "name": o.name, "declared": describe(&o.ty),
+                "inferred": inferred.as_ref().and_then(|v| v.iter().find(|x| x.0 == o.name).map(|x| x.1.clone())),
+            })).collect::<Vec<_>>(),
+            "nodes": n_nodes,
+            "op_histogram": hist,
+            "parameters": params,
+            "parameter_bytes": bytes,
+            "unsupported": unsupported.iter().map(|(n, o)| serde_json::json!({"node": n, "op": o})).collect::<Vec<_>>(),
+            "supported": unsupported.is_empty(),
+            "metadata": m.metadata.iter().map(|(k, v)| (k.clone(), serde_json::Value::String(v.chars().take(200).collect()))).collect::<serde_json::Map<_,_>>(),
+        });
+        println!("{}", serde_json::to_string_pretty(&j)?);
+        return Ok(());
+    }
+    println!("model     {}", path.display());
+    println!(
+        "producer  {} {} (ir_version {})",
+        m.producer_name, m.producer_version, m.ir_version
+    );
+    println!(
+        "opsets    {}",
+        m.opset_imports
+            .iter()
+            .map(|o| format!(
+                "{}={}",
+                if o.domain.is_empty() {
+                    "ai.onnx"
+                } else {
+                    &o.domain
+                },
+                o.version
+            ))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    println!("inputs");
+    for i in &real_inputs {
+        println!("  {:<24} {}", i.name, describe(&i.ty));
+    }
+    println!("outputs");
+    for o in &m.graph.outputs {
+        let inf = inferred
+            .as_ref()
+            .and_then(|v| v.iter().find(|x| x.0 == o.name).map(|x| x.1.clone()));
+        match inf {
+            Some(s) => println!("  {:<24} {}  (declared {})", o.name, s, describe(&o.ty)),
+            None => println!(
+                "  {:<24} declared {} (not verified)",
+                o.name,
+                describe(&o.ty)
+            ),
+        }
+    }
+    if !infer_note.is_empty() {
+        println!("  note: {infer_note}");
+    }
+    println!("parameters {} ({:.2} MB)", params, bytes as f64 / 1e6);
+    println!("nodes     {n_nodes}");
+    for (op, c) in &hist {
+        let mark = if unsupported.iter().any(|u| &u.1 == op) {
+            "  UNSUPPORTED"
+        } else {
+            ""
+        };
+        println!("  {op:<28} {c:>6}{mark}");
+    }
+    if unsupported.is_empty() {
+        println!("support   all {n_nodes} nodes supported");
+    } else {
+        println!(
+            "support   {} of {n_nodes} nodes unsupported:",
+            unsupported.len()
+        );
+        for (n, o) in unsupported.iter().take(40) {
+            println!("  node '{n}': op {o} is not supported");
+        }
+        if unsupported.len() > 40 {
+            println!(
+                "  ... and {} more (--json lists all)",
+                unsupported.len() - 40
+            );
+        }
+    }
+    Ok(())
+}
+
+fn sanitize(name: &str) -> String {
+    name.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
+fn read_input(path: &Path, declared: Option<&TypeInfo>) -> Result<Value> {
+    let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+    if ext == "npy" {
+        return Ok(Value::tensor(npy::read_npy(path)?));
+    }
+    if ext == "pb" {
+        let v = npuc_onnx::load_value_pb(path, declared)?;
+        fn conv(v: npuc_onnx::PbValue) -> Value {
+            match v {
+                npuc_onnx::PbValue::Tensor(t) => Value::tensor(t),
+                npuc_onnx::PbValue::Sequence(s) => {
+                    Value::Sequence(s.into_iter().map(conv).collect())
+                }
+                npuc_onnx::PbValue::Optional(o) => Value::Optional(o.map(|b| Box::new(conv(*b)))),
+            }
+        }
+        return Ok(conv(v));
+    }
+    bail!(
+        "'{}': input files must be .npy or .pb (TensorProto)",
+        path.display()
+    )
+}
+
+fn stats(t: &Tensor) -> String {
+    match t.to_f64_vec() {
+        Ok(v) if !v.is_empty() => {
+            let min = v.iter().cloned().fold(f64::INFINITY, f64::min);
+            let max = v.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let mean = v.iter().sum::<f64>() / v.len() as f64;
+            format!("min {min:.6} max {max:.6} mean {mean:.6}")
+        }
+        Ok(_) => "empty".into(),
+        Err(_) => format!("{} values", t.len()),
+    }
+}
+
+fn run(path: &Path, inputs: &[String], out_dir: Option<&Path>, threads: usize) -> Result<()> {
+    let m = load(path)?;
+    let t0 = Instant::now();
+    let sess = Session::new(&m, SessionOptions { threads })?;
+    let load_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let mut feeds = vec![];
+    for s in inputs {
+        let (name, file) = s
+            .split_once('=')
+            .ok_or_else(|| anyhow!("--input expects NAME=FILE, got '{s}'"))?;
+        let decl = sess
+            .inputs()
+            .iter()
+            .find(|i| i.name == name)
+            .and_then(|i| i.ty.as_ref());
+        let v = read_input(Path::new(file), decl).with_context(|| format!("input '{name}'"))?;
+        feeds.push((name.to_string(), v));
+    }
+    let t1 = Instant::now();
+    let outs = sess.run(feeds)?;
+    let run_ms = t1.elapsed().as_secs_f64() * 1e3;
+    if let Some(d) = out_dir {
+        std::fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
+    }
+    for (name, v) in &outs {
+        match v {
+            Value::Tensor(t) => {
+                println!("{name}: {} {:?} {}", t.dtype(), t.shape(), stats(t));
+                if let Some(d) = out_dir {
+                    let p = d.join(format!("{}.npy", sanitize(name)));
+                    let bytes = npy::npy_bytes(t).map_err(|e| anyhow!("output '{name}': {e}"))?;
+                    npuc_onnx::export::write_atomic(&p, &bytes)?;
+                }
+            }
+            other => println!("{name}: {} (not written)", other.kind()),
+        }
+    }
+    eprintln!(
+        "session {load_ms:.1} ms, run {run_ms:.1} ms ({threads} thread{})",
+        if threads == 1 { "" } else { "s" }
+    );
+    Ok(())
+}
+
+fn ops(json: bool) -> Result<()> {
+    let mut rows: Vec<(String, i64, i64)> = registry()
+        .entries()
+        .map(|e| (op_key(e.domain, e.name), e.since, e.until))
+        .collect();
+    rows.sort();
+    if json {
+        let v: Vec<serde_json::Value> = rows
+            .iter()
+            .map(|(n, s, u)| serde_json::json!({"op": n, "since": s, "until": u}))
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        for (n, s, u) in &rows {
+            println!("{n:<40} opset {s}-{u}");
+        }
+        println!("{} ops", rows.len());
+    }
+    Ok(())
+}
+
+fn ocr_cmd(image: &Path, model: &Path, threads: usize, runs: usize) -> Result<()> {
+    let t0 = Instant::now();
+    let m = load(model)?;
+    let chars = ocr::dictionary(&m).ok_or_else(|| {
+        anyhow!(
+            "'{}' has no 'character' metadata: is it a PaddleOCR recogniser?",
+            model.display()
+        )
+    })?;
+    let sess = Session::new(&m, SessionOptions { threads })?;
+    let load_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let t1 = Instant::now();
+    let img = image::open(image)
+        .with_context(|| format!("reading image '{}'", image.display()))?
+        .to_rgb8();
+    let (w, h) = img.dimensions();
+    let x = ocr::rec_input(img.as_raw(), w as usize, h as usize, 48, 320);
+    let pre_ms = t1.elapsed().as_secs_f64() * 1e3;
+    let input = sess
+        .inputs()
+        .first()
+        .ok_or_else(|| anyhow!("the model has no inputs"))?
+        .name
+        .clone();
+    if let Some(dt) = sess.inputs()[0].dtype() {
+        if dt != DType::F32 {
+            bail!("recogniser input '{input}' is {dt}, expected f32");
+        }
+    }
+    let mut times = vec![];
+    let mut out = None;
+    for _ in 0..runs.max(1) {
+        let t = Instant::now();
+        let o = sess.run(vec![(input.clone(), Value::tensor(x.clone()))])?;
+        times.push(t.elapsed().as_secs_f64() * 1e3);
+        out = Some(o);
+    }
+    times.sort_by(f64::total_cmp);
+    let out = out.expect("at least one run");
+    let probs = out[0]
+        .1
+        .as_tensor()
+        .ok_or_else(|| anyhow!("recogniser output is not a tensor"))?;
+    let (text, conf) = ocr::ctc_decode(probs, &chars).map_err(|e| anyhow!(e))?;
+    println!("text: {text}");
+    println!("confidence: {conf:.4}");
+    println!(
+        "timings: load+plan {load_ms:.1} ms, preprocess {pre_ms:.2} ms, inference median {:.2} ms (min {:.2}, {} runs, {threads} thread{})",
+        times[times.len() / 2],
+        times[0],
+        times.len(),
+        if threads == 1 { "" } else { "s" }
+    );
+    Ok(())
+}

