@@ -285,12 +285,11 @@ impl MatMulPlan {
     }
 
     fn batches(&self) -> usize {
-        let mn = self.m * self.n;
-        if mn == 0 {
-            0
-        } else {
-            self.out_shape.iter().product::<usize>() / mn
-        }
+        self.out_shape
+            .iter()
+            .product::<usize>()
+            .checked_div(self.m * self.n)
+            .unwrap_or(0)
     }
 }
 
