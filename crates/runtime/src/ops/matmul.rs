@@ -4,6 +4,8 @@
 //! (which is also what numpy-based references effectively accumulate in); integer products use a
 //! plain wrapping triple loop.
 
+mod attention;
+
 use crate::bail;
 use crate::error::Result;
 use crate::kernel::{Inputs, OpCtx, Registry};
@@ -16,6 +18,7 @@ use std::borrow::Cow;
 pub fn register(r: &mut Registry) {
     r.add("MatMul", 1, matmul);
     r.add("Gemm", 1, gemm_op);
+    attention::register(r);
 }
 
 /// Products with at least this many multiply-adds may use several threads.
