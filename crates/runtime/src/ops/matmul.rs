@@ -5,6 +5,7 @@
 //! plain wrapping triple loop.
 
 mod attention;
+mod linear;
 
 use crate::bail;
 use crate::error::Result;
@@ -19,6 +20,7 @@ pub fn register(r: &mut Registry) {
     r.add("MatMul", 1, matmul);
     r.add("Gemm", 1, gemm_op);
     attention::register(r);
+    linear::register(r);
 }
 
 /// Products with at least this many multiply-adds may use several threads.
