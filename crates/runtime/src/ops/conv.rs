@@ -1,3 +1,626 @@
-use crate::kernel::Registry;
+//! Convolutions and pooling: Conv, ConvTranspose, the pools, and detection helpers.
+//!
+//! Every windowed op is normalised to three spatial dims (1-D and 2-D ops get leading dims of
+//! size 1), so one set of loops serves 1-D, 2-D and 3-D. Conv lowers to im2col + `gemm` (the
+//! weight `[M/group, K]` is the left operand, the column buffer `[K, out_pixels]` the right),
+//! skips im2col for 1x1 stride-1 unpadded convs, and runs depthwise convs (one input channel
+//! per group) directly.
 
-pub fn register(_r: &mut Registry) {}
+mod detect;
+mod pool;
+
+use crate::bail;
+use crate::error::Result;
+use crate::kernel::{Inputs, OpCtx, Registry};
+use crate::ops::matmul::{gemm_into, GemmFloat, Mat};
+use crate::value::Value;
+use npuc_ir::{DType, Node, Tensor};
+use rayon::prelude::*;
+
+pub fn register(r: &mut Registry) {
+    r.add("Conv", 1, conv);
+    r.add("ConvTranspose", 1, conv_transpose);
+    pool::register(r);
+    detect::register(r);
+}
+
+/// Per-thread work below which a loop stays on the calling thread.
+const PAR_MIN: usize = 1 << 15;
+
+/// Spatial geometry of a windowed op, normalised to 3 dims (leading dims have size 1,
+/// kernel 1, stride 1, no padding).
+#[derive(Clone, Debug, Default)]
+pub struct Geom {
+    pub inp: [usize; 3],
+    pub out: [usize; 3],
+    pub k: [usize; 3],
+    pub s: [usize; 3],
+    pub d: [usize; 3],
+    pub pb: [usize; 3],
+    pub pe: [usize; 3],
+}
+
+impl Geom {
+    pub fn in_size(&self) -> usize {
+        self.inp.iter().product()
+    }
+    pub fn out_size(&self) -> usize {
+        self.out.iter().product()
+    }
+    pub fn k_size(&self) -> usize {
+        self.k.iter().product()
+    }
+}
+
+/// Right-aligns `v` (at most 3 values) into a 3-array filled with `fill`.
+pub fn to3(v: &[usize], fill: usize) -> Result<[usize; 3]> {
+    if v.len() > 3 {
+        bail!(
+            "at most 3 spatial dimensions are supported, got {}",
+            v.len()
+        );
+    }
+    let mut a = [fill; 3];
+    a[3 - v.len()..].copy_from_slice(v);
+    Ok(a)
+}
+
+/// Reads an ints attribute of `nsp` non-negative values (or `def` for each when absent).
+pub fn spatial_attr(node: &Node, name: &str, nsp: usize, def: usize) -> Result<Vec<usize>> {
+    match node.attr_ints(name)? {
+        None => Ok(vec![def; nsp]),
+        Some(v) => {
+            if v.len() != nsp {
+                bail!("attribute '{name}' has {} values, expected {nsp}", v.len());
+            }
+            v.iter()
+                .map(|&x| {
+                    usize::try_from(x).map_err(|_| {
+                        crate::RtError::msg(format!("attribute '{name}' has a negative value {x}"))
+                    })
+                })
+                .collect()
+        }
+    }
+}
+
+/// Reads `pads` as (begin, end) lists of `nsp` values each.
+pub fn pads_attr(node: &Node, nsp: usize) -> Result<(Vec<usize>, Vec<usize>)> {
+    let p = spatial_attr_len(node, "pads", 2 * nsp)?;
+    Ok((p[..nsp].to_vec(), p[nsp..].to_vec()))
+}
+
+fn spatial_attr_len(node: &Node, name: &str, len: usize) -> Result<Vec<usize>> {
+    match node.attr_ints(name)? {
+        None => Ok(vec![0; len]),
+        Some(v) if v.len() == len => v
+            .iter()
+            .map(|&x| {
+                usize::try_from(x).map_err(|_| {
+                    crate::RtError::msg(format!("attribute '{name}' has a negative value {x}"))
+                })
+            })
+            .collect(),
+        Some(v) => bail!("attribute '{name}' has {} values, expected {len}", v.len()),
+    }
+}
+
+/// Geometry of Conv-like ops (Conv, DeformConv): strides, dilations, pads / auto_pad.
+pub fn conv_geom(node: &Node, in_sp: &[usize], k: &[usize]) -> Result<Geom> {
+    let nsp = in_sp.len();
+    if nsp == 0 || nsp != k.len() {
+        bail!("input spatial dims {in_sp:?} do not match kernel {k:?}");
+    }
+    let s = spatial_attr(node, "strides", nsp, 1)?;
+    let d = spatial_attr(node, "dilations", nsp, 1)?;
+    if s.contains(&0) || d.contains(&0) {
+        bail!("strides and dilations must be positive");
+    }
+    let auto_pad = node.str_or("auto_pad", "NOTSET")?;
+    let (mut pb, mut pe) = pads_attr(node, nsp)?;
+    let mut out = vec![0; nsp];
+    for i in 0..nsp {
+        let dk = (k[i] - 1) * d[i] + 1;
+        match auto_pad {
+            "SAME_UPPER" | "SAME_LOWER" => {
+                out[i] = in_sp[i].div_ceil(s[i]);
+                let total = ((out[i].max(1) - 1) * s[i] + dk).saturating_sub(in_sp[i]);
+                let small = total / 2;
+                (pb[i], pe[i]) = if auto_pad == "SAME_UPPER" {
+                    (small, total - small)
+                } else {
+                    (total - small, small)
+                };
+            }
+            "VALID" | "NOTSET" | "" => {
+                if auto_pad == "VALID" {
+                    pb[i] = 0;
+                    pe[i] = 0;
+                }
+                let padded = in_sp[i] + pb[i] + pe[i];
+                if padded < dk {
+                    bail!("kernel extent {dk} exceeds the padded input {padded}");
+                }
+                out[i] = (padded - dk) / s[i] + 1;
+            }
+            other => bail!("unknown auto_pad '{other}'"),
+        }
+    }
+    Ok(Geom {
+        inp: to3(in_sp, 1)?,
+        out: to3(&out, 1)?,
+        k: to3(k, 1)?,
+        s: to3(&s, 1)?,
+        d: to3(&d, 1)?,
+        pb: to3(&pb, 0)?,
+        pe: to3(&pe, 0)?,
+    })
+}
+
+/// Range of output indices `o` in `0..o_len` for which `o * s + off` lies in `0..in_len`.
+#[inline]
+pub fn valid_range(o_len: usize, s: usize, off: isize, in_len: usize) -> (usize, usize) {
+    let s = s as isize;
+    let lo = if off >= 0 { 0 } else { (-off + s - 1) / s };
+    let top = in_len as isize - 1 - off;
+    let hi = if top < 0 {
+        0
+    } else {
+        (top / s + 1).min(o_len as isize)
+    };
+    let lo = lo.min(hi);
+    (lo as usize, hi as usize)
+}
+
+/// im2col for one group of one image: `x` holds `c_g` channels, `col` gets `c_g * k_size`
+/// rows of `out_size` values.
+fn im2col<T: GemmFloat>(x: &[T], g: &Geom, col: &mut [T], threads: usize) {
+    let [ind, inh, inw] = g.inp;
+    let [od, oh, ow] = g.out;
+    let [_kd, kh, kw] = g.k;
+    let plane = ind * inh * inw;
+    let p = g.out_size();
+    let ks = g.k_size();
+    let fill_row = |r: usize, row: &mut [T]| {
+        let c = r / ks;
+        let kr = r % ks;
+        let (a, b, cc) = (kr / (kh * kw), (kr / kw) % kh, kr % kw);
+        let xc = &x[c * plane..(c + 1) * plane];
+        let off = |kk: usize, dim: usize| (kk * g.d[dim]) as isize - g.pb[dim] as isize;
+        let (d_lo, d_hi) = valid_range(od, g.s[0], off(a, 0), ind);
+        let (h_lo, h_hi) = valid_range(oh, g.s[1], off(b, 1), inh);
+        let (w_lo, w_hi) = valid_range(ow, g.s[2], off(cc, 2), inw);
+        let woff = off(cc, 2);
+        for z in 0..od {
+            let zrow = &mut row[z * oh * ow..(z + 1) * oh * ow];
+            if z < d_lo || z >= d_hi {
+                zrow.fill(T::zero());
+                continue;
+            }
+            let iz = (z * g.s[0]) as isize + off(a, 0);
+            for y in 0..oh {
+                let dst = &mut zrow[y * ow..(y + 1) * ow];
+                if y < h_lo || y >= h_hi {
+                    dst.fill(T::zero());
+                    continue;
+                }
+                let iy = (y * g.s[1]) as isize + off(b, 1);
+                let src = &xc[(iz as usize * inh + iy as usize) * inw..][..inw];
+                dst[..w_lo].fill(T::zero());
+                dst[w_hi..].fill(T::zero());
+                if w_lo >= w_hi {
+                    continue;
+                }
+                let sw = g.s[2];
+                let base = (w_lo * sw) as isize + woff;
+                if sw == 1 {
+                    let b0 = base as usize;
+                    dst[w_lo..w_hi].copy_from_slice(&src[b0..b0 + (w_hi - w_lo)]);
+                } else {
+                    for (i, v) in dst[w_lo..w_hi].iter_mut().enumerate() {
+                        *v = src[base as usize + i * sw];
+                    }
+                }
+            }
+        }
+    };
+    if threads > 1 && col.len() >= PAR_MIN * 2 {
+        col.par_chunks_mut(p)
+            .enumerate()
+            .for_each(|(r, row)| fill_row(r, row));
+    } else {
+        for (r, row) in col.chunks_mut(p).enumerate() {
+            fill_row(r, row);
+        }
+    }
+}
+
+/// Adds `w * x` over one kernel tap for a whole output plane (direct convolution).
+#[inline]
+fn depthwise_plane<T: GemmFloat>(xc: &[T], wc: &[T], g: &Geom, out: &mut [T]) {
+    let [ind, inh, inw] = g.inp;
+    let [od, oh, ow] = g.out;
+    let [kd, kh, kw] = g.k;
+    let _ = ind;
+    for a in 0..kd {
+        let offd = (a * g.d[0]) as isize - g.pb[0] as isize;
+        let (d_lo, d_hi) = valid_range(od, g.s[0], offd, g.inp[0]);
+        for b in 0..kh {
+            let offh = (b * g.d[1]) as isize - g.pb[1] as isize;
+            let (h_lo, h_hi) = valid_range(oh, g.s[1], offh, inh);
+            for c in 0..kw {
+                let wv = wc[(a * kh + b) * kw + c];
+                let offw = (c * g.d[2]) as isize - g.pb[2] as isize;
+                let (w_lo, w_hi) = valid_range(ow, g.s[2], offw, inw);
+                if w_lo >= w_hi {
+                    continue;
+                }
+                let sw = g.s[2];
+                for z in d_lo..d_hi {
+                    let iz = ((z * g.s[0]) as isize + offd) as usize;
+                    for y in h_lo..h_hi {
+                        let iy = ((y * g.s[1]) as isize + offh) as usize;
+                        let src = &xc[(iz * inh + iy) * inw..][..inw];
+                        let dst = &mut out[(z * oh + y) * ow..][..ow];
+                        let base = ((w_lo * sw) as isize + offw) as usize;
+                        if sw == 1 {
+                            let n = w_hi - w_lo;
+                            for (o, &v) in dst[w_lo..w_hi].iter_mut().zip(&src[base..base + n]) {
+                                *o += wv * v;
+                            }
+                        } else {
+                            for (i, o) in dst[w_lo..w_hi].iter_mut().enumerate() {
+                                *o += wv * src[base + i * sw];
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Shapes and attributes of one Conv call, validated.
+struct ConvArgs {
+    n: usize,
+    c: usize,
+    m: usize,
+    group: usize,
+    geom: Geom,
+}
+
+fn conv_run<T: GemmFloat>(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    a: &ConvArgs,
+    threads: usize,
+) -> Result<Vec<T>> {
+    let xv = T::load(x)?;
+    let wv = T::load(w)?;
+    let bv = match b {
+        Some(b) => Some(T::load(b)?),
+        None => None,
+    };
+    let g = &a.geom;
+    let (c_g, m_g) = (a.c / a.group, a.m / a.group);
+    let (pin, p, ks) = (g.in_size(), g.out_size(), g.k_size());
+    let k = c_g * ks;
+    let mut out = vec![T::zero(); a.n * a.m * p];
+    if out.is_empty() {
+        return Ok(out);
+    }
+    if xv.len() != a.n * a.c * pin || wv.len() != a.m * k {
+        bail!("Conv operand sizes do not match their shapes");
+    }
+    if let Some(bv) = &bv {
+        for (ch, plane) in out.chunks_mut(p).enumerate() {
+            plane.fill(bv[ch % a.m]);
+        }
+    }
+    if c_g == 1 {
+        // Depthwise (and channel-multiplier) conv: K is tiny, so a direct loop beats gemm.
+        let plane = |(idx, o): (usize, &mut [T])| {
+            let (ni, oc) = (idx / a.m, idx % a.m);
+            let ic = oc / m_g;
+            let xc = &xv[(ni * a.c + ic) * pin..][..pin];
+            let wc = &wv[oc * ks..][..ks];
+            depthwise_plane(xc, wc, g, o);
+        };
+        if threads > 1 && out.len() * ks >= PAR_MIN {
+            out.par_chunks_mut(p).enumerate().for_each(plane);
+        } else {
+            out.chunks_mut(p).enumerate().for_each(plane);
+        }
+        return Ok(out);
+    }
+    let pointwise = ks == 1 && g.s == [1; 3] && g.pb == [0; 3] && g.pe == [0; 3];
+    let mut col = if pointwise {
+        vec![]
+    } else {
+        vec![T::zero(); k * p]
+    };
+    for ni in 0..a.n {
+        for gi in 0..a.group {
+            let xg = &xv[(ni * a.c + gi * c_g) * pin..][..c_g * pin];
+            let rhs: &[T] = if pointwise {
+                xg
+            } else {
+                im2col(xg, g, &mut col, threads);
+                &col
+            };
+            let dst = &mut out[(ni * a.m + gi * m_g) * p..][..m_g * p];
+            gemm_into(
+                m_g,
+                p,
+                k,
+                T::one(),
+                Mat::rows(&wv[gi * m_g * k..][..m_g * k], k),
+                Mat::rows(rhs, p),
+                Some(T::one()),
+                dst,
+                p,
+                threads,
+            )?;
+        }
+    }
+    Ok(out)
+}
+
+/// Loads a float tensor family: runs `f32` compute for f32/f16/bf16 and f64 for f64.
+macro_rules! float_dispatch {
+    ($dt:expr, $T:ident => $body:expr) => {
+        match $dt {
+            DType::F32 | DType::F16 | DType::BF16 => {
+                type $T = f32;
+                $body
+            }
+            DType::F64 => {
+                type $T = f64;
+                $body
+            }
+            other => bail!("dtype {other} is not supported here (float types only)"),
+        }
+    };
+}
+pub(crate) use float_dispatch;
+
+/// Conv: N-D (1-3 spatial dims) grouped, strided, dilated, padded convolution.
+fn conv(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
+    let x = ins.tensor(0)?;
+    let w = ins.tensor(1)?;
+    let b = ins.opt_tensor(2);
+    let (xs, ws) = (x.shape(), w.shape());
+    if xs.len() < 3 || ws.len() != xs.len() {
+        bail!(
+            "Conv needs X [N, C, ...] and W [M, C/group, ...] of equal rank, got {xs:?} and {ws:?}"
+        );
+    }
+    if w.dtype() != x.dtype() || b.is_some_and(|b| b.dtype() != x.dtype()) {
+        bail!("Conv operands must share one dtype");
+    }
+    let group = ctx.node.int_or("group", 1)?;
+    if group < 1 {
+        bail!("group must be positive");
+    }
+    let group = group as usize;
+    let (n, c, m) = (xs[0], xs[1], ws[0]);
+    if c % group != 0 || m % group != 0 || ws[1] * group != c {
+        bail!("Conv channels do not match: X {xs:?}, W {ws:?}, group {group}");
+    }
+    if let Some(ks) = ctx.node.attr_ints("kernel_shape")? {
+        if ks.len() != ws.len() - 2 || ks.iter().zip(&ws[2..]).any(|(&a, &b)| a as usize != b) {
+            bail!("kernel_shape {ks:?} does not match W {ws:?}");
+        }
+    }
+    if let Some(b) = b {
+        if b.len() != m {
+            bail!("Conv bias has {} values, expected {m}", b.len());
+        }
+    }
+    if ws[2..].contains(&0) {
+        bail!("Conv kernel has an empty dimension: {ws:?}");
+    }
+    let geom = conv_geom(ctx.node, &xs[2..], &ws[2..])?;
+    let mut out_shape = vec![n, m];
+    out_shape.extend_from_slice(&geom.out[3 - (xs.len() - 2)..]);
+    let args = ConvArgs {
+        n,
+        c,
+        m,
+        group,
+        geom,
+    };
+    let t = float_dispatch!(x.dtype(), T => {
+        let v = conv_run::<T>(x, w, b, &args, ctx.threads)?;
+        T::store(x.dtype(), out_shape, v)?
+    });
+    Ok(vec![Value::tensor(t)])
+}
+
+/// Adds a column buffer `[m_g * k_size, in_size]` into output planes `[m_g, out_size]`
+/// (the adjoint of im2col, used by ConvTranspose).
+fn col2im_add<T: GemmFloat>(col: &[T], g: &Geom, m_g: usize, out: &mut [T]) {
+    // Here `g.inp` is the (small) input grid the columns are indexed by and `g.out` the
+    // output grid they scatter into: position i maps to i * s + k * d - pb.
+    let [id, ih, iw] = g.inp;
+    let [od, oh, ow] = g.out;
+    let [kd, kh, kw] = g.k;
+    let ks = g.k_size();
+    let pin = g.in_size();
+    let pout = g.out_size();
+    for mi in 0..m_g {
+        let plane = &mut out[mi * pout..(mi + 1) * pout];
+        for kr in 0..ks {
+            let (a, b, c) = (kr / (kh * kw), (kr / kw) % kh, kr % kw);
+            let _ = kd;
+            let row = &col[(mi * ks + kr) * pin..][..pin];
+            let off = |kk: usize, dim: usize| (kk * g.d[dim]) as isize - g.pb[dim] as isize;
+            let (d_lo, d_hi) = valid_range(id, g.s[0], off(a, 0), od);
+            let (h_lo, h_hi) = valid_range(ih, g.s[1], off(b, 1), oh);
+            let (w_lo, w_hi) = valid_range(iw, g.s[2], off(c, 2), ow);
+            for z in d_lo..d_hi {
+                let oz = ((z * g.s[0]) as isize + off(a, 0)) as usize;
+                for y in h_lo..h_hi {
+                    let oy = ((y * g.s[1]) as isize + off(b, 1)) as usize;
+                    let dst = &mut plane[(oz * oh + oy) * ow..][..ow];
+                    let src = &row[(z * ih + y) * iw..][..iw];
+                    for (x, &v) in src.iter().enumerate().take(w_hi).skip(w_lo) {
+                        let ox = ((x * g.s[2]) as isize + off(c, 2)) as usize;
+                        dst[ox] += v;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// ConvTranspose: the gradient of Conv (gemm into columns, then col2im), with output_padding,
+/// output_shape, auto_pad, group and dilations.
+fn conv_transpose(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
+    let x = ins.tensor(0)?;
+    let w = ins.tensor(1)?;
+    let b = ins.opt_tensor(2);
+    let node = ctx.node;
+    let (xs, ws) = (x.shape(), w.shape());
+    if xs.len() < 3 || ws.len() != xs.len() {
+        bail!("ConvTranspose needs X [N, C, ...] and W [C, M/group, ...], got {xs:?} and {ws:?}");
+    }
+    if w.dtype() != x.dtype() || b.is_some_and(|b| b.dtype() != x.dtype()) {
+        bail!("ConvTranspose operands must share one dtype");
+    }
+    let nsp = xs.len() - 2;
+    let group = node.int_or("group", 1)?;
+    if group < 1 {
+        bail!("group must be positive");
+    }
+    let group = group as usize;
+    let (n, c) = (xs[0], xs[1]);
+    if ws[0] != c || c % group != 0 {
+        bail!("ConvTranspose channels do not match: X {xs:?}, W {ws:?}, group {group}");
+    }
+    let m_g = ws[1];
+    let m = m_g * group;
+    let k = &ws[2..];
+    let s = spatial_attr(node, "strides", nsp, 1)?;
+    let d = spatial_attr(node, "dilations", nsp, 1)?;
+    if s.contains(&0) || d.contains(&0) {
+        bail!("strides and dilations must be positive");
+    }
+    let op = spatial_attr(node, "output_padding", nsp, 0)?;
+    let auto_pad = node.str_or("auto_pad", "NOTSET")?;
+    let out_attr: Option<Vec<usize>> = match node.attr_ints("output_shape")? {
+        None => None,
+        Some(v) => {
+            let v = if v.len() == nsp + 2 { &v[2..] } else { v };
+            if v.len() != nsp || v.iter().any(|&x| x < 0) {
+                bail!("output_shape {v:?} does not fit {nsp} spatial dims");
+            }
+            Some(v.iter().map(|&x| x as usize).collect())
+        }
+    };
+    let full = |i: usize| s[i] * (xs[i + 2].max(1) - 1) + op[i] + (k[i].max(1) - 1) * d[i] + 1;
+    let (pb, pe, out): (Vec<usize>, Vec<usize>, Vec<usize>) =
+        if matches!(auto_pad, "SAME_UPPER" | "SAME_LOWER") {
+            let target: Vec<usize> = match &out_attr {
+                Some(o) => o.clone(),
+                None => (0..nsp).map(|i| xs[i + 2] * s[i]).collect(),
+            };
+            let mut pb = vec![0; nsp];
+            let mut pe = vec![0; nsp];
+            for i in 0..nsp {
+                let total = full(i).saturating_sub(target[i]);
+                let (small, big) = (total / 2, total - total / 2);
+                (pb[i], pe[i]) = if auto_pad == "SAME_UPPER" {
+                    (small, big)
+                } else {
+                    (big, small)
+                };
+            }
+            (pb, pe, target)
+        } else {
+            let (pb, pe) = if auto_pad == "VALID" {
+                (vec![0; nsp], vec![0; nsp])
+            } else {
+                pads_attr(node, nsp)?
+            };
+            let out = match &out_attr {
+                Some(o) => o.clone(),
+                None => (0..nsp)
+                    .map(|i| {
+                        full(i).checked_sub(pb[i] + pe[i]).ok_or_else(|| {
+                            crate::RtError::msg("ConvTranspose pads exceed the output size")
+                        })
+                    })
+                    .collect::<Result<_>>()?,
+            };
+            (pb, pe, out)
+        };
+    let geom = Geom {
+        inp: to3(&xs[2..], 1)?,
+        out: to3(&out, 1)?,
+        k: to3(k, 1)?,
+        s: to3(&s, 1)?,
+        d: to3(&d, 1)?,
+        pb: to3(&pb, 0)?,
+        pe: to3(&pe, 0)?,
+    };
+    if let Some(b) = b {
+        if b.len() != m {
+            bail!("ConvTranspose bias has {} values, expected {m}", b.len());
+        }
+    }
+    let mut out_shape = vec![n, m];
+    out_shape.extend_from_slice(&out);
+    fn run<T: GemmFloat>(
+        x: &Tensor,
+        w: &Tensor,
+        b: Option<&Tensor>,
+        g: &Geom,
+        (n, c, m, group): (usize, usize, usize, usize),
+        threads: usize,
+    ) -> Result<Vec<T>> {
+        let xv = T::load(x)?;
+        let wv = T::load(w)?;
+        let (c_g, m_g) = (c / group, m / group);
+        let (pin, pout, ks) = (g.in_size(), g.out_size(), g.k_size());
+        let rows = m_g * ks;
+        if xv.len() != n * c * pin || wv.len() != c * rows {
+            bail!("ConvTranspose operand sizes do not match their shapes");
+        }
+        let mut out = vec![T::zero(); n * m * pout];
+        if let Some(b) = b {
+            let bv = T::load(b)?;
+            for (ch, plane) in out.chunks_mut(pout.max(1)).enumerate() {
+                plane.fill(bv[ch % m]);
+            }
+        }
+        let mut col = vec![T::zero(); rows * pin];
+        for ni in 0..n {
+            for gi in 0..group {
+                let xg = &xv[(ni * c + gi * c_g) * pin..][..c_g * pin];
+                let wg = &wv[gi * c_g * rows..][..c_g * rows];
+                gemm_into(
+                    rows,
+                    pin,
+                    c_g,
+                    T::one(),
+                    Mat::cols(wg, rows),
+                    Mat::rows(xg, pin),
+                    None,
+                    &mut col,
+                    pin,
+                    threads,
+                )?;
+                let dst = &mut out[(ni * m + gi * m_g) * pout..][..m_g * pout];
+                col2im_add(&col, g, m_g, dst);
+            }
+        }
+        Ok(out)
+    }
+    let t = float_dispatch!(x.dtype(), T => {
+        let v = run::<T>(x, w, b, &geom, (n, c, m, group), ctx.threads)?;
+        T::store(x.dtype(), out_shape, v)?
+    });
+    Ok(vec![Value::tensor(t)])
+}

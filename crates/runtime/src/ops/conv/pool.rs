@@ -1,0 +1,490 @@
+//! Pooling: MaxPool (with indices), AveragePool, LpPool, the global pools and MaxUnpool.
+
+use super::{float_dispatch, pads_attr, spatial_attr, to3, valid_range, Geom, PAR_MIN};
+use crate::bail;
+use crate::error::Result;
+use crate::kernel::{Inputs, OpCtx, Registry};
+use crate::ops::matmul::GemmFloat;
+use crate::value::Value;
+use npuc_ir::{bf16, f16, DType, Elem, Node, Tensor};
+use rayon::prelude::*;
+
+pub fn register(r: &mut Registry) {
+    r.add("MaxPool", 1, max_pool);
+    r.add("AveragePool", 1, average_pool);
+    r.add("LpPool", 1, lp_pool);
+    r.add("GlobalAveragePool", 1, global_average_pool);
+    r.add("GlobalMaxPool", 1, global_max_pool);
+    r.add("GlobalLpPool", 1, global_lp_pool);
+    r.add("MaxUnpool", 9, max_unpool);
+}
+
+/// Pool geometry: kernel_shape (required), strides, dilations, pads / auto_pad, ceil_mode.
+fn pool_geom(node: &Node, in_sp: &[usize]) -> Result<Geom> {
+    let nsp = in_sp.len();
+    if nsp == 0 {
+        bail!("pooling needs at least one spatial dimension");
+    }
+    let k = spatial_attr(node, "kernel_shape", nsp, 0)?;
+    if node.attr_ints("kernel_shape")?.is_none() || k.contains(&0) {
+        bail!("kernel_shape is required and must be positive");
+    }
+    let s = spatial_attr(node, "strides", nsp, 1)?;
+    let d = spatial_attr(node, "dilations", nsp, 1)?;
+    if s.contains(&0) || d.contains(&0) {
+        bail!("strides and dilations must be positive");
+    }
+    let ceil = node.int_or("ceil_mode", 0)? != 0;
+    let auto_pad = node.str_or("auto_pad", "NOTSET")?;
+    let (mut pb, mut pe) = pads_attr(node, nsp)?;
+    let mut out = vec![0; nsp];
+    for i in 0..nsp {
+        let dk = (k[i] - 1) * d[i] + 1;
+        match auto_pad {
+            "SAME_UPPER" | "SAME_LOWER" => {
+                out[i] = in_sp[i].div_ceil(s[i]);
+                let total = ((out[i].max(1) - 1) * s[i] + dk).saturating_sub(in_sp[i]);
+                let small = total / 2;
+                (pb[i], pe[i]) = if auto_pad == "SAME_UPPER" {
+                    (small, total - small)
+                } else {
+                    (total - small, small)
+                };
+            }
+            "VALID" | "NOTSET" | "" => {
+                if auto_pad == "VALID" {
+                    pb[i] = 0;
+                    pe[i] = 0;
+                }
+                let padded = in_sp[i] + pb[i] + pe[i];
+                if padded < dk {
+                    bail!("pooling window {dk} exceeds the padded input {padded}");
+                }
+                let span = padded - dk;
+                out[i] = if ceil {
+                    let mut o = span.div_ceil(s[i]) + 1;
+                    // The last window must start inside the input or its leading pad.
+                    if (o - 1) * s[i] >= in_sp[i] + pb[i] {
+                        o -= 1;
+                    }
+                    o
+                } else {
+                    span / s[i] + 1
+                };
+            }
+            other => bail!("unknown auto_pad '{other}'"),
+        }
+    }
+    Ok(Geom {
+        inp: to3(in_sp, 1)?,
+        out: to3(&out, 1)?,
+        k: to3(&k, 1)?,
+        s: to3(&s, 1)?,
+        d: to3(&d, 1)?,
+        pb: to3(&pb, 0)?,
+        pe: to3(&pe, 0)?,
+    })
+}
+
+/// Kernel taps of one window along one dim: the tap range `lo..hi` landing inside the input,
+/// given the window's first input coordinate `start`.
+#[inline]
+fn taps(start: isize, k: usize, d: usize, len: usize) -> (usize, usize) {
+    valid_range(k, d, start, len)
+}
+
+/// Calls `f(plane_index, out_plane)` for every (n, c) plane, in parallel when worthwhile.
+fn for_planes<T: Send>(
+    out: &mut [T],
+    p: usize,
+    work: usize,
+    threads: usize,
+    f: impl Fn(usize, &mut [T]) + Sync + Send,
+) {
+    if p == 0 {
+        return;
+    }
+    if threads > 1 && work >= PAR_MIN {
+        out.par_chunks_mut(p).enumerate().for_each(|(i, o)| f(i, o));
+    } else {
+        out.chunks_mut(p).enumerate().for_each(|(i, o)| f(i, o));
+    }
+}
+
+/// Max pooling of `nc` planes; returns values and flat argmax indices (row-major, or
+/// column-major over the spatial dims when `col_major`).
+fn max_pool_run<T: Elem + PartialOrd>(
+    x: &[T],
+    nc: usize,
+    g: &Geom,
+    col_major: bool,
+    want_idx: bool,
+    threads: usize,
+) -> (Vec<T>, Vec<i64>) {
+    let pin = g.in_size();
+    let pout = g.out_size();
+    let [id, ih, iw] = g.inp;
+    let [od, oh, ow] = g.out;
+    let mut y = vec![T::default(); nc * pout];
+    let mut idx = vec![-1i64; if want_idx { nc * pout } else { 0 }];
+    let run = |plane: usize, yo: &mut [T], io: Option<&mut [i64]>| {
+        let xc = &x[plane * pin..(plane + 1) * pin];
+        let mut io = io;
+        for z in 0..od {
+            let sz = (z * g.s[0]) as isize - g.pb[0] as isize;
+            let (a0, a1) = taps(sz, g.k[0], g.d[0], id);
+            for yy in 0..oh {
+                let sy = (yy * g.s[1]) as isize - g.pb[1] as isize;
+                let (b0, b1) = taps(sy, g.k[1], g.d[1], ih);
+                for xx in 0..ow {
+                    let sx = (xx * g.s[2]) as isize - g.pb[2] as isize;
+                    let (c0, c1) = taps(sx, g.k[2], g.d[2], iw);
+                    let mut best: Option<(T, usize, usize, usize)> = None;
+                    for a in a0..a1 {
+                        let pz = (sz + (a * g.d[0]) as isize) as usize;
+                        for b in b0..b1 {
+                            let py = (sy + (b * g.d[1]) as isize) as usize;
+                            let row = &xc[(pz * ih + py) * iw..][..iw];
+                            for c in c0..c1 {
+                                let px = (sx + (c * g.d[2]) as isize) as usize;
+                                let v = row[px];
+                                // `v == v` skips NaN: NaN never wins, as in the reference.
+                                #[allow(clippy::eq_op)]
+                                let keep = v == v && best.is_none_or(|(bv, ..)| v > bv);
+                                if keep {
+                                    best = Some((v, pz, py, px));
+                                }
+                            }
+                        }
+                    }
+                    let o = (z * oh + yy) * ow + xx;
+                    if let Some((v, pz, py, px)) = best {
+                        yo[o] = v;
+                        if let Some(io) = io.as_deref_mut() {
+                            let flat = if col_major {
+                                pz + py * id + px * id * ih
+                            } else {
+                                (pz * ih + py) * iw + px
+                            };
+                            io[o] = (plane * pin + flat) as i64;
+                        }
+                    }
+                }
+            }
+        }
+    };
+    if want_idx {
+        for (plane, (yo, io)) in y
+            .chunks_mut(pout.max(1))
+            .zip(idx.chunks_mut(pout.max(1)))
+            .enumerate()
+        {
+            run(plane, yo, Some(io));
+        }
+    } else {
+        for_planes(
+            &mut y,
+            pout,
+            nc * pout * g.k_size(),
+            threads,
+            |plane, yo| run(plane, yo, None),
+        );
+    }
+    (y, idx)
+}
+
+fn nc_geom(x: &Tensor, node: &Node) -> Result<(usize, Geom, Vec<usize>)> {
+    let xs = x.shape();
+    if xs.len() < 3 {
+        bail!("pooling needs X of rank >= 3, got {xs:?}");
+    }
+    let g = pool_geom(node, &xs[2..])?;
+    let mut out_shape = xs[..2].to_vec();
+    out_shape.extend_from_slice(&g.out[3 - (xs.len() - 2)..]);
+    Ok((xs[0] * xs[1], g, out_shape))
+}
+
+/// MaxPool: max over each window (NaN ignored), optional Indices output.
+fn max_pool(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
+    let x = ins.tensor(0)?;
+    let (nc, g, out_shape) = nc_geom(x, ctx.node)?;
+    let col_major = ctx.node.int_or("storage_order", 0)? != 0;
+    let want_idx = ctx.node.outputs.len() > 1 && !ctx.node.outputs[1].is_empty();
+    fn go<T: Elem + PartialOrd>(
+        x: &Tensor,
+        nc: usize,
+        g: &Geom,
+        cm: bool,
+        wi: bool,
+        th: usize,
+        shape: &[usize],
+    ) -> Result<Vec<Value>> {
+        let (y, i) = max_pool_run(x.as_slice::<T>()?, nc, g, cm, wi, th);
+        let mut v = vec![Value::tensor(Tensor::from_vec(shape.to_vec(), y)?)];
+        if wi {
+            v.push(Value::tensor(Tensor::from_vec(shape.to_vec(), i)?));
+        }
+        Ok(v)
+    }
+    let a = (x, nc, &g, col_major, want_idx, ctx.threads, &out_shape[..]);
+    match x.dtype() {
+        DType::F32 => go::<f32>(a.0, a.1, a.2, a.3, a.4, a.5, a.6),
+        DType::F64 => go::<f64>(a.0, a.1, a.2, a.3, a.4, a.5, a.6),
+        DType::F16 => go::<f16>(a.0, a.1, a.2, a.3, a.4, a.5, a.6),
+        DType::BF16 => go::<bf16>(a.0, a.1, a.2, a.3, a.4, a.5, a.6),
+        DType::I8 => go::<i8>(a.0, a.1, a.2, a.3, a.4, a.5, a.6),
+        DType::U8 => go::<u8>(a.0, a.1, a.2, a.3, a.4, a.5, a.6),
+        other => bail!("MaxPool does not support {other}"),
+    }
+}
+
+/// Window reductions that accumulate a sum: average (`p == 0`) or Lp norm.
+fn sum_pool_run<T: GemmFloat>(
+    x: &[T],
+    nc: usize,
+    g: &Geom,
+    include_pad: bool,
+    p: i64,
+    threads: usize,
+) -> Vec<T> {
+    let pin = g.in_size();
+    let pout = g.out_size();
+    let [id, ih, iw] = g.inp;
+    let [od, oh, ow] = g.out;
+    let mut y = vec![T::zero(); nc * pout];
+    // Taps inside input + both pads (count_include_pad counts these; the ceil-mode overhang
+    // beyond the end pad never counts).
+    let padded = [
+        id + g.pb[0] + g.pe[0],
+        ih + g.pb[1] + g.pe[1],
+        iw + g.pb[2] + g.pe[2],
+    ];
+    let pf = T::from_f64(p as f64);
+    let inv_p = T::from_f64(1.0 / p.max(1) as f64);
+    let run = |plane: usize, yo: &mut [T]| {
+        let xc = &x[plane * pin..(plane + 1) * pin];
+        for z in 0..od {
+            let sz = (z * g.s[0]) as isize - g.pb[0] as isize;
+            let (a0, a1) = taps(sz, g.k[0], g.d[0], id);
+            let na = taps((z * g.s[0]) as isize, g.k[0], g.d[0], padded[0]);
+            for yy in 0..oh {
+                let sy = (yy * g.s[1]) as isize - g.pb[1] as isize;
+                let (b0, b1) = taps(sy, g.k[1], g.d[1], ih);
+                let nb = taps((yy * g.s[1]) as isize, g.k[1], g.d[1], padded[1]);
+                for xx in 0..ow {
+                    let sx = (xx * g.s[2]) as isize - g.pb[2] as isize;
+                    let (c0, c1) = taps(sx, g.k[2], g.d[2], iw);
+                    let mut acc = T::zero();
+                    for a in a0..a1 {
+                        let pz = (sz + (a * g.d[0]) as isize) as usize;
+                        for b in b0..b1 {
+                            let py = (sy + (b * g.d[1]) as isize) as usize;
+                            let row = &xc[(pz * ih + py) * iw..][..iw];
+                            for c in c0..c1 {
+                                let v = row[(sx + (c * g.d[2]) as isize) as usize];
+                                acc += match p {
+                                    0 => v,
+                                    1 => v.abs(),
+                                    2 => v * v,
+                                    _ => v.abs().powf(pf),
+                                };
+                            }
+                        }
+                    }
+                    let o = (z * oh + yy) * ow + xx;
+                    yo[o] = if p == 0 {
+                        let cnt = if include_pad {
+                            let nc_ = taps((xx * g.s[2]) as isize, g.k[2], g.d[2], padded[2]);
+                            (na.1 - na.0) * (nb.1 - nb.0) * (nc_.1 - nc_.0)
+                        } else {
+                            (a1 - a0) * (b1 - b0) * (c1 - c0)
+                        };
+                        acc / T::from_f64(cnt as f64)
+                    } else {
+                        match p {
+                            1 => acc,
+                            2 => acc.sqrt(),
+                            _ => acc.powf(inv_p),
+                        }
+                    };
+                }
+            }
+        }
+    };
+    for_planes(&mut y, pout, nc * pout * g.k_size(), threads, run);
+    y
+}
+
+/// AveragePool: window mean, counting pads when `count_include_pad`.
+fn average_pool(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
+    let x = ins.tensor(0)?;
+    let (nc, g, out_shape) = nc_geom(x, ctx.node)?;
+    let inc = ctx.node.int_or("count_include_pad", 0)? != 0;
+    let t = float_dispatch!(x.dtype(), T => {
+        let y = sum_pool_run::<T>(&T::load(x)?, nc, &g, inc, 0, ctx.threads);
+        T::store(x.dtype(), out_shape, y)?
+    });
+    Ok(vec![Value::tensor(t)])
+}
+
+/// LpPool: `(sum |x|^p)^(1/p)` over each window.
+fn lp_pool(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
+    let x = ins.tensor(0)?;
+    let (nc, g, out_shape) = nc_geom(x, ctx.node)?;
+    let p = ctx.node.int_or("p", 2)?;
+    if p < 1 {
+        bail!("LpPool p must be >= 1, got {p}");
+    }
+    let t = float_dispatch!(x.dtype(), T => {
+        let y = sum_pool_run::<T>(&T::load(x)?, nc, &g, false, p, ctx.threads);
+        T::store(x.dtype(), out_shape, y)?
+    });
+    Ok(vec![Value::tensor(t)])
+}
+
+/// Shape helpers for the global pools: (planes, plane size, output shape).
+fn global_dims(x: &Tensor) -> Result<(usize, usize, Vec<usize>)> {
+    let xs = x.shape();
+    if xs.len() < 2 {
+        bail!("global pooling needs X of rank >= 2, got {xs:?}");
+    }
+    let mut out = xs[..2].to_vec();
+    out.resize(xs.len(), 1);
+    Ok((xs[0] * xs[1], xs[2..].iter().product(), out))
+}
+
+/// GlobalAveragePool: mean over all spatial dims.
+fn global_average_pool(_ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
+    let x = ins.tensor(0)?;
+    let (nc, p, shape) = global_dims(x)?;
+    let t = float_dispatch!(x.dtype(), T => {
+        let xv = T::load(x)?;
+        let inv = T::from_f64(1.0 / p as f64);
+        let y: Vec<T> = (0..nc)
+            .map(|i| xv[i * p..(i + 1) * p].iter().copied().sum::<T>() * inv)
+            .collect();
+        T::store(x.dtype(), shape, y)?
+    });
+    Ok(vec![Value::tensor(t)])
+}
+
+/// GlobalLpPool: Lp norm over all spatial dims.
+fn global_lp_pool(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
+    let x = ins.tensor(0)?;
+    let (nc, p, shape) = global_dims(x)?;
+    let pw = ctx.node.int_or("p", 2)?;
+    if pw < 1 {
+        bail!("GlobalLpPool p must be >= 1, got {pw}");
+    }
+    let t = float_dispatch!(x.dtype(), T => {
+        let xv = T::load(x)?;
+        let (pf, inv) = (T::from_f64(pw as f64), T::from_f64(1.0 / pw as f64));
+        let y: Vec<T> = (0..nc)
+            .map(|i| {
+                xv[i * p..(i + 1) * p]
+                    .iter()
+                    .map(|v| v.abs().powf(pf))
+                    .sum::<T>()
+                    .powf(inv)
+            })
+            .collect();
+        T::store(x.dtype(), shape, y)?
+    });
+    Ok(vec![Value::tensor(t)])
+}
+
+/// GlobalMaxPool: max over all spatial dims.
+fn global_max_pool(_ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
+    let x = ins.tensor(0)?;
+    let (nc, p, shape) = global_dims(x)?;
+    if p == 0 {
+        bail!("GlobalMaxPool over an empty spatial extent");
+    }
+    let t = float_dispatch!(x.dtype(), T => {
+        let xv = T::load(x)?;
+        let y: Vec<T> = (0..nc)
+            .map(|i| xv[i * p..(i + 1) * p].iter().copied().fold(<T as num_traits::Float>::neg_infinity(), |a, b| if b > a || b.is_nan() { b } else { a }))
+            .collect();
+        T::store(x.dtype(), shape, y)?
+    });
+    Ok(vec![Value::tensor(t)])
+}
+
+/// MaxUnpool: scatters X into a zero tensor at the flat positions given by I.
+fn max_unpool(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
+    let x = ins.tensor(0)?;
+    let ind = ins.tensor(1)?;
+    let xs = x.shape();
+    if xs.len() < 3 || ind.shape() != xs {
+        bail!("MaxUnpool needs X of rank >= 3 and I of the same shape");
+    }
+    let nsp = xs.len() - 2;
+    let node = ctx.node;
+    let k = spatial_attr(node, "kernel_shape", nsp, 0)?;
+    if k.contains(&0) {
+        bail!("kernel_shape is required and must be positive");
+    }
+    let s = spatial_attr(node, "strides", nsp, 1)?;
+    let (pb, pe) = pads_attr(node, nsp)?;
+    // Indices address the inferred (unpadded) output; an explicit output_shape only pads it.
+    let mut inferred = xs[..2].to_vec();
+    for i in 0..nsp {
+        let full = (xs[i + 2].max(1) - 1) * s[i] + k[i];
+        inferred.push(
+            full.checked_sub(pb[i] + pe[i])
+                .ok_or_else(|| crate::RtError::msg("MaxUnpool pads exceed the output size"))?,
+        );
+    }
+    let out_shape: Vec<usize> = match ins.opt_tensor(2) {
+        Some(os) => {
+            let v = os.to_i64_vec()?;
+            if v.len() != xs.len() || v.iter().zip(&inferred).any(|(&d, &i)| d < i as i64) {
+                bail!("MaxUnpool output_shape {v:?} is smaller than the inferred {inferred:?}");
+            }
+            v.iter().map(|&d| d as usize).collect()
+        }
+        None => inferred.clone(),
+    };
+    let total: usize = inferred.iter().product();
+    let iv = ind.to_i64_vec()?;
+    let t = crate::dispatch_numeric!(x.dtype(), T => {
+        let xv = x.as_slice::<T>()?;
+        let mut y = vec![T::default(); total];
+        for (&i, &v) in iv.iter().zip(xv) {
+            let Some(slot) = usize::try_from(i).ok().and_then(|i| y.get_mut(i)) else {
+                bail!("MaxUnpool index {i} is out of range for {total} outputs");
+            };
+            *slot = v;
+        }
+        if out_shape != inferred {
+            y = pad_corner(&y, &inferred, &out_shape);
+        }
+        Tensor::from_vec(out_shape, y)?
+    });
+    Ok(vec![Value::tensor(t)])
+}
+
+/// Copies `src` (shape `from`) into the leading corner of a zero tensor of shape `to`
+/// (every dim of `to` at least that of `from`).
+fn pad_corner<T: Copy + Default>(src: &[T], from: &[usize], to: &[usize]) -> Vec<T> {
+    let mut out = vec![T::default(); to.iter().product()];
+    let r = from.len();
+    let last = from[r - 1];
+    if last == 0 || src.is_empty() {
+        return out;
+    }
+    let ost = crate::ops::common::strides(to);
+    let mut idx = vec![0usize; r - 1];
+    for row in src.chunks(last) {
+        let off: usize = idx.iter().zip(&ost).map(|(i, s)| i * s).sum();
+        out[off..off + last].copy_from_slice(row);
+        for d in (0..r - 1).rev() {
+            idx[d] += 1;
+            if idx[d] < from[d] {
+                break;
+            }
+            idx[d] = 0;
+        }
+    }
+    out
+}
