@@ -7,7 +7,7 @@
 //! computed, and narrowed back (the specs' `stash_type` is f32 for those anyway).
 
 // mod loss;
-// mod resample;
+mod resample;
 // mod rotary;
 
 use crate::bail;
@@ -33,7 +33,7 @@ pub fn register(r: &mut Registry) {
     r.add("MeanVarianceNormalization", 9, mean_variance_norm);
     r.add("LpNormalization", 1, lp_norm);
     // loss::register(r);
-    // resample::register(r);
+    resample::register(r);
     // rotary::register(r);
 }
 
