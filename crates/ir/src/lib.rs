@@ -4,6 +4,7 @@
 pub mod dtype;
 pub mod error;
 pub mod graph;
+pub mod infer;
 pub mod tensor;
 
 pub use dtype::DType;

@@ -1,0 +1,153 @@
+//! The view of one node that inference rules work on: its inputs' types and known values and
+//! typed attribute access with messages suitable for problem reports.
+
+use super::value::Known;
+use super::Scope;
+use crate::dtype::DType;
+use crate::graph::{Attr, Dim, Node, TypeInfo};
+use crate::tensor::Tensor;
+
+/// A rule's result: the message of an `Err` becomes a problem naming the node.
+pub type R<T> = Result<T, String>;
+
+pub struct NodeIn<'a> {
+    pub node: &'a Node,
+    pub opset: i64,
+    tys: Vec<Option<TypeInfo>>,
+    vals: Vec<Option<Known>>,
+}
+
+impl<'a> NodeIn<'a> {
+    pub fn new(node: &'a Node, scope: &Scope, opset: i64) -> NodeIn<'a> {
+        let tys = node
+            .inputs
+            .iter()
+            .map(|s| if s.is_empty() { None } else { scope.ty(s) })
+            .collect();
+        let vals = node
+            .inputs
+            .iter()
+            .map(|s| if s.is_empty() { None } else { scope.val(s) })
+            .collect();
+        NodeIn {
+            node,
+            opset,
+            tys,
+            vals,
+        }
+    }
+
+    pub fn op(&self) -> &str {
+        &self.node.op_type
+    }
+
+    /// Number of inputs, counting omitted optional ones in the middle.
+    pub fn n_in(&self) -> usize {
+        self.node.inputs.len()
+    }
+    pub fn n_out(&self) -> usize {
+        self.node.outputs.len()
+    }
+
+    /// Whether input `i` is given (present and not the empty name).
+    pub fn has(&self, i: usize) -> bool {
+        self.node.input(i).is_some()
+    }
+
+    pub fn ty(&self, i: usize) -> Option<&TypeInfo> {
+        self.tys.get(i).and_then(|t| t.as_ref())
+    }
+
+    /// The dtype of tensor input `i`, when known.
+    pub fn dt(&self, i: usize) -> Option<DType> {
+        match self.ty(i)? {
+            TypeInfo::Tensor { dtype, .. } => *dtype,
+            _ => None,
+        }
+    }
+
+    /// The shape of tensor input `i`, when its rank is known.
+    pub fn shape(&self, i: usize) -> Option<&[Dim]> {
+        match self.ty(i)? {
+            TypeInfo::Tensor { shape, .. } => shape.as_deref(),
+            _ => None,
+        }
+    }
+
+    pub fn rank(&self, i: usize) -> Option<usize> {
+        self.shape(i).map(|s| s.len())
+    }
+
+    /// Input `i`'s shape; an error when the input is required but missing.
+    pub fn need(&self, i: usize) -> R<()> {
+        if self.has(i) {
+            Ok(())
+        } else {
+            Err(format!("required input {i} is missing"))
+        }
+    }
+
+    /// The known value of input `i`.
+    pub fn val(&self, i: usize) -> Option<&Known> {
+        self.vals.get(i).and_then(|v| v.as_ref())
+    }
+
+    /// Input `i` as fully known integers.
+    pub fn ints(&self, i: usize) -> Option<Vec<i64>> {
+        self.val(i)?.as_ints()
+    }
+
+    /// Input `i` as one known integer.
+    pub fn int_scalar(&self, i: usize) -> Option<i64> {
+        self.val(i)?.single()?.as_i64()
+    }
+
+    // ---- attributes -------------------------------------------------------------------
+
+    fn attr_err(e: crate::IrError) -> String {
+        match e {
+            crate::IrError::Node { msg, .. } => msg,
+            other => other.to_string(),
+        }
+    }
+
+    pub fn has_attr(&self, name: &str) -> bool {
+        self.node.attr(name).is_some()
+    }
+    pub fn int_attr(&self, name: &str) -> R<Option<i64>> {
+        self.node.attr_int(name).map_err(Self::attr_err)
+    }
+    pub fn int_or(&self, name: &str, d: i64) -> R<i64> {
+        Ok(self.int_attr(name)?.unwrap_or(d))
+    }
+    pub fn float_attr(&self, name: &str) -> R<Option<f32>> {
+        self.node.attr_float(name).map_err(Self::attr_err)
+    }
+    pub fn str_or(&self, name: &str, d: &'a str) -> R<&'a str> {
+        Ok(self.node.attr_str(name).map_err(Self::attr_err)?.unwrap_or(d))
+    }
+    pub fn ints_attr(&self, name: &str) -> R<Option<&'a [i64]>> {
+        self.node.attr_ints(name).map_err(Self::attr_err)
+    }
+    pub fn floats_attr(&self, name: &str) -> R<Option<&'a [f32]>> {
+        self.node.attr_floats(name).map_err(Self::attr_err)
+    }
+    pub fn tensor_attr(&self, name: &str) -> R<Option<&'a Tensor>> {
+        self.node.attr_tensor(name).map_err(Self::attr_err)
+    }
+    pub fn attr(&self, name: &str) -> Option<&'a Attr> {
+        self.node.attr(name)
+    }
+    pub fn int_req(&self, name: &str) -> R<i64> {
+        self.int_attr(name)?
+            .ok_or_else(|| format!("required attribute '{name}' is missing"))
+    }
+
+    /// A dtype attribute (`to`, `dtype`, `output_dtype`): `Ok(None)` when absent, and an
+    /// unknown dtype (one npuc has no enum for) when the code is not one of ours.
+    pub fn dtype_attr(&self, name: &str) -> R<Option<Option<DType>>> {
+        Ok(self
+            .int_attr(name)?
+            .map(|c| i32::try_from(c).ok().and_then(DType::from_onnx_code)))
+    }
+}
