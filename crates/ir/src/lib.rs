@@ -5,6 +5,7 @@ pub mod dtype;
 pub mod error;
 pub mod graph;
 pub mod infer;
+pub mod lowp;
 pub mod tensor;
 
 pub use dtype::DType;

@@ -186,6 +186,12 @@ impl Tensor {
 
     /// Packed 4-bit tensors, unpacked one value per byte.
     pub fn from_4bit(dtype: DType, shape: Vec<usize>, v: Vec<u8>) -> Result<Tensor, IrError> {
+        Tensor::from_codes(dtype, shape, v)
+    }
+
+    /// Sub-byte integers and small floats from one code per byte (4- and 2-bit signed integers
+    /// are sign-extended from their low bits).
+    pub fn from_codes(dtype: DType, shape: Vec<usize>, v: Vec<u8>) -> Result<Tensor, IrError> {
         if numel(&shape) != v.len() {
             return Err(IrError::ShapeData {
                 shape,
@@ -193,8 +199,12 @@ impl Tensor {
             });
         }
         let data = match dtype {
-            DType::U4 => TensorData::U4(v),
+            DType::U4 => TensorData::U4(v.into_iter().map(|x| x & 15).collect()),
             DType::I4 => TensorData::I4(v.into_iter().map(|x| ((x << 4) as i8) >> 4).collect()),
+            DType::U2 => TensorData::U8(v.into_iter().map(|x| x & 3).collect()),
+            DType::I2 => TensorData::I8(v.into_iter().map(|x| ((x << 6) as i8) >> 6).collect()),
+            DType::F4E2M1 => TensorData::U8(v.into_iter().map(|x| x & 15).collect()),
+            d if d.is_small_float() => TensorData::U8(v),
             other => {
                 return Err(IrError::DTypeMismatch {
                     expected: DType::I4,
@@ -228,7 +238,7 @@ impl Tensor {
             return Err(IrError::DataOutOfRange { offset, len, total });
         }
         let need = n * dtype.size();
-        if dtype == DType::String || matches!(dtype, DType::I4 | DType::U4) {
+        if dtype == DType::String || dtype.packed_bits() < 8 {
             return Err(IrError::Unsupported(format!(
                 "{dtype} tensors cannot be built from raw bytes directly"
             )));
@@ -247,6 +257,9 @@ impl Tensor {
             return Tensor::from_vec(shape, v);
         }
         let aligned = (bytes.as_ptr() as usize).is_multiple_of(dtype.size().max(1));
+        if dtype.is_small_float() {
+            return Tensor::from_codes(dtype, shape, bytes.to_vec());
+        }
         if aligned {
             return Ok(Tensor {
                 dtype,
@@ -268,7 +281,7 @@ impl Tensor {
         bytes: &[u8],
     ) -> Result<Tensor, IrError> {
         let need = numel(&shape) * dtype.size();
-        if matches!(dtype, DType::String | DType::I4 | DType::U4) {
+        if dtype == DType::String || dtype.packed_bits() < 8 {
             return Err(IrError::Unsupported(format!(
                 "{dtype} tensors cannot be built from raw bytes directly"
             )));
@@ -308,6 +321,8 @@ impl Tensor {
             DType::String => TensorData::String(vec![String::new(); n]),
             DType::I4 => TensorData::I4(vec![0; n]),
             DType::U4 => TensorData::U4(vec![0; n]),
+            DType::I2 => TensorData::I8(vec![0; n]),
+            _ => TensorData::U8(vec![0; n]),
         };
         Tensor { dtype, shape, data }
     }
@@ -347,9 +362,7 @@ impl Tensor {
     }
 
     fn elem_matches<T: Elem>(&self) -> bool {
-        T::DTYPE == self.dtype
-            || (self.dtype == DType::I4 && T::DTYPE == DType::I8)
-            || (self.dtype == DType::U4 && T::DTYPE == DType::U8)
+        T::DTYPE == self.dtype.storage()
     }
 
     /// Typed view. Fails with a dtype error when `T` is not this tensor's element type.
@@ -416,8 +429,12 @@ impl Tensor {
             DType::I64 => self.as_slice::<i64>()?.to_vec(),
             DType::I32 => self.as_slice::<i32>()?.iter().map(|&x| x as i64).collect(),
             DType::I16 => self.as_slice::<i16>()?.iter().map(|&x| x as i64).collect(),
-            DType::I8 | DType::I4 => self.as_slice::<i8>()?.iter().map(|&x| x as i64).collect(),
-            DType::U8 | DType::U4 => self.as_slice::<u8>()?.iter().map(|&x| x as i64).collect(),
+            DType::I8 | DType::I4 | DType::I2 => {
+                self.as_slice::<i8>()?.iter().map(|&x| x as i64).collect()
+            }
+            DType::U8 | DType::U4 | DType::U2 => {
+                self.as_slice::<u8>()?.iter().map(|&x| x as i64).collect()
+            }
             DType::U16 => self.as_slice::<u16>()?.iter().map(|&x| x as i64).collect(),
             DType::U32 => self.as_slice::<u32>()?.iter().map(|&x| x as i64).collect(),
             DType::U64 => self.as_slice::<u64>()?.iter().map(|&x| x as i64).collect(),
@@ -504,7 +521,9 @@ fn copy_le(dtype: DType, bytes: &[u8]) -> TensorData {
         DType::Bool => TensorData::Bool(bytes.iter().map(|&b| b != 0).collect()),
         DType::I4 => TensorData::I4(v(bytes)),
         DType::U4 => TensorData::U4(bytes.to_vec()),
+        DType::I2 => TensorData::I8(v(bytes)),
         DType::String => TensorData::String(vec![]),
+        _ => TensorData::U8(bytes.to_vec()),
     }
 }
 

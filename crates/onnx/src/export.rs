@@ -287,12 +287,15 @@ fn type_proto(t: &TypeInfo) -> proto::TypeProto {
     }
 }
 
-fn pack4(t: &Tensor) -> Result<Vec<u8>, OnnxError> {
-    let v = t.to_i64_vec()?;
-    let mut out = vec![0u8; v.len().div_ceil(2)];
-    for (i, x) in v.iter().enumerate() {
-        let nib = (*x as u8) & 0x0f;
-        out[i / 2] |= if i % 2 == 0 { nib } else { nib << 4 };
+/// Packs 4- and 2-bit codes, low bits first (the ONNX layout).
+fn pack_bits(t: &Tensor) -> Result<Vec<u8>, OnnxError> {
+    let bits = t.dtype().packed_bits();
+    let codes = t.to_le_bytes()?;
+    let per = 8 / bits;
+    let mask = ((1u16 << bits) - 1) as u8;
+    let mut out = vec![0u8; (codes.len() * bits).div_ceil(8)];
+    for (i, c) in codes.iter().enumerate() {
+        out[i / per] |= (c & mask) << ((i % per) * bits);
     }
     Ok(out)
 }
@@ -321,8 +324,8 @@ fn tensor_proto_ext(
             .collect();
         return Ok(p);
     }
-    let bytes = if matches!(t.dtype(), DType::I4 | DType::U4) {
-        pack4(t)?
+    let bytes = if t.dtype().packed_bits() < 8 {
+        pack_bits(t)?
     } else {
         t.to_le_bytes()?
     };

@@ -530,23 +530,20 @@ fn tensor_from_proto_with(
         .try_fold(1usize, |a, &d| a.checked_mul(d))
         .ok_or_else(|| terr(format!("shape {:?} overflows", t.dims)))?;
     let external = t.data_location == Some(proto::tensor_proto::DataLocation::External as i32);
-    let packed4 = matches!(dtype, DType::I4 | DType::U4);
+    // Sub-byte types (4- and 2-bit) are packed low bits first.
+    let bits = dtype.packed_bits();
+    let packed4 = bits < 8;
     let need_bytes = if packed4 {
-        n.div_ceil(2)
+        (n * bits).div_ceil(8)
     } else {
         n * dtype.size()
     };
 
     let unpack4 = |bytes: &[u8]| -> Vec<u8> {
+        let per = 8 / bits.max(1);
+        let mask = ((1u16 << bits) - 1) as u8;
         (0..n)
-            .map(|i| {
-                let b = bytes[i / 2];
-                if i % 2 == 0 {
-                    b & 0x0f
-                } else {
-                    b >> 4
-                }
-            })
+            .map(|i| (bytes[i / per] >> ((i % per) * bits)) & mask)
             .collect()
     };
 
@@ -657,7 +654,13 @@ fn tensor_from_proto_with(
                     .collect(),
             )?
         }
-        DType::I4 | DType::U4 => {
+        d if d.is_small_float() && bits == 8 => {
+            if t.int32_data.len() != n {
+                return Err(count_err(t.int32_data.len()));
+            }
+            Tensor::from_codes(d, shape, t.int32_data.iter().map(|&x| x as u8).collect())?
+        }
+        _ => {
             // int32_data holds the packed bytes, one per entry.
             if t.int32_data.len() != need_bytes {
                 return Err(count_err(t.int32_data.len() * 2));

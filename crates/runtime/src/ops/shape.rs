@@ -41,8 +41,8 @@ impl Movable for i8 {
         Ok(t.as_slice::<i8>()?)
     }
     fn build(dtype: DType, shape: Vec<usize>, v: Vec<Self>) -> Result<Tensor> {
-        if dtype == DType::I4 {
-            return Ok(Tensor::from_4bit(
+        if dtype != DType::I8 {
+            return Ok(Tensor::from_codes(
                 dtype,
                 shape,
                 v.into_iter().map(|x| x as u8).collect(),
@@ -57,8 +57,9 @@ impl Movable for u8 {
         Ok(t.as_slice::<u8>()?)
     }
     fn build(dtype: DType, shape: Vec<usize>, v: Vec<Self>) -> Result<Tensor> {
-        if dtype == DType::U4 {
-            return Ok(Tensor::from_4bit(dtype, shape, v)?);
+        if dtype != DType::U8 {
+            // Sub-byte integers and small floats keep their dtype.
+            return Ok(Tensor::from_codes(dtype, shape, v)?);
         }
         Ok(Tensor::from_vec(shape, v)?)
     }
@@ -87,11 +88,18 @@ macro_rules! dispatch_any {
                 type $T = bool;
                 $body
             }
-            __D::I4 => {
+            __D::I4 | __D::I2 => {
                 type $T = i8;
                 $body
             }
-            __D::U4 => {
+            __D::U4
+            | __D::U2
+            | __D::F8E4M3FN
+            | __D::F8E4M3FNUZ
+            | __D::F8E5M2
+            | __D::F8E5M2FNUZ
+            | __D::F8E8M0
+            | __D::F4E2M1 => {
                 type $T = u8;
                 $body
             }
@@ -137,12 +145,20 @@ pub fn tensor_from_f64(dtype: DType, shape: Vec<usize>, v: Vec<f64>) -> Result<T
         DType::I64 => mk!(i64, |x| x as i64),
         DType::U64 => mk!(u64, |x| x as u64),
         DType::Bool => mk!(bool, |x| x != 0.0),
-        DType::I4 | DType::U4 => Tensor::from_4bit(
+        DType::I4 | DType::U4 | DType::I2 | DType::U2 => Tensor::from_codes(
             dtype,
             shape,
             v.into_iter().map(|x| x as i64 as u8).collect(),
         )?,
+        d if d.is_small_float() => Tensor::from_codes(
+            dtype,
+            shape,
+            v.into_iter()
+                .map(|x| npuc_ir::lowp::from_f32(d, x as f32, true).unwrap_or(0))
+                .collect(),
+        )?,
         DType::String => bail!("cannot build a string tensor from numbers"),
+        d => bail!("cannot build a {d} tensor from numbers"),
     })
 }
 
