@@ -5,8 +5,8 @@
 use crate::bail;
 use crate::error::Result;
 use crate::kernel::{Inputs, OpCtx, Registry};
-use crate::ops::common::{norm_axis, norm_axis_incl};
-use crate::ops::shape::{concat_tensors, split_tensor, to_dim};
+use crate::ops::common::norm_axis_incl;
+use crate::ops::shape::{concat_tensors, real_axis, split_tensor, to_dim};
 use crate::value::Value;
 use npuc_ir::Tensor;
 
@@ -121,7 +121,7 @@ fn sequence_length(_ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
 /// (a chunk size or a list of lengths), or into unit slices (squeezed unless `keepdims`).
 fn split_to_sequence(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     let t = ins.tensor(0)?;
-    let axis = norm_axis(ctx.node.int_or("axis", 0)?, t.rank())?;
+    let axis = real_axis(ctx.node.int_or("axis", 0)?, t.rank())?;
     let dim = t.shape()[axis];
     let (lens, squeeze) = match ins.opt_tensor(1) {
         Some(s) if s.rank() == 0 => {
