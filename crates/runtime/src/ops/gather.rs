@@ -7,8 +7,8 @@
 use crate::bail;
 use crate::error::Result;
 use crate::kernel::{Inputs, OpCtx, Registry};
-use crate::ops::common::{norm_axis, strides};
-use crate::ops::shape::{dispatch_any, strided_copy, Movable};
+use crate::ops::common::strides;
+use crate::ops::shape::{dispatch_any, real_axis, strided_copy, Movable};
 use crate::value::Value;
 use npuc_ir::{bf16, f16, DType, Tensor};
 use std::cmp::Ordering;
@@ -135,7 +135,7 @@ fn gather_typed<T: Movable>(
 fn gather(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     let t = ins.tensor(0)?;
     let it = ins.tensor(1)?;
-    let axis = norm_axis(ctx.node.int_or("axis", 0)?, t.rank())?;
+    let axis = real_axis(ctx.node.int_or("axis", 0)?, t.rank())?;
     let dim = t.shape()[axis];
     let idx = norm_indices(it, dim)?;
     let outer: usize = t.shape()[..axis].iter().product();
@@ -183,7 +183,7 @@ fn element_offsets(data_shape: &[usize], it: &Tensor, axis: usize) -> Result<Vec
 fn gather_elements(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     let t = ins.tensor(0)?;
     let it = ins.tensor(1)?;
-    let axis = norm_axis(ctx.node.int_or("axis", 0)?, t.rank())?;
+    let axis = real_axis(ctx.node.int_or("axis", 0)?, t.rank())?;
     let offs = element_offsets(t.shape(), it, axis)?;
     Ok(vec![Value::tensor(take_offsets(
         t,
@@ -348,7 +348,7 @@ fn scatter_elements(ctx: &OpCtx, mut ins: Inputs) -> Result<Vec<Value>> {
                 it.shape()
             );
         }
-        let axis = norm_axis(ctx.node.int_or("axis", 0)?, t.rank())?;
+        let axis = real_axis(ctx.node.int_or("axis", 0)?, t.rank())?;
         (element_offsets(t.shape(), it, axis)?, upd.clone())
     };
     let data = ins.take_tensor(0)?;
@@ -388,7 +388,7 @@ fn tensor_scatter(ctx: &OpCtx, mut ins: Inputs) -> Result<Vec<Value>> {
         let cache = ins.tensor(0)?;
         let upd = ins.tensor(1)?;
         let rank = cache.rank();
-        let axis = norm_axis(ctx.node.int_or("axis", -2)?, rank)?;
+        let axis = real_axis(ctx.node.int_or("axis", -2)?, rank)?;
         if axis == 0 || upd.rank() != rank {
             bail!("TensorScatter needs equal ranks and a non-batch axis");
         }
@@ -479,7 +479,7 @@ fn cumulate<T: Arith>(
 fn cum_op(ctx: &OpCtx, ins: Inputs, prod: bool) -> Result<Vec<Value>> {
     let t = ins.tensor(0)?;
     let axis = match ins.tensor(1)?.to_i64_vec()?.first() {
-        Some(&a) => norm_axis(a, t.rank())?,
+        Some(&a) => real_axis(a, t.rank())?,
         None => bail!("axis must be a scalar"),
     };
     let exclusive = ctx.node.int_or("exclusive", 0)? != 0;
@@ -602,7 +602,7 @@ fn topk(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     if t.rank() == 0 {
         bail!("TopK needs a tensor of rank >= 1");
     }
-    let axis = norm_axis(ctx.node.int_or("axis", -1)?, t.rank())?;
+    let axis = real_axis(ctx.node.int_or("axis", -1)?, t.rank())?;
     let dim = t.shape()[axis];
     if k < 0 || k as usize > dim {
         bail!("k = {k} is outside [0, {dim}]");
@@ -723,7 +723,7 @@ fn unique_typed<T: Movable + PartialOrd>(
 fn unique(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     let t = ins.tensor(0)?;
     let axis = match ctx.node.attr_int("axis")? {
-        Some(a) => Some(norm_axis(a, t.rank())?),
+        Some(a) => Some(real_axis(a, t.rank())?),
         None => None,
     };
     let sorted = ctx.node.int_or("sorted", 1)? != 0;
@@ -740,8 +740,8 @@ fn reverse_sequence(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     let t = ins.tensor(0)?;
     let lens = ins.tensor(1)?.to_i64_vec()?;
     let rank = t.rank();
-    let ba = norm_axis(ctx.node.int_or("batch_axis", 1)?, rank)?;
-    let ta = norm_axis(ctx.node.int_or("time_axis", 0)?, rank)?;
+    let ba = real_axis(ctx.node.int_or("batch_axis", 1)?, rank)?;
+    let ta = real_axis(ctx.node.int_or("time_axis", 0)?, rank)?;
     if ba == ta || rank < 2 {
         bail!("batch_axis and time_axis must be distinct axes of a rank >= 2 input");
     }
@@ -780,7 +780,7 @@ fn compress(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         .collect();
     let (shape, outer, dim, inner, axis) = match ctx.node.attr_int("axis")? {
         Some(a) => {
-            let a = norm_axis(a, t.rank())?;
+            let a = real_axis(a, t.rank())?;
             let s = t.shape();
             (
                 s.to_vec(),

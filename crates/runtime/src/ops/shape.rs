@@ -115,6 +115,24 @@ pub fn first_elem<T: Movable>(t: &Tensor) -> Result<Option<T>> {
     Ok(T::view(t)?.first().cloned())
 }
 
+/// Resolves an axis of a tensor that must have rank >= 1 (unlike [`norm_axis`], a scalar is
+/// rejected, so the result always indexes the shape).
+pub fn real_axis(axis: i64, rank: usize) -> Result<usize> {
+    if rank == 0 {
+        bail!("axis {axis} given for a scalar input");
+    }
+    norm_axis(axis, rank)
+}
+
+/// Element count of a shape built from untrusted values, failing on overflow.
+pub fn checked_numel(shape: &[usize]) -> Result<usize> {
+    shape
+        .iter()
+        .try_fold(1usize, |a, &d| a.checked_mul(d))
+        .filter(|&n| n <= isize::MAX as usize / 16)
+        .ok_or_else(|| crate::RtError::msg(format!("shape {shape:?} is too large")))
+}
+
 /// Converts a non-negative i64 (from a shape tensor or attribute) to a dimension.
 pub fn to_dim(v: i64, what: &str) -> Result<usize> {
     if v < 0 {
@@ -196,7 +214,30 @@ pub fn strided_copy<T: Movable>(
     shape: &[usize],
     strides: &[isize],
 ) -> Result<Vec<T>> {
-    let total: usize = shape.iter().product();
+    strided_copy_mt(src, base, shape, strides, 1)
+}
+
+/// Outputs smaller than this many elements are copied on one thread.
+const PAR_MIN: usize = 1 << 16;
+
+/// [`strided_copy`] that splits large copies across up to `threads` rayon tasks along the
+/// outermost (merged) dimension.
+pub fn strided_copy_mt<T: Movable>(
+    src: &[T],
+    base: usize,
+    shape: &[usize],
+    strides: &[isize],
+    threads: usize,
+) -> Result<Vec<T>> {
+    use rayon::prelude::*;
+    if shape.len() != strides.len() {
+        bail!(
+            "strided view has {} dims but {} strides",
+            shape.len(),
+            strides.len()
+        );
+    }
+    let total = checked_numel(shape)?;
     if total == 0 {
         return Ok(vec![]);
     }
@@ -231,56 +272,89 @@ pub fn strided_copy<T: Movable>(
             src.len()
         );
     }
-    let base = base as isize;
-    let Some(&(inner, inner_stride)) = dims.last() else {
-        return Ok(vec![src[base as usize].clone()]);
+    let mut out = vec![T::default(); total];
+    let Some(&(n0, s0)) = dims.first() else {
+        out[0] = src[base].clone();
+        return Ok(out);
     };
-    let outer_shape: Vec<usize> = dims[..dims.len() - 1].iter().map(|d| d.0).collect();
-    let outer_strides: Vec<isize> = dims[..dims.len() - 1].iter().map(|d| d.1).collect();
-    let mut out: Vec<T> = Vec::with_capacity(total);
+    let tasks = threads.min(n0);
+    if tasks > 1 && total >= PAR_MIN {
+        let per = n0.div_ceil(tasks);
+        let rest = total / n0;
+        out.par_chunks_mut(per * rest)
+            .enumerate()
+            .for_each(|(i, chunk)| {
+                let mut d = dims.clone();
+                d[0].0 = chunk.len() / rest;
+                let b = base as isize + (i * per) as isize * s0;
+                fill_strided(src, b, &d, chunk);
+            });
+    } else {
+        fill_strided(src, base as isize, &dims, &mut out);
+    }
+    Ok(out)
+}
+
+/// Fills `out` (row-major over `dims` sizes) from `src` at `base` + Σ index·stride.
+/// The caller has checked that every offset is inside `src`.
+fn fill_strided<T: Movable>(src: &[T], base: isize, dims: &[(usize, isize)], out: &mut [T]) {
+    let Some(&(inner, inner_stride)) = dims.last() else {
+        return;
+    };
+    let k = dims.len() - 1;
+    let outer_shape: Vec<usize> = dims[..k].iter().map(|d| d.0).collect();
+    let outer_strides: Vec<isize> = dims[..k].iter().map(|d| d.1).collect();
     match inner_stride {
-        1 => for_each_offset(&outer_shape, &outer_strides, base, |o| {
-            let o = o as usize;
-            out.extend_from_slice(&src[o..o + inner]);
-        }),
-        0 => for_each_offset(&outer_shape, &outer_strides, base, |o| {
-            out.extend(std::iter::repeat_n(src[o as usize].clone(), inner));
-        }),
-        s if dims.len() >= 2 && dims[dims.len() - 2].1 == 1 => {
+        1 => {
+            let mut rows = out.chunks_mut(inner);
+            for_each_offset(&outer_shape, &outer_strides, base, |o| {
+                if let Some(row) = rows.next() {
+                    let o = o as usize;
+                    row.clone_from_slice(&src[o..o + inner]);
+                }
+            })
+        }
+        0 => {
+            let mut rows = out.chunks_mut(inner);
+            for_each_offset(&outer_shape, &outer_strides, base, |o| {
+                if let Some(row) = rows.next() {
+                    row.fill(src[o as usize].clone());
+                }
+            })
+        }
+        s if k >= 1 && dims[k - 1].1 == 1 => {
             // The last two output dims are a transposed pair: copy tiles so that both the
             // reads and the writes stay within a few cache lines.
             const TILE: usize = 32;
-            let rows = dims[dims.len() - 2].0;
+            let rows = dims[k - 1].0;
             let cols = inner;
-            let k = dims.len() - 2;
-            out.resize(total, T::default());
-            let mut block = 0usize;
-            for_each_offset(&outer_shape[..k], &outer_strides[..k], base, |o| {
-                let dst = &mut out[block * rows * cols..(block + 1) * rows * cols];
+            let mut blocks = out.chunks_mut(rows * cols);
+            for_each_offset(&outer_shape[..k - 1], &outer_strides[..k - 1], base, |o| {
+                let Some(dst) = blocks.next() else { return };
                 for r0 in (0..rows).step_by(TILE) {
                     for c0 in (0..cols).step_by(TILE) {
                         for r in r0..(r0 + TILE).min(rows) {
-                            let row = &mut dst[r * cols..(r + 1) * cols];
-                            let src_row = o + r as isize;
-                            for (c, d) in row
-                                .iter_mut()
-                                .enumerate()
-                                .take((c0 + TILE).min(cols))
-                                .skip(c0)
-                            {
-                                *d = src[(src_row + c as isize * s) as usize].clone();
+                            let row = &mut dst[r * cols + c0..r * cols + (c0 + TILE).min(cols)];
+                            let first = o + r as isize + c0 as isize * s;
+                            for (c, d) in row.iter_mut().enumerate() {
+                                *d = src[(first + c as isize * s) as usize].clone();
                             }
                         }
                     }
                 }
-                block += 1;
             });
         }
-        s => for_each_offset(&outer_shape, &outer_strides, base, |o| {
-            out.extend((0..inner).map(|j| src[(o + j as isize * s) as usize].clone()));
-        }),
+        s => {
+            let mut rows = out.chunks_mut(inner);
+            for_each_offset(&outer_shape, &outer_strides, base, |o| {
+                if let Some(row) = rows.next() {
+                    for (j, d) in row.iter_mut().enumerate() {
+                        *d = src[(o + j as isize * s) as usize].clone();
+                    }
+                }
+            })
+        }
     }
-    Ok(out)
 }
 
 /// [`strided_copy`] over a whole tensor, producing a tensor of the same dtype.
@@ -289,9 +363,10 @@ pub fn strided_tensor(
     base: usize,
     shape: Vec<usize>,
     strides: &[isize],
+    threads: usize,
 ) -> Result<Tensor> {
     dispatch_any!(t.dtype(), T => {
-        let v = strided_copy(T::view(t)?, base, &shape, strides)?;
+        let v = strided_copy_mt(T::view(t)?, base, &shape, strides, threads)?;
         T::build(t.dtype(), shape, v)
     })
 }
@@ -301,11 +376,11 @@ fn isize_strides(shape: &[usize]) -> Vec<isize> {
 }
 
 /// Transposes `t` by `perm` (output dim i is input dim perm[i]).
-pub fn transpose_tensor(t: &Tensor, perm: &[usize]) -> Result<Tensor> {
+pub fn transpose_tensor(t: &Tensor, perm: &[usize], threads: usize) -> Result<Tensor> {
     let st = isize_strides(t.shape());
     let shape: Vec<usize> = perm.iter().map(|&p| t.shape()[p]).collect();
     let s: Vec<isize> = perm.iter().map(|&p| st[p]).collect();
-    strided_tensor(t, 0, shape, &s)
+    strided_tensor(t, 0, shape, &s, threads)
 }
 
 fn tensor_input_ints(ins: &Inputs, i: usize) -> Result<Option<Vec<i64>>> {
@@ -382,13 +457,13 @@ pub fn reshape_target(input: &[usize], target: &[i64], allowzero: bool) -> Resul
     }
     let total: usize = input.iter().product();
     if let Some(i) = infer {
-        let known: usize = out.iter().product();
+        let known = checked_numel(&out)?;
         if known == 0 || !total.is_multiple_of(known) {
             bail!("cannot reshape {input:?} to {target:?}");
         }
         out[i] = total / known;
     }
-    if out.iter().product::<usize>() != total {
+    if checked_numel(&out)? != total {
         bail!("cannot reshape {input:?} ({total} elements) to {target:?}");
     }
     Ok(out)
@@ -438,7 +513,7 @@ fn squeeze(ctx: &OpCtx, mut ins: Inputs) -> Result<Vec<Value>> {
         Some(axes) => {
             let mut drop = vec![false; rank];
             for a in axes {
-                let a = norm_axis(a, rank)?;
+                let a = real_axis(a, rank)?;
                 if t.shape()[a] != 1 {
                     bail!("cannot squeeze axis {a} of size {}", t.shape()[a]);
                 }
@@ -468,7 +543,7 @@ fn unsqueeze(ctx: &OpCtx, mut ins: Inputs) -> Result<Vec<Value>> {
     let out_rank = t.rank() + axes.len();
     let mut is_new = vec![false; out_rank];
     for &a in &axes {
-        let a = norm_axis(a, out_rank)?;
+        let a = real_axis(a, out_rank)?;
         if is_new[a] {
             bail!("Unsqueeze axes {axes:?} repeat an axis");
         }
@@ -532,7 +607,7 @@ fn transpose(ctx: &OpCtx, mut ins: Inputs) -> Result<Vec<Value>> {
             let mut seen = vec![false; rank];
             let mut out = Vec::with_capacity(rank);
             for &a in p {
-                let a = norm_axis(a, rank)?;
+                let a = real_axis(a, rank)?;
                 if seen[a] {
                     bail!("perm {p:?} is not a permutation");
                 }
@@ -555,7 +630,11 @@ fn transpose(ctx: &OpCtx, mut ins: Inputs) -> Result<Vec<Value>> {
         let t = ins.take_tensor(0)?;
         return Ok(vec![Value::tensor(t.reshaped(shape)?)]);
     }
-    Ok(vec![Value::tensor(transpose_tensor(t, &perm)?)])
+    Ok(vec![Value::tensor(transpose_tensor(
+        t,
+        &perm,
+        ctx.threads,
+    )?)])
 }
 
 fn concat_typed<T: Movable>(ts: &[&Tensor], axis: usize, shape: Vec<usize>) -> Result<Tensor> {
@@ -580,7 +659,7 @@ pub fn concat_tensors(ts: &[&Tensor], axis: i64) -> Result<Tensor> {
         bail!("Concat needs at least one input");
     };
     let rank = first.rank();
-    let axis = norm_axis(axis, rank)?;
+    let axis = real_axis(axis, rank)?;
     let mut shape = first.shape().to_vec();
     shape[axis] = 0;
     for t in ts {
@@ -643,7 +722,7 @@ pub fn split_tensor(t: &Tensor, axis: usize, lens: &[usize]) -> Result<Vec<Tenso
 /// (`num_outputs` since opset 18, where the last part may be smaller).
 fn split(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     let t = ins.tensor(0)?;
-    let axis = norm_axis(ctx.node.int_or("axis", 0)?, t.rank())?;
+    let axis = real_axis(ctx.node.int_or("axis", 0)?, t.rank())?;
     let dim = t.shape()[axis];
     let given = match ctx.node.attr_ints("split")? {
         Some(s) => Some(s.to_vec()),
@@ -685,6 +764,9 @@ fn split(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
 pub fn slice_axis(dim: usize, start: i64, end: i64, step: i64) -> Result<(usize, i64, usize)> {
     if step == 0 {
         bail!("Slice step cannot be 0");
+    }
+    if dim == 0 {
+        return Ok((0, step, 0));
     }
     let d = dim as i64;
     let fix = |v: i64| if v < 0 { v.saturating_add(d) } else { v };
@@ -744,7 +826,7 @@ fn slice(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     let mut base = 0usize;
     let mut seen = vec![false; rank];
     for i in 0..starts.len() {
-        let a = norm_axis(axes[i], rank)?;
+        let a = real_axis(axes[i], rank)?;
         if seen[a] {
             bail!("Slice axes {axes:?} repeat an axis");
         }
@@ -759,14 +841,20 @@ fn slice(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
             T::build(t.dtype(), shape, vec![])?
         }))]);
     }
-    Ok(vec![Value::tensor(strided_tensor(t, base, shape, &st)?)])
+    Ok(vec![Value::tensor(strided_tensor(
+        t,
+        base,
+        shape,
+        &st,
+        ctx.threads,
+    )?)])
 }
 
 // ---------------------------------------------------------------------------------------------
 // Expand, Tile
 
 /// Expand: broadcasts the input to the (bidirectionally broadcast) shape input.
-fn expand(_ctx: &OpCtx, mut ins: Inputs) -> Result<Vec<Value>> {
+fn expand(ctx: &OpCtx, mut ins: Inputs) -> Result<Vec<Value>> {
     let target: Vec<usize> = ins
         .tensor(1)?
         .to_i64_vec()?
@@ -775,6 +863,7 @@ fn expand(_ctx: &OpCtx, mut ins: Inputs) -> Result<Vec<Value>> {
         .collect::<Result<_>>()?;
     let t = ins.tensor(0)?;
     let shape = broadcast_shapes(t.shape(), &target)?;
+    checked_numel(&shape)?;
     if shape == t.shape() {
         return Ok(vec![Value::tensor(ins.take_tensor(0)?)]);
     }
@@ -789,11 +878,17 @@ fn expand(_ctx: &OpCtx, mut ins: Inputs) -> Result<Vec<Value>> {
             }
         })
         .collect();
-    Ok(vec![Value::tensor(strided_tensor(t, 0, shape, &bst)?)])
+    Ok(vec![Value::tensor(strided_tensor(
+        t,
+        0,
+        shape,
+        &bst,
+        ctx.threads,
+    )?)])
 }
 
 /// Tile: repeats the input `repeats[d]` times along each dim.
-fn tile(_ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
+fn tile(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     let t = ins.tensor(0)?;
     let reps = ins.tensor(1)?.to_i64_vec()?;
     if reps.len() != t.rank() {
@@ -810,12 +905,13 @@ fn tile(_ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         vst.extend([0, st[d]]);
         out_shape.push(r * t.shape()[d]);
     }
+    checked_numel(&vshape)?;
     if out_shape.iter().product::<usize>() == 0 {
         return Ok(vec![Value::tensor(dispatch_any!(t.dtype(), T => {
             T::build(t.dtype(), out_shape, vec![])?
         }))]);
     }
-    let out = strided_tensor(t, 0, vshape, &vst)?;
+    let out = strided_tensor(t, 0, vshape, &vst, ctx.threads)?;
     Ok(vec![Value::tensor(out.reshaped(out_shape)?)])
 }
 
@@ -831,7 +927,7 @@ fn constant_of_shape(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         .into_iter()
         .map(|d| to_dim(d, "ConstantOfShape dim"))
         .collect::<Result<_>>()?;
-    let n: usize = shape.iter().product();
+    let n = checked_numel(&shape)?;
     let value = match ctx.node.attr_tensor("value")? {
         Some(v) => v.clone(),
         None => Tensor::scalar(0f32),
@@ -863,7 +959,11 @@ fn range(_ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         if delta == 0.0 {
             bail!("Range delta cannot be 0");
         }
-        let n = ((limit - start) / delta).ceil().max(0.0) as usize;
+        let n = ((limit - start) / delta).ceil().max(0.0);
+        if !n.is_finite() || n > (isize::MAX as usize / 16) as f64 {
+            bail!("Range of {n} elements is too large");
+        }
+        let n = n as usize;
         let v: Vec<f64> = (0..n).map(|i| start + i as f64 * delta).collect();
         return Ok(vec![Value::tensor(tensor_from_f64(dt, vec![n], v)?)]);
     }
@@ -883,6 +983,7 @@ fn range(_ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     } else {
         0
     };
+    checked_numel(&[n])?;
     let v: Vec<i64> = (0..n as i64).map(|i| start + i * delta).collect();
     let out = match dt {
         DType::I64 => Tensor::from_vec(vec![n], v)?,
@@ -908,6 +1009,7 @@ fn one_hot(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     let inner: usize = idx.shape()[axis..].iter().product();
     let mut shape = idx.shape().to_vec();
     shape.insert(axis, depth);
+    checked_numel(&shape)?;
     let out = dispatch_any!(values.dtype(), T => {
         let v = one_hot_fill(T::view(values)?, &ids, outer, depth, inner);
         T::build(values.dtype(), shape, v)?
@@ -987,7 +1089,7 @@ fn depth_to_space(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     let st = isize_strides(&view);
     let shape: Vec<usize> = perm.iter().map(|&p| view[p]).collect();
     let s: Vec<isize> = perm.iter().map(|&p| st[p]).collect();
-    let out = strided_tensor(t, 0, shape, &s)?.reshaped(vec![n, c2, h * b, w * b])?;
+    let out = strided_tensor(t, 0, shape, &s, ctx.threads)?.reshaped(vec![n, c2, h * b, w * b])?;
     Ok(vec![Value::tensor(out)])
 }
 
@@ -1006,7 +1108,8 @@ fn space_to_depth(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     let st = isize_strides(&view);
     let shape: Vec<usize> = perm.iter().map(|&p| view[p]).collect();
     let s: Vec<isize> = perm.iter().map(|&p| st[p]).collect();
-    let out = strided_tensor(t, 0, shape, &s)?.reshaped(vec![n, c * b * b, h / b, w / b])?;
+    let out =
+        strided_tensor(t, 0, shape, &s, ctx.threads)?.reshaped(vec![n, c * b * b, h / b, w / b])?;
     Ok(vec![Value::tensor(out)])
 }
 
@@ -1160,7 +1263,7 @@ fn pad(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     let axes: Vec<usize> = match axes {
         Some(a) => a
             .into_iter()
-            .map(|a| norm_axis(a, rank))
+            .map(|a| real_axis(a, rank))
             .collect::<Result<_>>()?,
         None => (0..rank).collect(),
     };
@@ -1177,6 +1280,7 @@ fn pad(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         .map(|(&(b, e), &d)| pad_axis_map(d, b, e, mode))
         .collect::<Result<_>>()?;
     let out_shape: Vec<usize> = maps.iter().map(|m| m.len()).collect();
+    checked_numel(&out_shape)?;
     let out = dispatch_any!(t.dtype(), T => {
         let fill: T = if let Some(v) = ctx.node.attr_float("value")? {
             let f = tensor_from_f64(t.dtype(), vec![], vec![v as f64])?;
@@ -1202,7 +1306,7 @@ fn center_crop_pad(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     let axes: Vec<usize> = match ctx.node.attr_ints("axes")? {
         Some(a) => a
             .iter()
-            .map(|&a| norm_axis(a, rank))
+            .map(|&a| real_axis(a, rank))
             .collect::<Result<_>>()?,
         None => (0..rank).collect(),
     };
@@ -1263,4 +1367,72 @@ pub fn register(r: &mut Registry) {
     r.add("Trilu", 14, trilu);
     r.add("Pad", 1, pad);
     r.add("CenterCropPad", 18, center_crop_pad);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Element-by-element reference for `strided_copy`.
+    fn naive(src: &[i32], base: usize, shape: &[usize], st: &[isize]) -> Vec<i32> {
+        let mut out = vec![];
+        for_each_offset(shape, st, base as isize, |o| out.push(src[o as usize]));
+        out
+    }
+
+    #[test]
+    fn strided_copy_matches_naive_for_transposes() {
+        let shapes: [&[usize]; 4] = [&[2, 3, 4], &[1, 197, 6, 64], &[3, 1, 5, 2, 7], &[40, 33]];
+        let mut seed = 7u64;
+        for shape in shapes {
+            let n: usize = shape.iter().product();
+            let src: Vec<i32> = (0..n as i32).collect();
+            let st = isize_strides(shape);
+            let r = shape.len();
+            for _ in 0..12 {
+                let mut perm: Vec<usize> = (0..r).collect();
+                for i in (1..r).rev() {
+                    seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+                    perm.swap(i, (seed >> 33) as usize % (i + 1));
+                }
+                let oshape: Vec<usize> = perm.iter().map(|&p| shape[p]).collect();
+                let ost: Vec<isize> = perm.iter().map(|&p| st[p]).collect();
+                let want = naive(&src, 0, &oshape, &ost);
+                for threads in [1, 4] {
+                    let got = strided_copy_mt(&src, 0, &oshape, &ost, threads).unwrap();
+                    assert_eq!(got, want, "shape {shape:?} perm {perm:?}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn slice_axis_clamps_like_numpy() {
+        assert_eq!(slice_axis(10, 0, i64::MAX, 1).unwrap(), (0, 1, 10));
+        assert_eq!(slice_axis(10, -1, i64::MIN, -1).unwrap(), (9, -1, 10));
+        assert_eq!(slice_axis(10, 20, 0, -3).unwrap(), (9, -3, 3));
+        assert_eq!(slice_axis(10, 5, 5, 1).unwrap().2, 0);
+        assert_eq!(slice_axis(0, 0, -1, -1).unwrap().2, 0);
+        assert!(slice_axis(3, 0, 1, 0).is_err());
+    }
+
+    #[test]
+    fn reversed_slice_and_out_of_range_view() {
+        let src: Vec<i32> = (0..12).collect();
+        // [3, 4] reversed along both axes.
+        let got = strided_copy(&src, 11, &[3, 4], &[-4, -1]).unwrap();
+        assert_eq!(got, (0..12).rev().collect::<Vec<_>>());
+        assert!(strided_copy(&src, 0, &[3, 5], &[4, 1]).is_err());
+    }
+
+    #[test]
+    fn reshape_target_rules() {
+        assert_eq!(
+            reshape_target(&[2, 3, 4], &[0, -1], false).unwrap(),
+            vec![2, 12]
+        );
+        assert_eq!(reshape_target(&[0, 3], &[3, 0], true).unwrap(), vec![3, 0]);
+        assert!(reshape_target(&[2, 3], &[-1, -1], false).is_err());
+        assert!(reshape_target(&[2, 3], &[i64::MAX, 4], false).is_err());
+    }
 }
