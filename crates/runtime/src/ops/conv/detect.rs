@@ -127,7 +127,7 @@ fn non_max_suppression(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     }
     let scalar = |i: usize| -> Result<Option<f64>> {
         match ins.opt_tensor(i) {
-            Some(t) if t.len() > 0 => Ok(Some(t.to_f64_vec()?[0])),
+            Some(t) if !t.is_empty() => Ok(Some(t.to_f64_vec()?[0])),
             _ => Ok(None),
         }
     };
