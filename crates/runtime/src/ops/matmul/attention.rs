@@ -447,7 +447,7 @@ fn flex_attention(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
                 sum += *x;
             }
             for x in row.iter_mut() {
-                *x = *x / sum;
+                *x /= sum;
             }
         }
         let p = apply_mod::<T>(ctx, "prob_mod", sc, &sshape)?;
