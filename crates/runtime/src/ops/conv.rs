@@ -624,3 +624,103 @@ fn conv_transpose(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     });
     Ok(vec![Value::tensor(t)])
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Direct 2-D convolution straight from the definition.
+    #[allow(clippy::too_many_arguments)]
+    fn naive(
+        x: &[f32],
+        w: &[f32],
+        (n, c, h, wd): (usize, usize, usize, usize),
+        (m, kh, kw): (usize, usize, usize),
+        group: usize,
+        g: &Geom,
+    ) -> Vec<f32> {
+        let (oh, ow) = (g.out[1], g.out[2]);
+        let (c_g, m_g) = (c / group, m / group);
+        let mut out = vec![0.0; n * m * oh * ow];
+        for ni in 0..n {
+            for oc in 0..m {
+                let gi = oc / m_g;
+                for y in 0..oh {
+                    for xx in 0..ow {
+                        let mut acc = 0.0;
+                        for ic in 0..c_g {
+                            for a in 0..kh {
+                                for b in 0..kw {
+                                    let iy = (y * g.s[1] + a * g.d[1]) as isize - g.pb[1] as isize;
+                                    let ix = (xx * g.s[2] + b * g.d[2]) as isize - g.pb[2] as isize;
+                                    if iy < 0 || ix < 0 || iy >= h as isize || ix >= wd as isize {
+                                        continue;
+                                    }
+                                    let xi = ((ni * c + gi * c_g + ic) * h + iy as usize) * wd
+                                        + ix as usize;
+                                    acc += x[xi] * w[((oc * c_g + ic) * kh + a) * kw + b];
+                                }
+                            }
+                        }
+                        out[((ni * m + oc) * oh + y) * ow + xx] = acc;
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn conv_paths_match_naive() {
+        // (c, m, group, k, stride, dilation, pads)
+        let cases = [
+            (4, 6, 1, 3, 1, 1, [1, 1, 1, 1]),
+            (8, 8, 8, 3, 2, 1, [1, 1, 1, 1]),
+            (8, 16, 8, 3, 1, 2, [2, 0, 1, 2]),
+            (6, 4, 2, 1, 1, 1, [0, 0, 0, 0]),
+            (6, 4, 2, 2, 3, 1, [0, 1, 1, 0]),
+            (3, 5, 1, 5, 2, 1, [2, 2, 2, 2]),
+        ];
+        for (ci, &(c, m, group, k, s, d, p)) in cases.iter().enumerate() {
+            let (n, h, wd) = (2, 9, 7);
+            let x: Vec<f32> = (0..n * c * h * wd)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0)
+                .collect();
+            let w: Vec<f32> = (0..m * (c / group) * k * k)
+                .map(|i| ((i * 53 % 89) as f32 - 44.0) / 30.0)
+                .collect();
+            let dk = (k - 1) * d + 1;
+            let oh = (h + p[0] + p[2] - dk) / s + 1;
+            let ow = (wd + p[1] + p[3] - dk) / s + 1;
+            let geom = Geom {
+                inp: [1, h, wd],
+                out: [1, oh, ow],
+                k: [1, k, k],
+                s: [1, s, s],
+                d: [1, d, d],
+                pb: [0, p[0], p[1]],
+                pe: [0, p[2], p[3]],
+            };
+            let xt = Tensor::from_vec(vec![n, c, h, wd], x.clone()).unwrap();
+            let wt = Tensor::from_vec(vec![m, c / group, k, k], w.clone()).unwrap();
+            let args = ConvArgs {
+                n,
+                c,
+                m,
+                group,
+                geom: geom.clone(),
+            };
+            for threads in [1, 4] {
+                let got = conv_run::<f32>(&xt, &wt, None, &args, threads).unwrap();
+                let want = naive(&x, &w, (n, c, h, wd), (m, k, k), group, &geom);
+                assert_eq!(got.len(), want.len(), "case {ci}");
+                for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                    assert!(
+                        (a - b).abs() <= 1e-4 * (1.0 + b.abs()),
+                        "case {ci} at {i}: {a} vs {b}"
+                    );
+                }
+            }
+        }
+    }
+}

@@ -5,6 +5,7 @@
 //! plain wrapping triple loop.
 
 mod attention;
+mod einsum;
 mod linear;
 
 use crate::bail;
@@ -19,6 +20,7 @@ use std::borrow::Cow;
 pub fn register(r: &mut Registry) {
     r.add("MatMul", 1, matmul);
     r.add("Gemm", 1, gemm_op);
+    r.add("Einsum", 12, einsum::einsum);
     attention::register(r);
     linear::register(r);
 }

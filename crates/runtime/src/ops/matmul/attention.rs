@@ -8,10 +8,18 @@ use crate::kernel::{Inputs, OpCtx, Registry};
 use crate::ops::conv::float_dispatch;
 use crate::value::Value;
 use npuc_ir::{DType, Tensor};
+use num_traits::{Float, One};
 use rayon::prelude::*;
 
 pub fn register(r: &mut Registry) {
     r.add("Attention", 23, attention);
+    r.add_range(
+        "ai.onnx.preview",
+        "FlexAttention",
+        1,
+        crate::kernel::MAX_OPSET,
+        flex_attention,
+    );
 }
 
 /// Shapes of one Attention call, in 4-D `[batch, heads, seq, head_size]` terms.
@@ -368,4 +376,92 @@ fn attention(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         outs
     });
     Ok(outs)
+}
+
+/// Applies an optional single-input, single-output graph attribute (`score_mod`/`prob_mod`)
+/// to a `[B, H, L, S]` tensor.
+fn apply_mod<T: GemmFloat>(ctx: &OpCtx, attr: &str, v: Vec<T>, shape: &[usize]) -> Result<Vec<T>> {
+    if ctx.node.attr_graph(attr)?.is_none() {
+        return Ok(v);
+    }
+    let t = Tensor::from_vec(shape.to_vec(), v)?;
+    let outs = ctx.run_subgraph(attr, vec![Value::tensor(t)])?;
+    let Some(Value::Tensor(r)) = outs.into_iter().next() else {
+        bail!("graph attribute '{attr}' must produce one tensor");
+    };
+    if r.shape() != shape {
+        bail!(
+            "'{attr}' changed the score shape {shape:?} to {:?}",
+            r.shape()
+        );
+    }
+    Ok(T::load(&r)?.into_owned())
+}
+
+/// FlexAttention (ai.onnx.preview): `softmax(score_mod(Q K^T * scale))`, then `prob_mod`, times
+/// V, with GQA head sharing. f16/bf16 compute in f32 as the reference does.
+fn flex_attention(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
+    let q = ins.tensor(0)?;
+    let k = ins.tensor(1)?;
+    let v = ins.tensor(2)?;
+    if q.rank() != 4 || k.rank() != 4 || v.rank() != 4 {
+        bail!("FlexAttention needs 4-D Q, K and V");
+    }
+    if k.dtype() != q.dtype() || v.dtype() != q.dtype() {
+        bail!("Q, K and V must share one dtype");
+    }
+    let (qs, ks, vs) = (q.shape(), k.shape(), v.shape());
+    let (b, hq, l, e) = (qs[0], qs[1], qs[2], qs[3]);
+    let (hkv, s, ev) = (ks[1], ks[2], vs[3]);
+    if ks[0] != b || vs[0] != b || ks[3] != e || vs[1] != hkv || vs[2] != s {
+        bail!("FlexAttention shapes do not agree: Q {qs:?}, K {ks:?}, V {vs:?}");
+    }
+    if hkv == 0 || hq % hkv != 0 {
+        bail!("q heads {hq} are not a multiple of kv heads {hkv}");
+    }
+    let reps = hq / hkv;
+    let scale = match ctx.node.attr_float("scale")? {
+        Some(x) => x as f64,
+        None => 1.0 / (e as f64).sqrt(),
+    };
+    let dt = q.dtype();
+    let t = float_dispatch!(dt, T => {
+        let (qv, kv, vv) = (T::load(q)?, T::load(k)?, T::load(v)?);
+        let sshape = [b, hq, l, s];
+        let mut sc = vec![<T as num_traits::Zero>::zero(); b * hq * l * s];
+        for bh in 0..b * hq {
+            let kvh = (bh / hq) * hkv + (bh % hq) / reps;
+            gemm_into(
+                l, s, e, T::from_f64(scale),
+                Mat::rows(&qv[bh * l * e..][..l * e], e),
+                Mat::cols(&kv[kvh * s * e..][..s * e], e),
+                None, &mut sc[bh * l * s..][..l * s], s, ctx.threads,
+            )?;
+        }
+        let mut sc = apply_mod::<T>(ctx, "score_mod", sc, &sshape)?;
+        for row in sc.chunks_mut(s.max(1)) {
+            let mx = row.iter().copied().fold(T::neg_infinity(), |a, x| if x > a { x } else { a });
+            let mut sum = <T as num_traits::Zero>::zero();
+            for x in row.iter_mut() {
+                *x = (*x - mx).exp();
+                sum += *x;
+            }
+            for x in row.iter_mut() {
+                *x /= sum;
+            }
+        }
+        let p = apply_mod::<T>(ctx, "prob_mod", sc, &sshape)?;
+        let mut y = vec![<T as num_traits::Zero>::zero(); b * hq * l * ev];
+        for bh in 0..b * hq {
+            let kvh = (bh / hq) * hkv + (bh % hq) / reps;
+            gemm_into(
+                l, ev, s, T::one(),
+                Mat::rows(&p[bh * l * s..][..l * s], s),
+                Mat::rows(&vv[kvh * s * ev..][..s * ev], ev),
+                None, &mut y[bh * l * ev..][..l * ev], ev, ctx.threads,
+            )?;
+        }
+        T::store(dt, vec![b, hq, l, ev], y)?
+    });
+    Ok(vec![Value::tensor(t)])
 }
