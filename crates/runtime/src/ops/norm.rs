@@ -6,9 +6,9 @@
 //! Float kernels are written once over [`Real`] (f32/f64); f16/bf16 inputs are widened to f32,
 //! computed, and narrowed back (the specs' `stash_type` is f32 for those anyway).
 
-// mod loss;
+mod loss;
 mod resample;
-// mod rotary;
+mod rotary;
 
 use crate::bail;
 use crate::error::Result;
@@ -32,9 +32,9 @@ pub fn register(r: &mut Registry) {
     r.add("LRN", 1, lrn);
     r.add("MeanVarianceNormalization", 9, mean_variance_norm);
     r.add("LpNormalization", 1, lp_norm);
-    // loss::register(r);
+    loss::register(r);
     resample::register(r);
-    // rotary::register(r);
+    rotary::register(r);
 }
 
 // ---------------------------------------------------------------------------------------------
