@@ -30,9 +30,9 @@ fn rotary_embedding(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     let num_heads = ctx.node.int_or("num_heads", 0)?;
     let shape = x.shape().to_vec();
     // (batch, seq, heads, head_size) and the strides of seq and head in the input layout.
-    let (b, s, h, hd, s_stride, h_stride) = match shape.as_slice() {
-        &[b, h, s, d] => (b, s, h, d, d, s * d),
-        &[b, s, hidden] => {
+    let (b, s, h, hd, s_stride, h_stride) = match *shape.as_slice() {
+        [b, h, s, d] => (b, s, h, d, d, s * d),
+        [b, s, hidden] => {
             if num_heads <= 0 || hidden % num_heads as usize != 0 {
                 bail!("num_heads {num_heads} must be positive and divide hidden size {hidden}");
             }
