@@ -140,6 +140,26 @@ pub fn reduce(x: &Tensor, axes: &[i64], keepdims: bool, kind: ReduceKind) -> Res
         })
         .collect();
     let plan = ReducePlan::new(x.shape(), &mask);
+    // Fast path for the common "sum / mean over trailing axes" of f32 (decomposed layer
+    // norms): each output is a contiguous row summed with independent lanes.
+    let trailing = matches!(plan.dims.as_slice(), [(_, true)] | [(_, false), (_, true)]);
+    if x.dtype() == DType::F32
+        && trailing
+        && matches!(kind, ReduceKind::Sum | ReduceKind::Mean)
+        && plan.count > 0
+    {
+        let data = x.as_slice::<f32>()?;
+        let div = if kind == ReduceKind::Mean {
+            plan.count as f32
+        } else {
+            1.0
+        };
+        let out: Vec<f32> = data
+            .chunks_exact(plan.count)
+            .map(|row| crate::ops::norm::sum_of(row) / div)
+            .collect();
+        return Ok(Tensor::from_vec(out_shape, out)?);
+    }
     if x.dtype() == DType::Bool {
         let data = x.as_slice::<bool>()?;
         let (init, f): (bool, fn(bool, bool) -> bool) = match kind {

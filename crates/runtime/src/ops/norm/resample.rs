@@ -568,6 +568,17 @@ fn resample_pass<F: Real>(
     for o in 0..outer {
         let s = &src[o * in_w * inner..(o + 1) * in_w * inner];
         let d = &mut dst[o * out_w * inner..(o + 1) * out_w * inner];
+        if inner == 1 && n == 1 {
+            // Nearest: a plain gather.
+            for (y, dv) in d.iter_mut().enumerate() {
+                *dv = if taps.extrapolated[y] {
+                    extrapolation
+                } else {
+                    s[taps.idx[y]]
+                };
+            }
+            continue;
+        }
         if inner == 1 {
             for (y, dv) in d.iter_mut().enumerate() {
                 *dv = if taps.extrapolated[y] {
