@@ -89,7 +89,12 @@ fn parse_activations(node: &Node, defaults: &[&str], dirs: usize) -> Result<Vec<
         given
     } else if given.len() == defaults.len() {
         // One set given for a bidirectional layer: both directions use it.
-        given.iter().cycle().take(defaults.len() * dirs).cloned().collect()
+        given
+            .iter()
+            .cycle()
+            .take(defaults.len() * dirs)
+            .cloned()
+            .collect()
     } else {
         bail!(
             "activations has {} entries, expected {} per direction",
@@ -142,6 +147,7 @@ fn parse_activations(node: &Node, defaults: &[&str], dirs: usize) -> Result<Vec<
 /// `dst[i, j] (+)= Σ_p a[i, p] · w[j, p]` for `i < m`, `j < n`, `p < k`: `a` is row-major with
 /// row stride `k`, `w` is row-major `[n, k]` (the ONNX `W`/`R` layout), `dst` has row stride
 /// `dst_rs`.
+#[allow(clippy::too_many_arguments)] // GEMM-style signature: dims, operands, strides.
 fn gemm_wt(
     m: usize,
     n: usize,
@@ -207,11 +213,23 @@ enum Proj<'a> {
     /// Quantized weights (DynamicQuantizeLSTM): `w` is `[k, n]` with the zero points already
     /// subtracted, `scale` has one entry per output column. Inputs are quantized to u8 per call
     /// (DynamicQuantizeLinear) like onnxruntime does.
-    Quant { w: Vec<i32>, scale: Vec<f32> },
+    Quant {
+        w: Vec<i32>,
+        scale: Vec<f32>,
+        per_row: bool,
+    },
 }
 
 impl Proj<'_> {
+    /// The recurrent product quantizes each batch row's hidden state on its own (what
+    /// onnxruntime does when it runs batch rows in parallel, and independent of the batch's
+    /// other rows); the input projection quantizes all timesteps together.
+    fn quantize_rows_separately(&self) -> bool {
+        matches!(self, Proj::Quant { per_row: true, .. })
+    }
+
     /// `dst (+)= a · Wᵀ` with `a` `[m, k]` contiguous and `dst` `[m, n]` with row stride n.
+    #[allow(clippy::too_many_arguments)]
     fn apply(
         &self,
         m: usize,
@@ -224,16 +242,26 @@ impl Proj<'_> {
     ) {
         match self {
             Proj::Float(w) => gemm_wt(m, n, k, a, w, dst, n, accumulate, threads),
-            Proj::Quant { w, scale } => {
-                let a = &a[..m * k];
-                let (q, a_scale, a_zp) = dynamic_quantize_u8(a);
-                let qa: Vec<i32> = q.iter().map(|&v| v as i32 - a_zp as i32).collect();
-                let mut acc = vec![0i32; m * n];
-                igemm(m, k, n, &qa, w, &mut acc);
-                for (drow, arow) in dst[..m * n].chunks_mut(n).zip(acc.chunks(n)) {
-                    for ((d, &v), &s) in drow.iter_mut().zip(arow).zip(scale) {
-                        let y = v as f32 * (a_scale * s);
-                        *d = if accumulate { *d + y } else { y };
+            Proj::Quant { w, scale, .. } => {
+                // Rows are quantized all together or one at a time (see `quantize_rows_separately`).
+                let chunk_rows = if self.quantize_rows_separately() {
+                    1
+                } else {
+                    m
+                };
+                let mut acc = vec![0i32; chunk_rows * n];
+                for r0 in (0..m).step_by(chunk_rows.max(1)) {
+                    let a = &a[r0 * k..(r0 + chunk_rows) * k];
+                    let (q, a_scale, a_zp) = dynamic_quantize_u8(a);
+                    let qa: Vec<i32> = q.iter().map(|&v| v as i32 - a_zp as i32).collect();
+                    acc.fill(0);
+                    igemm(chunk_rows, k, n, &qa, w, &mut acc);
+                    let dst = &mut dst[r0 * n..(r0 + chunk_rows) * n];
+                    for (drow, arow) in dst.chunks_mut(n).zip(acc.chunks(n)) {
+                        for ((d, &v), &s) in drow.iter_mut().zip(arow).zip(scale) {
+                            let y = v as f32 * (a_scale * s);
+                            *d = if accumulate { *d + y } else { y };
+                        }
                     }
                 }
             }
@@ -478,8 +506,8 @@ impl Layer<'_> {
                                 };
                                 let cc = acts[1].apply(clip(xr[3 * hsz + j] + hrr[3 * hsz + j]));
                                 let cn = f * cp + i * cc;
-                                let o = acts[0]
-                                    .apply(clip(xr[hsz + j] + hrr[hsz + j] + po[j] * cn));
+                                let o =
+                                    acts[0].apply(clip(xr[hsz + j] + hrr[hsz + j] + po[j] * cn));
                                 cb[j] = cn;
                                 hb[j] = o * acts[2].apply(cn);
                             }
@@ -649,7 +677,10 @@ fn run_float(ctx: &OpCtx, ins: Inputs, kind: CellKind) -> Result<Vec<Value>> {
     let w_t = ins.tensor(1)?;
     let r_t = ins.tensor(2)?;
     if r_t.rank() != 3 || r_t.shape()[0] != dirs {
-        bail!("R must be [{dirs}, gates*hidden, hidden], got {:?}", r_t.shape());
+        bail!(
+            "R must be [{dirs}, gates*hidden, hidden], got {:?}",
+            r_t.shape()
+        );
     }
     let hidden = r_t.shape()[2];
     let g = kind.gates();
@@ -679,8 +710,12 @@ fn run_float(ctx: &OpCtx, ins: Inputs, kind: CellKind) -> Result<Vec<Value>> {
         reverse_only,
         layout: p.layout,
         x: &p.x,
-        w: (0..dirs).map(|d| Proj::Float(&w[d * wsz..(d + 1) * wsz])).collect(),
-        r: (0..dirs).map(|d| Proj::Float(&r[d * rsz..(d + 1) * rsz])).collect(),
+        w: (0..dirs)
+            .map(|d| Proj::Float(&w[d * wsz..(d + 1) * wsz]))
+            .collect(),
+        r: (0..dirs)
+            .map(|d| Proj::Float(&r[d * rsz..(d + 1) * rsz]))
+            .collect(),
         b: p.b.clone(),
         p: p.p.clone(),
         lens: p.lens.clone(),
@@ -737,7 +772,15 @@ fn lstm_op(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
 
 /// Builds a quantized projection from `[dirs, k, n]` int8/uint8 weights with per-direction
 /// (`[dirs]`) or per-column (`[dirs, n]`) scales and zero points.
-fn quant_proj(w: &Tensor, scale: &Tensor, zp: &Tensor, d: usize, k: usize, n: usize) -> Result<Proj<'static>> {
+fn quant_proj(
+    w: &Tensor,
+    scale: &Tensor,
+    zp: &Tensor,
+    d: usize,
+    k: usize,
+    n: usize,
+    per_row: bool,
+) -> Result<Proj<'static>> {
     if !matches!(w.dtype(), DType::I8 | DType::U8) || zp.dtype() != w.dtype() {
         bail!(
             "quantized weights and zero points must be int8 or uint8 of one type, got {} and {}",
@@ -751,16 +794,26 @@ fn quant_proj(w: &Tensor, scale: &Tensor, zp: &Tensor, d: usize, k: usize, n: us
     } else if scale.shape() == [dirs, n] {
         true
     } else {
-        bail!("scale shape {:?} must be [{dirs}] or [{dirs}, {n}]", scale.shape());
+        bail!(
+            "scale shape {:?} must be [{dirs}] or [{dirs}, {n}]",
+            scale.shape()
+        );
     };
     if zp.shape() != scale.shape() {
-        bail!("zero point shape {:?} differs from scale shape {:?}", zp.shape(), scale.shape());
+        bail!(
+            "zero point shape {:?} differs from scale shape {:?}",
+            zp.shape(),
+            scale.shape()
+        );
     }
     let sv = f32_data(scale)?;
     let zv = zp.to_i64_vec()?;
     let wv = w.to_i64_vec()?;
     let (s, z): (Vec<f32>, Vec<i64>) = if per_col {
-        (sv[d * n..(d + 1) * n].to_vec(), zv[d * n..(d + 1) * n].to_vec())
+        (
+            sv[d * n..(d + 1) * n].to_vec(),
+            zv[d * n..(d + 1) * n].to_vec(),
+        )
     } else {
         (vec![sv[d]; n], vec![zv[d]; n])
     };
@@ -771,7 +824,11 @@ fn quant_proj(w: &Tensor, scale: &Tensor, zp: &Tensor, d: usize, k: usize, n: us
             q[p * n + j] = (wv[base + p * n + j] - z[j]) as i32;
         }
     }
-    Ok(Proj::Quant { w: q, scale: s })
+    Ok(Proj::Quant {
+        w: q,
+        scale: s,
+        per_row,
+    })
 }
 
 /// com.microsoft::DynamicQuantizeLSTM: an LSTM whose W (`[dirs, input, 4*hidden]`) and R
@@ -783,7 +840,10 @@ fn dq_lstm_op(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     let w_t = ins.tensor(1)?;
     let r_t = ins.tensor(2)?;
     if r_t.rank() != 3 || r_t.shape()[0] != dirs || r_t.shape()[2] % 4 != 0 {
-        bail!("R must be [{dirs}, hidden, 4*hidden], got {:?}", r_t.shape());
+        bail!(
+            "R must be [{dirs}, hidden, 4*hidden], got {:?}",
+            r_t.shape()
+        );
     }
     let hidden = r_t.shape()[1];
     expect_shape(r_t, &[dirs, hidden, 4 * hidden], "R")?;
@@ -791,13 +851,18 @@ fn dq_lstm_op(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     let kind = CellKind::Lstm { input_forget };
     let p = prepare(&ins, node, kind, hidden, dirs, 0, Some(6), Some(7))?;
     expect_shape(w_t, &[dirs, p.input, 4 * hidden], "W")?;
-    let (ws, wz, rs, rz) = (ins.tensor(8)?, ins.tensor(9)?, ins.tensor(10)?, ins.tensor(11)?);
+    let (ws, wz, rs, rz) = (
+        ins.tensor(8)?,
+        ins.tensor(9)?,
+        ins.tensor(10)?,
+        ins.tensor(11)?,
+    );
     let gh = 4 * hidden;
     let w = (0..dirs)
-        .map(|d| quant_proj(w_t, ws, wz, d, p.input, gh))
+        .map(|d| quant_proj(w_t, ws, wz, d, p.input, gh, false))
         .collect::<Result<Vec<_>>>()?;
     let r = (0..dirs)
-        .map(|d| quant_proj(r_t, rs, rz, d, hidden, gh))
+        .map(|d| quant_proj(r_t, rs, rz, d, hidden, gh, true))
         .collect::<Result<Vec<_>>>()?;
     let layer = Layer {
         kind,
@@ -822,7 +887,95 @@ fn dq_lstm_op(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     };
     let dtype = ins.tensor(0)?.dtype();
     if dtype != DType::F32 {
-        return Err(RtError::msg(format!("DynamicQuantizeLSTM expects f32 X, got {dtype}")));
+        return Err(RtError::msg(format!(
+            "DynamicQuantizeLSTM expects f32 X, got {dtype}"
+        )));
     }
     finish(&layer, dtype, true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A 1-unit RNN layer with identity activation (Affine 1, 0) so outputs are hand-computable.
+    fn linear_rnn<'a>(x: &'a [f32], w: &'a [f32], r: &'a [f32], lens: Vec<usize>) -> Layer<'a> {
+        Layer {
+            kind: CellKind::Rnn,
+            seq: 3,
+            batch: 2,
+            input: 1,
+            hidden: 1,
+            dirs: 2,
+            reverse_only: false,
+            layout: 0,
+            x,
+            w: vec![Proj::Float(&w[..1]), Proj::Float(&w[1..])],
+            r: vec![Proj::Float(&r[..1]), Proj::Float(&r[1..])],
+            // Wb = 0.1, Rb = 0 for both directions.
+            b: vec![0.1, 0.0, 0.1, 0.0],
+            p: vec![0.0; 6],
+            lens,
+            h0: None,
+            c0: None,
+            acts: vec![Act::Affine(1.0, 0.0); 2],
+            clip: None,
+            threads: 1,
+        }
+    }
+
+    #[test]
+    fn bidirectional_rnn_with_sequence_lens() {
+        // X[t, b]: row 0 = 1, 2, 3; row 1 = 10, 20, (30 beyond its length 2).
+        let x = [1.0, 10.0, 2.0, 20.0, 3.0, 30.0];
+        let (w, r) = ([0.5, 0.5], [1.0, 1.0]);
+        let out = linear_rnn(&x, &w, &r, vec![3, 2]).run();
+        let y = |t: usize, d: usize, b: usize| out.y[(t * 2 + d) * 2 + b];
+        let close = |a: f32, b: f32| (a - b).abs() < 1e-5;
+        // Forward: h = 0.5 x + 0.1 + h_prev.
+        assert!(close(y(0, 0, 0), 0.6) && close(y(1, 0, 0), 1.7) && close(y(2, 0, 0), 3.3));
+        assert!(close(y(0, 0, 1), 5.1) && close(y(1, 0, 1), 15.2) && y(2, 0, 1) == 0.0);
+        // Reverse starts at each row's last valid step.
+        assert!(close(y(2, 1, 0), 1.6) && close(y(1, 1, 0), 2.7) && close(y(0, 1, 0), 3.3));
+        assert!(close(y(1, 1, 1), 10.1) && close(y(0, 1, 1), 15.2) && y(2, 1, 1) == 0.0);
+        // Y_h [dirs, batch, 1]: last valid step of each direction.
+        assert!(close(out.y_h[0], 3.3) && close(out.y_h[1], 15.2));
+        assert!(close(out.y_h[2], 3.3) && close(out.y_h[3], 15.2));
+    }
+
+    #[test]
+    fn activation_params_are_consumed_in_order() {
+        let mut n = Node::new("RNN", &[], &[]);
+        n = n
+            .with_attr(
+                "activations",
+                npuc_ir::Attr::Strings(vec!["LeakyRelu".into(), "HardSigmoid".into()]),
+            )
+            .with_attr("activation_alpha", npuc_ir::Attr::Floats(vec![0.1, 0.3]))
+            .with_attr("activation_beta", npuc_ir::Attr::Floats(vec![0.7]));
+        let acts = parse_activations(&n, &["Tanh"], 2).unwrap();
+        assert_eq!(acts, vec![Act::LeakyRelu(0.1), Act::HardSigmoid(0.3, 0.7)]);
+    }
+
+    #[test]
+    fn quantized_projection_tracks_float() {
+        // W (float) = Wq * 0.01 with Wq [k=3, n=2] in the DynamicQuantizeLSTM layout.
+        let wq: Vec<i32> = vec![10, -20, 30, 40, -50, 60];
+        let proj = Proj::Quant {
+            w: wq.clone(),
+            scale: vec![0.01, 0.01],
+            per_row: false,
+        };
+        let a = [0.3f32, -0.7, 1.1, 0.05, 0.4, -0.2];
+        let mut got = vec![0f32; 4];
+        proj.apply(2, 2, 3, &a, &mut got, false, 1);
+        for i in 0..2 {
+            for j in 0..2 {
+                let want: f32 = (0..3)
+                    .map(|p| a[i * 3 + p] * wq[p * 2 + j] as f32 * 0.01)
+                    .sum();
+                assert!((got[i * 2 + j] - want).abs() < 0.01, "{got:?}");
+            }
+        }
+    }
 }
