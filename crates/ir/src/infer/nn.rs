@@ -750,6 +750,13 @@ pub fn dft(n: &NodeIn) -> R<Vec<Out>> {
     };
     let onesided = n.int_or("onesided", 0)? != 0;
     let mut dims = x.to_vec();
+    if onesided && n.int_or("inverse", 0)? != 0 {
+        // An inverse of a one-sided spectrum: the real output length and layout vary between
+        // opsets and runtimes, so do not claim them.
+        dims[ax] = Dim::Unknown;
+        dims[r - 1] = Dim::Unknown;
+        return one(Out::ty(tt(dt, Some(dims))));
+    }
     dims[ax] = match (&len, onesided) {
         (Dim::Fixed(l), true) => Dim::Fixed(l / 2 + 1),
         (_, true) => Dim::Unknown,
@@ -793,4 +800,100 @@ pub fn stft(n: &NodeIn) -> R<Vec<Out>> {
         dt,
         Some(vec![x[0].clone(), frames, bins, Dim::Fixed(2)]),
     )))
+}
+
+/// FlexAttention (ai.onnx.preview): Q `[B, Hq, L, E]`, V `[B, Hkv, S, Ev]` -> `[B, Hq, L, Ev]`.
+pub fn flex_attention(n: &NodeIn) -> R<Vec<Out>> {
+    for i in 0..3 {
+        n.need(i)?;
+    }
+    let dims = match (n.shape(0), n.shape(2)) {
+        (Some(q), Some(v)) if q.len() == 4 && v.len() == 4 => Some(vec![
+            unify_dim(&q[0], &v[0])?,
+            q[1].clone(),
+            q[2].clone(),
+            v[3].clone(),
+        ]),
+        (Some(q), Some(v)) => {
+            return Err(format!("Q and V must be 4-D, found ranks {} and {}", q.len(), v.len()))
+        }
+        _ => None,
+    };
+    one(Out::ty(tt(n.dt(2).or(n.dt(0)), dims)))
+}
+
+/// LinearAttention: 3-D `[B, T, heads*head]` inputs; output `[B, T, Hq*dv]` and the recurrent
+/// state `[B, Hkv, dk, dv]`.
+pub fn linear_attention(n: &NodeIn) -> R<Vec<Out>> {
+    for i in 0..3 {
+        n.need(i)?;
+    }
+    let dt = n.dt(0);
+    let qh = usize::try_from(n.int_req("q_num_heads")?).map_err(|_| "negative q_num_heads")?;
+    let kh = usize::try_from(n.int_req("kv_num_heads")?).map_err(|_| "negative kv_num_heads")?;
+    if qh == 0 || kh == 0 || qh % kh != 0 {
+        return Err(format!(
+            "q_num_heads {qh} must be a positive multiple of kv_num_heads {kh}"
+        ));
+    }
+    let (Some(q), Some(v)) = (n.shape(0), n.shape(2)) else {
+        return Ok(vec![
+            Out::ty(tt(dt, Some(vec![Dim::Unknown; 3]))),
+            Out::ty(tt(dt, Some(vec![Dim::Unknown; 4]))),
+        ]);
+    };
+    if q.len() != 3 || v.len() != 3 {
+        return Err(format!("query and value must be 3-D, found ranks {} and {}", q.len(), v.len()));
+    }
+    let dk = dim_div_exact(&q[2], qh, "query hidden size")?;
+    let dv = dim_div_exact(&v[2], kh, "value hidden size")?;
+    Ok(vec![
+        Out::ty(tt(
+            dt,
+            Some(vec![q[0].clone(), q[1].clone(), dim_mul(&Dim::Fixed(qh), &dv)]),
+        )),
+        Out::ty(tt(dt, Some(vec![q[0].clone(), Dim::Fixed(kh), dk, dv]))),
+    ])
+}
+
+/// CausalConvWithState: a depthwise causal conv1d over `[B, C, L]` left-padded with the past
+/// state (or k-1 zeros); the new state is the last k-1 padded positions.
+pub fn causal_conv_with_state(n: &NodeIn) -> R<Vec<Out>> {
+    n.need(0)?;
+    n.need(1)?;
+    let dt = n.dt(0);
+    let k = n.shape(1).and_then(|w| w.get(2)).and_then(fx);
+    let (Some(x), Some(k)) = (n.shape(0), k) else {
+        return Ok(vec![
+            Out::ty(tt(dt, Some(vec![Dim::Unknown; 3]))),
+            Out::ty(tt(dt, Some(vec![Dim::Unknown; 3]))),
+        ]);
+    };
+    if x.len() != 3 {
+        return Err(format!("input rank {} is not 3", x.len()));
+    }
+    if k == 0 {
+        return Err("kernel size is zero".into());
+    }
+    let pad = if n.has(3) {
+        n.shape(3).and_then(|s| s.get(2).cloned()).unwrap_or(Dim::Unknown)
+    } else {
+        Dim::Fixed(k - 1)
+    };
+    let padded = dim_sum(&pad, &x[2]);
+    let out_len = match &padded {
+        Dim::Fixed(p) => Dim::Fixed(
+            p.checked_sub(k - 1)
+                .ok_or("input is shorter than the kernel")?,
+        ),
+        _ => Dim::Unknown,
+    };
+    let state = match &padded {
+        Dim::Fixed(p) => Dim::Fixed((k - 1).min(*p)),
+        _ => Dim::Unknown,
+    };
+    Ok(vec![
+        Out::ty(tt(dt, Some(vec![x[0].clone(), x[1].clone(), out_len]))),
+        Out::ty(tt(dt, Some(vec![x[0].clone(), x[1].clone(), state]))),
+    ])
 }

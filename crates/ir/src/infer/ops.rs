@@ -13,6 +13,11 @@ pub fn infer(n: &NodeIn) -> Outcome {
     let r = match n.node.domain.as_str() {
         "" => default_domain(n),
         "ai.onnx.preview.training" => training(n),
+        "ai.onnx.ml" => ml(n),
+        "ai.onnx.preview" => match n.op() {
+            "FlexAttention" => Some(nn::flex_attention(n)),
+            _ => None,
+        },
         "com.microsoft" => match n.op() {
             "DynamicQuantizeLSTM" => Some(nn::rnn(n)),
             _ => None,
@@ -226,6 +231,10 @@ fn default_domain(n: &NodeIn) -> Option<R<Vec<Out>>> {
         "GRU" => nn::rnn(n),
         "LSTM" => nn::rnn(n),
         "Attention" => nn::attention(n),
+        "LinearAttention" => nn::linear_attention(n),
+        "CausalConvWithState" => nn::causal_conv_with_state(n),
+        "TfIdfVectorizer" => tfidf(n),
+        "StringNormalizer" => string_normalizer(n),
         "SoftmaxCrossEntropyLoss" | "NegativeLogLikelihoodLoss" => nn::loss(n),
         "SequenceEmpty" => n.dtype_attr("dtype").map(|d| {
             vec![Out::ty(TypeInfo::Sequence(Some(Box::new(tt(
@@ -256,6 +265,98 @@ fn default_domain(n: &NodeIn) -> Option<R<Vec<Out>>> {
         }),
         _ => return None,
     })
+}
+
+/// The ai.onnx.ml ops whose output shapes follow from attributes and input shapes.
+fn ml(n: &NodeIn) -> Option<R<Vec<Out>>> {
+    Some(match n.op() {
+        "Binarizer" => same(n, 0),
+        "LabelEncoder" => {
+            let dt = if n.has_attr("values_strings") {
+                Some(DType::String)
+            } else if n.has_attr("values_int64s") {
+                Some(DType::I64)
+            } else if n.has_attr("values_floats") {
+                Some(DType::F32)
+            } else {
+                match n.tensor_attr("values_tensor") {
+                    Ok(t) => t.map(|t| t.dtype()),
+                    Err(e) => return Some(Err(e)),
+                }
+            };
+            n.need(0).map(|_| vec![same_shape(n, 0, dt)])
+        }
+        "ArrayFeatureExtractor" => {
+            let add = n.shape(1).map(|s| match s {
+                [one, k] if *one == Dim::Fixed(1) => k.clone(),
+                [k] => k.clone(),
+                s => dim_prod(s),
+            });
+            let dims = match (n.shape(0), add) {
+                (Some([]), _) => return Some(Err("data must not be a scalar".into())),
+                (Some([_]), Some(a)) => Some(vec![Dim::Fixed(1), a]),
+                (Some(s), Some(a)) => {
+                    let mut d = s[..s.len() - 1].to_vec();
+                    d.push(a);
+                    Some(d)
+                }
+                _ => None,
+            };
+            one(Out::ty(tt(n.dt(0), dims)))
+        }
+        "TreeEnsemble" => {
+            let targets = match n.int_attr("n_targets") {
+                Ok(t) => t.and_then(|t| usize::try_from(t).ok()),
+                Err(e) => return Some(Err(e)),
+            };
+            let batch = n.shape(0).and_then(|s| s.first().cloned());
+            one(Out::ty(tt(
+                n.dt(0),
+                Some(vec![
+                    batch.unwrap_or(Dim::Unknown),
+                    targets.map_or(Dim::Unknown, Dim::Fixed),
+                ]),
+            )))
+        }
+        _ => return None,
+    })
+}
+
+fn tfidf(n: &NodeIn) -> R<Vec<Out>> {
+    n.need(0)?;
+    let idx = n
+        .ints_attr("ngram_indexes")?
+        .ok_or("required attribute 'ngram_indexes' is missing")?;
+    let c = idx
+        .iter()
+        .copied()
+        .max()
+        .and_then(|m| m.checked_add(1))
+        .and_then(|m| usize::try_from(m).ok())
+        .unwrap_or(0);
+    let dims = match n.shape(0) {
+        Some([_]) => Some(vec![Dim::Fixed(c)]),
+        Some([b, _]) => Some(vec![b.clone(), Dim::Fixed(c)]),
+        Some(s) => return Err(format!("input rank {} is not 1 or 2", s.len())),
+        None => None,
+    };
+    one(Out::ty(tt(Some(DType::F32), dims)))
+}
+
+fn string_normalizer(n: &NodeIn) -> R<Vec<Out>> {
+    n.need(0)?;
+    let stops = matches!(n.attr("stopwords"), Some(Attr::Strings(v)) if !v.is_empty());
+    // Stopword removal makes the length data-dependent.
+    let dims = n.shape(0).map(|s| {
+        let mut d = s.to_vec();
+        if stops {
+            if let Some(last) = d.last_mut() {
+                *last = Dim::Unknown;
+            }
+        }
+        d
+    });
+    one(Out::ty(tt(Some(DType::String), dims)))
 }
 
 fn training(n: &NodeIn) -> Option<R<Vec<Out>>> {

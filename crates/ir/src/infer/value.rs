@@ -424,8 +424,7 @@ pub fn unary(op: &str, dtype: DType, a: &Scalar) -> Scalar {
         ("Relu", Int(x)) => Int((*x).max(0)),
         ("Not", Int(x)) => Int((*x == 0) as i64),
         ("Floor" | "Ceil" | "Round", Int(x)) => Int(*x),
-        ("Abs" | "Relu" | "Floor" | "Ceil" | "Round", Sym(s))
-            if op != "Sign" =>
+        ("Abs" | "Relu" | "Floor" | "Ceil" | "Round", Sym(s)) =>
         {
             // Dimensions are non-negative integers: these leave them unchanged.
             Sym(s.clone())
