@@ -35,11 +35,7 @@ fn worst(a: Verdict, b: Verdict) -> Verdict {
 }
 
 fn compare_tensor(ty: &TypeInfo, dtype: DType, shape: &[usize]) -> Verdict {
-    let TypeInfo::Tensor {
-        dtype: d,
-        shape: s,
-    } = ty
-    else {
+    let TypeInfo::Tensor { dtype: d, shape: s } = ty else {
         return Verdict::Mismatch(format!("inferred {} for a tensor", ty.describe()));
     };
     let mut v = Verdict::Exact;
@@ -54,10 +50,7 @@ fn compare_tensor(ty: &TypeInfo, dtype: DType, shape: &[usize]) -> Verdict {
         return Verdict::Incomplete;
     };
     if s.len() != shape.len() {
-        return Verdict::Mismatch(format!(
-            "inferred {}, real shape {shape:?}",
-            ty.describe()
-        ));
+        return Verdict::Mismatch(format!("inferred {}, real shape {shape:?}", ty.describe()));
     }
     for (a, &b) in s.iter().zip(shape) {
         match a {
@@ -85,9 +78,9 @@ fn compare(ty: &TypeInfo, real: &PbValue) -> Verdict {
     match real {
         PbValue::Tensor(t) => compare_tensor(ty, t.dtype(), t.shape()),
         PbValue::Sequence(items) => match ty {
-            TypeInfo::Sequence(Some(e)) => items.iter().fold(Verdict::Exact, |acc, it| {
-                worst(acc, compare(e, it))
-            }),
+            TypeInfo::Sequence(Some(e)) => items
+                .iter()
+                .fold(Verdict::Exact, |acc, it| worst(acc, compare(e, it))),
             TypeInfo::Sequence(None) => Verdict::Incomplete,
             _ if unknown => Verdict::Incomplete,
             _ => Verdict::Mismatch(format!("inferred {} for a sequence", ty.describe())),
@@ -109,9 +102,7 @@ fn type_of_value(v: &PbValue, declared: Option<&TypeInfo>) -> TypeInfo {
         PbValue::Tensor(t) => TypeInfo::tensor(t.dtype(), t.shape()),
         PbValue::Sequence(items) => {
             let first = items.first().map(|i| type_of_value(i, None));
-            let same = items
-                .iter()
-                .all(|i| Some(type_of_value(i, None)) == first);
+            let same = items.iter().all(|i| Some(type_of_value(i, None)) == first);
             match (first, same) {
                 (Some(f), true) => TypeInfo::Sequence(Some(Box::new(f))),
                 _ => declared.cloned().unwrap_or(TypeInfo::Sequence(None)),
@@ -273,7 +264,10 @@ fn node_suite_inference_matches_real_outputs() {
     println!("\nper-op results (exact / incomplete / mismatch), ops not fully exact:");
     for (op, c) in &per_op {
         if c.incomplete + c.mismatch > 0 {
-            println!("  {op:<40} {:>4} / {:>4} / {:>4}", c.exact, c.incomplete, c.mismatch);
+            println!(
+                "  {op:<40} {:>4} / {:>4} / {:>4}",
+                c.exact, c.incomplete, c.mismatch
+            );
         }
     }
     println!("\nops without inference rules (node count): {not_inferred:?}");
@@ -301,7 +295,11 @@ fn node_suite_inference_matches_real_outputs() {
         share * 100.0,
         skipped.len()
     );
-    assert!(mismatches.is_empty(), "{} inference mismatches", mismatches.len());
+    assert!(
+        mismatches.is_empty(),
+        "{} inference mismatches",
+        mismatches.len()
+    );
     assert!(
         problems.is_empty(),
         "{} problems reported on valid models",
@@ -367,7 +365,11 @@ fn real_models_infer_reference_output_shapes() {
     for (dir, stem) in cases {
         let path = models.join(dir).join(format!("{stem}.onnx"));
         let meta_path = fixtures.join(dir).join(format!("{stem}.ref/meta.json"));
-        assert!(path.exists(), "{} is missing: run `scripts/fetch-data.sh models`", path.display());
+        assert!(
+            path.exists(),
+            "{} is missing: run `scripts/fetch-data.sh models`",
+            path.display()
+        );
         let meta: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(&meta_path).unwrap()).unwrap();
         let model = load_model(&path).unwrap();

@@ -27,7 +27,10 @@ fn window(n: &NodeIn, kernel: Vec<usize>) -> R<Window> {
         match n.ints_attr(name)? {
             Some(v) => {
                 if v.len() != sp {
-                    return Err(format!("'{name}' has {} entries for {sp} spatial dims", v.len()));
+                    return Err(format!(
+                        "'{name}' has {} entries for {sp} spatial dims",
+                        v.len()
+                    ));
                 }
                 let v = non_neg(v, name)?;
                 if v.contains(&0) {
@@ -43,7 +46,10 @@ fn window(n: &NodeIn, kernel: Vec<usize>) -> R<Window> {
     let pads = match n.ints_attr("pads")? {
         Some(p) => {
             if p.len() != 2 * sp {
-                return Err(format!("'pads' has {} entries for {sp} spatial dims", p.len()));
+                return Err(format!(
+                    "'pads' has {} entries for {sp} spatial dims",
+                    p.len()
+                ));
             }
             p.to_vec()
         }
@@ -81,7 +87,10 @@ impl Window {
                 (d - ek) / s + 1
             }
             "NOTSET" | "" => {
-                let (pb, pe) = (self.pads[i] as i128, self.pads[i + self.kernel.len()] as i128);
+                let (pb, pe) = (
+                    self.pads[i] as i128,
+                    self.pads[i + self.kernel.len()] as i128,
+                );
                 let span = d + pb + pe - ek;
                 if span < 0 {
                     return Err(format!(
@@ -130,15 +139,15 @@ pub fn conv(n: &NodeIn) -> R<Vec<Out>> {
         Some(k) => Some(non_neg(k, "kernel_shape")?),
         None => ws.and_then(|w| all_fixed(w.get(2..)?)),
     };
-    let m = ws
-        .and_then(|w| w.first().cloned())
-        .unwrap_or(Dim::Unknown);
-    let batch = xs
-        .and_then(|x| x.first().cloned())
-        .unwrap_or(Dim::Unknown);
+    let m = ws.and_then(|w| w.first().cloned()).unwrap_or(Dim::Unknown);
+    let batch = xs.and_then(|x| x.first().cloned()).unwrap_or(Dim::Unknown);
     if let (Some(x), Some(w)) = (xs, ws) {
         if x.len() != w.len() {
-            return Err(format!("input rank {} and weight rank {} differ", x.len(), w.len()));
+            return Err(format!(
+                "input rank {} and weight rank {} differ",
+                x.len(),
+                w.len()
+            ));
         }
         let g = usize::try_from(n.int_or("group", 1)?).map_err(|_| "negative group")?;
         if let (Dim::Fixed(c), Dim::Fixed(wc)) = (&x[1], &w[1]) {
@@ -181,14 +190,15 @@ pub fn conv_transpose(n: &NodeIn) -> R<Vec<Out>> {
     let m = ws
         .and_then(|w| w.get(1))
         .map_or(Dim::Unknown, |d| dim_mul(d, &Dim::Fixed(g)));
-    let batch = xs
-        .and_then(|x| x.first().cloned())
-        .unwrap_or(Dim::Unknown);
+    let batch = xs.and_then(|x| x.first().cloned()).unwrap_or(Dim::Unknown);
     let mut dims = vec![batch, m];
     if let Some(os) = n.ints_attr("output_shape")? {
         let os = non_neg(os, "output_shape")?;
         if os.len() < sp {
-            return Err(format!("output_shape has {} entries for {sp} spatial dims", os.len()));
+            return Err(format!(
+                "output_shape has {} entries for {sp} spatial dims",
+                os.len()
+            ));
         }
         dims.extend(fixed(&os[os.len() - sp..]));
         return one(Out::ty(tt(dt, Some(dims))));
@@ -207,7 +217,12 @@ pub fn conv_transpose(n: &NodeIn) -> R<Vec<Out>> {
     let w = window(n, k)?;
     let op = match n.ints_attr("output_padding")? {
         Some(p) if p.len() == sp => p.to_vec(),
-        Some(p) => return Err(format!("output_padding has {} entries for {sp} dims", p.len())),
+        Some(p) => {
+            return Err(format!(
+                "output_padding has {} entries for {sp} dims",
+                p.len()
+            ))
+        }
         None => vec![0; sp],
     };
     for i in 0..sp {
@@ -248,7 +263,10 @@ pub fn pool(n: &NodeIn) -> R<Vec<Out>> {
     let dims = match n.shape(0) {
         Some(x) => {
             if x.len() != sp + 2 {
-                return Err(format!("input rank {} does not fit a {sp}-D kernel", x.len()));
+                return Err(format!(
+                    "input rank {} does not fit a {sp}-D kernel",
+                    x.len()
+                ));
             }
             let w = window(n, kernel)?;
             let mut dims = x[..2].to_vec();
@@ -283,10 +301,7 @@ pub fn max_unpool(n: &NodeIn) -> R<Vec<Out>> {
     n.need(0)?;
     let dt = n.dt(0);
     if n.has(2) {
-        return one(Out::ty(tt(
-            dt,
-            n.val(2).map(super::value::to_dims),
-        )));
+        return one(Out::ty(tt(dt, n.val(2).map(super::value::to_dims))));
     }
     let kernel = non_neg(
         n.ints_attr("kernel_shape")?
@@ -298,7 +313,10 @@ pub fn max_unpool(n: &NodeIn) -> R<Vec<Out>> {
         return one(Out::ty(tt(dt, None)));
     };
     if x.len() != sp + 2 {
-        return Err(format!("input rank {} does not fit a {sp}-D kernel", x.len()));
+        return Err(format!(
+            "input rank {} does not fit a {sp}-D kernel",
+            x.len()
+        ));
     }
     let w = window(n, kernel)?;
     let mut dims = x[..2].to_vec();
@@ -566,7 +584,11 @@ pub fn center_crop_pad(n: &NodeIn) -> R<Vec<Out>> {
     };
     let t = super::value::to_dims(target);
     if t.len() != ax.len() {
-        return Err(format!("shape has {} entries for {} axes", t.len(), ax.len()));
+        return Err(format!(
+            "shape has {} entries for {} axes",
+            t.len(),
+            ax.len()
+        ));
     }
     let mut d = x.to_vec();
     for (j, &a) in ax.iter().enumerate() {
@@ -590,8 +612,12 @@ pub fn rnn(n: &NodeIn) -> R<Vec<Out>> {
         None => n
             .shape(2)
             .and_then(|s| {
-                s.get(if n.op() == "DynamicQuantizeLSTM" { 1 } else { 2 })
-                    .cloned()
+                s.get(if n.op() == "DynamicQuantizeLSTM" {
+                    1
+                } else {
+                    2
+                })
+                .cloned()
             })
             .unwrap_or(Dim::Unknown),
     };
@@ -780,7 +806,10 @@ pub fn stft(n: &NodeIn) -> R<Vec<Out>> {
     let flen = if n.has(3) {
         n.int_scalar(3)
     } else if n.has(2) {
-        n.shape(2).and_then(|s| s.first()).and_then(fx).map(|v| v as i64)
+        n.shape(2)
+            .and_then(|s| s.first())
+            .and_then(fx)
+            .map(|v| v as i64)
     } else {
         None
     };
@@ -788,11 +817,19 @@ pub fn stft(n: &NodeIn) -> R<Vec<Out>> {
     let (frames, bins) = match (step, flen, &x[1]) {
         (Some(s), Some(f), Dim::Fixed(len)) if s > 0 && f > 0 && (f as usize) <= *len => (
             Dim::Fixed((len - f as usize) / s as usize + 1),
-            Dim::Fixed(if onesided { f as usize / 2 + 1 } else { f as usize }),
+            Dim::Fixed(if onesided {
+                f as usize / 2 + 1
+            } else {
+                f as usize
+            }),
         ),
         (_, Some(f), _) if f > 0 => (
             Dim::Unknown,
-            Dim::Fixed(if onesided { f as usize / 2 + 1 } else { f as usize }),
+            Dim::Fixed(if onesided {
+                f as usize / 2 + 1
+            } else {
+                f as usize
+            }),
         ),
         _ => (Dim::Unknown, Dim::Unknown),
     };
@@ -815,7 +852,11 @@ pub fn flex_attention(n: &NodeIn) -> R<Vec<Out>> {
             v[3].clone(),
         ]),
         (Some(q), Some(v)) => {
-            return Err(format!("Q and V must be 4-D, found ranks {} and {}", q.len(), v.len()))
+            return Err(format!(
+                "Q and V must be 4-D, found ranks {} and {}",
+                q.len(),
+                v.len()
+            ))
         }
         _ => None,
     };
@@ -843,14 +884,22 @@ pub fn linear_attention(n: &NodeIn) -> R<Vec<Out>> {
         ]);
     };
     if q.len() != 3 || v.len() != 3 {
-        return Err(format!("query and value must be 3-D, found ranks {} and {}", q.len(), v.len()));
+        return Err(format!(
+            "query and value must be 3-D, found ranks {} and {}",
+            q.len(),
+            v.len()
+        ));
     }
     let dk = dim_div_exact(&q[2], qh, "query hidden size")?;
     let dv = dim_div_exact(&v[2], kh, "value hidden size")?;
     Ok(vec![
         Out::ty(tt(
             dt,
-            Some(vec![q[0].clone(), q[1].clone(), dim_mul(&Dim::Fixed(qh), &dv)]),
+            Some(vec![
+                q[0].clone(),
+                q[1].clone(),
+                dim_mul(&Dim::Fixed(qh), &dv),
+            ]),
         )),
         Out::ty(tt(dt, Some(vec![q[0].clone(), Dim::Fixed(kh), dk, dv]))),
     ])
@@ -876,7 +925,9 @@ pub fn causal_conv_with_state(n: &NodeIn) -> R<Vec<Out>> {
         return Err("kernel size is zero".into());
     }
     let pad = if n.has(3) {
-        n.shape(3).and_then(|s| s.get(2).cloned()).unwrap_or(Dim::Unknown)
+        n.shape(3)
+            .and_then(|s| s.get(2).cloned())
+            .unwrap_or(Dim::Unknown)
     } else {
         Dim::Fixed(k - 1)
     };

@@ -118,14 +118,18 @@ fn default_domain(n: &NodeIn) -> Option<R<Vec<Out>>> {
     }
     Some(match op {
         "Identity" => same(n, 0),
-        "Add" | "Sub" | "Mul" | "Div" | "Pow" | "Mod" | "BitShift" | "BitwiseAnd"
-        | "BitwiseOr" | "BitwiseXor" => binary(n),
+        "Add" | "Sub" | "Mul" | "Div" | "Pow" | "Mod" | "BitShift" | "BitwiseAnd" | "BitwiseOr"
+        | "BitwiseXor" => binary(n),
         "Sum" | "Mean" | "Max" | "Min" => variadic(n),
-        "Equal" | "Less" | "Greater" | "LessOrEqual" | "GreaterOrEqual" | "And" | "Or"
-        | "Xor" => logic(n),
-        "IsNaN" | "IsInf" | "RegexFullMatch" => n.need(0).map(|_| vec![same_shape(n, 0, Some(DType::Bool))]),
-        "StringConcat" => bcast_all(&[n.shape(0), n.shape(1)])
-            .map(|s| vec![Out::ty(tt(Some(DType::String), s))]),
+        "Equal" | "Less" | "Greater" | "LessOrEqual" | "GreaterOrEqual" | "And" | "Or" | "Xor" => {
+            logic(n)
+        }
+        "IsNaN" | "IsInf" | "RegexFullMatch" => {
+            n.need(0).map(|_| vec![same_shape(n, 0, Some(DType::Bool))])
+        }
+        "StringConcat" => {
+            bcast_all(&[n.shape(0), n.shape(1)]).map(|s| vec![Out::ty(tt(Some(DType::String), s))])
+        }
         "StringSplit" => Ok(vec![
             Out::ty(tt(
                 Some(DType::String),
@@ -198,9 +202,9 @@ fn default_domain(n: &NodeIn) -> Option<R<Vec<Out>>> {
             Some(vec![Dim::Unknown, Dim::Fixed(3)]),
         ))),
         "Det" => n.need(0).map(|_| {
-            let s = n.shape(0).and_then(|s| {
-                (s.len() >= 2).then(|| s[..s.len() - 2].to_vec())
-            });
+            let s = n
+                .shape(0)
+                .and_then(|s| (s.len() >= 2).then(|| s[..s.len() - 2].to_vec()));
             vec![Out::ty(tt(n.dt(0), s))]
         }),
         "Bernoulli" => n
@@ -368,7 +372,7 @@ fn training(n: &NodeIn) -> Option<R<Vec<Out>>> {
         _ => return None,
     };
     let total = n.n_in().saturating_sub(2);
-    if total % in_groups != 0 {
+    if !total.is_multiple_of(in_groups) {
         return Some(Err(format!(
             "expects 2 + {in_groups}*n inputs, found {}",
             n.n_in()
@@ -432,9 +436,9 @@ fn variadic(n: &NodeIn) -> R<Vec<Out>> {
         let vals: Option<Vec<&Known>> = (0..n.n_in()).map(|i| n.val(i)).collect();
         if let (Some(vals), false) = (vals, op.is_empty()) {
             let f = |s: &[&Scalar]| {
-                s.iter().skip(1).fold(s[0].clone(), |acc, x| {
-                    value::arith(op, d, &acc, x, false)
-                })
+                s.iter()
+                    .skip(1)
+                    .fold(s[0].clone(), |acc, x| value::arith(op, d, &acc, x, false))
             };
             if let Some(k) = value::broadcast_map(&vals, d, f) {
                 return one(Out::known(k));
@@ -661,9 +665,7 @@ fn range(n: &NodeIn) -> R<Vec<Out>> {
                     .and_then(|x| x.checked_add(*s))
                     .map_or(Scalar::Unknown, |v| value::wrap_int(d, v)),
                 (s, dl) => match (s.as_f64(), dl.as_f64()) {
-                    (Some(s), Some(dl)) => {
-                        value::cast_scalar(&Scalar::Float(s + i as f64 * dl), d)
-                    }
+                    (Some(s), Some(dl)) => value::cast_scalar(&Scalar::Float(s + i as f64 * dl), d),
                     _ => Scalar::Unknown,
                 },
             })
@@ -688,10 +690,9 @@ pub(crate) fn reshape_dims(input: Option<&[Dim]>, target: &Known, allowzero: boo
                 Dim::Unknown
             }
             Scalar::Int(0) if !allowzero => match input {
-                Some(sh) => sh
-                    .get(i)
-                    .cloned()
-                    .ok_or_else(|| format!("target dim {i} copies an input dim that does not exist"))?,
+                Some(sh) => sh.get(i).cloned().ok_or_else(|| {
+                    format!("target dim {i} copies an input dim that does not exist")
+                })?,
                 None => Dim::Unknown,
             },
             Scalar::Int(v) if *v < 0 => {
@@ -800,15 +801,17 @@ fn transpose(n: &NodeIn) -> R<Vec<Out>> {
     n.need(0)?;
     let perm = n.ints_attr("perm")?;
     let Some(s) = n.shape(0) else {
-        return one(Out::ty(tt(n.dt(0), perm.map(|p| vec![Dim::Unknown; p.len()]))));
+        return one(Out::ty(tt(
+            n.dt(0),
+            perm.map(|p| vec![Dim::Unknown; p.len()]),
+        )));
     };
     let perm: Vec<usize> = match perm {
         Some(p) => {
             if p.len() != s.len() {
                 return Err(format!("perm has {} entries for rank {}", p.len(), s.len()));
             }
-            let v = axes(p, s.len())?;
-            v
+            axes(p, s.len())?
         }
         None => (0..s.len()).rev().collect(),
     };
@@ -989,9 +992,7 @@ fn split(n: &NodeIn) -> R<Vec<Out>> {
             Some(v) => Some(v),
             None => {
                 return Ok((0..k)
-                    .map(|_| {
-                        Out::ty(tt(n.dt(0), n.rank(0).map(|r| vec![Dim::Unknown; r])))
-                    })
+                    .map(|_| Out::ty(tt(n.dt(0), n.rank(0).map(|r| vec![Dim::Unknown; r]))))
                     .collect())
             }
         }
@@ -1130,12 +1131,25 @@ fn slice(n: &NodeIn) -> R<Vec<Out>> {
     let (starts, ends, ax, steps) = if n.opset < 10 {
         let s = n.ints_attr("starts")?.map(|v| v.to_vec());
         let e = n.ints_attr("ends")?.map(|v| v.to_vec());
-        (s, e, Some(n.ints_attr("axes")?.map(|v| v.to_vec())), Some(None))
+        (
+            s,
+            e,
+            Some(n.ints_attr("axes")?.map(|v| v.to_vec())),
+            Some(None),
+        )
     } else {
         n.need(1)?;
         n.need(2)?;
-        let ax = if n.has(3) { n.ints(3).map(Some) } else { Some(None) };
-        let st = if n.has(4) { n.ints(4).map(Some) } else { Some(None) };
+        let ax = if n.has(3) {
+            n.ints(3).map(Some)
+        } else {
+            Some(None)
+        };
+        let st = if n.has(4) {
+            n.ints(4).map(Some)
+        } else {
+            Some(None)
+        };
         (n.ints(1), n.ints(2), ax, st)
     };
     let Some(s) = n.shape(0) else {
@@ -1260,7 +1274,16 @@ fn expand(n: &NodeIn) -> R<Vec<Out>> {
     };
     let dims = bcast(s, &target)?;
     if let (Some(v), Some(f)) = (n.val(0), all_fixed(&dims)) {
-        let ones = Known::new(v.dtype, f.clone(), vec![Scalar::Int(0); value::checked_numel(&f).unwrap_or(usize::MAX).min(MAX_FOLD + 1)]);
+        let ones = Known::new(
+            v.dtype,
+            f.clone(),
+            vec![
+                Scalar::Int(0);
+                value::checked_numel(&f)
+                    .unwrap_or(usize::MAX)
+                    .min(MAX_FOLD + 1)
+            ],
+        );
         if let Some(ones) = ones {
             if let Some(k) = value::broadcast_map(&[v, &ones], v.dtype, |s| s[0].clone()) {
                 return one(Out::known(k));
@@ -1280,7 +1303,11 @@ fn tile(n: &NodeIn) -> R<Vec<Out>> {
         return one(Out::ty(tt(n.dt(0), Some(vec![Dim::Unknown; s.len()]))));
     };
     if rep.len() != s.len() {
-        return Err(format!("repeats has {} entries for rank {}", rep.len(), s.len()));
+        return Err(format!(
+            "repeats has {} entries for rank {}",
+            rep.len(),
+            s.len()
+        ));
     }
     let rep = non_neg(&rep, "repeats")?;
     let dims = s
@@ -1311,7 +1338,11 @@ fn pad(n: &NodeIn) -> R<Vec<Out>> {
         return one(Out::ty(tt(n.dt(0), Some(vec![Dim::Unknown; s.len()]))));
     };
     if pads.len() != 2 * ax.len() {
-        return Err(format!("pads has {} entries for {} axes", pads.len(), ax.len()));
+        return Err(format!(
+            "pads has {} entries for {} axes",
+            pads.len(),
+            ax.len()
+        ));
     }
     let mut dims = s.to_vec();
     for (j, &a) in ax.iter().enumerate() {
@@ -1320,7 +1351,9 @@ fn pad(n: &NodeIn) -> R<Vec<Out>> {
             .ok_or("pads overflow")?;
         dims[a] = dim_add(&s[a], total);
         if let (Dim::Fixed(d), Dim::Unknown) = (&s[a], &dims[a]) {
-            return Err(format!("padding {total} makes axis {a} of size {d} negative"));
+            return Err(format!(
+                "padding {total} makes axis {a} of size {d} negative"
+            ));
         }
     }
     one(Out::ty(tt(n.dt(0), Some(dims))))
@@ -1337,7 +1370,7 @@ fn one_hot(n: &NodeIn) -> R<Vec<Out>> {
     let r = s.len() + 1;
     let ax = axis(n.int_or("axis", -1)?, r)?;
     let depth = match n.val(1).and_then(|k| k.single()).and_then(|x| x.as_f64()) {
-        Some(d) if d >= 1.0 && d < 1e15 => Dim::Fixed(d as usize),
+        Some(d) if (1.0..1e15).contains(&d) => Dim::Fixed(d as usize),
         Some(d) => return Err(format!("depth {d} is not positive")),
         None => Dim::Unknown,
     };
@@ -1406,10 +1439,7 @@ fn reduce(n: &NodeIn) -> R<Vec<Out>> {
         return one(Out::ty(tt(dt, None)));
     };
     let Some(ax) = ax else {
-        return one(Out::ty(tt(
-            dt,
-            keep.then(|| vec![Dim::Unknown; s.len()]),
-        )));
+        return one(Out::ty(tt(dt, keep.then(|| vec![Dim::Unknown; s.len()]))));
     };
     let ax = match ax {
         Some(a) if !a.is_empty() => axes(&a, s.len())?,
@@ -1541,7 +1571,11 @@ fn gemm(n: &NodeIn) -> R<Vec<Out>> {
     let dims = match (n.shape(0), n.shape(1)) {
         (Some(a), Some(b)) => {
             if a.len() != 2 || b.len() != 2 {
-                return Err(format!("A and B must be 2-D, found ranks {} and {}", a.len(), b.len()));
+                return Err(format!(
+                    "A and B must be 2-D, found ranks {} and {}",
+                    a.len(),
+                    b.len()
+                ));
             }
             let (m, k1) = if ta { (&a[1], &a[0]) } else { (&a[0], &a[1]) };
             let (k2, nn) = if tb { (&b[1], &b[0]) } else { (&b[0], &b[1]) };
@@ -1573,7 +1607,11 @@ fn einsum(n: &NodeIn) -> R<Vec<Out>> {
     };
     let terms: Vec<&str> = lhs.split(',').collect();
     if terms.len() != n.n_in() {
-        return Err(format!("equation has {} operands for {} inputs", terms.len(), n.n_in()));
+        return Err(format!(
+            "equation has {} operands for {} inputs",
+            terms.len(),
+            n.n_in()
+        ));
     }
     let mut letters: Vec<(char, Dim)> = vec![];
     let mut counts: std::collections::BTreeMap<char, usize> = Default::default();
@@ -1603,7 +1641,10 @@ fn einsum(n: &NodeIn) -> R<Vec<Out>> {
             continue;
         };
         if s.len() < named.len() || (!has_ell && s.len() != named.len()) {
-            return Err(format!("term '{t}' does not fit input {i} of rank {}", s.len()));
+            return Err(format!(
+                "term '{t}' does not fit input {i} of rank {}",
+                s.len()
+            ));
         }
         let n_ell = s.len() - named.len();
         let pre_n = pre.chars().count();
@@ -1635,7 +1676,11 @@ fn einsum(n: &NodeIn) -> R<Vec<Out>> {
     let out_spec: String = match rhs {
         Some(r) => r.to_string(),
         None => {
-            let mut s = if any_ell { "...".to_string() } else { String::new() };
+            let mut s = if any_ell {
+                "...".to_string()
+            } else {
+                String::new()
+            };
             s.extend(counts.iter().filter(|(_, &c)| c == 1).map(|(l, _)| *l));
             s
         }
@@ -1761,7 +1806,9 @@ fn unique(n: &NodeIn) -> R<Vec<Out>> {
 }
 
 fn random(n: &NodeIn) -> R<Vec<Out>> {
-    let shape = n.ints_attr("shape")?.ok_or("required attribute 'shape' is missing")?;
+    let shape = n
+        .ints_attr("shape")?
+        .ok_or("required attribute 'shape' is missing")?;
     let shape = non_neg(shape, "shape")?;
     let dt = n.dtype_attr("dtype")?.unwrap_or(Some(DType::F32));
     one(Out::ty(tt(dt, Some(fixed(&shape)))))
@@ -1769,7 +1816,8 @@ fn random(n: &NodeIn) -> R<Vec<Out>> {
 
 fn multinomial(n: &NodeIn) -> R<Vec<Out>> {
     n.need(0)?;
-    let samples = usize::try_from(n.int_or("sample_size", 1)?).map_err(|_| "negative sample_size")?;
+    let samples =
+        usize::try_from(n.int_or("sample_size", 1)?).map_err(|_| "negative sample_size")?;
     let dt = n.dtype_attr("dtype")?.unwrap_or(Some(DType::I32));
     let batch = n
         .shape(0)

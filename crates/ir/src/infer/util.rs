@@ -70,8 +70,16 @@ pub fn bcast(a: &[Dim], b: &[Dim]) -> R<Vec<Dim>> {
     let one = Dim::Fixed(1);
     (0..r)
         .map(|i| {
-            let da = if i + a.len() >= r { &a[i + a.len() - r] } else { &one };
-            let db = if i + b.len() >= r { &b[i + b.len() - r] } else { &one };
+            let da = if i + a.len() >= r {
+                &a[i + a.len() - r]
+            } else {
+                &one
+            };
+            let db = if i + b.len() >= r {
+                &b[i + b.len() - r]
+            } else {
+                &one
+            };
             bcast_dim(da, db)
         })
         .collect()
