@@ -414,3 +414,157 @@ fn real_models_infer_reference_output_shapes() {
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+/// Replaces every fixed dim of a bound type by a symbol (rank and dtype kept).
+fn symbolize(t: &TypeInfo, tag: &str) -> TypeInfo {
+    match t {
+        TypeInfo::Tensor {
+            dtype,
+            shape: Some(s),
+        } => TypeInfo::Tensor {
+            dtype: *dtype,
+            shape: Some(
+                (0..s.len())
+                    .map(|i| Dim::Symbolic(format!("{tag}_{i}")))
+                    .collect(),
+            ),
+        },
+        other => other.clone(),
+    }
+}
+
+/// With symbolic instead of fixed input dims, inference must still never contradict the real
+/// outputs: every fixed dim it derives (from attributes and constants) must be right.
+#[test]
+fn symbolic_inputs_never_contradict_real_outputs() {
+    let root = cache().join("suite/onnx-1.22.0/data/node");
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join("model.onnx").exists())
+        .collect();
+    dirs.sort();
+    let mut mismatches = vec![];
+    let (mut exact, mut total) = (0, 0);
+    for dir in &dirs {
+        let Ok(model) = load_model(&dir.join("model.onnx")) else {
+            continue;
+        };
+        let ds = dir.join("test_data_set_0");
+        let g = &model.graph;
+        let mut types = HashMap::new();
+        let mut ok = true;
+        for (i, vi) in g.inputs.iter().enumerate() {
+            let p = ds.join(format!("input_{i}.pb"));
+            if !p.exists() {
+                continue;
+            }
+            match load_value_pb(&p, vi.ty.as_ref()) {
+                Ok(v) => {
+                    let t = type_of_value(&v, vi.ty.as_ref());
+                    types.insert(vi.name.clone(), symbolize(&t, &format!("in{i}")));
+                }
+                Err(_) => ok = false,
+            }
+        }
+        if !ok {
+            continue;
+        }
+        let result = infer_model(&model, &types);
+        let mut verdict = Verdict::Exact;
+        for (j, vo) in g.outputs.iter().enumerate() {
+            let Ok(real) = load_value_pb(&ds.join(format!("output_{j}.pb")), vo.ty.as_ref())
+            else {
+                continue;
+            };
+            if let Some(ty) = result.type_of(&vo.name) {
+                verdict = worst(verdict, compare(ty, &real));
+            }
+        }
+        total += 1;
+        match verdict {
+            Verdict::Exact => exact += 1,
+            Verdict::Incomplete => {}
+            Verdict::Mismatch(m) => mismatches.push(format!(
+                "{}: {m}",
+                dir.file_name().unwrap().to_string_lossy()
+            )),
+        }
+    }
+    println!("symbolic inputs: {exact}/{total} node tests still infer completely");
+    assert!(mismatches.is_empty(), "{}", mismatches.join("\n"));
+}
+
+/// Malformed models and absurd bindings produce problems or unknowns, never a panic: every
+/// suite model with attributes removed, with inputs dropped, and with inputs bound to scalars,
+/// to huge dims and to zero dims.
+#[test]
+fn malformed_models_never_panic() {
+    let root = cache().join("suite/onnx-1.22.0/data/node");
+    let mut n = 0;
+    for e in std::fs::read_dir(&root).unwrap() {
+        let dir = e.unwrap().path();
+        let Ok(model) = load_model(&dir.join("model.onnx")) else {
+            continue;
+        };
+        let inputs: Vec<(String, Option<DType>, usize)> = model
+            .graph
+            .inputs
+            .iter()
+            .map(|vi| {
+                let (d, r) = match &vi.ty {
+                    Some(TypeInfo::Tensor { dtype, shape }) => {
+                        (*dtype, shape.as_ref().map_or(2, |s| s.len()))
+                    }
+                    _ => (None, 2),
+                };
+                (vi.name.clone(), d, r)
+            })
+            .collect();
+        let bind = |f: &dyn Fn(usize) -> Vec<Dim>| -> HashMap<String, TypeInfo> {
+            inputs
+                .iter()
+                .map(|(name, d, r)| {
+                    (
+                        name.clone(),
+                        TypeInfo::Tensor {
+                            dtype: *d,
+                            shape: Some(f(*r)),
+                        },
+                    )
+                })
+                .collect()
+        };
+        let bindings = [
+            HashMap::new(),
+            bind(&|_| vec![]),
+            bind(&|r| vec![Dim::Fixed(usize::MAX / 3); r]),
+            bind(&|r| vec![Dim::Fixed(0); r]),
+            bind(&|r| vec![Dim::Fixed(7); r + 1]),
+        ];
+        let mut no_attrs = model.clone();
+        for node in &mut no_attrs.graph.nodes {
+            node.attrs.clear();
+        }
+        let mut few_inputs = model.clone();
+        for node in &mut few_inputs.graph.nodes {
+            node.inputs.truncate(1);
+        }
+        let mut no_outputs = model.clone();
+        for node in &mut no_outputs.graph.nodes {
+            node.outputs.truncate(1);
+        }
+        for m in [&model, &no_attrs, &few_inputs, &no_outputs] {
+            for b in &bindings {
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| infer_model(m, b)));
+                assert!(
+                    r.is_ok(),
+                    "inference panicked on {} with bindings {b:?}",
+                    dir.display()
+                );
+                n += 1;
+            }
+        }
+    }
+    println!("{n} malformed inference runs, no panics");
+}

@@ -601,7 +601,7 @@ fn constant_of_shape(n: &NodeIn) -> R<Vec<Out>> {
     let fill = n.tensor_attr("value")?;
     let dt = fill.map_or(DType::F32, |t| t.dtype());
     let Some(target) = n.val(0) else {
-        let rank = n.shape(0).and_then(|s| s.first()).and_then(fx);
+        let rank = rank_from_len(n.shape(0));
         return one(Out::ty(tt(Some(dt), rank.map(|r| vec![Dim::Unknown; r]))));
     };
     let dims = value::to_dims(target);
@@ -764,7 +764,7 @@ fn reshape(n: &NodeIn) -> R<Vec<Out>> {
         n.val(1).cloned()
     };
     let Some(target) = target else {
-        let rank = n.shape(1).and_then(|s| s.first()).and_then(fx);
+        let rank = rank_from_len(n.shape(1));
         return one(Out::ty(tt(n.dt(0), rank.map(|r| vec![Dim::Unknown; r]))));
     };
     let dims = reshape_dims(n.shape(0), &target, allowzero)?;
@@ -922,7 +922,11 @@ fn take_axis(k: &Known, axis: usize, idx: &[usize]) -> Option<Known> {
     let outer: usize = k.shape[..axis].iter().product();
     let inner: usize = k.shape[axis + 1..].iter().product();
     let d = k.shape[axis];
-    let mut data = Vec::with_capacity(outer * idx.len() * inner);
+    let total = outer.checked_mul(idx.len())?.checked_mul(inner)?;
+    if total > MAX_FOLD {
+        return None;
+    }
+    let mut data = Vec::with_capacity(total);
     for o in 0..outer {
         for &i in idx {
             if i >= d {
@@ -965,8 +969,9 @@ fn concat(n: &NodeIn) -> R<Vec<Out>> {
     }
     let vals: Option<Vec<&Known>> = (0..n.n_in()).map(|i| n.val(i)).collect();
     if let (Some(vals), Some(f), Some(d)) = (vals, all_fixed(&dims), dt) {
-        let outer: usize = f[..ax].iter().product();
+        let outer = value::checked_numel(&f[..ax]).filter(|&o| o <= MAX_FOLD);
         let mut data = Vec::new();
+        let outer = outer.unwrap_or(0);
         for o in 0..outer {
             for v in &vals {
                 let chunk: usize = v.shape[ax..].iter().product();
@@ -1021,8 +1026,8 @@ fn split(n: &NodeIn) -> R<Vec<Out>> {
                 Some(m) => usize::try_from(m).map_err(|_| "num_outputs is negative")?,
                 None => k,
             };
-            if num == 0 {
-                return Err("splits into zero outputs".into());
+            if num == 0 || num != k {
+                return Err(format!("splits into {num} parts for {k} outputs"));
             }
             match s[ax] {
                 Dim::Fixed(d) => {
@@ -1261,7 +1266,7 @@ fn expand(n: &NodeIn) -> R<Vec<Out>> {
     n.need(0)?;
     n.need(1)?;
     let Some(t) = n.val(1) else {
-        let len = n.shape(1).and_then(|s| s.first()).and_then(fx);
+        let len = rank_from_len(n.shape(1));
         let rank = match (len, n.rank(0)) {
             (Some(l), Some(r)) => Some(l.max(r)),
             _ => None,

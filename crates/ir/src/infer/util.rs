@@ -24,6 +24,18 @@ pub fn all_fixed(s: &[Dim]) -> Option<Vec<usize>> {
         .collect()
 }
 
+/// Largest rank inference will materialise from a value (a shape input's length). Real ranks
+/// are tiny; a malformed model could otherwise ask for a vector of billions of dims.
+pub const MAX_RANK: usize = 1024;
+
+/// The rank implied by the length of a 1-D shape tensor, when known and plausible.
+pub fn rank_from_len(shape: Option<&[Dim]>) -> Option<usize> {
+    match shape?.first()? {
+        Dim::Fixed(n) if *n <= MAX_RANK => Some(*n),
+        _ => None,
+    }
+}
+
 pub fn fx(d: &Dim) -> Option<usize> {
     match d {
         Dim::Fixed(n) => Some(*n),

@@ -78,6 +78,15 @@ impl Known {
         if n != data.len() || n > MAX_FOLD {
             return None;
         }
+        // With a zero dim the element count says nothing about the other dims; bound them too
+        // so that every partial product of the shape stays small.
+        let nonzero = shape
+            .iter()
+            .filter(|&&d| d != 0)
+            .try_fold(1usize, |a, &d| a.checked_mul(d))?;
+        if nonzero > MAX_FOLD || shape.len() > MAX_FOLD {
+            return None;
+        }
         Some(Known { dtype, shape, data })
     }
 
