@@ -473,8 +473,7 @@ fn symbolic_inputs_never_contradict_real_outputs() {
         let result = infer_model(&model, &types);
         let mut verdict = Verdict::Exact;
         for (j, vo) in g.outputs.iter().enumerate() {
-            let Ok(real) = load_value_pb(&ds.join(format!("output_{j}.pb")), vo.ty.as_ref())
-            else {
+            let Ok(real) = load_value_pb(&ds.join(format!("output_{j}.pb")), vo.ty.as_ref()) else {
                 continue;
             };
             if let Some(ty) = result.type_of(&vo.name) {
@@ -556,7 +555,8 @@ fn malformed_models_never_panic() {
         }
         for m in [&model, &no_attrs, &few_inputs, &no_outputs] {
             for b in &bindings {
-                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| infer_model(m, b)));
+                let r =
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| infer_model(m, b)));
                 assert!(
                     r.is_ok(),
                     "inference panicked on {} with bindings {b:?}",
