@@ -1,5 +1,6 @@
 //! Static shape inference checked against independent references: the ONNX 1.22.0 node
 //! conformance suite (every test's real outputs) and onnxruntime's outputs of npuc's real models.
+//! Set `NPUC_INFER_VERBOSE=1` to print every output that is not inferred exactly.
 
 use npuc_ir::infer::{infer_model, InferResult};
 use npuc_ir::{DType, Dim, TypeInfo};
@@ -567,4 +568,39 @@ fn malformed_models_never_panic() {
         }
     }
     println!("{n} malformed inference runs, no panics");
+}
+
+/// The other conformance collections (models converted from PyTorch, small multi-op graphs):
+/// inference must never contradict their real outputs either.
+#[test]
+fn other_suite_models_never_mismatch() {
+    let root = cache().join("suite/onnx-1.22.0/data");
+    let (mut exact, mut incomplete, mut mismatches) = (0, 0, vec![]);
+    for sub in ["pytorch-converted", "pytorch-operator", "simple"] {
+        let Ok(rd) = std::fs::read_dir(root.join(sub)) else {
+            continue;
+        };
+        let mut dirs: Vec<PathBuf> = rd
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.join("model.onnx").exists() && p.join("test_data_set_0").is_dir())
+            .collect();
+        dirs.sort();
+        for dir in dirs {
+            if let Outcome::Done { verdict, .. } = run_node_test(&dir) {
+                match verdict {
+                    Verdict::Exact => exact += 1,
+                    Verdict::Incomplete => incomplete += 1,
+                    Verdict::Mismatch(m) => mismatches.push(format!(
+                        "{sub}/{}: {m}",
+                        dir.file_name().unwrap().to_string_lossy()
+                    )),
+                }
+            }
+        }
+    }
+    println!(
+        "other suites: {exact} exact, {incomplete} incomplete, {} mismatch",
+        mismatches.len()
+    );
+    assert!(mismatches.is_empty(), "{}", mismatches.join("\n"));
 }
