@@ -353,3 +353,6 @@ fn infer_node(cx: &Cx, n: &Node, scope: &Scope, report: &mut Report, depth: usiz
     let ni = ctx::NodeIn::new(n, scope, opset);
     ops::infer(&ni)
 }
+
+#[cfg(test)]
+mod tests;

@@ -70,17 +70,29 @@ pub(crate) fn infer_if(
 /// tensor growing per iteration ends up with an unknown dim instead of its first-iteration size.
 /// `fixed_inputs` are the per-iteration inputs that do not carry (iteration number, slices);
 /// `carried` are the initial loop-carried types. Returns the body's outputs of the final run.
+/// The inputs of a loop or scan body: per-iteration inputs before and after the carried ones.
+struct BodyIo<'t> {
+    before: &'t [TypeInfo],
+    carried: Vec<TypeInfo>,
+    after: &'t [TypeInfo],
+    /// Index of the first carried value among the body outputs.
+    out_offset: usize,
+}
+
 fn run_body(
     cx: &Cx,
     body: &Graph,
     scope: &Scope,
     report: &mut Report,
     depth: usize,
-    fixed_before: &[TypeInfo],
-    carried: Vec<TypeInfo>,
-    fixed_after: &[TypeInfo],
-    carried_out_offset: usize,
+    io: BodyIo,
 ) -> (Vec<TypeInfo>, Vec<TypeInfo>) {
+    let BodyIo {
+        before: fixed_before,
+        carried,
+        after: fixed_after,
+        out_offset: carried_out_offset,
+    } = io;
     let mut carried = carried;
     for attempt in 0..4 {
         let types: Vec<TypeInfo> = fixed_before
@@ -153,10 +165,12 @@ pub(crate) fn infer_loop(
         scope,
         report,
         depth,
-        &[scalar(DType::I64), scalar(DType::Bool)],
-        initial,
-        &[],
-        1,
+        BodyIo {
+            before: &[scalar(DType::I64), scalar(DType::Bool)],
+            carried: initial,
+            after: &[],
+            out_offset: 1,
+        },
     );
     // With no condition input the loop runs exactly M times (the body's condition is ignored).
     let trips = match (n.input(0), n.input(1)) {
@@ -214,7 +228,8 @@ fn scan(
 ) -> Result<Vec<Out>, String> {
     let body = graph_attr(n, "body")?;
     let ni = NodeIn::new(n, scope, opset);
-    let m = usize::try_from(ni.int_req("num_scan_inputs")?).map_err(|_| "negative num_scan_inputs")?;
+    let m =
+        usize::try_from(ni.int_req("num_scan_inputs")?).map_err(|_| "negative num_scan_inputs")?;
     // Opset 8 has a leading sequence_lens input and a batch axis on everything.
     let first = usize::from(opset < 9);
     let n_states = n
@@ -262,7 +277,10 @@ fn scan(
         let ax = if opset < 9 {
             1
         } else {
-            let a = in_axes.as_ref().and_then(|v| v.get(j).copied()).unwrap_or(0);
+            let a = in_axes
+                .as_ref()
+                .and_then(|v| v.get(j).copied())
+                .unwrap_or(0);
             match ni.rank(i) {
                 Some(r) => axis(a, r)?,
                 None => 0,
@@ -291,10 +309,28 @@ fn scan(
             }
         })
         .collect();
-    let (states, outs) = run_body(cx, body, scope, report, depth, &[], states, &slices, 0);
+    let (states, outs) = run_body(
+        cx,
+        body,
+        scope,
+        report,
+        depth,
+        BodyIo {
+            before: &[],
+            carried: states,
+            after: &slices,
+            out_offset: 0,
+        },
+    );
     let mut result: Vec<Out> = states
         .into_iter()
-        .map(|t| Out::ty(if opset < 9 { stack(&t, 0, batch.clone()) } else { t }))
+        .map(|t| {
+            Out::ty(if opset < 9 {
+                stack(&t, 0, batch.clone())
+            } else {
+                t
+            })
+        })
         .collect();
     for (j, o) in outs.iter().skip(n_states).take(k).enumerate() {
         let t = if opset < 9 {
@@ -304,7 +340,10 @@ fn scan(
                 TypeInfo::Tensor { shape: Some(s), .. } => Some(s.len() + 1),
                 _ => None,
             };
-            let a = out_axes.as_ref().and_then(|v| v.get(j).copied()).unwrap_or(0);
+            let a = out_axes
+                .as_ref()
+                .and_then(|v| v.get(j).copied())
+                .unwrap_or(0);
             match r {
                 Some(r) => stack(o, axis(a, r)?, seq_len.clone()),
                 None => stack(o, 0, seq_len.clone()),

@@ -124,7 +124,11 @@ impl<'a> NodeIn<'a> {
         self.node.attr_float(name).map_err(Self::attr_err)
     }
     pub fn str_or(&self, name: &str, d: &'a str) -> R<&'a str> {
-        Ok(self.node.attr_str(name).map_err(Self::attr_err)?.unwrap_or(d))
+        Ok(self
+            .node
+            .attr_str(name)
+            .map_err(Self::attr_err)?
+            .unwrap_or(d))
     }
     pub fn ints_attr(&self, name: &str) -> R<Option<&'a [i64]>> {
         self.node.attr_ints(name).map_err(Self::attr_err)

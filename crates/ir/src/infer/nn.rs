@@ -27,7 +27,10 @@ fn window(n: &NodeIn, kernel: Vec<usize>) -> R<Window> {
         match n.ints_attr(name)? {
             Some(v) => {
                 if v.len() != sp {
-                    return Err(format!("'{name}' has {} entries for {sp} spatial dims", v.len()));
+                    return Err(format!(
+                        "'{name}' has {} entries for {sp} spatial dims",
+                        v.len()
+                    ));
                 }
                 let v = non_neg(v, name)?;
                 if v.contains(&0) {
@@ -43,7 +46,10 @@ fn window(n: &NodeIn, kernel: Vec<usize>) -> R<Window> {
     let pads = match n.ints_attr("pads")? {
         Some(p) => {
             if p.len() != 2 * sp {
-                return Err(format!("'pads' has {} entries for {sp} spatial dims", p.len()));
+                return Err(format!(
+                    "'pads' has {} entries for {sp} spatial dims",
+                    p.len()
+                ));
             }
             p.to_vec()
         }
@@ -81,7 +87,10 @@ impl Window {
                 (d - ek) / s + 1
             }
             "NOTSET" | "" => {
-                let (pb, pe) = (self.pads[i] as i128, self.pads[i + self.kernel.len()] as i128);
+                let (pb, pe) = (
+                    self.pads[i] as i128,
+                    self.pads[i + self.kernel.len()] as i128,
+                );
                 let span = d + pb + pe - ek;
                 if span < 0 {
                     return Err(format!(
@@ -130,15 +139,15 @@ pub fn conv(n: &NodeIn) -> R<Vec<Out>> {
         Some(k) => Some(non_neg(k, "kernel_shape")?),
         None => ws.and_then(|w| all_fixed(w.get(2..)?)),
     };
-    let m = ws
-        .and_then(|w| w.first().cloned())
-        .unwrap_or(Dim::Unknown);
-    let batch = xs
-        .and_then(|x| x.first().cloned())
-        .unwrap_or(Dim::Unknown);
+    let m = ws.and_then(|w| w.first().cloned()).unwrap_or(Dim::Unknown);
+    let batch = xs.and_then(|x| x.first().cloned()).unwrap_or(Dim::Unknown);
     if let (Some(x), Some(w)) = (xs, ws) {
         if x.len() != w.len() {
-            return Err(format!("input rank {} and weight rank {} differ", x.len(), w.len()));
+            return Err(format!(
+                "input rank {} and weight rank {} differ",
+                x.len(),
+                w.len()
+            ));
         }
         let g = usize::try_from(n.int_or("group", 1)?).map_err(|_| "negative group")?;
         if let (Dim::Fixed(c), Dim::Fixed(wc)) = (&x[1], &w[1]) {
@@ -181,14 +190,15 @@ pub fn conv_transpose(n: &NodeIn) -> R<Vec<Out>> {
     let m = ws
         .and_then(|w| w.get(1))
         .map_or(Dim::Unknown, |d| dim_mul(d, &Dim::Fixed(g)));
-    let batch = xs
-        .and_then(|x| x.first().cloned())
-        .unwrap_or(Dim::Unknown);
+    let batch = xs.and_then(|x| x.first().cloned()).unwrap_or(Dim::Unknown);
     let mut dims = vec![batch, m];
     if let Some(os) = n.ints_attr("output_shape")? {
         let os = non_neg(os, "output_shape")?;
         if os.len() < sp {
-            return Err(format!("output_shape has {} entries for {sp} spatial dims", os.len()));
+            return Err(format!(
+                "output_shape has {} entries for {sp} spatial dims",
+                os.len()
+            ));
         }
         dims.extend(fixed(&os[os.len() - sp..]));
         return one(Out::ty(tt(dt, Some(dims))));
@@ -207,7 +217,12 @@ pub fn conv_transpose(n: &NodeIn) -> R<Vec<Out>> {
     let w = window(n, k)?;
     let op = match n.ints_attr("output_padding")? {
         Some(p) if p.len() == sp => p.to_vec(),
-        Some(p) => return Err(format!("output_padding has {} entries for {sp} dims", p.len())),
+        Some(p) => {
+            return Err(format!(
+                "output_padding has {} entries for {sp} dims",
+                p.len()
+            ))
+        }
         None => vec![0; sp],
     };
     for i in 0..sp {
@@ -248,7 +263,10 @@ pub fn pool(n: &NodeIn) -> R<Vec<Out>> {
     let dims = match n.shape(0) {
         Some(x) => {
             if x.len() != sp + 2 {
-                return Err(format!("input rank {} does not fit a {sp}-D kernel", x.len()));
+                return Err(format!(
+                    "input rank {} does not fit a {sp}-D kernel",
+                    x.len()
+                ));
             }
             let w = window(n, kernel)?;
             let mut dims = x[..2].to_vec();
@@ -283,10 +301,7 @@ pub fn max_unpool(n: &NodeIn) -> R<Vec<Out>> {
     n.need(0)?;
     let dt = n.dt(0);
     if n.has(2) {
-        return one(Out::ty(tt(
-            dt,
-            n.val(2).map(super::value::to_dims),
-        )));
+        return one(Out::ty(tt(dt, n.val(2).map(super::value::to_dims))));
     }
     let kernel = non_neg(
         n.ints_attr("kernel_shape")?
@@ -298,7 +313,10 @@ pub fn max_unpool(n: &NodeIn) -> R<Vec<Out>> {
         return one(Out::ty(tt(dt, None)));
     };
     if x.len() != sp + 2 {
-        return Err(format!("input rank {} does not fit a {sp}-D kernel", x.len()));
+        return Err(format!(
+            "input rank {} does not fit a {sp}-D kernel",
+            x.len()
+        ));
     }
     let w = window(n, kernel)?;
     let mut dims = x[..2].to_vec();
@@ -566,7 +584,11 @@ pub fn center_crop_pad(n: &NodeIn) -> R<Vec<Out>> {
     };
     let t = super::value::to_dims(target);
     if t.len() != ax.len() {
-        return Err(format!("shape has {} entries for {} axes", t.len(), ax.len()));
+        return Err(format!(
+            "shape has {} entries for {} axes",
+            t.len(),
+            ax.len()
+        ));
     }
     let mut d = x.to_vec();
     for (j, &a) in ax.iter().enumerate() {
@@ -590,8 +612,12 @@ pub fn rnn(n: &NodeIn) -> R<Vec<Out>> {
         None => n
             .shape(2)
             .and_then(|s| {
-                s.get(if n.op() == "DynamicQuantizeLSTM" { 1 } else { 2 })
-                    .cloned()
+                s.get(if n.op() == "DynamicQuantizeLSTM" {
+                    1
+                } else {
+                    2
+                })
+                .cloned()
             })
             .unwrap_or(Dim::Unknown),
     };
@@ -750,6 +776,13 @@ pub fn dft(n: &NodeIn) -> R<Vec<Out>> {
     };
     let onesided = n.int_or("onesided", 0)? != 0;
     let mut dims = x.to_vec();
+    if onesided && n.int_or("inverse", 0)? != 0 {
+        // An inverse of a one-sided spectrum: the real output length and layout vary between
+        // opsets and runtimes, so do not claim them.
+        dims[ax] = Dim::Unknown;
+        dims[r - 1] = Dim::Unknown;
+        return one(Out::ty(tt(dt, Some(dims))));
+    }
     dims[ax] = match (&len, onesided) {
         (Dim::Fixed(l), true) => Dim::Fixed(l / 2 + 1),
         (_, true) => Dim::Unknown,
@@ -773,7 +806,10 @@ pub fn stft(n: &NodeIn) -> R<Vec<Out>> {
     let flen = if n.has(3) {
         n.int_scalar(3)
     } else if n.has(2) {
-        n.shape(2).and_then(|s| s.first()).and_then(fx).map(|v| v as i64)
+        n.shape(2)
+            .and_then(|s| s.first())
+            .and_then(fx)
+            .map(|v| v as i64)
     } else {
         None
     };
@@ -781,11 +817,19 @@ pub fn stft(n: &NodeIn) -> R<Vec<Out>> {
     let (frames, bins) = match (step, flen, &x[1]) {
         (Some(s), Some(f), Dim::Fixed(len)) if s > 0 && f > 0 && (f as usize) <= *len => (
             Dim::Fixed((len - f as usize) / s as usize + 1),
-            Dim::Fixed(if onesided { f as usize / 2 + 1 } else { f as usize }),
+            Dim::Fixed(if onesided {
+                f as usize / 2 + 1
+            } else {
+                f as usize
+            }),
         ),
         (_, Some(f), _) if f > 0 => (
             Dim::Unknown,
-            Dim::Fixed(if onesided { f as usize / 2 + 1 } else { f as usize }),
+            Dim::Fixed(if onesided {
+                f as usize / 2 + 1
+            } else {
+                f as usize
+            }),
         ),
         _ => (Dim::Unknown, Dim::Unknown),
     };
@@ -793,4 +837,114 @@ pub fn stft(n: &NodeIn) -> R<Vec<Out>> {
         dt,
         Some(vec![x[0].clone(), frames, bins, Dim::Fixed(2)]),
     )))
+}
+
+/// FlexAttention (ai.onnx.preview): Q `[B, Hq, L, E]`, V `[B, Hkv, S, Ev]` -> `[B, Hq, L, Ev]`.
+pub fn flex_attention(n: &NodeIn) -> R<Vec<Out>> {
+    for i in 0..3 {
+        n.need(i)?;
+    }
+    let dims = match (n.shape(0), n.shape(2)) {
+        (Some(q), Some(v)) if q.len() == 4 && v.len() == 4 => Some(vec![
+            unify_dim(&q[0], &v[0])?,
+            q[1].clone(),
+            q[2].clone(),
+            v[3].clone(),
+        ]),
+        (Some(q), Some(v)) => {
+            return Err(format!(
+                "Q and V must be 4-D, found ranks {} and {}",
+                q.len(),
+                v.len()
+            ))
+        }
+        _ => None,
+    };
+    one(Out::ty(tt(n.dt(2).or(n.dt(0)), dims)))
+}
+
+/// LinearAttention: 3-D `[B, T, heads*head]` inputs; output `[B, T, Hq*dv]` and the recurrent
+/// state `[B, Hkv, dk, dv]`.
+pub fn linear_attention(n: &NodeIn) -> R<Vec<Out>> {
+    for i in 0..3 {
+        n.need(i)?;
+    }
+    let dt = n.dt(0);
+    let qh = usize::try_from(n.int_req("q_num_heads")?).map_err(|_| "negative q_num_heads")?;
+    let kh = usize::try_from(n.int_req("kv_num_heads")?).map_err(|_| "negative kv_num_heads")?;
+    if qh == 0 || kh == 0 || qh % kh != 0 {
+        return Err(format!(
+            "q_num_heads {qh} must be a positive multiple of kv_num_heads {kh}"
+        ));
+    }
+    let (Some(q), Some(v)) = (n.shape(0), n.shape(2)) else {
+        return Ok(vec![
+            Out::ty(tt(dt, Some(vec![Dim::Unknown; 3]))),
+            Out::ty(tt(dt, Some(vec![Dim::Unknown; 4]))),
+        ]);
+    };
+    if q.len() != 3 || v.len() != 3 {
+        return Err(format!(
+            "query and value must be 3-D, found ranks {} and {}",
+            q.len(),
+            v.len()
+        ));
+    }
+    let dk = dim_div_exact(&q[2], qh, "query hidden size")?;
+    let dv = dim_div_exact(&v[2], kh, "value hidden size")?;
+    Ok(vec![
+        Out::ty(tt(
+            dt,
+            Some(vec![
+                q[0].clone(),
+                q[1].clone(),
+                dim_mul(&Dim::Fixed(qh), &dv),
+            ]),
+        )),
+        Out::ty(tt(dt, Some(vec![q[0].clone(), Dim::Fixed(kh), dk, dv]))),
+    ])
+}
+
+/// CausalConvWithState: a depthwise causal conv1d over `[B, C, L]` left-padded with the past
+/// state (or k-1 zeros); the new state is the last k-1 padded positions.
+pub fn causal_conv_with_state(n: &NodeIn) -> R<Vec<Out>> {
+    n.need(0)?;
+    n.need(1)?;
+    let dt = n.dt(0);
+    let k = n.shape(1).and_then(|w| w.get(2)).and_then(fx);
+    let (Some(x), Some(k)) = (n.shape(0), k) else {
+        return Ok(vec![
+            Out::ty(tt(dt, Some(vec![Dim::Unknown; 3]))),
+            Out::ty(tt(dt, Some(vec![Dim::Unknown; 3]))),
+        ]);
+    };
+    if x.len() != 3 {
+        return Err(format!("input rank {} is not 3", x.len()));
+    }
+    if k == 0 {
+        return Err("kernel size is zero".into());
+    }
+    let pad = if n.has(3) {
+        n.shape(3)
+            .and_then(|s| s.get(2).cloned())
+            .unwrap_or(Dim::Unknown)
+    } else {
+        Dim::Fixed(k - 1)
+    };
+    let padded = dim_sum(&pad, &x[2]);
+    let out_len = match &padded {
+        Dim::Fixed(p) => Dim::Fixed(
+            p.checked_sub(k - 1)
+                .ok_or("input is shorter than the kernel")?,
+        ),
+        _ => Dim::Unknown,
+    };
+    let state = match &padded {
+        Dim::Fixed(p) => Dim::Fixed((k - 1).min(*p)),
+        _ => Dim::Unknown,
+    };
+    Ok(vec![
+        Out::ty(tt(dt, Some(vec![x[0].clone(), x[1].clone(), out_len]))),
+        Out::ty(tt(dt, Some(vec![x[0].clone(), x[1].clone(), state]))),
+    ])
 }

@@ -13,6 +13,11 @@ pub fn infer(n: &NodeIn) -> Outcome {
     let r = match n.node.domain.as_str() {
         "" => default_domain(n),
         "ai.onnx.preview.training" => training(n),
+        "ai.onnx.ml" => ml(n),
+        "ai.onnx.preview" => match n.op() {
+            "FlexAttention" => Some(nn::flex_attention(n)),
+            _ => None,
+        },
         "com.microsoft" => match n.op() {
             "DynamicQuantizeLSTM" => Some(nn::rnn(n)),
             _ => None,
@@ -113,14 +118,18 @@ fn default_domain(n: &NodeIn) -> Option<R<Vec<Out>>> {
     }
     Some(match op {
         "Identity" => same(n, 0),
-        "Add" | "Sub" | "Mul" | "Div" | "Pow" | "Mod" | "BitShift" | "BitwiseAnd"
-        | "BitwiseOr" | "BitwiseXor" => binary(n),
+        "Add" | "Sub" | "Mul" | "Div" | "Pow" | "Mod" | "BitShift" | "BitwiseAnd" | "BitwiseOr"
+        | "BitwiseXor" => binary(n),
         "Sum" | "Mean" | "Max" | "Min" => variadic(n),
-        "Equal" | "Less" | "Greater" | "LessOrEqual" | "GreaterOrEqual" | "And" | "Or"
-        | "Xor" => logic(n),
-        "IsNaN" | "IsInf" | "RegexFullMatch" => n.need(0).map(|_| vec![same_shape(n, 0, Some(DType::Bool))]),
-        "StringConcat" => bcast_all(&[n.shape(0), n.shape(1)])
-            .map(|s| vec![Out::ty(tt(Some(DType::String), s))]),
+        "Equal" | "Less" | "Greater" | "LessOrEqual" | "GreaterOrEqual" | "And" | "Or" | "Xor" => {
+            logic(n)
+        }
+        "IsNaN" | "IsInf" | "RegexFullMatch" => {
+            n.need(0).map(|_| vec![same_shape(n, 0, Some(DType::Bool))])
+        }
+        "StringConcat" => {
+            bcast_all(&[n.shape(0), n.shape(1)]).map(|s| vec![Out::ty(tt(Some(DType::String), s))])
+        }
         "StringSplit" => Ok(vec![
             Out::ty(tt(
                 Some(DType::String),
@@ -193,9 +202,9 @@ fn default_domain(n: &NodeIn) -> Option<R<Vec<Out>>> {
             Some(vec![Dim::Unknown, Dim::Fixed(3)]),
         ))),
         "Det" => n.need(0).map(|_| {
-            let s = n.shape(0).and_then(|s| {
-                (s.len() >= 2).then(|| s[..s.len() - 2].to_vec())
-            });
+            let s = n
+                .shape(0)
+                .and_then(|s| (s.len() >= 2).then(|| s[..s.len() - 2].to_vec()));
             vec![Out::ty(tt(n.dt(0), s))]
         }),
         "Bernoulli" => n
@@ -226,6 +235,10 @@ fn default_domain(n: &NodeIn) -> Option<R<Vec<Out>>> {
         "GRU" => nn::rnn(n),
         "LSTM" => nn::rnn(n),
         "Attention" => nn::attention(n),
+        "LinearAttention" => nn::linear_attention(n),
+        "CausalConvWithState" => nn::causal_conv_with_state(n),
+        "TfIdfVectorizer" => tfidf(n),
+        "StringNormalizer" => string_normalizer(n),
         "SoftmaxCrossEntropyLoss" | "NegativeLogLikelihoodLoss" => nn::loss(n),
         "SequenceEmpty" => n.dtype_attr("dtype").map(|d| {
             vec![Out::ty(TypeInfo::Sequence(Some(Box::new(tt(
@@ -258,6 +271,98 @@ fn default_domain(n: &NodeIn) -> Option<R<Vec<Out>>> {
     })
 }
 
+/// The ai.onnx.ml ops whose output shapes follow from attributes and input shapes.
+fn ml(n: &NodeIn) -> Option<R<Vec<Out>>> {
+    Some(match n.op() {
+        "Binarizer" => same(n, 0),
+        "LabelEncoder" => {
+            let dt = if n.has_attr("values_strings") {
+                Some(DType::String)
+            } else if n.has_attr("values_int64s") {
+                Some(DType::I64)
+            } else if n.has_attr("values_floats") {
+                Some(DType::F32)
+            } else {
+                match n.tensor_attr("values_tensor") {
+                    Ok(t) => t.map(|t| t.dtype()),
+                    Err(e) => return Some(Err(e)),
+                }
+            };
+            n.need(0).map(|_| vec![same_shape(n, 0, dt)])
+        }
+        "ArrayFeatureExtractor" => {
+            let add = n.shape(1).map(|s| match s {
+                [one, k] if *one == Dim::Fixed(1) => k.clone(),
+                [k] => k.clone(),
+                s => dim_prod(s),
+            });
+            let dims = match (n.shape(0), add) {
+                (Some([]), _) => return Some(Err("data must not be a scalar".into())),
+                (Some([_]), Some(a)) => Some(vec![Dim::Fixed(1), a]),
+                (Some(s), Some(a)) => {
+                    let mut d = s[..s.len() - 1].to_vec();
+                    d.push(a);
+                    Some(d)
+                }
+                _ => None,
+            };
+            one(Out::ty(tt(n.dt(0), dims)))
+        }
+        "TreeEnsemble" => {
+            let targets = match n.int_attr("n_targets") {
+                Ok(t) => t.and_then(|t| usize::try_from(t).ok()),
+                Err(e) => return Some(Err(e)),
+            };
+            let batch = n.shape(0).and_then(|s| s.first().cloned());
+            one(Out::ty(tt(
+                n.dt(0),
+                Some(vec![
+                    batch.unwrap_or(Dim::Unknown),
+                    targets.map_or(Dim::Unknown, Dim::Fixed),
+                ]),
+            )))
+        }
+        _ => return None,
+    })
+}
+
+fn tfidf(n: &NodeIn) -> R<Vec<Out>> {
+    n.need(0)?;
+    let idx = n
+        .ints_attr("ngram_indexes")?
+        .ok_or("required attribute 'ngram_indexes' is missing")?;
+    let c = idx
+        .iter()
+        .copied()
+        .max()
+        .and_then(|m| m.checked_add(1))
+        .and_then(|m| usize::try_from(m).ok())
+        .unwrap_or(0);
+    let dims = match n.shape(0) {
+        Some([_]) => Some(vec![Dim::Fixed(c)]),
+        Some([b, _]) => Some(vec![b.clone(), Dim::Fixed(c)]),
+        Some(s) => return Err(format!("input rank {} is not 1 or 2", s.len())),
+        None => None,
+    };
+    one(Out::ty(tt(Some(DType::F32), dims)))
+}
+
+fn string_normalizer(n: &NodeIn) -> R<Vec<Out>> {
+    n.need(0)?;
+    let stops = matches!(n.attr("stopwords"), Some(Attr::Strings(v)) if !v.is_empty());
+    // Stopword removal makes the length data-dependent.
+    let dims = n.shape(0).map(|s| {
+        let mut d = s.to_vec();
+        if stops {
+            if let Some(last) = d.last_mut() {
+                *last = Dim::Unknown;
+            }
+        }
+        d
+    });
+    one(Out::ty(tt(Some(DType::String), dims)))
+}
+
 fn training(n: &NodeIn) -> Option<R<Vec<Out>>> {
     // Inputs: R, T, then groups of n tensors; outputs are groups of n tensors, each typed like
     // one input group (Adagrad/Momentum: X, G, H|V -> X, H|V; Adam: X, G, V, H -> X, V, H).
@@ -267,7 +372,7 @@ fn training(n: &NodeIn) -> Option<R<Vec<Out>>> {
         _ => return None,
     };
     let total = n.n_in().saturating_sub(2);
-    if total % in_groups != 0 {
+    if !total.is_multiple_of(in_groups) {
         return Some(Err(format!(
             "expects 2 + {in_groups}*n inputs, found {}",
             n.n_in()
@@ -331,9 +436,9 @@ fn variadic(n: &NodeIn) -> R<Vec<Out>> {
         let vals: Option<Vec<&Known>> = (0..n.n_in()).map(|i| n.val(i)).collect();
         if let (Some(vals), false) = (vals, op.is_empty()) {
             let f = |s: &[&Scalar]| {
-                s.iter().skip(1).fold(s[0].clone(), |acc, x| {
-                    value::arith(op, d, &acc, x, false)
-                })
+                s.iter()
+                    .skip(1)
+                    .fold(s[0].clone(), |acc, x| value::arith(op, d, &acc, x, false))
             };
             if let Some(k) = value::broadcast_map(&vals, d, f) {
                 return one(Out::known(k));
@@ -496,7 +601,7 @@ fn constant_of_shape(n: &NodeIn) -> R<Vec<Out>> {
     let fill = n.tensor_attr("value")?;
     let dt = fill.map_or(DType::F32, |t| t.dtype());
     let Some(target) = n.val(0) else {
-        let rank = n.shape(0).and_then(|s| s.first()).and_then(fx);
+        let rank = rank_from_len(n.shape(0));
         return one(Out::ty(tt(Some(dt), rank.map(|r| vec![Dim::Unknown; r]))));
     };
     let dims = value::to_dims(target);
@@ -560,9 +665,7 @@ fn range(n: &NodeIn) -> R<Vec<Out>> {
                     .and_then(|x| x.checked_add(*s))
                     .map_or(Scalar::Unknown, |v| value::wrap_int(d, v)),
                 (s, dl) => match (s.as_f64(), dl.as_f64()) {
-                    (Some(s), Some(dl)) => {
-                        value::cast_scalar(&Scalar::Float(s + i as f64 * dl), d)
-                    }
+                    (Some(s), Some(dl)) => value::cast_scalar(&Scalar::Float(s + i as f64 * dl), d),
                     _ => Scalar::Unknown,
                 },
             })
@@ -587,10 +690,9 @@ pub(crate) fn reshape_dims(input: Option<&[Dim]>, target: &Known, allowzero: boo
                 Dim::Unknown
             }
             Scalar::Int(0) if !allowzero => match input {
-                Some(sh) => sh
-                    .get(i)
-                    .cloned()
-                    .ok_or_else(|| format!("target dim {i} copies an input dim that does not exist"))?,
+                Some(sh) => sh.get(i).cloned().ok_or_else(|| {
+                    format!("target dim {i} copies an input dim that does not exist")
+                })?,
                 None => Dim::Unknown,
             },
             Scalar::Int(v) if *v < 0 => {
@@ -662,7 +764,7 @@ fn reshape(n: &NodeIn) -> R<Vec<Out>> {
         n.val(1).cloned()
     };
     let Some(target) = target else {
-        let rank = n.shape(1).and_then(|s| s.first()).and_then(fx);
+        let rank = rank_from_len(n.shape(1));
         return one(Out::ty(tt(n.dt(0), rank.map(|r| vec![Dim::Unknown; r]))));
     };
     let dims = reshape_dims(n.shape(0), &target, allowzero)?;
@@ -699,15 +801,17 @@ fn transpose(n: &NodeIn) -> R<Vec<Out>> {
     n.need(0)?;
     let perm = n.ints_attr("perm")?;
     let Some(s) = n.shape(0) else {
-        return one(Out::ty(tt(n.dt(0), perm.map(|p| vec![Dim::Unknown; p.len()]))));
+        return one(Out::ty(tt(
+            n.dt(0),
+            perm.map(|p| vec![Dim::Unknown; p.len()]),
+        )));
     };
     let perm: Vec<usize> = match perm {
         Some(p) => {
             if p.len() != s.len() {
                 return Err(format!("perm has {} entries for rank {}", p.len(), s.len()));
             }
-            let v = axes(p, s.len())?;
-            v
+            axes(p, s.len())?
         }
         None => (0..s.len()).rev().collect(),
     };
@@ -818,7 +922,11 @@ fn take_axis(k: &Known, axis: usize, idx: &[usize]) -> Option<Known> {
     let outer: usize = k.shape[..axis].iter().product();
     let inner: usize = k.shape[axis + 1..].iter().product();
     let d = k.shape[axis];
-    let mut data = Vec::with_capacity(outer * idx.len() * inner);
+    let total = outer.checked_mul(idx.len())?.checked_mul(inner)?;
+    if total > MAX_FOLD {
+        return None;
+    }
+    let mut data = Vec::with_capacity(total);
     for o in 0..outer {
         for &i in idx {
             if i >= d {
@@ -861,8 +969,9 @@ fn concat(n: &NodeIn) -> R<Vec<Out>> {
     }
     let vals: Option<Vec<&Known>> = (0..n.n_in()).map(|i| n.val(i)).collect();
     if let (Some(vals), Some(f), Some(d)) = (vals, all_fixed(&dims), dt) {
-        let outer: usize = f[..ax].iter().product();
+        let outer = value::checked_numel(&f[..ax]).filter(|&o| o <= MAX_FOLD);
         let mut data = Vec::new();
+        let outer = outer.unwrap_or(0);
         for o in 0..outer {
             for v in &vals {
                 let chunk: usize = v.shape[ax..].iter().product();
@@ -888,9 +997,7 @@ fn split(n: &NodeIn) -> R<Vec<Out>> {
             Some(v) => Some(v),
             None => {
                 return Ok((0..k)
-                    .map(|_| {
-                        Out::ty(tt(n.dt(0), n.rank(0).map(|r| vec![Dim::Unknown; r])))
-                    })
+                    .map(|_| Out::ty(tt(n.dt(0), n.rank(0).map(|r| vec![Dim::Unknown; r]))))
                     .collect())
             }
         }
@@ -919,8 +1026,8 @@ fn split(n: &NodeIn) -> R<Vec<Out>> {
                 Some(m) => usize::try_from(m).map_err(|_| "num_outputs is negative")?,
                 None => k,
             };
-            if num == 0 {
-                return Err("splits into zero outputs".into());
+            if num == 0 || num != k {
+                return Err(format!("splits into {num} parts for {k} outputs"));
             }
             match s[ax] {
                 Dim::Fixed(d) => {
@@ -1029,12 +1136,25 @@ fn slice(n: &NodeIn) -> R<Vec<Out>> {
     let (starts, ends, ax, steps) = if n.opset < 10 {
         let s = n.ints_attr("starts")?.map(|v| v.to_vec());
         let e = n.ints_attr("ends")?.map(|v| v.to_vec());
-        (s, e, Some(n.ints_attr("axes")?.map(|v| v.to_vec())), Some(None))
+        (
+            s,
+            e,
+            Some(n.ints_attr("axes")?.map(|v| v.to_vec())),
+            Some(None),
+        )
     } else {
         n.need(1)?;
         n.need(2)?;
-        let ax = if n.has(3) { n.ints(3).map(Some) } else { Some(None) };
-        let st = if n.has(4) { n.ints(4).map(Some) } else { Some(None) };
+        let ax = if n.has(3) {
+            n.ints(3).map(Some)
+        } else {
+            Some(None)
+        };
+        let st = if n.has(4) {
+            n.ints(4).map(Some)
+        } else {
+            Some(None)
+        };
         (n.ints(1), n.ints(2), ax, st)
     };
     let Some(s) = n.shape(0) else {
@@ -1146,7 +1266,7 @@ fn expand(n: &NodeIn) -> R<Vec<Out>> {
     n.need(0)?;
     n.need(1)?;
     let Some(t) = n.val(1) else {
-        let len = n.shape(1).and_then(|s| s.first()).and_then(fx);
+        let len = rank_from_len(n.shape(1));
         let rank = match (len, n.rank(0)) {
             (Some(l), Some(r)) => Some(l.max(r)),
             _ => None,
@@ -1159,7 +1279,16 @@ fn expand(n: &NodeIn) -> R<Vec<Out>> {
     };
     let dims = bcast(s, &target)?;
     if let (Some(v), Some(f)) = (n.val(0), all_fixed(&dims)) {
-        let ones = Known::new(v.dtype, f.clone(), vec![Scalar::Int(0); value::checked_numel(&f).unwrap_or(usize::MAX).min(MAX_FOLD + 1)]);
+        let ones = Known::new(
+            v.dtype,
+            f.clone(),
+            vec![
+                Scalar::Int(0);
+                value::checked_numel(&f)
+                    .unwrap_or(usize::MAX)
+                    .min(MAX_FOLD + 1)
+            ],
+        );
         if let Some(ones) = ones {
             if let Some(k) = value::broadcast_map(&[v, &ones], v.dtype, |s| s[0].clone()) {
                 return one(Out::known(k));
@@ -1179,7 +1308,11 @@ fn tile(n: &NodeIn) -> R<Vec<Out>> {
         return one(Out::ty(tt(n.dt(0), Some(vec![Dim::Unknown; s.len()]))));
     };
     if rep.len() != s.len() {
-        return Err(format!("repeats has {} entries for rank {}", rep.len(), s.len()));
+        return Err(format!(
+            "repeats has {} entries for rank {}",
+            rep.len(),
+            s.len()
+        ));
     }
     let rep = non_neg(&rep, "repeats")?;
     let dims = s
@@ -1210,7 +1343,11 @@ fn pad(n: &NodeIn) -> R<Vec<Out>> {
         return one(Out::ty(tt(n.dt(0), Some(vec![Dim::Unknown; s.len()]))));
     };
     if pads.len() != 2 * ax.len() {
-        return Err(format!("pads has {} entries for {} axes", pads.len(), ax.len()));
+        return Err(format!(
+            "pads has {} entries for {} axes",
+            pads.len(),
+            ax.len()
+        ));
     }
     let mut dims = s.to_vec();
     for (j, &a) in ax.iter().enumerate() {
@@ -1219,7 +1356,9 @@ fn pad(n: &NodeIn) -> R<Vec<Out>> {
             .ok_or("pads overflow")?;
         dims[a] = dim_add(&s[a], total);
         if let (Dim::Fixed(d), Dim::Unknown) = (&s[a], &dims[a]) {
-            return Err(format!("padding {total} makes axis {a} of size {d} negative"));
+            return Err(format!(
+                "padding {total} makes axis {a} of size {d} negative"
+            ));
         }
     }
     one(Out::ty(tt(n.dt(0), Some(dims))))
@@ -1236,7 +1375,7 @@ fn one_hot(n: &NodeIn) -> R<Vec<Out>> {
     let r = s.len() + 1;
     let ax = axis(n.int_or("axis", -1)?, r)?;
     let depth = match n.val(1).and_then(|k| k.single()).and_then(|x| x.as_f64()) {
-        Some(d) if d >= 1.0 && d < 1e15 => Dim::Fixed(d as usize),
+        Some(d) if (1.0..1e15).contains(&d) => Dim::Fixed(d as usize),
         Some(d) => return Err(format!("depth {d} is not positive")),
         None => Dim::Unknown,
     };
@@ -1305,10 +1444,7 @@ fn reduce(n: &NodeIn) -> R<Vec<Out>> {
         return one(Out::ty(tt(dt, None)));
     };
     let Some(ax) = ax else {
-        return one(Out::ty(tt(
-            dt,
-            keep.then(|| vec![Dim::Unknown; s.len()]),
-        )));
+        return one(Out::ty(tt(dt, keep.then(|| vec![Dim::Unknown; s.len()]))));
     };
     let ax = match ax {
         Some(a) if !a.is_empty() => axes(&a, s.len())?,
@@ -1440,7 +1576,11 @@ fn gemm(n: &NodeIn) -> R<Vec<Out>> {
     let dims = match (n.shape(0), n.shape(1)) {
         (Some(a), Some(b)) => {
             if a.len() != 2 || b.len() != 2 {
-                return Err(format!("A and B must be 2-D, found ranks {} and {}", a.len(), b.len()));
+                return Err(format!(
+                    "A and B must be 2-D, found ranks {} and {}",
+                    a.len(),
+                    b.len()
+                ));
             }
             let (m, k1) = if ta { (&a[1], &a[0]) } else { (&a[0], &a[1]) };
             let (k2, nn) = if tb { (&b[1], &b[0]) } else { (&b[0], &b[1]) };
@@ -1472,7 +1612,11 @@ fn einsum(n: &NodeIn) -> R<Vec<Out>> {
     };
     let terms: Vec<&str> = lhs.split(',').collect();
     if terms.len() != n.n_in() {
-        return Err(format!("equation has {} operands for {} inputs", terms.len(), n.n_in()));
+        return Err(format!(
+            "equation has {} operands for {} inputs",
+            terms.len(),
+            n.n_in()
+        ));
     }
     let mut letters: Vec<(char, Dim)> = vec![];
     let mut counts: std::collections::BTreeMap<char, usize> = Default::default();
@@ -1502,7 +1646,10 @@ fn einsum(n: &NodeIn) -> R<Vec<Out>> {
             continue;
         };
         if s.len() < named.len() || (!has_ell && s.len() != named.len()) {
-            return Err(format!("term '{t}' does not fit input {i} of rank {}", s.len()));
+            return Err(format!(
+                "term '{t}' does not fit input {i} of rank {}",
+                s.len()
+            ));
         }
         let n_ell = s.len() - named.len();
         let pre_n = pre.chars().count();
@@ -1534,7 +1681,11 @@ fn einsum(n: &NodeIn) -> R<Vec<Out>> {
     let out_spec: String = match rhs {
         Some(r) => r.to_string(),
         None => {
-            let mut s = if any_ell { "...".to_string() } else { String::new() };
+            let mut s = if any_ell {
+                "...".to_string()
+            } else {
+                String::new()
+            };
             s.extend(counts.iter().filter(|(_, &c)| c == 1).map(|(l, _)| *l));
             s
         }
@@ -1660,7 +1811,9 @@ fn unique(n: &NodeIn) -> R<Vec<Out>> {
 }
 
 fn random(n: &NodeIn) -> R<Vec<Out>> {
-    let shape = n.ints_attr("shape")?.ok_or("required attribute 'shape' is missing")?;
+    let shape = n
+        .ints_attr("shape")?
+        .ok_or("required attribute 'shape' is missing")?;
     let shape = non_neg(shape, "shape")?;
     let dt = n.dtype_attr("dtype")?.unwrap_or(Some(DType::F32));
     one(Out::ty(tt(dt, Some(fixed(&shape)))))
@@ -1668,7 +1821,8 @@ fn random(n: &NodeIn) -> R<Vec<Out>> {
 
 fn multinomial(n: &NodeIn) -> R<Vec<Out>> {
     n.need(0)?;
-    let samples = usize::try_from(n.int_or("sample_size", 1)?).map_err(|_| "negative sample_size")?;
+    let samples =
+        usize::try_from(n.int_or("sample_size", 1)?).map_err(|_| "negative sample_size")?;
     let dt = n.dtype_attr("dtype")?.unwrap_or(Some(DType::I32));
     let batch = n
         .shape(0)

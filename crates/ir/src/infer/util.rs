@@ -24,6 +24,18 @@ pub fn all_fixed(s: &[Dim]) -> Option<Vec<usize>> {
         .collect()
 }
 
+/// Largest rank inference will materialise from a value (a shape input's length). Real ranks
+/// are tiny; a malformed model could otherwise ask for a vector of billions of dims.
+pub const MAX_RANK: usize = 1024;
+
+/// The rank implied by the length of a 1-D shape tensor, when known and plausible.
+pub fn rank_from_len(shape: Option<&[Dim]>) -> Option<usize> {
+    match shape?.first()? {
+        Dim::Fixed(n) if *n <= MAX_RANK => Some(*n),
+        _ => None,
+    }
+}
+
 pub fn fx(d: &Dim) -> Option<usize> {
     match d {
         Dim::Fixed(n) => Some(*n),
@@ -70,8 +82,16 @@ pub fn bcast(a: &[Dim], b: &[Dim]) -> R<Vec<Dim>> {
     let one = Dim::Fixed(1);
     (0..r)
         .map(|i| {
-            let da = if i + a.len() >= r { &a[i + a.len() - r] } else { &one };
-            let db = if i + b.len() >= r { &b[i + b.len() - r] } else { &one };
+            let da = if i + a.len() >= r {
+                &a[i + a.len() - r]
+            } else {
+                &one
+            };
+            let db = if i + b.len() >= r {
+                &b[i + b.len() - r]
+            } else {
+                &one
+            };
             bcast_dim(da, db)
         })
         .collect()

@@ -78,6 +78,15 @@ impl Known {
         if n != data.len() || n > MAX_FOLD {
             return None;
         }
+        // With a zero dim the element count says nothing about the other dims; bound them too
+        // so that every partial product of the shape stays small.
+        let nonzero = shape
+            .iter()
+            .filter(|&&d| d != 0)
+            .try_fold(1usize, |a, &d| a.checked_mul(d))?;
+        if nonzero > MAX_FOLD || shape.len() > MAX_FOLD {
+            return None;
+        }
         Some(Known { dtype, shape, data })
     }
 
@@ -97,7 +106,11 @@ impl Known {
             return None;
         }
         let data: Vec<Scalar> = if t.dtype().is_float() {
-            t.to_f64_vec().ok()?.into_iter().map(Scalar::Float).collect()
+            t.to_f64_vec()
+                .ok()?
+                .into_iter()
+                .map(Scalar::Float)
+                .collect()
         } else if t.dtype() == DType::U64 {
             // Values past i64::MAX are not shape arithmetic; keep them unknown.
             t.as_slice::<u64>()
@@ -233,8 +246,16 @@ pub fn broadcast_fixed(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
     let r = a.len().max(b.len());
     let mut out = Vec::with_capacity(r);
     for i in 0..r {
-        let da = if i + a.len() >= r { a[i + a.len() - r] } else { 1 };
-        let db = if i + b.len() >= r { b[i + b.len() - r] } else { 1 };
+        let da = if i + a.len() >= r {
+            a[i + a.len() - r]
+        } else {
+            1
+        };
+        let db = if i + b.len() >= r {
+            b[i + b.len() - r]
+        } else {
+            1
+        };
         out.push(match (da, db) {
             (x, y) if x == y => x,
             (1, y) => y,
@@ -246,7 +267,12 @@ pub fn broadcast_fixed(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
 }
 
 /// The element of `k` that broadcasts to flat position `flat` of `out_shape`.
-pub fn broadcast_index(k: &Known, out_shape: &[usize], out_strides: &[usize], flat: usize) -> usize {
+pub fn broadcast_index(
+    k: &Known,
+    out_shape: &[usize],
+    out_strides: &[usize],
+    flat: usize,
+) -> usize {
     let r = out_shape.len();
     let kr = k.shape.len();
     let ks = strides(&k.shape);
@@ -424,9 +450,7 @@ pub fn unary(op: &str, dtype: DType, a: &Scalar) -> Scalar {
         ("Relu", Int(x)) => Int((*x).max(0)),
         ("Not", Int(x)) => Int((*x == 0) as i64),
         ("Floor" | "Ceil" | "Round", Int(x)) => Int(*x),
-        ("Abs" | "Relu" | "Floor" | "Ceil" | "Round", Sym(s))
-            if op != "Sign" =>
-        {
+        ("Abs" | "Relu" | "Floor" | "Ceil" | "Round", Sym(s)) => {
             // Dimensions are non-negative integers: these leave them unchanged.
             Sym(s.clone())
         }
