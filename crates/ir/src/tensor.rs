@@ -459,6 +459,11 @@ impl Tensor {
                 .iter()
                 .map(|x| x.to_f64())
                 .collect(),
+            d if d.is_small_float() => self
+                .as_slice::<u8>()?
+                .iter()
+                .map(|&c| crate::lowp::to_f32(d, c).unwrap_or(f32::NAN) as f64)
+                .collect(),
             DType::String => {
                 return Err(IrError::DTypeMismatch {
                     expected: DType::F64,

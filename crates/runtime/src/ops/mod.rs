@@ -14,6 +14,8 @@ pub mod rnn;
 pub mod sequence;
 pub mod shape;
 pub mod signal;
+pub mod vision;
+pub mod text;
 
 use crate::kernel::Registry;
 
@@ -31,4 +33,6 @@ pub fn register_all(r: &mut Registry) {
     sequence::register(r);
     shape::register(r);
     signal::register(r);
+    text::register(r);
+    vision::register(r);
 }

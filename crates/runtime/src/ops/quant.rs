@@ -198,6 +198,8 @@ fn qrange(dt: DType) -> Result<(i64, i64)> {
         DType::I16 => (-32768, 32767),
         DType::U4 => (0, 15),
         DType::I4 => (-8, 7),
+        DType::U2 => (0, 3),
+        DType::I2 => (-2, 1),
         DType::I32 => (i32::MIN as i64, i32::MAX as i64),
         other => bail!("{other} is not a supported quantized type"),
     })
@@ -212,8 +214,8 @@ fn int_tensor(dt: DType, shape: Vec<usize>, v: Vec<i32>) -> Result<Tensor> {
         DType::I16 => Tensor::from_vec(shape, v.into_iter().map(|x| x as i16).collect())?,
         DType::I32 => Tensor::from_vec(shape, v)?,
         // `from_4bit` takes the low nibble and sign-extends it for I4.
-        DType::U4 | DType::I4 => {
-            Tensor::from_4bit(dt, shape, v.into_iter().map(|x| (x & 0xF) as u8).collect())?
+        DType::U4 | DType::I4 | DType::U2 | DType::I2 => {
+            Tensor::from_codes(dt, shape, v.into_iter().map(|x| (x & 0xF) as u8).collect())?
         }
         other => bail!("{other} is not a supported quantized type"),
     })
@@ -259,6 +261,9 @@ fn quantize_linear(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         (None, code) => DType::from_onnx_code(code as i32)
             .ok_or_else(|| crate::RtError::msg(format!("unsupported output_dtype {code}")))?,
     };
+    if out_dt.is_small_float() {
+        return quantize_small_float(ctx, x, scale, zp, out_dt, axis, block_size);
+    }
     let (lo, hi) = qrange(out_dt)?;
     if out_dt == DType::I32 {
         bail!("i32 is not a quantized output type of QuantizeLinear");
@@ -329,6 +334,43 @@ fn quantize_linear(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     )?)])
 }
 
+/// QuantizeLinear to a float8/float4 type: `y = cast(x / y_scale + zero_point)` with
+/// round-to-nearest-even and the `saturate` attribute (default on) deciding overflow.
+fn quantize_small_float(
+    ctx: &OpCtx,
+    x: &Tensor,
+    scale: &Tensor,
+    zp: Option<&Tensor>,
+    out_dt: DType,
+    axis: i64,
+    block_size: i64,
+) -> Result<Vec<Value>> {
+    let saturate = ctx.node.int_or("saturate", 1)? != 0;
+    let geom = QGeom::new(x.shape(), scale.shape(), axis, block_size)?;
+    let xs = f64s(x)?;
+    let ss = f64s(scale)?;
+    let zs: Vec<f64> = match zp {
+        Some(z) => f64s(z)?,
+        None => vec![0.0; ss.len()],
+    };
+    if zs.len() != ss.len() {
+        bail!("zero point has {} elements, scale {}", zs.len(), ss.len());
+    }
+    let mut out = vec![0u8; xs.len()];
+    geom.for_runs(|xo, po, step, len| {
+        for j in 0..len {
+            let p = po + j * step;
+            let v = (xs[xo + j] as f32 / ss[p] as f32) + zs[p] as f32;
+            out[xo + j] = npuc_ir::lowp::from_f32(out_dt, v, saturate).unwrap_or(0);
+        }
+    });
+    Ok(vec![Value::tensor(Tensor::from_codes(
+        out_dt,
+        x.shape().to_vec(),
+        out,
+    )?)])
+}
+
 /// DequantizeLinear (opsets 10..25): `y = (x - x_zero_point) * x_scale`, per tensor, per axis
 /// or blocked; output type is the scale's (or `output_dtype`, opset 23+).
 fn dequantize_linear(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
@@ -338,9 +380,9 @@ fn dequantize_linear(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     let n = ctx.node;
     let axis = n.int_or("axis", 1)?;
     let block_size = n.int_or("block_size", 0)?;
-    if !x.dtype().is_int() {
+    if !x.dtype().is_int() && !x.dtype().is_small_float() {
         bail!(
-            "DequantizeLinear input must be an integer tensor, got {}",
+            "DequantizeLinear input must be an integer or 8/4-bit float tensor, got {}",
             x.dtype()
         );
     }
