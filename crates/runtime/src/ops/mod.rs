@@ -4,6 +4,7 @@ pub mod common;
 pub mod control;
 pub mod conv;
 pub mod elementwise;
+pub mod fused;
 pub mod gather;
 pub mod matmul;
 pub mod misc;
@@ -23,6 +24,7 @@ pub fn register_all(r: &mut Registry) {
     control::register(r);
     conv::register(r);
     elementwise::register(r);
+    fused::register(r);
     gather::register(r);
     matmul::register(r);
     misc::register(r);

@@ -1,0 +1,2 @@
+//! Graph optimization passes (see the pass manager). Placeholder module list: filled in by the
+//! passes work.
