@@ -3,3 +3,42 @@
 
 pub mod npy;
 pub mod ocr;
+pub mod artifact;
+pub mod bench;
+pub mod compile;
+
+/// Runs the optimization pipeline; returns (pass name, changes) per pass that changed something.
+pub fn optimize_hook(_m: &mut npuc_ir::Model) -> anyhow::Result<Vec<(String, usize)>> {
+    Ok(vec![])
+}
+
+use anyhow::{bail, Result};
+use npuc_ir::TypeInfo;
+use npuc_runtime::Value;
+use std::path::Path;
+
+/// Reads an input value from a `.npy` file or an ONNX `.pb` (TensorProto, or SequenceProto /
+/// OptionalProto when the declared type says so).
+pub fn read_input(path: &Path, declared: Option<&TypeInfo>) -> Result<Value> {
+    let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+    if ext == "npy" {
+        return Ok(Value::tensor(npy::read_npy(path)?));
+    }
+    if ext == "pb" {
+        let v = npuc_onnx::load_value_pb(path, declared)?;
+        fn conv(v: npuc_onnx::PbValue) -> Value {
+            match v {
+                npuc_onnx::PbValue::Tensor(t) => Value::tensor(t),
+                npuc_onnx::PbValue::Sequence(s) => {
+                    Value::Sequence(s.into_iter().map(conv).collect())
+                }
+                npuc_onnx::PbValue::Optional(o) => Value::Optional(o.map(|b| Box::new(conv(*b)))),
+            }
+        }
+        return Ok(conv(v));
+    }
+    bail!(
+        "'{}': input files must be .npy or .pb (TensorProto)",
+        path.display()
+    )
+}

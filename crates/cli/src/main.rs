@@ -3,10 +3,11 @@
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::{Parser, Subcommand};
+use npuc_cli::compile::{bind_inputs, parse_bindings};
 use npuc_cli::{npy, ocr};
 use npuc_ir::{Attr, DType, Dim, Model, Tensor, TypeInfo};
 use npuc_runtime::{registry, Session, SessionOptions, Value};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -34,6 +35,9 @@ enum Cmd {
         /// Bind a symbolic dimension, e.g. `batch=1` (repeatable).
         #[arg(long = "dim", value_name = "SYM=N")]
         dim: Vec<String>,
+        /// For artifacts: also verify every weight checksum.
+        #[arg(long)]
+        verify: bool,
     },
     /// Run a model on inputs from .npy or TensorProto .pb files; write outputs as .npy.
     Run {
@@ -45,6 +49,52 @@ enum Cmd {
         output_dir: Option<PathBuf>,
         #[arg(long, default_value_t = 1)]
         threads: usize,
+        /// Graph of an artifact to run.
+        #[arg(long)]
+        graph: Option<String>,
+    },
+    /// Compile models into one pre-compiled, weight-shared, mmap-able .npuc artifact.
+    Compile {
+        /// Models (ONNX); each becomes a graph named after its file stem, or use --name.
+        models: Vec<PathBuf>,
+        #[arg(short = 'o', long = "output")]
+        output: PathBuf,
+        /// `GRAPH=MODEL`: add MODEL under the graph name GRAPH (repeatable).
+        #[arg(long = "name", value_name = "GRAPH=MODEL")]
+        named: Vec<String>,
+        #[arg(long = "input-shape", value_name = "NAME=SHAPE")]
+        input_shape: Vec<String>,
+        #[arg(long = "dim", value_name = "SYM=N")]
+        dim: Vec<String>,
+        /// Target descriptor: cpu-x86_64, cpu-x86_64-avx2, cpu-aarch64 (default: this machine).
+        #[arg(long)]
+        target: Option<String>,
+        /// Skip graph optimizations.
+        #[arg(long = "no-optimize")]
+        no_optimize: bool,
+        /// Print what each optimization pass changed.
+        #[arg(long = "print-passes")]
+        print_passes: bool,
+    },
+    /// Time loading and running a model or artifact.
+    Bench {
+        model: PathBuf,
+        #[arg(long, default_value_t = 1)]
+        threads: usize,
+        #[arg(long, default_value_t = 10)]
+        runs: usize,
+        #[arg(long)]
+        json: bool,
+        /// Graph of an artifact to run.
+        #[arg(long)]
+        graph: Option<String>,
+        /// `NAME=FILE` inputs; inputs not given are filled with deterministic pseudo-random data.
+        #[arg(long = "input", short = 'i', value_name = "NAME=FILE")]
+        inputs: Vec<String>,
+        #[arg(long = "input-shape", value_name = "NAME=SHAPE")]
+        input_shape: Vec<String>,
+        #[arg(long = "dim", value_name = "SYM=N")]
+        dim: Vec<String>,
     },
     /// List supported ops with their opset ranges.
     Ops {
@@ -72,13 +122,41 @@ fn main() {
             json,
             input_shape,
             dim,
-        } => inspect(&model, json, &input_shape, &dim),
+            verify,
+        } => {
+            if npuc_cli::artifact::is_artifact(&model) {
+                npuc_cli::artifact::inspect(&model, json, verify)
+            } else {
+                inspect(&model, json, &input_shape, &dim)
+            }
+        }
         Cmd::Run {
             model,
             inputs,
             output_dir,
             threads,
-        } => run(&model, &inputs, output_dir.as_deref(), threads),
+            graph,
+        } => run(&model, graph.as_deref(), &inputs, output_dir.as_deref(), threads),
+        Cmd::Compile {
+            models,
+            output,
+            named,
+            input_shape,
+            dim,
+            target,
+            no_optimize,
+            print_passes,
+        } => compile_cmd(&models, &named, &output, &input_shape, &dim, target, !no_optimize, print_passes),
+        Cmd::Bench {
+            model,
+            threads,
+            runs,
+            json,
+            graph,
+            inputs,
+            input_shape,
+            dim,
+        } => npuc_cli::bench::bench(&model, graph.as_deref(), &inputs, &input_shape, &dim, threads, runs, json),
         Cmd::Ops { json } => ops(json),
         Cmd::Ocr {
             image,
@@ -97,6 +175,59 @@ fn load(path: &Path) -> Result<Model> {
     Ok(npuc_onnx::load_model(path)?)
 }
 
+#[allow(clippy::too_many_arguments)]
+fn compile_cmd(
+    models: &[PathBuf],
+    named: &[String],
+    output: &Path,
+    input_shape: &[String],
+    dim: &[String],
+    target: Option<String>,
+    optimize: bool,
+    print_passes: bool,
+) -> Result<()> {
+    let mut list: Vec<(String, PathBuf)> = vec![];
+    for m in models {
+        let stem = m.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "graph".into());
+        list.push((stem, m.clone()));
+    }
+    for n in named {
+        let (g, p) = n.split_once('=').ok_or_else(|| anyhow!("--name expects GRAPH=MODEL, got '{n}'"))?;
+        list.push((g.to_string(), PathBuf::from(p)));
+    }
+    if list.is_empty() {
+        bail!("no models given: npuc compile MODEL.onnx -o OUT.npuc");
+    }
+    let (input_shapes, dims) = parse_bindings(input_shape, dim)?;
+    let opts = npuc_cli::compile::CompileOptions { input_shapes, dims, target, optimize };
+    let s = npuc_cli::compile::compile(&list, &opts, output, |msg| eprintln!("{msg}"))?;
+    for g in &s.graphs {
+        if print_passes {
+            for (p, n) in &g.pass_log {
+                println!("  [{}] pass {p}: {n} changes", g.name);
+            }
+        }
+        println!(
+            "graph {:<20} nodes {} -> {}, arena {:.2} MB",
+            g.name,
+            g.nodes_before,
+            g.nodes_after,
+            g.arena_bytes as f64 / 1e6
+        );
+    }
+    println!(
+        "compiled {} graph{} into {} ({:.2} MB): weights {:.2} MB unique / {:.2} MB referenced, {:.2} s",
+        s.graphs.len(),
+        if s.graphs.len() == 1 { "" } else { "s" },
+        output.display(),
+        s.file_bytes as f64 / 1e6,
+        s.weight_bytes_unique as f64 / 1e6,
+        s.weight_bytes_referenced as f64 / 1e6,
+        s.seconds
+    );
+    Ok(())
+}
+
 fn op_key(domain: &str, op: &str) -> String {
     if domain.is_empty() {
         op.to_string()
@@ -109,73 +240,6 @@ fn describe(ty: &Option<TypeInfo>) -> String {
     ty.as_ref()
         .map(|t| t.describe())
         .unwrap_or_else(|| "?".into())
-}
-
-fn parse_bindings(
-    input_shape: &[String],
-    dim: &[String],
-) -> Result<(HashMap<String, Vec<usize>>, HashMap<String, usize>)> {
-    let mut shapes = HashMap::new();
-    for s in input_shape {
-        let (n, v) = s
-            .split_once('=')
-            .ok_or_else(|| anyhow!("--input-shape expects NAME=SHAPE, got '{s}'"))?;
-        shapes.insert(
-            n.to_string(),
-            npuc_ir::parse_shape(v).map_err(|e| anyhow!(e))?,
-        );
-    }
-    let mut dims = HashMap::new();
-    for s in dim {
-        let (n, v) = s
-            .split_once('=')
-            .ok_or_else(|| anyhow!("--dim expects SYM=N, got '{s}'"))?;
-        dims.insert(
-            n.to_string(),
-            v.parse::<usize>()
-                .map_err(|_| anyhow!("--dim {n}: '{v}' is not a number"))?,
-        );
-    }
-    Ok((shapes, dims))
-}
-
-/// Applies user bindings to a model's declared input types; errors name unknown inputs.
-fn bind_inputs(
-    m: &mut Model,
-    shapes: &HashMap<String, Vec<usize>>,
-    dims: &HashMap<String, usize>,
-) -> Result<()> {
-    for name in shapes.keys() {
-        if !m.graph.inputs.iter().any(|i| &i.name == name) {
-            bail!("--input-shape: the model has no input '{name}'");
-        }
-    }
-    for vi in &mut m.graph.inputs {
-        if let Some(TypeInfo::Tensor { shape, .. }) = &mut vi.ty {
-            if let Some(s) = shapes.get(&vi.name) {
-                if let Some(old) = shape {
-                    if old.len() != s.len() {
-                        bail!(
-                            "--input-shape {}: rank {} given, the model declares rank {}",
-                            vi.name,
-                            s.len(),
-                            old.len()
-                        );
-                    }
-                }
-                *shape = Some(s.iter().map(|&d| Dim::Fixed(d)).collect());
-            } else if let Some(old) = shape {
-                for d in old.iter_mut() {
-                    if let Dim::Symbolic(sym) = d {
-                        if let Some(&n) = dims.get(sym) {
-                            *d = Dim::Fixed(n);
-                        }
-                    }
-                }
-            }
-        }
-    }
-    Ok(())
 }
 
 fn inspect(path: &Path, json: bool, input_shape: &[String], dim: &[String]) -> Result<()> {
@@ -392,30 +456,6 @@ fn sanitize(name: &str) -> String {
         .collect()
 }
 
-fn read_input(path: &Path, declared: Option<&TypeInfo>) -> Result<Value> {
-    let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
-    if ext == "npy" {
-        return Ok(Value::tensor(npy::read_npy(path)?));
-    }
-    if ext == "pb" {
-        let v = npuc_onnx::load_value_pb(path, declared)?;
-        fn conv(v: npuc_onnx::PbValue) -> Value {
-            match v {
-                npuc_onnx::PbValue::Tensor(t) => Value::tensor(t),
-                npuc_onnx::PbValue::Sequence(s) => {
-                    Value::Sequence(s.into_iter().map(conv).collect())
-                }
-                npuc_onnx::PbValue::Optional(o) => Value::Optional(o.map(|b| Box::new(conv(*b)))),
-            }
-        }
-        return Ok(conv(v));
-    }
-    bail!(
-        "'{}': input files must be .npy or .pb (TensorProto)",
-        path.display()
-    )
-}
-
 fn stats(t: &Tensor) -> String {
     match t.to_f64_vec() {
         Ok(v) if !v.is_empty() => {
@@ -429,8 +469,8 @@ fn stats(t: &Tensor) -> String {
     }
 }
 
-fn run(path: &Path, inputs: &[String], out_dir: Option<&Path>, threads: usize) -> Result<()> {
-    let m = load(path)?;
+fn run(path: &Path, graph: Option<&str>, inputs: &[String], out_dir: Option<&Path>, threads: usize) -> Result<()> {
+    let m = npuc_cli::artifact::load_any(path, graph)?;
     let t0 = Instant::now();
     let sess = Session::new(&m, SessionOptions { threads })?;
     let load_ms = t0.elapsed().as_secs_f64() * 1e3;
@@ -444,7 +484,7 @@ fn run(path: &Path, inputs: &[String], out_dir: Option<&Path>, threads: usize) -
             .iter()
             .find(|i| i.name == name)
             .and_then(|i| i.ty.as_ref());
-        let v = read_input(Path::new(file), decl).with_context(|| format!("input '{name}'"))?;
+        let v = npuc_cli::read_input(Path::new(file), decl).with_context(|| format!("input '{name}'"))?;
         feeds.push((name.to_string(), v));
     }
     let t1 = Instant::now();

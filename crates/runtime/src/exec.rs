@@ -88,7 +88,7 @@ impl Plan {
     ) -> Result<Plan> {
         let order = g.topo_order(outer)?;
         let reg = registry();
-        let mut unsupported: Vec<String> = vec![];
+        let mut unsupported: Vec<(String, String)> = vec![];
         let mut slot_of: HashMap<String, usize> = HashMap::new();
         let slot = |name: &str, slot_of: &mut HashMap<String, usize>| -> usize {
             let n = slot_of.len();
@@ -135,11 +135,7 @@ impl Plan {
                     } else {
                         format!("{}.", n.domain)
                     };
-                    unsupported.push(format!(
-                        "{dom}{} (opset {opset}, node '{}')",
-                        n.op_type,
-                        n.display_name()
-                    ));
+                    unsupported.push((format!("{dom}{} opset {opset}", n.op_type), n.display_name()));
                     continue;
                 }
             };
@@ -185,7 +181,24 @@ impl Plan {
             });
         }
         if !unsupported.is_empty() {
-            return Err(RtError::Unsupported(unsupported));
+            // One line per op, with a count and the first nodes, so large models stay readable.
+            let mut grouped: Vec<(String, Vec<String>)> = vec![];
+            for (op, node) in unsupported {
+                match grouped.iter_mut().find(|(o, _)| *o == op) {
+                    Some((_, nodes)) => nodes.push(node),
+                    None => grouped.push((op, vec![node])),
+                }
+            }
+            return Err(RtError::Unsupported(
+                grouped
+                    .into_iter()
+                    .map(|(op, nodes)| {
+                        let shown: Vec<String> = nodes.iter().take(3).map(|n| format!("'{n}'")).collect();
+                        let more = if nodes.len() > 3 { format!(" and {} more", nodes.len() - 3) } else { String::new() };
+                        format!("{op} ({} node{}: {}{more})", nodes.len(), if nodes.len() == 1 { "" } else { "s" }, shown.join(", "))
+                    })
+                    .collect(),
+            ));
         }
         let outputs: Vec<(String, usize)> = g
             .outputs

@@ -64,7 +64,7 @@ fn unsupported_op_lists_node_and_op() {
     let m = model(vec![n], vec![input("x", vec![Dim::Fixed(2)])], &["y"]);
     match Session::new(&m, SessionOptions::default()) {
         Err(RtError::Unsupported(list)) => {
-            assert!(list[0].contains("com.example.FancyOp") && list[0].contains("'mystery'"), "{list:?}")
+            assert!(list[0].contains("com.example.FancyOp opset 1") && list[0].contains("'mystery'"), "{list:?}")
         }
         other => panic!("expected Unsupported, got {:?}", other.err()),
     }
