@@ -283,3 +283,52 @@ fn tfidf_vectorizer(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     };
     Ok(vec![Value::tensor(Tensor::from_vec(shape, y)?)])
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use npuc_ir::Attr;
+
+    fn model(mode: &str, min: i64, max: i64, skip: i64, weights: Option<Vec<f32>>) -> TfIdfModel {
+        // Unigrams [2, 3], bigrams [(5, 6), (6, 7)], ids 1..=4 mapped to columns 3, 2, 1, 0.
+        let mut node = Node::new("TfIdfVectorizer", &["x"], &["y"])
+            .with_attr("mode", Attr::String(mode.into()))
+            .with_attr("min_gram_length", Attr::Int(min))
+            .with_attr("max_gram_length", Attr::Int(max))
+            .with_attr("max_skip_count", Attr::Int(skip))
+            .with_attr("ngram_counts", Attr::Ints(vec![0, 2]))
+            .with_attr("ngram_indexes", Attr::Ints(vec![3, 2, 1, 0]));
+        if let Some(w) = weights {
+            node = node.with_attr("weights", Attr::Floats(w));
+        }
+        let (pool, _) = tokenize(&[2i64, 3, 5, 6, 6, 7], &[]);
+        TfIdfModel::new(&node, &pool).unwrap()
+    }
+
+    fn run(m: &TfIdfModel, row: &[i64]) -> Vec<f32> {
+        let (_, toks) = tokenize(&[2i64, 3, 5, 6, 6, 7], row);
+        let mut f = vec![0u32; m.output_size];
+        let mut y = vec![0f32; m.output_size];
+        m.count_row(&toks, &mut f);
+        m.weigh(&f, &mut y);
+        y
+    }
+
+    #[test]
+    fn counts_unigrams_and_skip_bigrams() {
+        let m = model("TF", 1, 2, 0, None);
+        assert_eq!(run(&m, &[2, 5, 6, 7, 2, 9]), vec![1.0, 1.0, 0.0, 2.0]);
+        // With one skipped token allowed, (5, _, 6) and (6, _, 7) are found.
+        let m = model("TF", 2, 2, 1, None);
+        assert_eq!(run(&m, &[5, 1, 6, 9, 7]), vec![1.0, 1.0, 0.0, 0.0]);
+    }
+
+    #[test]
+    fn idf_and_tfidf_weights() {
+        let w = vec![0.5, 1.5, 2.5, 3.5];
+        let m = model("IDF", 1, 2, 0, Some(w.clone()));
+        assert_eq!(run(&m, &[2, 2, 3]), vec![0.0, 0.0, 2.5, 3.5]);
+        let m = model("TFIDF", 1, 2, 0, Some(w));
+        assert_eq!(run(&m, &[2, 2, 3]), vec![0.0, 0.0, 2.5, 7.0]);
+    }
+}

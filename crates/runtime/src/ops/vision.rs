@@ -619,3 +619,116 @@ fn max_roi_pool_run<T: GemmFloat>(g: &RoiPoolGeom, xv: &[T], rv: &[f64]) -> Resu
     }
     Ok(y)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn geom(c: usize, oc: usize, group: usize, og: usize) -> DeformGeom {
+        DeformGeom {
+            n: 1,
+            c,
+            ih: 4,
+            iw: 5,
+            oc,
+            kh: 2,
+            kw: 2,
+            oh: 3,
+            ow: 4,
+            group,
+            offset_group: og,
+            stride: [1, 1],
+            dil: [1, 1],
+            pad: [0, 0],
+        }
+    }
+
+    #[test]
+    fn deform_conv_zero_offsets_is_plain_conv() {
+        let g = geom(2, 4, 2, 1);
+        let x: Vec<f64> = (0..2 * 20).map(|i| (i * 7 % 11) as f64 - 5.0).collect();
+        let w: Vec<f64> = (0..4 * 4).map(|i| (i % 5) as f64 * 0.5 - 1.0).collect();
+        let off = vec![0.0; 2 * 4 * 12];
+        let y = deform_conv_run::<f64>(&g, &x, &w, &off, None, None, 1).unwrap();
+        for o in 0..4 {
+            let ci = o / 2; // one input channel per group
+            for i in 0..3 {
+                for j in 0..4 {
+                    let mut acc = 0.0;
+                    for a in 0..2 {
+                        for b in 0..2 {
+                            acc += x[ci * 20 + (i + a) * 5 + j + b] * w[o * 4 + a * 2 + b];
+                        }
+                    }
+                    assert!((y[o * 12 + i * 4 + j] - acc).abs() < 1e-12);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn deform_conv_fractional_offset_interpolates_and_masks() {
+        // 1x1-like check with a 2x2 kernel whose only non-zero tap is (0, 0).
+        let g = geom(1, 1, 1, 1);
+        let x: Vec<f32> = (0..20).map(|i| i as f32).collect();
+        let w = vec![1.0, 0.0, 0.0, 0.0];
+        let mut off = vec![0.0f32; 8 * 12];
+        // Tap (0,0): dy = 0.5 and dx = 0.25 everywhere; x is linear so bilinear is exact.
+        off[..12].fill(0.5);
+        off[12..24].fill(0.25);
+        let mut mask = vec![1.0f32; 4 * 12];
+        mask[..12].fill(2.0);
+        let y = deform_conv_run::<f32>(&g, &x, &w, &off, Some(&[1.0]), Some(&mask), 1).unwrap();
+        for i in 0..3 {
+            for j in 0..4 {
+                let want = 1.0 + 2.0 * ((i as f32 + 0.5) * 5.0 + j as f32 + 0.25);
+                assert!((y[i * 4 + j] - want).abs() < 1e-4, "{i},{j}");
+            }
+        }
+    }
+
+    #[test]
+    fn bilinear_reads_zero_outside() {
+        let plane = [1.0f32, 2.0, 3.0, 4.0];
+        assert_eq!(bilinear_zero(&plane, 2, 2, -0.5, 0.0), 0.5);
+        assert_eq!(bilinear_zero(&plane, 2, 2, 5.0, 0.0), 0.0);
+        assert_eq!(bilinear_zero(&plane, 2, 2, f32::NAN, 0.0), 0.0);
+    }
+
+    #[test]
+    fn roi_align_constant_image() {
+        let p = RoiAlignParams {
+            c: 1,
+            h: 6,
+            w: 6,
+            ph: 2,
+            pw: 3,
+            sampling: 0,
+            scale: 1.0,
+            half_pixel: true,
+            max_mode: false,
+        };
+        let x = vec![3.0f32; 36];
+        let y = roi_align_run::<f32>(&p, &x, &[0.5, 1.0, 4.5, 5.0], &[0]).unwrap();
+        assert!(y.iter().all(|&v| (v - 3.0).abs() < 1e-6), "{y:?}");
+    }
+
+    #[test]
+    fn max_roi_pool_bins() {
+        let g = RoiPoolGeom {
+            n: 1,
+            c: 1,
+            h: 5,
+            w: 5,
+            ph: 2,
+            pw: 2,
+            scale: 1.0,
+        };
+        let x: Vec<f32> = (0..25).map(|i| i as f32).collect();
+        // The full image splits into overlapping 3x3 bins; an ROI past the image is empty.
+        let rois = [0.0, 0.0, 0.0, 4.0, 4.0, 0.0, 10.0, 10.0, 12.0, 12.0];
+        let y = max_roi_pool_run::<f32>(&g, &x, &rois).unwrap();
+        assert_eq!(y, vec![12.0, 14.0, 22.0, 24.0, 0.0, 0.0, 0.0, 0.0]);
+        assert!(max_roi_pool_run::<f32>(&g, &x, &[1.0, 0.0, 0.0, 1.0, 1.0]).is_err());
+    }
+}
