@@ -11,7 +11,10 @@ use std::path::Path;
 /// Whether `path` starts with the artifact magic.
 pub fn is_artifact(path: &Path) -> bool {
     let mut magic = [0u8; 8];
-    std::fs::File::open(path).and_then(|mut f| f.read_exact(&mut magic)).is_ok() && magic == npuc_format::MAGIC
+    std::fs::File::open(path)
+        .and_then(|mut f| f.read_exact(&mut magic))
+        .is_ok()
+        && magic == npuc_format::MAGIC
 }
 
 /// Loads an ONNX model, or graph `graph` of an artifact (the first graph by default).
@@ -43,7 +46,9 @@ fn ty(t: &Option<TypeDesc>) -> String {
         }
     }
     match t {
-        Some(TypeDesc::Tensor { dtype, shape }) => format!("{}{}", dtype.as_deref().unwrap_or("?"), dims(shape)),
+        Some(TypeDesc::Tensor { dtype, shape }) => {
+            format!("{}{}", dtype.as_deref().unwrap_or("?"), dims(shape))
+        }
         Some(other) => format!("{other:?}"),
         None => "?".into(),
     }
@@ -55,8 +60,12 @@ fn weight_refs(g: &GraphDesc) -> Vec<usize> {
         for n in &b.nodes {
             for (_, a) in &n.attrs {
                 match a {
-                    npuc_format::AttrDesc::Tensor(i) | npuc_format::AttrDesc::SparseTensor(i) => out.push(*i),
-                    npuc_format::AttrDesc::Tensors(v) | npuc_format::AttrDesc::SparseTensors(v) => out.extend(v),
+                    npuc_format::AttrDesc::Tensor(i) | npuc_format::AttrDesc::SparseTensor(i) => {
+                        out.push(*i)
+                    }
+                    npuc_format::AttrDesc::Tensors(v) | npuc_format::AttrDesc::SparseTensors(v) => {
+                        out.extend(v)
+                    }
                     npuc_format::AttrDesc::Graph(b) => walk(b, out),
                     npuc_format::AttrDesc::Graphs(bs) => bs.iter().for_each(|b| walk(b, out)),
                     _ => {}
@@ -112,7 +121,11 @@ pub fn inspect_json(a: &Artifact, verify: bool) -> serde_json::Value {
         })
         .collect();
     let unique: u64 = m.weights.iter().map(|w| w.len).sum();
-    let referenced: u64 = m.graphs.iter().map(|g| weight_refs(g).iter().map(wbytes).sum::<u64>()).sum();
+    let referenced: u64 = m
+        .graphs
+        .iter()
+        .map(|g| weight_refs(g).iter().map(wbytes).sum::<u64>())
+        .sum();
     let mut doc = json!({
         "format_version": format!("{}.{}", m.format_major, m.format_minor),
         "producer": format!("{} {}", m.producer, m.producer_version),
@@ -141,19 +154,44 @@ pub fn inspect(path: &Path, json_out: bool, verify: bool) -> Result<()> {
     if json_out {
         println!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
-        println!("artifact  {} ({:.2} MB)", path.display(), a.file_len as f64 / 1e6);
-        println!("format    {}   producer {}", doc["format_version"].as_str().unwrap_or(""), doc["producer"].as_str().unwrap_or(""));
+        println!(
+            "artifact  {} ({:.2} MB)",
+            path.display(),
+            a.file_len as f64 / 1e6
+        );
+        println!(
+            "format    {}   producer {}",
+            doc["format_version"].as_str().unwrap_or(""),
+            doc["producer"].as_str().unwrap_or("")
+        );
         println!("target    {}", doc["target"]["name"].as_str().unwrap_or(""));
         for g in doc["graphs"].as_array().into_iter().flatten() {
-            println!("graph '{}': {} nodes (from {})", g["name"].as_str().unwrap_or(""), g["nodes"], g["nodes_before_optimization"]);
+            println!(
+                "graph '{}': {} nodes (from {})",
+                g["name"].as_str().unwrap_or(""),
+                g["nodes"],
+                g["nodes_before_optimization"]
+            );
             for i in g["inputs"].as_array().into_iter().flatten() {
-                println!("  input   {:<24} {}", i["name"].as_str().unwrap_or(""), i["type"].as_str().unwrap_or(""));
+                println!(
+                    "  input   {:<24} {}",
+                    i["name"].as_str().unwrap_or(""),
+                    i["type"].as_str().unwrap_or("")
+                );
             }
             for o in g["outputs"].as_array().into_iter().flatten() {
-                println!("  output  {:<24} {}", o["name"].as_str().unwrap_or(""), o["type"].as_str().unwrap_or(""));
+                println!(
+                    "  output  {:<24} {}",
+                    o["name"].as_str().unwrap_or(""),
+                    o["type"].as_str().unwrap_or("")
+                );
             }
             for k in g["kv_cache"].as_array().into_iter().flatten() {
-                println!("  kv      {:<24} {}", k["name"].as_str().unwrap_or(""), k["role"].as_str().unwrap_or(""));
+                println!(
+                    "  kv      {:<24} {}",
+                    k["name"].as_str().unwrap_or(""),
+                    k["role"].as_str().unwrap_or("")
+                );
             }
             println!(
                 "  weights {:.2} MB own, {:.2} MB shared; arena {:.2} MB",
@@ -175,7 +213,10 @@ pub fn inspect(path: &Path, json_out: bool, verify: bool) -> Result<()> {
             t["weight_bytes_referenced"].as_f64().unwrap_or(0.0) / 1e6
         );
         if let Some(v) = doc.get("verify") {
-            let bad = v["corrupt_weights"].as_array().map(|a| a.len()).unwrap_or(0);
+            let bad = v["corrupt_weights"]
+                .as_array()
+                .map(|a| a.len())
+                .unwrap_or(0);
             if bad == 0 {
                 println!("verify    all {} weight checksums OK", v["weights_checked"]);
             } else {

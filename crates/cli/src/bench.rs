@@ -17,7 +17,11 @@ pub fn peak_rss_bytes() -> Option<u64> {
 
 /// Deterministic input data: floats uniform in [0, 1) from a fixed seed, integers 0, bools false.
 fn synth_input(name: &str, ty: &Option<TypeInfo>) -> Result<Tensor> {
-    let Some(TypeInfo::Tensor { dtype: Some(dt), shape: Some(dims) }) = ty else {
+    let Some(TypeInfo::Tensor {
+        dtype: Some(dt),
+        shape: Some(dims),
+    }) = ty
+    else {
         bail!("input '{name}' has no declared tensor type; give it with --input {name}=FILE");
     };
     let mut shape = vec![];
@@ -37,7 +41,10 @@ fn synth_input(name: &str, ty: &Option<TypeInfo>) -> Result<Tensor> {
     };
     Ok(match dt {
         DType::F32 => Tensor::from_vec(shape, (0..n).map(|_| next()).collect())?,
-        DType::F16 => Tensor::from_vec(shape, (0..n).map(|_| npuc_ir::f16::from_f32(next())).collect())?,
+        DType::F16 => Tensor::from_vec(
+            shape,
+            (0..n).map(|_| npuc_ir::f16::from_f32(next())).collect(),
+        )?,
         DType::F64 => Tensor::from_vec(shape, (0..n).map(|_| next() as f64).collect())?,
         d => Tensor::zeros(*d, shape),
     })
@@ -62,7 +69,9 @@ pub fn bench(
     let load_ms = t0.elapsed().as_secs_f64() * 1e3;
     let mut feeds = vec![];
     for vi in sess.inputs() {
-        let given = inputs.iter().find_map(|s| s.split_once('=').filter(|(n, _)| *n == vi.name));
+        let given = inputs
+            .iter()
+            .find_map(|s| s.split_once('=').filter(|(n, _)| *n == vi.name));
         let v = match given {
             Some((_, file)) => crate::read_input(Path::new(file), vi.ty.as_ref())?,
             None => Value::tensor(synth_input(&vi.name, &vi.ty)?),
@@ -70,7 +79,9 @@ pub fn bench(
         feeds.push((vi.name.clone(), v));
     }
     for s in inputs {
-        let (n, _) = s.split_once('=').ok_or_else(|| anyhow!("--input expects NAME=FILE, got '{s}'"))?;
+        let (n, _) = s
+            .split_once('=')
+            .ok_or_else(|| anyhow!("--input expects NAME=FILE, got '{s}'"))?;
         if !sess.inputs().iter().any(|i| i.name == n) {
             bail!("--input {n}: the model has no such input");
         }

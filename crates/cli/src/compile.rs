@@ -36,27 +36,50 @@ pub struct CompileSummary {
     pub seconds: f64,
 }
 
-pub fn parse_bindings(input_shape: &[String], dim: &[String]) -> Result<(HashMap<String, Vec<usize>>, HashMap<String, usize>)> {
+pub fn parse_bindings(
+    input_shape: &[String],
+    dim: &[String],
+) -> Result<(HashMap<String, Vec<usize>>, HashMap<String, usize>)> {
     let mut shapes = HashMap::new();
     for s in input_shape {
-        let (n, v) = s.split_once('=').ok_or_else(|| anyhow!("--input-shape expects NAME=SHAPE, got '{s}'"))?;
-        shapes.insert(n.to_string(), npuc_ir::parse_shape(v).map_err(|e| anyhow!(e))?);
+        let (n, v) = s
+            .split_once('=')
+            .ok_or_else(|| anyhow!("--input-shape expects NAME=SHAPE, got '{s}'"))?;
+        shapes.insert(
+            n.to_string(),
+            npuc_ir::parse_shape(v).map_err(|e| anyhow!(e))?,
+        );
     }
     let mut dims = HashMap::new();
     for s in dim {
-        let (n, v) = s.split_once('=').ok_or_else(|| anyhow!("--dim expects SYM=N, got '{s}'"))?;
-        dims.insert(n.to_string(), v.parse::<usize>().map_err(|_| anyhow!("--dim {n}: '{v}' is not a number"))?);
+        let (n, v) = s
+            .split_once('=')
+            .ok_or_else(|| anyhow!("--dim expects SYM=N, got '{s}'"))?;
+        dims.insert(
+            n.to_string(),
+            v.parse::<usize>()
+                .map_err(|_| anyhow!("--dim {n}: '{v}' is not a number"))?,
+        );
     }
     Ok((shapes, dims))
 }
 
 /// Applies user bindings to a model's declared input types; errors name unknown inputs.
-pub fn bind_inputs(m: &mut Model, shapes: &HashMap<String, Vec<usize>>, dims: &HashMap<String, usize>) -> Result<()> {
+pub fn bind_inputs(
+    m: &mut Model,
+    shapes: &HashMap<String, Vec<usize>>,
+    dims: &HashMap<String, usize>,
+) -> Result<()> {
     for name in shapes.keys() {
         if !m.graph.inputs.iter().any(|i| &i.name == name) {
             bail!(
                 "--input-shape: the model has no input '{name}'; its inputs are: {}",
-                m.graph.inputs.iter().map(|i| i.name.as_str()).collect::<Vec<_>>().join(", ")
+                m.graph
+                    .inputs
+                    .iter()
+                    .map(|i| i.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
             );
         }
     }
@@ -65,7 +88,12 @@ pub fn bind_inputs(m: &mut Model, shapes: &HashMap<String, Vec<usize>>, dims: &H
             if let Some(s) = shapes.get(&vi.name) {
                 if let Some(old) = shape {
                     if old.len() != s.len() {
-                        bail!("--input-shape {}: rank {} given, the model declares rank {}", vi.name, s.len(), old.len());
+                        bail!(
+                            "--input-shape {}: rank {} given, the model declares rank {}",
+                            vi.name,
+                            s.len(),
+                            old.len()
+                        );
                     }
                     for (i, (o, &n)) in old.iter().zip(s).enumerate() {
                         if let Dim::Fixed(f) = o {
@@ -113,7 +141,10 @@ pub fn plan_arena(m: &Model, types: &HashMap<String, TypeInfo>) -> (u64, usize) 
     let outputs: HashSet<&str> = g.outputs.iter().map(|o| o.name.as_str()).collect();
     let size = |name: &str| -> Option<u64> {
         match types.get(name)? {
-            TypeInfo::Tensor { dtype: Some(d), shape: Some(s) } => {
+            TypeInfo::Tensor {
+                dtype: Some(d),
+                shape: Some(s),
+            } => {
                 let mut n: u64 = d.size() as u64;
                 for dim in s {
                     match dim {
@@ -133,7 +164,11 @@ pub fn plan_arena(m: &Model, types: &HashMap<String, TypeInfo>) -> (u64, usize) 
             match size(o) {
                 Some(b) => {
                     live += b;
-                    let end = if outputs.contains(o.as_str()) { usize::MAX } else { last.get(o.as_str()).copied().unwrap_or(step) };
+                    let end = if outputs.contains(o.as_str()) {
+                        usize::MAX
+                    } else {
+                        last.get(o.as_str()).copied().unwrap_or(step)
+                    };
                     frees.entry(end).or_default().push(b);
                 }
                 None => unknown += 1,
@@ -153,7 +188,12 @@ fn count_nodes(m: &Model) -> usize {
 }
 
 /// Compiles models into one artifact at `out` (written atomically).
-pub fn compile(models: &[(String, PathBuf)], opts: &CompileOptions, out: &Path, mut log: impl FnMut(&str)) -> Result<CompileSummary> {
+pub fn compile(
+    models: &[(String, PathBuf)],
+    opts: &CompileOptions,
+    out: &Path,
+    mut log: impl FnMut(&str),
+) -> Result<CompileSummary> {
     let t0 = Instant::now();
     let target = match &opts.target {
         Some(t) => Target::parse(t)?,
@@ -171,7 +211,13 @@ pub fn compile(models: &[(String, PathBuf)], opts: &CompileOptions, out: &Path, 
     for (name, path) in models {
         log(&format!("[{name}] importing {}", path.display()));
         let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-        w.add_source(&path.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default(), &bytes);
+        w.add_source(
+            &path
+                .file_name()
+                .map(|f| f.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+            &bytes,
+        );
         drop(bytes);
         let mut m = npuc_onnx::load_model(path)?;
         bind_inputs(&mut m, &opts.input_shapes, &opts.dims)?;
@@ -182,7 +228,11 @@ pub fn compile(models: &[(String, PathBuf)], opts: &CompileOptions, out: &Path, 
             bail!(
                 "'{}' is not a valid graph:\n  {}",
                 path.display(),
-                problems.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("\n  ")
+                problems
+                    .iter()
+                    .map(|e| e.to_string())
+                    .collect::<Vec<_>>()
+                    .join("\n  ")
             );
         }
         // Refuse unsupported ops now, with every offending node named, rather than at run time.
@@ -195,21 +245,41 @@ pub fn compile(models: &[(String, PathBuf)], opts: &CompileOptions, out: &Path, 
             vec![]
         };
         let nodes_after = count_nodes(&m);
-        let bound: HashMap<String, TypeInfo> =
-            m.graph.inputs.iter().filter_map(|v| v.ty.clone().map(|t| (v.name.clone(), t))).collect();
+        let bound: HashMap<String, TypeInfo> = m
+            .graph
+            .inputs
+            .iter()
+            .filter_map(|v| v.ty.clone().map(|t| (v.name.clone(), t)))
+            .collect();
         let inferred = npuc_ir::infer::infer_model(&m, &bound);
         let (arena_bytes, unknown) = plan_arena(&m, &inferred.types);
         if unknown > 0 {
             log(&format!("[{name}] {unknown} intermediate values have dynamic shapes; bind inputs with --input-shape/--dim for a static arena"));
         }
-        referenced += m.graph.initializers.iter().map(|i| (i.tensor.len() * i.tensor.dtype().size()) as u64).sum::<u64>();
+        referenced += m
+            .graph
+            .initializers
+            .iter()
+            .map(|i| (i.tensor.len() * i.tensor.dtype().size()) as u64)
+            .sum::<u64>();
         log(&format!("[{name}] serializing"));
         w.add_graph(
             name,
             &m,
-            GraphInfo { nodes_before, nodes_after, arena_bytes, source: path.display().to_string() },
+            GraphInfo {
+                nodes_before,
+                nodes_after,
+                arena_bytes,
+                source: path.display().to_string(),
+            },
         )?;
-        graphs.push(GraphSummary { name: name.clone(), nodes_before, nodes_after, arena_bytes, pass_log });
+        graphs.push(GraphSummary {
+            name: name.clone(),
+            nodes_before,
+            nodes_after,
+            arena_bytes,
+            pass_log,
+        });
     }
     let unique: u64 = w.meta().weights.iter().map(|wd| wd.len).sum();
     let file_bytes = w.write(out)?;

@@ -1,11 +1,11 @@
 //! Library side of the `npuc` binary: file formats the CLI reads/writes and small applications
 //! (OCR) built on the runtime. Shared with tests and xtask.
 
-pub mod npy;
-pub mod ocr;
 pub mod artifact;
 pub mod bench;
 pub mod compile;
+pub mod npy;
+pub mod ocr;
 
 /// Runs the optimization pipeline; returns (pass name, changes) per pass that changed something.
 pub fn optimize_hook(_m: &mut npuc_ir::Model) -> anyhow::Result<Vec<(String, usize)>> {

@@ -136,7 +136,13 @@ fn main() {
             output_dir,
             threads,
             graph,
-        } => run(&model, graph.as_deref(), &inputs, output_dir.as_deref(), threads),
+        } => run(
+            &model,
+            graph.as_deref(),
+            &inputs,
+            output_dir.as_deref(),
+            threads,
+        ),
         Cmd::Compile {
             models,
             output,
@@ -146,7 +152,16 @@ fn main() {
             target,
             no_optimize,
             print_passes,
-        } => compile_cmd(&models, &named, &output, &input_shape, &dim, target, !no_optimize, print_passes),
+        } => compile_cmd(
+            &models,
+            &named,
+            &output,
+            &input_shape,
+            &dim,
+            target,
+            !no_optimize,
+            print_passes,
+        ),
         Cmd::Bench {
             model,
             threads,
@@ -156,7 +171,16 @@ fn main() {
             inputs,
             input_shape,
             dim,
-        } => npuc_cli::bench::bench(&model, graph.as_deref(), &inputs, &input_shape, &dim, threads, runs, json),
+        } => npuc_cli::bench::bench(
+            &model,
+            graph.as_deref(),
+            &inputs,
+            &input_shape,
+            &dim,
+            threads,
+            runs,
+            json,
+        ),
         Cmd::Ops { json } => ops(json),
         Cmd::Ocr {
             image,
@@ -188,18 +212,28 @@ fn compile_cmd(
 ) -> Result<()> {
     let mut list: Vec<(String, PathBuf)> = vec![];
     for m in models {
-        let stem = m.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "graph".into());
+        let stem = m
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "graph".into());
         list.push((stem, m.clone()));
     }
     for n in named {
-        let (g, p) = n.split_once('=').ok_or_else(|| anyhow!("--name expects GRAPH=MODEL, got '{n}'"))?;
+        let (g, p) = n
+            .split_once('=')
+            .ok_or_else(|| anyhow!("--name expects GRAPH=MODEL, got '{n}'"))?;
         list.push((g.to_string(), PathBuf::from(p)));
     }
     if list.is_empty() {
         bail!("no models given: npuc compile MODEL.onnx -o OUT.npuc");
     }
     let (input_shapes, dims) = parse_bindings(input_shape, dim)?;
-    let opts = npuc_cli::compile::CompileOptions { input_shapes, dims, target, optimize };
+    let opts = npuc_cli::compile::CompileOptions {
+        input_shapes,
+        dims,
+        target,
+        optimize,
+    };
     let s = npuc_cli::compile::compile(&list, &opts, output, |msg| eprintln!("{msg}"))?;
     for g in &s.graphs {
         if print_passes {
@@ -469,7 +503,13 @@ fn stats(t: &Tensor) -> String {
     }
 }
 
-fn run(path: &Path, graph: Option<&str>, inputs: &[String], out_dir: Option<&Path>, threads: usize) -> Result<()> {
+fn run(
+    path: &Path,
+    graph: Option<&str>,
+    inputs: &[String],
+    out_dir: Option<&Path>,
+    threads: usize,
+) -> Result<()> {
     let m = npuc_cli::artifact::load_any(path, graph)?;
     let t0 = Instant::now();
     let sess = Session::new(&m, SessionOptions { threads })?;
@@ -484,7 +524,8 @@ fn run(path: &Path, graph: Option<&str>, inputs: &[String], out_dir: Option<&Pat
             .iter()
             .find(|i| i.name == name)
             .and_then(|i| i.ty.as_ref());
-        let v = npuc_cli::read_input(Path::new(file), decl).with_context(|| format!("input '{name}'"))?;
+        let v = npuc_cli::read_input(Path::new(file), decl)
+            .with_context(|| format!("input '{name}'"))?;
         feeds.push((name.to_string(), v));
     }
     let t1 = Instant::now();

@@ -21,11 +21,17 @@ impl Rng {
 }
 
 fn suite() -> PathBuf {
-    let c = std::env::var("NPUC_CACHE").map(PathBuf::from).unwrap_or_else(|_| {
-        PathBuf::from(std::env::var("HOME").unwrap_or_else(|_| ".".into())).join(".cache/npuc")
-    });
+    let c = std::env::var("NPUC_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| {
+            PathBuf::from(std::env::var("HOME").unwrap_or_else(|_| ".".into())).join(".cache/npuc")
+        });
     let d = c.join("suite/onnx-1.22.0/data/node");
-    assert!(d.is_dir(), "{} is missing: run `scripts/fetch-data.sh suite`", d.display());
+    assert!(
+        d.is_dir(),
+        "{} is missing: run `scripts/fetch-data.sh suite`",
+        d.display()
+    );
     d
 }
 

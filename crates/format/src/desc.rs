@@ -1,7 +1,9 @@
 //! The META section's schema (serde) and conversion to and from the IR.
 
 use crate::{Artifact, ArtifactWriter, FormatError};
-use npuc_ir::{Attr, DType, Dim, Graph, Initializer, Model, Node, OpsetImport, TypeInfo, ValueInfo};
+use npuc_ir::{
+    Attr, DType, Dim, Graph, Initializer, Model, Node, OpsetImport, TypeInfo, ValueInfo,
+};
 use serde::{Deserialize, Serialize};
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -88,11 +90,24 @@ pub struct IoDesc {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum TypeDesc {
-    Tensor { dtype: Option<String>, shape: Option<Vec<DimDesc>> },
-    SparseTensor { dtype: Option<String>, shape: Option<Vec<DimDesc>> },
-    Sequence { elem: Option<Box<TypeDesc>> },
-    Optional { elem: Option<Box<TypeDesc>> },
-    Map { key: Option<String>, value: Option<Box<TypeDesc>> },
+    Tensor {
+        dtype: Option<String>,
+        shape: Option<Vec<DimDesc>>,
+    },
+    SparseTensor {
+        dtype: Option<String>,
+        shape: Option<Vec<DimDesc>>,
+    },
+    Sequence {
+        elem: Option<Box<TypeDesc>>,
+    },
+    Optional {
+        elem: Option<Box<TypeDesc>>,
+    },
+    Map {
+        key: Option<String>,
+        value: Option<Box<TypeDesc>>,
+    },
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -185,11 +200,24 @@ fn type_desc(t: &TypeInfo) -> TypeDesc {
     };
     let dt = |d: &Option<DType>| d.map(|d| d.name().to_string());
     match t {
-        TypeInfo::Tensor { dtype, shape } => TypeDesc::Tensor { dtype: dt(dtype), shape: dims(shape) },
-        TypeInfo::SparseTensor { dtype, shape } => TypeDesc::SparseTensor { dtype: dt(dtype), shape: dims(shape) },
-        TypeInfo::Sequence(e) => TypeDesc::Sequence { elem: e.as_ref().map(|e| Box::new(type_desc(e))) },
-        TypeInfo::Optional(e) => TypeDesc::Optional { elem: e.as_ref().map(|e| Box::new(type_desc(e))) },
-        TypeInfo::Map { key, value } => TypeDesc::Map { key: dt(key), value: value.as_ref().map(|e| Box::new(type_desc(e))) },
+        TypeInfo::Tensor { dtype, shape } => TypeDesc::Tensor {
+            dtype: dt(dtype),
+            shape: dims(shape),
+        },
+        TypeInfo::SparseTensor { dtype, shape } => TypeDesc::SparseTensor {
+            dtype: dt(dtype),
+            shape: dims(shape),
+        },
+        TypeInfo::Sequence(e) => TypeDesc::Sequence {
+            elem: e.as_ref().map(|e| Box::new(type_desc(e))),
+        },
+        TypeInfo::Optional(e) => TypeDesc::Optional {
+            elem: e.as_ref().map(|e| Box::new(type_desc(e))),
+        },
+        TypeInfo::Map { key, value } => TypeDesc::Map {
+            key: dt(key),
+            value: value.as_ref().map(|e| Box::new(type_desc(e))),
+        },
     }
 }
 
@@ -207,16 +235,32 @@ fn type_info(t: &TypeDesc) -> TypeInfo {
     };
     let dt = |d: &Option<String>| d.as_deref().and_then(DType::from_name);
     match t {
-        TypeDesc::Tensor { dtype, shape } => TypeInfo::Tensor { dtype: dt(dtype), shape: dims(shape) },
-        TypeDesc::SparseTensor { dtype, shape } => TypeInfo::SparseTensor { dtype: dt(dtype), shape: dims(shape) },
-        TypeDesc::Sequence { elem } => TypeInfo::Sequence(elem.as_ref().map(|e| Box::new(type_info(e)))),
-        TypeDesc::Optional { elem } => TypeInfo::Optional(elem.as_ref().map(|e| Box::new(type_info(e)))),
-        TypeDesc::Map { key, value } => TypeInfo::Map { key: dt(key), value: value.as_ref().map(|e| Box::new(type_info(e))) },
+        TypeDesc::Tensor { dtype, shape } => TypeInfo::Tensor {
+            dtype: dt(dtype),
+            shape: dims(shape),
+        },
+        TypeDesc::SparseTensor { dtype, shape } => TypeInfo::SparseTensor {
+            dtype: dt(dtype),
+            shape: dims(shape),
+        },
+        TypeDesc::Sequence { elem } => {
+            TypeInfo::Sequence(elem.as_ref().map(|e| Box::new(type_info(e))))
+        }
+        TypeDesc::Optional { elem } => {
+            TypeInfo::Optional(elem.as_ref().map(|e| Box::new(type_info(e))))
+        }
+        TypeDesc::Map { key, value } => TypeInfo::Map {
+            key: dt(key),
+            value: value.as_ref().map(|e| Box::new(type_info(e))),
+        },
     }
 }
 
 fn io(v: &ValueInfo) -> IoDesc {
-    IoDesc { name: v.name.clone(), ty: v.ty.as_ref().map(type_desc) }
+    IoDesc {
+        name: v.name.clone(),
+        ty: v.ty.as_ref().map(type_desc),
+    }
 }
 
 fn body_desc(w: &mut ArtifactWriter, g: &Graph) -> Result<BodyDesc, FormatError> {
@@ -260,9 +304,17 @@ fn attr_desc(w: &mut ArtifactWriter, a: &Attr) -> Result<AttrDesc, FormatError> 
         Attr::Floats(v) => AttrDesc::Floats(v.iter().map(|&f| f.into()).collect()),
         Attr::Ints(v) => AttrDesc::Ints(v.clone()),
         Attr::Strings(v) => AttrDesc::Strings(v.clone()),
-        Attr::Tensors(v) => AttrDesc::Tensors(v.iter().map(|t| w.intern(t)).collect::<Result<_, _>>()?),
-        Attr::SparseTensors(v) => AttrDesc::SparseTensors(v.iter().map(|t| w.intern(t)).collect::<Result<_, _>>()?),
-        Attr::Graphs(v) => AttrDesc::Graphs(v.iter().map(|g| body_desc(w, g)).collect::<Result<_, _>>()?),
+        Attr::Tensors(v) => {
+            AttrDesc::Tensors(v.iter().map(|t| w.intern(t)).collect::<Result<_, _>>()?)
+        }
+        Attr::SparseTensors(v) => {
+            AttrDesc::SparseTensors(v.iter().map(|t| w.intern(t)).collect::<Result<_, _>>()?)
+        }
+        Attr::Graphs(v) => AttrDesc::Graphs(
+            v.iter()
+                .map(|g| body_desc(w, g))
+                .collect::<Result<_, _>>()?,
+        ),
         Attr::Types(v) => AttrDesc::Types(v.iter().map(type_desc).collect()),
         Attr::Ref(r) => {
             return Err(FormatError::Invalid(format!(
@@ -272,7 +324,12 @@ fn attr_desc(w: &mut ArtifactWriter, a: &Attr) -> Result<AttrDesc, FormatError> 
     })
 }
 
-pub(crate) fn graph_desc(w: &mut ArtifactWriter, name: &str, m: &Model, info: GraphInfo) -> Result<GraphDesc, FormatError> {
+pub(crate) fn graph_desc(
+    w: &mut ArtifactWriter,
+    name: &str,
+    m: &Model,
+    info: GraphInfo,
+) -> Result<GraphDesc, FormatError> {
     if !m.functions.is_empty() {
         return Err(FormatError::Invalid(
             "model-local functions must be inlined before writing an artifact".into(),
@@ -280,7 +337,11 @@ pub(crate) fn graph_desc(w: &mut ArtifactWriter, name: &str, m: &Model, info: Gr
     }
     Ok(GraphDesc {
         name: name.into(),
-        opsets: m.opset_imports.iter().map(|o| (o.domain.clone(), o.version)).collect(),
+        opsets: m
+            .opset_imports
+            .iter()
+            .map(|o| (o.domain.clone(), o.version))
+            .collect(),
         body: body_desc(w, &m.graph)?,
         metadata: m.metadata.clone(),
         functions_inlined: true,
@@ -315,7 +376,12 @@ fn body_graph(a: &Artifact, b: &BodyDesc) -> Result<Graph, FormatError> {
         initializers: b
             .initializers
             .iter()
-            .map(|(n, i)| Ok(Initializer { name: n.clone(), tensor: a.weight(*i)? }))
+            .map(|(n, i)| {
+                Ok(Initializer {
+                    name: n.clone(),
+                    tensor: a.weight(*i)?,
+                })
+            })
             .collect::<Result<_, FormatError>>()?,
         value_info: vec![],
         doc: String::new(),
@@ -334,9 +400,17 @@ fn attr(a: &Artifact, d: &AttrDesc) -> Result<Attr, FormatError> {
         AttrDesc::Floats(v) => Attr::Floats(v.iter().map(|f| f.get()).collect()),
         AttrDesc::Ints(v) => Attr::Ints(v.clone()),
         AttrDesc::Strings(v) => Attr::Strings(v.clone()),
-        AttrDesc::Tensors(v) => Attr::Tensors(v.iter().map(|i| a.weight(*i)).collect::<Result<_, _>>()?),
-        AttrDesc::SparseTensors(v) => Attr::SparseTensors(v.iter().map(|i| a.weight(*i)).collect::<Result<_, _>>()?),
-        AttrDesc::Graphs(v) => Attr::Graphs(v.iter().map(|b| body_graph(a, b)).collect::<Result<_, _>>()?),
+        AttrDesc::Tensors(v) => {
+            Attr::Tensors(v.iter().map(|i| a.weight(*i)).collect::<Result<_, _>>()?)
+        }
+        AttrDesc::SparseTensors(v) => {
+            Attr::SparseTensors(v.iter().map(|i| a.weight(*i)).collect::<Result<_, _>>()?)
+        }
+        AttrDesc::Graphs(v) => Attr::Graphs(
+            v.iter()
+                .map(|b| body_graph(a, b))
+                .collect::<Result<_, _>>()?,
+        ),
         AttrDesc::Types(v) => Attr::Types(v.iter().map(type_info).collect()),
     })
 }
@@ -344,7 +418,14 @@ fn attr(a: &Artifact, d: &AttrDesc) -> Result<Attr, FormatError> {
 pub(crate) fn model_from_desc(a: &Artifact, g: &GraphDesc) -> Result<Model, FormatError> {
     Ok(Model {
         ir_version: 10,
-        opset_imports: g.opsets.iter().map(|(d, v)| OpsetImport { domain: d.clone(), version: *v }).collect(),
+        opset_imports: g
+            .opsets
+            .iter()
+            .map(|(d, v)| OpsetImport {
+                domain: d.clone(),
+                version: *v,
+            })
+            .collect(),
         producer_name: a.meta.producer.clone(),
         producer_version: a.meta.producer_version.clone(),
         graph: body_graph(a, &g.body)?,

@@ -31,17 +31,37 @@ pub const SECTION_WEIGHTS: u32 = 2;
 #[derive(Debug, thiserror::Error)]
 pub enum FormatError {
     #[error("cannot access '{path}': {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("'{path}' is not an npuc artifact (bad magic {found:?}); compile a model with `npuc compile`")]
     Magic { path: PathBuf, found: Vec<u8> },
     #[error("'{path}' uses format version {major}.{minor}, newer than this npuc reads ({FORMAT_MAJOR}.x); upgrade npuc or recompile the model with this version")]
-    Version { path: PathBuf, major: u16, minor: u16 },
+    Version {
+        path: PathBuf,
+        major: u16,
+        minor: u16,
+    },
     #[error("'{path}' is corrupt: {what} (offset {offset}); recompile it or restore the file")]
-    Corrupt { path: PathBuf, what: String, offset: u64 },
+    Corrupt {
+        path: PathBuf,
+        what: String,
+        offset: u64,
+    },
     #[error("'{path}' was compiled for target '{found}', this machine is '{expected}'{detail}; recompile with `npuc compile --target {expected}`")]
-    Target { path: PathBuf, found: String, expected: String, detail: String },
+    Target {
+        path: PathBuf,
+        found: String,
+        expected: String,
+        detail: String,
+    },
     #[error("'{path}' has no graph named '{name}'; it has: {available}")]
-    NoGraph { path: PathBuf, name: String, available: String },
+    NoGraph {
+        path: PathBuf,
+        name: String,
+        available: String,
+    },
     #[error("{0}")]
     Invalid(String),
     #[error(transparent)]
@@ -63,7 +83,9 @@ impl Target {
         let mut features = vec![];
         #[cfg(target_arch = "x86_64")]
         {
-            if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
                 features = vec!["avx2".into(), "fma".into()];
             }
         }
@@ -76,7 +98,11 @@ impl Target {
         } else {
             format!("cpu-{arch}-{}", features[0])
         };
-        Target { name, arch, features }
+        Target {
+            name,
+            arch,
+            features,
+        }
     }
 
     /// Parses `cpu-x86_64`, `cpu-x86_64-avx2`, `cpu-aarch64`.
@@ -89,7 +115,11 @@ impl Target {
             "x86_64" => ("x86_64", vec![]),
             "x86_64-avx2" => ("x86_64", vec!["avx2".to_string(), "fma".to_string()]),
             "aarch64" => ("aarch64", vec![]),
-            _ => return Err(FormatError::Invalid(format!("unknown target '{s}'; known: {known}"))),
+            _ => {
+                return Err(FormatError::Invalid(format!(
+                    "unknown target '{s}'; known: {known}"
+                )))
+            }
         };
         Ok(Target::from_parts(arch.into(), feat))
     }
@@ -97,14 +127,26 @@ impl Target {
     /// Whether this machine can run weights packed for `self`; an explanation if not.
     pub fn runnable_here(&self) -> Result<(), String> {
         if self.arch != std::env::consts::ARCH {
-            return Err(format!(" (architecture {} vs {})", self.arch, std::env::consts::ARCH));
+            return Err(format!(
+                " (architecture {} vs {})",
+                self.arch,
+                std::env::consts::ARCH
+            ));
         }
         let host = Target::host();
-        let missing: Vec<&String> = self.features.iter().filter(|f| !host.features.contains(f)).collect();
+        let missing: Vec<&String> = self
+            .features
+            .iter()
+            .filter(|f| !host.features.contains(f))
+            .collect();
         if !missing.is_empty() {
             return Err(format!(
                 " (the CPU lacks {})",
-                missing.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(", ")
+                missing
+                    .iter()
+                    .map(|s| s.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
             ));
         }
         Ok(())
@@ -187,7 +229,9 @@ impl ArtifactWriter {
     /// Adds a model's main graph under `name`, with extra per-graph facts in `info`.
     pub fn add_graph(&mut self, name: &str, m: &Model, info: GraphInfo) -> Result<(), FormatError> {
         if self.meta.graphs.iter().any(|g| g.name == name) {
-            return Err(FormatError::Invalid(format!("two graphs are named '{name}'; name them with --name")));
+            return Err(FormatError::Invalid(format!(
+                "two graphs are named '{name}'; name them with --name"
+            )));
         }
         let g = desc::graph_desc(self, name, m, info)?;
         self.meta.graphs.push(g);
@@ -200,7 +244,8 @@ impl ArtifactWriter {
 
     /// Serialises the artifact. Deterministic: equal inputs give identical bytes.
     pub fn to_bytes(&self) -> Result<Vec<u8>, FormatError> {
-        let meta = serde_json::to_vec(&self.meta).map_err(|e| FormatError::Invalid(e.to_string()))?;
+        let meta =
+            serde_json::to_vec(&self.meta).map_err(|e| FormatError::Invalid(e.to_string()))?;
         let n_sections = 2usize;
         let table_off = HEADER_LEN;
         let meta_off = table_off + n_sections * SECTION_ENTRY_LEN;
@@ -217,7 +262,11 @@ impl ArtifactWriter {
             let e = table_off + i * SECTION_ENTRY_LEN;
             // Weights are checksummed per tensor (verified lazily); the section entry's checksum
             // covers META only, which every load verifies.
-            let sum = if *kind == SECTION_META { xxh3_64(&out[*off..*off + *len]) } else { 0 };
+            let sum = if *kind == SECTION_META {
+                xxh3_64(&out[*off..*off + *len])
+            } else {
+                0
+            };
             out[e..e + 4].copy_from_slice(&kind.to_le_bytes());
             out[e + 4..e + 8].copy_from_slice(&align.to_le_bytes());
             out[e + 8..e + 16].copy_from_slice(&(*off as u64).to_le_bytes());
@@ -254,8 +303,14 @@ fn header_checksum(header: &[u8], table: &[u8]) -> u64 {
 
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), FormatError> {
     use std::io::Write;
-    let io = |e| FormatError::Io { path: path.to_path_buf(), source: e };
-    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let io = |e| FormatError::Io {
+        path: path.to_path_buf(),
+        source: e,
+    };
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
     let fname = path.file_name().and_then(|f| f.to_str()).unwrap_or("out");
     let tmp = dir.join(format!(".{fname}.tmp-{}", std::process::id()));
     let r = (|| {
@@ -297,13 +352,25 @@ impl Artifact {
     /// Maps and checks an artifact (header, version, section bounds, META checksum, target).
     /// Weight checksums are not read here: see [`Artifact::verify_weights`].
     pub fn open(path: &Path) -> Result<Artifact, FormatError> {
-        let file = std::fs::File::open(path).map_err(|e| FormatError::Io { path: path.into(), source: e })?;
-        let len = file.metadata().map_err(|e| FormatError::Io { path: path.into(), source: e })?.len();
+        let file = std::fs::File::open(path).map_err(|e| FormatError::Io {
+            path: path.into(),
+            source: e,
+        })?;
+        let len = file
+            .metadata()
+            .map_err(|e| FormatError::Io {
+                path: path.into(),
+                source: e,
+            })?
+            .len();
         let data: Arc<dyn Backing> = if len == 0 {
             Arc::new(VecBacking(vec![]))
         } else {
             // SAFETY: read-only mapping; artifacts are written by rename, never modified in place.
-            let m = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| FormatError::Io { path: path.into(), source: e })?;
+            let m = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| FormatError::Io {
+                path: path.into(),
+                source: e,
+            })?;
             Arc::new(MmapBacking(m))
         };
         Artifact::from_backing(path, data, true)
@@ -314,28 +381,49 @@ impl Artifact {
         Artifact::from_backing(path, Arc::new(VecBacking(bytes)), false)
     }
 
-    fn from_backing(path: &Path, data: Arc<dyn Backing>, check_target: bool) -> Result<Artifact, FormatError> {
+    fn from_backing(
+        path: &Path,
+        data: Arc<dyn Backing>,
+        check_target: bool,
+    ) -> Result<Artifact, FormatError> {
         let b = data.bytes();
-        let corrupt = |what: &str, offset: u64| FormatError::Corrupt { path: path.into(), what: what.into(), offset };
+        let corrupt = |what: &str, offset: u64| FormatError::Corrupt {
+            path: path.into(),
+            what: what.into(),
+            offset,
+        };
         if b.len() < 8 || b[..8] != MAGIC {
-            return Err(FormatError::Magic { path: path.into(), found: b[..b.len().min(8)].to_vec() });
+            return Err(FormatError::Magic {
+                path: path.into(),
+                found: b[..b.len().min(8)].to_vec(),
+            });
         }
         if b.len() < HEADER_LEN {
-            return Err(corrupt("the file is shorter than its header (truncated)", b.len() as u64));
+            return Err(corrupt(
+                "the file is shorter than its header (truncated)",
+                b.len() as u64,
+            ));
         }
         let u16_at = |o: usize| u16::from_le_bytes([b[o], b[o + 1]]);
         let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().expect("4 bytes"));
         let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().expect("8 bytes"));
         let (major, minor) = (u16_at(8), u16_at(10));
         if major > FORMAT_MAJOR || major == 0 {
-            return Err(FormatError::Version { path: path.into(), major, minor });
+            return Err(FormatError::Version {
+                path: path.into(),
+                major,
+                minor,
+            });
         }
         let n_sections = u32_at(16) as usize;
         let table_off = u64_at(24) as usize;
         let file_len = u64_at(32);
         if file_len != b.len() as u64 {
             return Err(corrupt(
-                &format!("header says the file is {file_len} bytes, it is {} (truncated or appended to)", b.len()),
+                &format!(
+                    "header says the file is {file_len} bytes, it is {} (truncated or appended to)",
+                    b.len()
+                ),
                 32,
             ));
         }
@@ -351,9 +439,17 @@ impl Artifact {
         let mut weights_sec = None;
         for i in 0..n_sections {
             let e = table_off + i * SECTION_ENTRY_LEN;
-            let (kind, off, len, sum) = (u32_at(e), u64_at(e + 8) as usize, u64_at(e + 16) as usize, u64_at(e + 24));
+            let (kind, off, len, sum) = (
+                u32_at(e),
+                u64_at(e + 8) as usize,
+                u64_at(e + 16) as usize,
+                u64_at(e + 24),
+            );
             if off.checked_add(len).is_none_or(|end| end > b.len()) {
-                return Err(corrupt(&format!("section {i} (kind {kind}) lies outside the file"), e as u64));
+                return Err(corrupt(
+                    &format!("section {i} (kind {kind}) lies outside the file"),
+                    e as u64,
+                ));
             }
             match kind {
                 SECTION_META => meta_sec = Some((off, len, sum)),
@@ -361,7 +457,8 @@ impl Artifact {
                 _ => {} // unknown kinds come from newer minor versions: skip
             }
         }
-        let (moff, mlen, msum) = meta_sec.ok_or_else(|| corrupt("no META section", table_off as u64))?;
+        let (moff, mlen, msum) =
+            meta_sec.ok_or_else(|| corrupt("no META section", table_off as u64))?;
         let meta_bytes = &b[moff..moff + mlen];
         if xxh3_64(meta_bytes) != msum {
             return Err(corrupt("META checksum mismatch", moff as u64));
@@ -371,7 +468,10 @@ impl Artifact {
         let (woff, wlen) = weights_sec.unwrap_or((b.len(), 0));
         for (i, w) in meta.weights.iter().enumerate() {
             if w.strings.is_none() && w.offset.checked_add(w.len).is_none_or(|e| e > wlen as u64) {
-                return Err(corrupt(&format!("weight {i} lies outside the weights section"), woff as u64 + w.offset));
+                return Err(corrupt(
+                    &format!("weight {i} lies outside the weights section"),
+                    woff as u64 + w.offset,
+                ));
             }
         }
         if check_target {
@@ -384,7 +484,14 @@ impl Artifact {
                 });
             }
         }
-        Ok(Artifact { path: path.into(), meta, file_len, data, weights_off: woff, weights_len: wlen })
+        Ok(Artifact {
+            path: path.into(),
+            meta,
+            file_len,
+            data,
+            weights_off: woff,
+            weights_len: wlen,
+        })
     }
 
     pub fn graph_names(&self) -> Vec<&str> {
@@ -395,22 +502,33 @@ impl Artifact {
     /// borrow from the mapping.
     pub fn model(&self, name: Option<&str>) -> Result<Model, FormatError> {
         let g = match name {
-            Some(n) => self.meta.graphs.iter().find(|g| g.name == n).ok_or_else(|| FormatError::NoGraph {
-                path: self.path.clone(),
-                name: n.into(),
-                available: self.graph_names().join(", "),
+            Some(n) => self
+                .meta
+                .graphs
+                .iter()
+                .find(|g| g.name == n)
+                .ok_or_else(|| FormatError::NoGraph {
+                    path: self.path.clone(),
+                    name: n.into(),
+                    available: self.graph_names().join(", "),
+                })?,
+            None => self.meta.graphs.first().ok_or_else(|| {
+                FormatError::Invalid(format!("'{}' holds no graphs", self.path.display()))
             })?,
-            None => self.meta.graphs.first().ok_or_else(|| FormatError::Invalid(format!("'{}' holds no graphs", self.path.display())))?,
         };
         desc::model_from_desc(self, g)
     }
 
     pub(crate) fn weight(&self, i: usize) -> Result<Tensor, FormatError> {
-        let w = self.meta.weights.get(i).ok_or_else(|| FormatError::Corrupt {
-            path: self.path.clone(),
-            what: format!("reference to weight {i}, which does not exist"),
-            offset: 0,
-        })?;
+        let w = self
+            .meta
+            .weights
+            .get(i)
+            .ok_or_else(|| FormatError::Corrupt {
+                path: self.path.clone(),
+                what: format!("reference to weight {i}, which does not exist"),
+                offset: 0,
+            })?;
         let dtype = DType::from_name(&w.dtype).ok_or_else(|| FormatError::Corrupt {
             path: self.path.clone(),
             what: format!("weight {i} has unknown dtype '{}'", w.dtype),
@@ -424,7 +542,14 @@ impl Artifact {
             let bytes = self.data.bytes()[off..off + w.len as usize].to_vec();
             return Ok(Tensor::from_4bit(dtype, w.shape.clone(), bytes)?);
         }
-        Tensor::from_le_bytes(dtype, w.shape.clone(), self.data.clone(), off, w.len as usize).map_err(|e| FormatError::Corrupt {
+        Tensor::from_le_bytes(
+            dtype,
+            w.shape.clone(),
+            self.data.clone(),
+            off,
+            w.len as usize,
+        )
+        .map_err(|e| FormatError::Corrupt {
             path: self.path.clone(),
             what: format!("weight {i}: {e}"),
             offset: off as u64,

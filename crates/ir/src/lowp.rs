@@ -22,11 +22,51 @@ struct Fmt {
 
 fn fmt(d: DType) -> Option<Fmt> {
     Some(match d {
-        DType::F8E4M3FN => Fmt { mant: 3, bias: 7, max_code: 0x7e, inf: None, nan: Some(0x7f), uz: false, bits: 8 },
-        DType::F8E4M3FNUZ => Fmt { mant: 3, bias: 8, max_code: 0x7f, inf: None, nan: Some(0x80), uz: true, bits: 8 },
-        DType::F8E5M2 => Fmt { mant: 2, bias: 15, max_code: 0x7b, inf: Some(0x7c), nan: Some(0x7f), uz: false, bits: 8 },
-        DType::F8E5M2FNUZ => Fmt { mant: 2, bias: 16, max_code: 0x7f, inf: None, nan: Some(0x80), uz: true, bits: 8 },
-        DType::F4E2M1 => Fmt { mant: 1, bias: 1, max_code: 0x7, inf: None, nan: None, uz: false, bits: 4 },
+        DType::F8E4M3FN => Fmt {
+            mant: 3,
+            bias: 7,
+            max_code: 0x7e,
+            inf: None,
+            nan: Some(0x7f),
+            uz: false,
+            bits: 8,
+        },
+        DType::F8E4M3FNUZ => Fmt {
+            mant: 3,
+            bias: 8,
+            max_code: 0x7f,
+            inf: None,
+            nan: Some(0x80),
+            uz: true,
+            bits: 8,
+        },
+        DType::F8E5M2 => Fmt {
+            mant: 2,
+            bias: 15,
+            max_code: 0x7b,
+            inf: Some(0x7c),
+            nan: Some(0x7f),
+            uz: false,
+            bits: 8,
+        },
+        DType::F8E5M2FNUZ => Fmt {
+            mant: 2,
+            bias: 16,
+            max_code: 0x7f,
+            inf: None,
+            nan: Some(0x80),
+            uz: true,
+            bits: 8,
+        },
+        DType::F4E2M1 => Fmt {
+            mant: 1,
+            bias: 1,
+            max_code: 0x7,
+            inf: None,
+            nan: None,
+            uz: false,
+            bits: 4,
+        },
         _ => return None,
     })
 }
@@ -34,7 +74,11 @@ fn fmt(d: DType) -> Option<Fmt> {
 /// Decodes one code of a small-float type to f32 (`None` for other dtypes).
 pub fn to_f32(d: DType, code: u8) -> Option<f32> {
     if d == DType::F8E8M0 {
-        return Some(if code == 0xff { f32::NAN } else { (code as f32 - 127.0).exp2() });
+        return Some(if code == 0xff {
+            f32::NAN
+        } else {
+            (code as f32 - 127.0).exp2()
+        });
     }
     let f = fmt(d)?;
     let sign_bit = 1u8 << (f.bits - 1);
@@ -50,7 +94,11 @@ pub fn to_f32(d: DType, code: u8) -> Option<f32> {
             }
         }
         if Some(mag) == f.inf {
-            return Some(if neg { f32::NEG_INFINITY } else { f32::INFINITY });
+            return Some(if neg {
+                f32::NEG_INFINITY
+            } else {
+                f32::INFINITY
+            });
         }
     }
     let e = (mag >> f.mant) as i32;
@@ -75,7 +123,13 @@ pub fn from_f32(d: DType, x: f32, saturate: bool) -> Option<u8> {
     let sign_bit = 1u8 << (f.bits - 1);
     let bits = x.to_bits();
     let neg = bits >> 31 == 1;
-    let sgn = |c: u8| if neg && !(f.uz && c == 0) { c | sign_bit } else { c };
+    let sgn = |c: u8| {
+        if neg && !(f.uz && c == 0) {
+            c | sign_bit
+        } else {
+            c
+        }
+    };
     let nan_code = || match f.nan {
         Some(n) if f.uz => n,
         Some(n) => n | if neg { sign_bit } else { 0 },
@@ -94,7 +148,11 @@ pub fn from_f32(d: DType, x: f32, saturate: bool) -> Option<u8> {
         }
     };
     if x.is_infinite() {
-        return Some(if saturate || f.nan.is_none() { sgn(f.max_code) } else { overflow() });
+        return Some(if saturate || f.nan.is_none() {
+            sgn(f.max_code)
+        } else {
+            overflow()
+        });
     }
     let abs = bits & 0x7fff_ffff;
     if abs == 0 {
@@ -103,9 +161,17 @@ pub fn from_f32(d: DType, x: f32, saturate: bool) -> Option<u8> {
     let ef = (abs >> 23) as i32;
     let mf = abs & 0x7f_ffff;
     // Full significand with the implicit bit, and the unbiased exponent of its lsb scale.
-    let (full, e_unb) = if ef == 0 { (mf, -126) } else { (mf | 0x80_0000, ef - 127) };
+    let (full, e_unb) = if ef == 0 {
+        (mf, -126)
+    } else {
+        (mf | 0x80_0000, ef - 127)
+    };
     let et = e_unb + f.bias; // target biased exponent if normal
-    let shift = if et >= 1 { 23 - f.mant as i32 } else { 23 - f.mant as i32 + (1 - et) };
+    let shift = if et >= 1 {
+        23 - f.mant as i32
+    } else {
+        23 - f.mant as i32 + (1 - et)
+    };
     let code: u64 = if shift >= 32 {
         0
     } else {
@@ -113,7 +179,11 @@ pub fn from_f32(d: DType, x: f32, saturate: bool) -> Option<u8> {
         let r = (full >> sh) as u64;
         let rem = full & ((1u32 << sh) - 1);
         let half = 1u32 << (sh - 1);
-        let r = if rem > half || (rem == half && r & 1 == 1) { r + 1 } else { r };
+        let r = if rem > half || (rem == half && r & 1 == 1) {
+            r + 1
+        } else {
+            r
+        };
         if et >= 1 {
             // r includes the implicit bit (1 << mant); the exponent field absorbs it (and any
             // carry from rounding).
@@ -123,7 +193,11 @@ pub fn from_f32(d: DType, x: f32, saturate: bool) -> Option<u8> {
         }
     };
     if code > f.max_code as u64 {
-        return Some(if f.nan.is_none() { sgn(f.max_code) } else { overflow() });
+        return Some(if f.nan.is_none() {
+            sgn(f.max_code)
+        } else {
+            overflow()
+        });
     }
     Some(sgn(code as u8))
 }
@@ -185,7 +259,11 @@ mod tests {
             if v.is_nan() {
                 continue;
             }
-            assert_eq!(from_f32(DType::F8E4M3FN, v, true), Some(c), "code {c:#x} value {v}");
+            assert_eq!(
+                from_f32(DType::F8E4M3FN, v, true),
+                Some(c),
+                "code {c:#x} value {v}"
+            );
         }
         assert_eq!(to_f32(DType::F8E4M3FN, 0x7e), Some(448.0));
         assert_eq!(from_f32(DType::F8E4M3FN, 1e6, true), Some(0x7e));

@@ -135,7 +135,10 @@ impl Plan {
                     } else {
                         format!("{}.", n.domain)
                     };
-                    unsupported.push((format!("{dom}{} opset {opset}", n.op_type), n.display_name()));
+                    unsupported.push((
+                        format!("{dom}{} opset {opset}", n.op_type),
+                        n.display_name(),
+                    ));
                     continue;
                 }
             };
@@ -193,9 +196,19 @@ impl Plan {
                 grouped
                     .into_iter()
                     .map(|(op, nodes)| {
-                        let shown: Vec<String> = nodes.iter().take(3).map(|n| format!("'{n}'")).collect();
-                        let more = if nodes.len() > 3 { format!(" and {} more", nodes.len() - 3) } else { String::new() };
-                        format!("{op} ({} node{}: {}{more})", nodes.len(), if nodes.len() == 1 { "" } else { "s" }, shown.join(", "))
+                        let shown: Vec<String> =
+                            nodes.iter().take(3).map(|n| format!("'{n}'")).collect();
+                        let more = if nodes.len() > 3 {
+                            format!(" and {} more", nodes.len() - 3)
+                        } else {
+                            String::new()
+                        };
+                        format!(
+                            "{op} ({} node{}: {}{more})",
+                            nodes.len(),
+                            if nodes.len() == 1 { "" } else { "s" },
+                            shown.join(", ")
+                        )
                     })
                     .collect(),
             ));

@@ -4,13 +4,22 @@ use npuc_ir::{DType, Dim, Graph, Model, Node, OpsetImport, Tensor, TypeInfo, Val
 use npuc_runtime::{RtError, Session, SessionOptions, Value};
 
 fn input(name: &str, dims: Vec<Dim>) -> ValueInfo {
-    ValueInfo::new(name, Some(TypeInfo::Tensor { dtype: Some(DType::F32), shape: Some(dims) }))
+    ValueInfo::new(
+        name,
+        Some(TypeInfo::Tensor {
+            dtype: Some(DType::F32),
+            shape: Some(dims),
+        }),
+    )
 }
 
 fn model(nodes: Vec<Node>, inputs: Vec<ValueInfo>, outputs: &[&str]) -> Model {
     Model {
         ir_version: 8,
-        opset_imports: vec![OpsetImport { domain: String::new(), version: 17 }],
+        opset_imports: vec![OpsetImport {
+            domain: String::new(),
+            version: 17,
+        }],
         graph: Graph {
             name: "g".into(),
             nodes,
@@ -42,8 +51,14 @@ fn cycle_is_reported_with_node_names() {
         vec![input("x", vec![Dim::Fixed(2)])],
         &["b"],
     );
-    let e = Session::new(&m, SessionOptions::default()).err().expect("cycle rejected").to_string();
-    assert!(e.contains("cycle") && e.contains("'first'") && e.contains("'second'"), "{e}");
+    let e = Session::new(&m, SessionOptions::default())
+        .err()
+        .expect("cycle rejected")
+        .to_string();
+    assert!(
+        e.contains("cycle") && e.contains("'first'") && e.contains("'second'"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -53,7 +68,10 @@ fn undefined_input_is_named() {
         vec![input("x", vec![Dim::Fixed(2)])],
         &["y"],
     );
-    let e = Session::new(&m, SessionOptions::default()).err().unwrap().to_string();
+    let e = Session::new(&m, SessionOptions::default())
+        .err()
+        .unwrap()
+        .to_string();
     assert!(e.contains("'adder'") && e.contains("'ghost'"), "{e}");
 }
 
@@ -64,7 +82,10 @@ fn unsupported_op_lists_node_and_op() {
     let m = model(vec![n], vec![input("x", vec![Dim::Fixed(2)])], &["y"]);
     match Session::new(&m, SessionOptions::default()) {
         Err(RtError::Unsupported(list)) => {
-            assert!(list[0].contains("com.example.FancyOp opset 1") && list[0].contains("'mystery'"), "{list:?}")
+            assert!(
+                list[0].contains("com.example.FancyOp opset 1") && list[0].contains("'mystery'"),
+                "{list:?}"
+            )
         }
         other => panic!("expected Unsupported, got {:?}", other.err()),
     }
@@ -74,19 +95,34 @@ fn unsupported_op_lists_node_and_op() {
 fn wrong_input_dtype_shape_and_name() {
     let m = model(
         vec![Node::new("Relu", &["x"], &["y"])],
-        vec![input("x", vec![Dim::Symbolic("batch".into()), Dim::Fixed(3)])],
+        vec![input(
+            "x",
+            vec![Dim::Symbolic("batch".into()), Dim::Fixed(3)],
+        )],
         &["y"],
     );
     let s = Session::new(&m, SessionOptions::default()).unwrap();
     assert!(s.run(vec![("x".into(), f32s(vec![4, 3]))]).is_ok());
-    let e = s.run(vec![("x".into(), f32s(vec![4, 5]))]).unwrap_err().to_string();
-    assert!(e.contains("'x'") && e.contains("dimension 1 must be 3"), "{e}");
-    let e = s.run(vec![("x".into(), f32s(vec![3]))]).unwrap_err().to_string();
+    let e = s
+        .run(vec![("x".into(), f32s(vec![4, 5]))])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("'x'") && e.contains("dimension 1 must be 3"),
+        "{e}"
+    );
+    let e = s
+        .run(vec![("x".into(), f32s(vec![3]))])
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("rank"), "{e}");
     let ints = Value::tensor(Tensor::from_vec(vec![1, 3], vec![1i64, 2, 3]).unwrap());
     let e = s.run(vec![("x".into(), ints)]).unwrap_err().to_string();
     assert!(e.contains("expected dtype f32, got i64"), "{e}");
-    let e = s.run(vec![("nope".into(), f32s(vec![1, 3]))]).unwrap_err().to_string();
+    let e = s
+        .run(vec![("nope".into(), f32s(vec![1, 3]))])
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("'nope'") && e.contains("no such input"), "{e}");
     let e = s.run(vec![]).unwrap_err().to_string();
     assert!(e.contains("no value was given"), "{e}");
@@ -96,12 +132,18 @@ fn wrong_input_dtype_shape_and_name() {
 fn kernel_errors_name_the_node() {
     let m = model(
         vec![named(Node::new("Add", &["x", "z"], &["y"]), "bad_add")],
-        vec![input("x", vec![Dim::Unknown]), input("z", vec![Dim::Unknown])],
+        vec![
+            input("x", vec![Dim::Unknown]),
+            input("z", vec![Dim::Unknown]),
+        ],
         &["y"],
     );
     let s = Session::new(&m, SessionOptions::default()).unwrap();
     let e = s
-        .run(vec![("x".into(), f32s(vec![3])), ("z".into(), f32s(vec![4]))])
+        .run(vec![
+            ("x".into(), f32s(vec![3])),
+            ("z".into(), f32s(vec![4])),
+        ])
         .unwrap_err()
         .to_string();
     assert!(e.contains("'bad_add'") && e.contains("Add"), "{e}");

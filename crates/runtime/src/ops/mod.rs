@@ -15,8 +15,8 @@ pub mod rnn;
 pub mod sequence;
 pub mod shape;
 pub mod signal;
-pub mod vision;
 pub mod text;
+pub mod vision;
 
 use crate::kernel::Registry;
 
