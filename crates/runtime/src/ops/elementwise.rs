@@ -493,10 +493,36 @@ pub(crate) fn same_dtype(ins: &Inputs) -> Result<DType> {
     Ok(dt)
 }
 
+/// Before opset 7, binary ops broadcast only with `broadcast=1`, and an `axis` attribute
+/// placed B's dimensions at that axis of A. Rewrites B's shape so numpy broadcasting gives
+/// the same result.
+fn legacy_broadcast(ctx: &OpCtx, ins: &mut Inputs) -> Result<()> {
+    if ctx.opset >= 7 || ctx.node.int_or("broadcast", 0)? == 0 {
+        return Ok(());
+    }
+    let Some(axis) = ctx.node.attr_int("axis")? else {
+        return Ok(());
+    };
+    let ra = ins.tensor(0)?.rank();
+    let sb = ins.tensor(1)?.shape().to_vec();
+    let axis = crate::ops::common::norm_axis(axis, ra)?;
+    if axis + sb.len() > ra {
+        bail!("B of shape {sb:?} does not fit A's rank {ra} at axis {axis}");
+    }
+    let mut shape = vec![1; axis];
+    shape.extend(&sb);
+    shape.resize(ra, 1);
+    let b = ins.take_tensor(1)?.reshaped(shape)?;
+    let a = ins.take_value(0);
+    *ins = Inputs::new(vec![a, Some(Value::tensor(b))]);
+    Ok(())
+}
+
 macro_rules! arith_kernel {
     ($(#[$m:meta])* $name:ident, $method:ident) => {
         $(#[$m])*
         fn $name(ctx: &OpCtx, mut ins: Inputs) -> Result<Vec<Value>> {
+            legacy_broadcast(ctx, &mut ins)?;
             let dt = same_dtype(&ins)?;
             let t = dispatch_numeric!(dt, T => binary_same::<T>(&mut ins, ctx.threads, <T as Arith>::$method)?);
             Ok(vec![Value::tensor(t)])
