@@ -1,0 +1,14 @@
+//! The passes, one module each.
+
+pub mod const_fold;
+pub mod conv_fold;
+pub mod cse;
+pub mod dce;
+pub mod fuse;
+
+pub mod identity;
+
+pub mod reshape;
+
+#[cfg(test)]
+pub(crate) mod testutil;
