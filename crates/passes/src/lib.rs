@@ -146,6 +146,7 @@ impl PassManager {
             Box::new(dce::Dce),
             Box::new(conv_fold::ConvBnFold),
             Box::new(conv_fold::ConvAffineFold),
+            Box::new(gelu::GeluFusion),
         ];
         if opts.fuse {
             all.push(Box::new(fuse::MatMulBiasFusion));

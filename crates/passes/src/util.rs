@@ -265,7 +265,9 @@ pub fn runnable_domain(m: &Model, op: &str) -> Option<&'static str> {
     let reg = npuc_runtime::registry();
     if reg.find("", op, onnx_opset(m)).is_some() {
         Some("")
-    } else if reg.find("npuc", op, 1).is_some() {
+    } else if reg.find("npuc", op, 1).is_some()
+        && reg.find("", op, npuc_runtime::kernel::MAX_OPSET).is_some()
+    {
         Some("npuc")
     } else {
         None

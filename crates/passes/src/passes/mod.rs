@@ -5,6 +5,7 @@ pub mod conv_fold;
 pub mod cse;
 pub mod dce;
 pub mod fuse;
+pub mod gelu;
 
 pub mod identity;
 
