@@ -147,6 +147,7 @@ impl PassManager {
             Box::new(conv_fold::ConvBnFold),
             Box::new(conv_fold::ConvAffineFold),
             Box::new(gelu::GeluFusion),
+            Box::new(norm_fusion::LayerNormFusion),
         ];
         if opts.fuse {
             all.push(Box::new(fuse::MatMulBiasFusion));

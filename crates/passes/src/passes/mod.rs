@@ -8,6 +8,7 @@ pub mod fuse;
 pub mod gelu;
 
 pub mod identity;
+pub mod norm_fusion;
 
 pub mod reshape;
 
