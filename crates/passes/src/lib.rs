@@ -1,2 +1,199 @@
-//! Graph optimization passes (see the pass manager). Placeholder module list: filled in by the
-//! passes work.
+//! Graph optimization passes and the pass manager.
+//!
+//! Every pass rewrites a [`Model`] in place and reports how many rewrites it made. The
+//! [`PassManager`] runs a pipeline of passes repeatedly until none of them changes anything
+//! (bounded by [`OptimizeOptions::max_iterations`]), so that one pass can expose work for
+//! another (constant folding exposes identities, identity removal exposes fusions, ...).
+//!
+//! Passes are conservative: a pattern they do not fully understand (unknown ranks, non-constant
+//! parameters, values read by several nodes, graph outputs in the middle of a pattern, subgraph
+//! captures) is left alone. Graph output names are always preserved.
+
+pub mod passes;
+pub mod util;
+
+use npuc_ir::Model;
+use std::time::Instant;
+
+/// What a pass changed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PassStats {
+    /// Number of rewrites (nodes removed, fused or replaced).
+    pub changes: usize,
+}
+
+impl PassStats {
+    pub fn new(changes: usize) -> PassStats {
+        PassStats { changes }
+    }
+}
+
+/// Errors of the optimizer. Passes skip what they do not understand, so an error means the
+/// model itself is malformed (or a rewrite broke an invariant), and it names the node.
+#[derive(Debug, thiserror::Error)]
+pub enum PassError {
+    #[error("pass '{pass}': node '{node}': {msg}")]
+    Node {
+        pass: String,
+        node: String,
+        msg: String,
+    },
+    #[error("pass '{pass}': {msg}")]
+    Graph { pass: String, msg: String },
+}
+
+/// A graph rewrite.
+pub trait Pass {
+    /// A short stable name (shown by `--print-passes`).
+    fn name(&self) -> &'static str;
+    /// Rewrites the model; returns how much changed (0 = nothing to do).
+    fn run(&self, model: &mut Model) -> Result<PassStats, PassError>;
+}
+
+/// Options of [`optimize`].
+#[derive(Clone, Debug)]
+pub struct OptimizeOptions {
+    /// Upper bound on pipeline repetitions while looking for a fixed point.
+    pub max_iterations: usize,
+    /// Constant folding never creates a tensor larger than this (in bytes) unless it is no
+    /// larger than the folded node's constant inputs together (weight transforms stay folded,
+    /// `ConstantOfShape`/`Expand`/`Tile` blow-ups stay ops).
+    pub max_fold_bytes: usize,
+    /// Enables the fusions that produce `npuc`-domain ops (FusedConv/FusedGemm/FusedMatMul).
+    pub fuse: bool,
+    /// Names of passes to skip.
+    pub disable: Vec<String>,
+}
+
+impl Default for OptimizeOptions {
+    fn default() -> Self {
+        OptimizeOptions {
+            max_iterations: 8,
+            max_fold_bytes: 1 << 20,
+            fuse: true,
+            disable: vec![],
+        }
+    }
+}
+
+/// What [`optimize`] did.
+#[derive(Clone, Debug, Default)]
+pub struct OptimizeReport {
+    /// (pass name, changes) for every pass run that changed something, in order.
+    pub passes: Vec<(String, usize)>,
+    pub nodes_before: usize,
+    pub nodes_after: usize,
+    pub iterations: usize,
+    pub millis: u128,
+}
+
+impl OptimizeReport {
+    /// Total changes per pass name, summed over iterations, in first-run order.
+    pub fn totals(&self) -> Vec<(String, usize)> {
+        let mut out: Vec<(String, usize)> = vec![];
+        for (n, c) in &self.passes {
+            match out.iter_mut().find(|(m, _)| m == n) {
+                Some(e) => e.1 += c,
+                None => out.push((n.clone(), *c)),
+            }
+        }
+        out
+    }
+}
+
+impl std::fmt::Display for OptimizeReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (n, c) in self.totals() {
+            writeln!(f, "  {n:<24} {c}")?;
+        }
+        write!(
+            f,
+            "nodes: {} -> {} ({} iterations, {} ms)",
+            self.nodes_before, self.nodes_after, self.iterations, self.millis
+        )
+    }
+}
+
+/// Runs a pipeline of passes to a fixed point.
+pub struct PassManager {
+    passes: Vec<Box<dyn Pass>>,
+    max_iterations: usize,
+}
+
+impl PassManager {
+    pub fn new(max_iterations: usize) -> PassManager {
+        PassManager {
+            passes: vec![],
+            max_iterations: max_iterations.max(1),
+        }
+    }
+
+    pub fn add(&mut self, p: Box<dyn Pass>) {
+        self.passes.push(p);
+    }
+
+    /// The standard pipeline for `opts`.
+    pub fn standard(opts: &OptimizeOptions) -> PassManager {
+        use passes::*;
+        let mut pm = PassManager::new(opts.max_iterations);
+        let mut all: Vec<Box<dyn Pass>> = vec![
+            Box::new(const_fold::ConstFold {
+                max_bytes: opts.max_fold_bytes,
+            }),
+            Box::new(identity::IdentityElim),
+            Box::new(reshape::ReshapeFold),
+            Box::new(cse::Cse),
+            Box::new(dce::Dce),
+            Box::new(conv_fold::ConvBnFold),
+            Box::new(conv_fold::ConvAffineFold),
+            Box::new(gelu::GeluFusion),
+            Box::new(norm_fusion::LayerNormFusion),
+        ];
+        if opts.fuse {
+            all.push(Box::new(fuse::MatMulBiasFusion));
+            all.push(Box::new(fuse::ActivationFusion));
+        }
+        for p in all {
+            if !opts.disable.iter().any(|d| d == p.name()) {
+                pm.add(p);
+            }
+        }
+        pm
+    }
+
+    /// Runs the pipeline until no pass changes anything (or the iteration bound is hit),
+    /// then a final dead-code sweep.
+    pub fn run(&self, model: &mut Model) -> Result<OptimizeReport, PassError> {
+        let t0 = Instant::now();
+        let mut report = OptimizeReport {
+            nodes_before: model.graph.nodes.len(),
+            ..Default::default()
+        };
+        for it in 0..self.max_iterations {
+            report.iterations = it + 1;
+            let mut changed = 0;
+            for p in &self.passes {
+                let st = p.run(model)?;
+                if st.changes > 0 {
+                    report.passes.push((p.name().to_string(), st.changes));
+                    changed += st.changes;
+                }
+            }
+            if changed == 0 {
+                break;
+            }
+        }
+        let st = passes::dce::Dce.run(model)?;
+        if st.changes > 0 {
+            report.passes.push(("dce".into(), st.changes));
+        }
+        report.nodes_after = model.graph.nodes.len();
+        report.millis = t0.elapsed().as_millis();
+        Ok(report)
+    }
+}
+
+/// Optimizes `model` in place with the standard pipeline.
+pub fn optimize(model: &mut Model, opts: &OptimizeOptions) -> Result<OptimizeReport, PassError> {
+    PassManager::standard(opts).run(model)
+}

@@ -1,0 +1,293 @@
+//! Fusions into the `npuc` fused ops (see `npuc_runtime::ops::fused`):
+//!
+//! - [`MatMulBiasFusion`]: `Add(MatMul(A, W), c)` with `W` a constant 2-D float weight `[K, N]`
+//!   and `c` a constant of `N` values along the last axis (whose rank does not exceed the
+//!   product's, so broadcasting cannot change the shape) becomes `FusedMatMul(A, W, c)`.
+//! - [`ActivationFusion`]: an activation reading the only output of Conv / Gemm / MatMul /
+//!   FusedMatMul (and nothing else reading that output) is applied inside the product's
+//!   kernel: Relu, Sigmoid, Tanh, LeakyRelu, Clip (constant bounds), HardSigmoid, HardSwish,
+//!   Gelu (exact and tanh forms), and the decomposed `x * HardSigmoid(x)` (HardSwish with the
+//!   HardSigmoid's alpha/beta) and `x * Sigmoid(x)` (Swish). The fused kernel computes the
+//!   same function of the same product.
+
+use crate::util::{import_npuc, is_op, remove_nodes, Index};
+use crate::{Pass, PassError, PassStats};
+use npuc_ir::infer::{infer_model, InferResult};
+use npuc_ir::{Attr, DType, Graph, Model, Node, TypeInfo};
+use std::collections::{HashMap, HashSet};
+
+pub struct MatMulBiasFusion;
+pub struct ActivationFusion;
+
+fn dtype_of(r: &InferResult, name: &str) -> Option<DType> {
+    match r.type_of(name)? {
+        TypeInfo::Tensor { dtype, .. } => *dtype,
+        _ => None,
+    }
+}
+
+fn rank_of(r: &InferResult, name: &str) -> Option<usize> {
+    match r.type_of(name)? {
+        TypeInfo::Tensor { shape: Some(s), .. } => Some(s.len()),
+        _ => None,
+    }
+}
+
+impl Pass for MatMulBiasFusion {
+    fn name(&self) -> &'static str {
+        "matmul-bias-fusion"
+    }
+
+    fn run(&self, m: &mut Model) -> Result<PassStats, PassError> {
+        if !m.graph.nodes.iter().any(|n| is_op(n, "MatMul")) {
+            return Ok(PassStats::default());
+        }
+        let r = infer_model(m, &HashMap::new());
+        let g = &mut m.graph;
+        let ix = Index::new(g);
+        let mut edits = vec![];
+        let mut dead = HashSet::new();
+        for (i, n) in g.nodes.iter().enumerate() {
+            if !is_op(n, "MatMul") || n.inputs.len() != 2 || n.outputs.len() != 1 {
+                continue;
+            }
+            let y = &n.outputs[0];
+            let Some(w) = n.input(1).and_then(|w| ix.constant(g, w)) else {
+                continue;
+            };
+            if w.rank() != 2 || !matches!(w.dtype(), DType::F32 | DType::F64) {
+                continue;
+            }
+            let nn = w.shape()[1];
+            let Some(ui) = ix.sole_user(y) else { continue };
+            let u = &g.nodes[ui];
+            if !is_op(u, "Add") || u.outputs.len() != 1 || dead.contains(&ui) {
+                continue;
+            }
+            let Some(c) = crate::util::other_input(u, y) else {
+                continue;
+            };
+            let Some(ct) = ix.constant(g, c) else {
+                continue;
+            };
+            let out_rank = rank_of(&r, y);
+            let rank_ok = ct.rank() <= 1 || out_rank.is_some_and(|k| ct.rank() <= k);
+            if ct.dtype() != w.dtype()
+                || ct.len() != nn
+                || ct.shape().last() != Some(&nn)
+                || !rank_ok
+                || dtype_of(&r, y) != Some(w.dtype())
+            {
+                continue;
+            }
+            let mut f = Node::new("FusedMatMul", &[], &[]);
+            f.name = n.name.clone();
+            f.domain = "npuc".into();
+            f.inputs = vec![n.inputs[0].clone(), n.inputs[1].clone(), c.to_string()];
+            f.outputs = u.outputs.clone();
+            edits.push((i, f));
+            dead.insert(ui);
+        }
+        let k = edits.len();
+        for (i, f) in edits {
+            g.nodes[i] = f;
+        }
+        remove_nodes(g, &dead);
+        if k > 0 {
+            import_npuc(m);
+        }
+        Ok(PassStats::new(k))
+    }
+}
+
+/// The activation an op computes, as fused-op attributes (name, params), when supported.
+fn activation_of(g: &Graph, ix: &Index, u: &Node) -> Option<(&'static str, Vec<f32>)> {
+    if u.domain == "npuc" && u.op_type == "Gelu" || is_op(u, "Gelu") {
+        return match u.str_or("approximate", "none").ok()? {
+            "none" => Some(("Gelu", vec![])),
+            "tanh" => Some(("GeluTanh", vec![])),
+            _ => None,
+        };
+    }
+    if !u.domain.is_empty() || u.outputs.len() != 1 {
+        return None;
+    }
+    Some(match u.op_type.as_str() {
+        "Relu" => ("Relu", vec![]),
+        "Sigmoid" => ("Sigmoid", vec![]),
+        "Tanh" => ("Tanh", vec![]),
+        "LeakyRelu" => ("LeakyRelu", vec![u.float_or("alpha", 0.01).ok()?]),
+        "HardSigmoid" => (
+            "HardSigmoid",
+            vec![
+                u.float_or("alpha", 0.2).ok()?,
+                u.float_or("beta", 0.5).ok()?,
+            ],
+        ),
+        "HardSwish" => ("HardSwish", vec![1.0 / 6.0, 0.5]),
+        "Clip" => {
+            let bound = |k: usize, attr: &str, def: f32| -> Option<f32> {
+                if let Some(a) = u.attr_float(attr).ok()? {
+                    return Some(a);
+                }
+                match u.input(k) {
+                    None => Some(def),
+                    Some(s) => ix.const_scalar(g, s).map(|v| v as f32),
+                }
+            };
+            (
+                "Clip",
+                vec![
+                    bound(1, "min", f32::NEG_INFINITY)?,
+                    bound(2, "max", f32::INFINITY)?,
+                ],
+            )
+        }
+        _ => return None,
+    })
+}
+
+impl Pass for ActivationFusion {
+    fn name(&self) -> &'static str {
+        "activation-fusion"
+    }
+
+    fn run(&self, m: &mut Model) -> Result<PassStats, PassError> {
+        let base = |n: &Node| {
+            (n.domain.is_empty() && ["Conv", "Gemm", "MatMul"].contains(&n.op_type.as_str()))
+                || (n.domain == "npuc"
+                    && n.op_type == "FusedMatMul"
+                    && n.attr("activation").is_none())
+        };
+        if !m.graph.nodes.iter().any(base) {
+            return Ok(PassStats::default());
+        }
+        let r = infer_model(m, &HashMap::new());
+        let g = &mut m.graph;
+        let ix = Index::new(g);
+        let mut edits = vec![];
+        let mut dead = HashSet::new();
+        for (i, n) in g.nodes.iter().enumerate() {
+            if !base(n) || n.outputs.len() != 1 || dead.contains(&i) {
+                continue;
+            }
+            let y = &n.outputs[0];
+            let dt = dtype_of(&r, y).or_else(|| n.input(0).and_then(|a| dtype_of(&r, a)));
+            if !ix.is_internal(y) || !matches!(dt, Some(DType::F32 | DType::F64)) {
+                continue;
+            }
+            let users = ix.users(y);
+            let found: Option<((&str, Vec<f32>), Vec<usize>, String)> = match users {
+                [u] => {
+                    let un = &g.nodes[*u];
+                    if un.input(0) != Some(y.as_str()) {
+                        None
+                    } else {
+                        activation_of(g, &ix, un).map(|a| (a, vec![*u], un.outputs[0].clone()))
+                    }
+                }
+                [a, b] => {
+                    // x * HardSigmoid(x) or x * Sigmoid(x), in either node order.
+                    let (gate, mul) = if is_op(&g.nodes[*b], "Mul") {
+                        (*a, *b)
+                    } else {
+                        (*b, *a)
+                    };
+                    let (gn, mn) = (&g.nodes[gate], &g.nodes[mul]);
+                    let gout = gn.outputs.first().cloned().unwrap_or_default();
+                    let ok = is_op(mn, "Mul")
+                        && gn.input(0) == Some(y.as_str())
+                        && gn.outputs.len() == 1
+                        && ix.sole_user(&gout) == Some(mul)
+                        && crate::util::other_input(mn, &gout) == Some(y.as_str())
+                        && mn.outputs.len() == 1;
+                    if !ok {
+                        None
+                    } else if is_op(gn, "HardSigmoid") {
+                        let (Ok(al), Ok(be)) =
+                            (gn.float_or("alpha", 0.2), gn.float_or("beta", 0.5))
+                        else {
+                            continue;
+                        };
+                        Some((
+                            ("HardSwish", vec![al, be]),
+                            vec![gate, mul],
+                            mn.outputs[0].clone(),
+                        ))
+                    } else if is_op(gn, "Sigmoid") {
+                        Some((("Swish", vec![]), vec![gate, mul], mn.outputs[0].clone()))
+                    } else {
+                        None
+                    }
+                }
+                _ => None,
+            };
+            let Some(((act, params), gone, out)) = found else {
+                continue;
+            };
+            if gone.iter().any(|k| dead.contains(k)) {
+                continue;
+            }
+            let mut f = n.clone();
+            f.domain = "npuc".into();
+            f.op_type = match n.op_type.as_str() {
+                "Conv" => "FusedConv",
+                "Gemm" => "FusedGemm",
+                _ => "FusedMatMul",
+            }
+            .into();
+            f.attrs
+                .push(("activation".into(), Attr::String(act.into())));
+            if !params.is_empty() {
+                f.attrs
+                    .push(("activation_params".into(), Attr::Floats(params)));
+            }
+            f.outputs = vec![out];
+            dead.extend(gone);
+            edits.push((i, f));
+        }
+        let k = edits.len();
+        for (i, f) in edits {
+            g.nodes[i] = f;
+        }
+        remove_nodes(g, &dead);
+        if k > 0 {
+            import_npuc(m);
+        }
+        Ok(PassStats::new(k))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::passes::testutil::*;
+
+    #[test]
+    fn matmul_bias_then_gelu_and_conv_hardswish() {
+        let mut m = model(
+            vec![
+                Node::new("MatMul", &["x", "w"], &["mm"]),
+                Node::new("Add", &["b", "mm"], &["h"]),
+                Node::new("Relu", &["h"], &["y"]),
+                Node::new("Conv", &["img", "cw"], &["c"]),
+                Node::new("HardSigmoid", &["c"], &["hs"])
+                    .with_attr("alpha", Attr::Float(1.0 / 6.0)),
+                Node::new("Mul", &["hs", "c"], &["z"]),
+            ],
+            &[("x", &[2, 3, 4]), ("img", &[1, 2, 4, 4])],
+            &["y", "z"],
+        );
+        m.graph.initializers.push(init("w", data(&[4, 5], 1)));
+        m.graph.initializers.push(init("b", data(&[5], 2)));
+        m.graph
+            .initializers
+            .push(init("cw", data(&[3, 2, 1, 1], 3)));
+        let feeds = [("x", data(&[2, 3, 4], 4)), ("img", data(&[1, 2, 4, 4], 5))];
+        let (m1, n1) = check_pass(&MatMulBiasFusion, &m, &feeds);
+        assert_eq!(n1, 1);
+        let (m2, n2) = check_pass(&ActivationFusion, &m1, &feeds);
+        assert_eq!(n2, 2);
+        assert_eq!(ops(&m2), ["FusedMatMul", "FusedConv"]);
+    }
+}

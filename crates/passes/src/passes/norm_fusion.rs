@@ -1,0 +1,191 @@
+//! LayerNormalization fusion from the decomposed exporter form
+//! `d = x - ReduceMean(x); y = d / Sqrt(ReduceMean(Pow(d, 2)) + eps) * gamma + beta`
+//! (reductions over the last axis with keepdims, gamma/beta constants of one row), into one
+//! `LayerNormalization(x, gamma, beta, axis=-1, epsilon=eps)` (the ONNX op at opset 17+, the
+//! `npuc` domain op for older models). The fused op computes the same mean and biased
+//! variance over the same axis. Every intermediate must be read only inside the pattern.
+
+use crate::util::{import_npuc, is_op, other_input, remove_nodes, runnable_domain, Index};
+use crate::{Pass, PassError, PassStats};
+use npuc_ir::{Attr, Graph, Model, Node};
+use std::collections::HashSet;
+
+pub struct LayerNormFusion;
+
+/// A ReduceMean over the last axis only, keeping dims.
+fn mean_last(g: &Graph, ix: &Index, n: &Node) -> bool {
+    if !is_op(n, "ReduceMean") || n.int_or("keepdims", 1).ok() != Some(1) {
+        return false;
+    }
+    let axes = match n.attr_ints("axes") {
+        Ok(Some(a)) => a.to_vec(),
+        Ok(None) => match n.input(1).and_then(|a| ix.constant(g, a)) {
+            Some(t) => t.to_i64_vec().unwrap_or_default(),
+            None => return false,
+        },
+        Err(_) => return false,
+    };
+    axes == [-1]
+}
+
+/// Matches around the Sub node `si`: returns (x, gamma, beta, eps, output, removed nodes).
+#[allow(clippy::type_complexity)]
+fn matches(
+    g: &Graph,
+    ix: &Index,
+    si: usize,
+) -> Option<(String, String, String, f32, String, Vec<usize>)> {
+    let s = &g.nodes[si];
+    let (x, mu) = (s.input(0)?, s.input(1)?);
+    let (mi, mn) = ix.prod(g, mu)?;
+    if !mean_last(g, ix, mn) || mn.input(0)? != x || ix.sole_user(mu)? != si {
+        return None;
+    }
+    let d = s.outputs.first()?;
+    if !ix.is_internal(d) {
+        return None;
+    }
+    let users = ix.users(d);
+    if users.len() != 2 {
+        return None;
+    }
+    let (pi, qi) = if is_op(&g.nodes[users[0]], "Pow") {
+        (users[0], users[1])
+    } else {
+        (users[1], users[0])
+    };
+    let (p, q) = (&g.nodes[pi], &g.nodes[qi]);
+    if !is_op(p, "Pow") || p.input(0)? != d || ix.const_scalar(g, p.input(1)?)? != 2.0 {
+        return None;
+    }
+    let vi = ix.sole_user(p.outputs.first()?)?;
+    let v = &g.nodes[vi];
+    if !mean_last(g, ix, v) {
+        return None;
+    }
+    let vo = v.outputs.first()?;
+    let ai = ix.sole_user(vo)?;
+    let a = &g.nodes[ai];
+    if !is_op(a, "Add") {
+        return None;
+    }
+    let eps = ix.const_scalar(g, other_input(a, vo)?)?;
+    let ri = ix.sole_user(a.outputs.first()?)?;
+    let r = &g.nodes[ri];
+    if !is_op(r, "Sqrt") || ix.sole_user(r.outputs.first()?)? != qi {
+        return None;
+    }
+    if !is_op(q, "Div") || q.input(0)? != d || q.input(1)? != r.outputs.first()?.as_str() {
+        return None;
+    }
+    let qo = q.outputs.first()?;
+    let gi = ix.sole_user(qo)?;
+    let gm = &g.nodes[gi];
+    if !is_op(gm, "Mul") {
+        return None;
+    }
+    let gamma = other_input(gm, qo)?;
+    let go = gm.outputs.first()?;
+    let bi = ix.sole_user(go)?;
+    let bn = &g.nodes[bi];
+    if !is_op(bn, "Add") {
+        return None;
+    }
+    let beta = other_input(bn, go)?;
+    let (gt, bt) = (ix.constant(g, gamma)?, ix.constant(g, beta)?);
+    // One row of parameters: rank 1 (or leading 1s), same length, more than one element so
+    // that the broadcast is along the normalized axis exactly.
+    let row = |t: &npuc_ir::Tensor| t.len() > 1 && t.shape().last() == Some(&t.len());
+    if !row(&gt) || !row(&bt) || gt.len() != bt.len() || gt.rank() > 1 || bt.rank() > 1 {
+        return None;
+    }
+    Some((
+        x.to_string(),
+        gamma.to_string(),
+        beta.to_string(),
+        eps as f32,
+        bn.outputs.first()?.clone(),
+        vec![mi, si, pi, vi, ai, ri, qi, gi, bi],
+    ))
+}
+
+impl Pass for LayerNormFusion {
+    fn name(&self) -> &'static str {
+        "layernorm-fusion"
+    }
+
+    fn run(&self, m: &mut Model) -> Result<PassStats, PassError> {
+        if !m.graph.nodes.iter().any(|n| is_op(n, "ReduceMean")) {
+            return Ok(PassStats::default());
+        }
+        let Some(domain) = runnable_domain(m, "LayerNormalization") else {
+            return Ok(PassStats::default());
+        };
+        let g = &mut m.graph;
+        let ix = Index::new(g);
+        let mut dead = HashSet::new();
+        let mut edits = vec![];
+        for (i, n) in g.nodes.iter().enumerate() {
+            if !is_op(n, "Sub") {
+                continue;
+            }
+            let Some((x, gamma, beta, eps, out, nodes)) = matches(g, &ix, i) else {
+                continue;
+            };
+            if nodes.iter().any(|k| dead.contains(k)) {
+                continue;
+            }
+            let mut f = Node::new("LayerNormalization", &[&x, &gamma, &beta], &[&out])
+                .with_attr("axis", Attr::Int(-1))
+                .with_attr("epsilon", Attr::Float(eps));
+            f.domain = domain.into();
+            f.name = n.name.clone();
+            edits.push((i, f));
+            dead.extend(nodes.into_iter().filter(|&k| k != i));
+        }
+        let k = edits.len();
+        for (i, f) in edits {
+            g.nodes[i] = f;
+        }
+        remove_nodes(g, &dead);
+        if k > 0 && domain == "npuc" {
+            import_npuc(m);
+        }
+        Ok(PassStats::new(k))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::passes::testutil::*;
+
+    #[test]
+    fn fuses_decomposed_layernorm() {
+        let mut m = model(
+            vec![
+                Node::new("ReduceMean", &["x"], &["mu"]).with_attr("axes", Attr::Ints(vec![-1])),
+                Node::new("Sub", &["x", "mu"], &["d"]),
+                Node::new("Pow", &["d", "two"], &["p"]),
+                Node::new("ReduceMean", &["p"], &["v"]).with_attr("axes", Attr::Ints(vec![-1])),
+                Node::new("Add", &["v", "eps"], &["ve"]),
+                Node::new("Sqrt", &["ve"], &["s"]),
+                Node::new("Div", &["d", "s"], &["n"]),
+                Node::new("Mul", &["n", "gamma"], &["gn"]),
+                Node::new("Add", &["gn", "beta"], &["y"]),
+            ],
+            &[("x", &[2, 3, 8])],
+            &["y"],
+        );
+        m.opset_imports[0].version = 14;
+        let gi = &mut m.graph.initializers;
+        gi.push(init("two", f32s(&[], &[2.0])));
+        gi.push(init("eps", f32s(&[], &[1e-5])));
+        gi.push(init("gamma", data(&[8], 1)));
+        gi.push(init("beta", data(&[8], 2)));
+        let (opt, n) = check_pass(&LayerNormFusion, &m, &[("x", data(&[2, 3, 8], 3))]);
+        assert_eq!(n, 1);
+        assert_eq!(ops(&opt), ["LayerNormalization"]);
+        assert_eq!(opt.graph.nodes[0].domain, "npuc");
+    }
+}

