@@ -16,6 +16,8 @@ pub struct CompileOptions {
     pub dims: HashMap<String, usize>,
     pub target: Option<String>,
     pub optimize: bool,
+    /// Optimization passes to skip (by name, as `--print-passes` shows them).
+    pub disable_passes: Vec<String>,
 }
 
 #[derive(Debug)]
@@ -203,6 +205,7 @@ pub fn compile(
         "input_shapes": opts.input_shapes.iter().collect::<std::collections::BTreeMap<_, _>>(),
         "dims": opts.dims.iter().collect::<std::collections::BTreeMap<_, _>>(),
         "optimize": opts.optimize,
+        "disable_passes": opts.disable_passes,
         "target": target.name,
     });
     let mut w = ArtifactWriter::new(target, options);
@@ -240,7 +243,7 @@ pub fn compile(
         let nodes_before = count_nodes(&m);
         let pass_log = if opts.optimize {
             log(&format!("[{name}] optimizing {nodes_before} nodes"));
-            crate::optimize_hook(&mut m)?
+            crate::optimize_hook(&mut m, &opts.disable_passes)?
         } else {
             vec![]
         };

@@ -7,9 +7,18 @@ pub mod compile;
 pub mod npy;
 pub mod ocr;
 
-/// Runs the optimization pipeline; returns (pass name, changes) per pass that changed something.
-pub fn optimize_hook(_m: &mut npuc_ir::Model) -> anyhow::Result<Vec<(String, usize)>> {
-    Ok(vec![])
+/// Runs the standard optimization pipeline; returns (pass name, total changes) per pass that
+/// changed something.
+pub fn optimize_hook(
+    m: &mut npuc_ir::Model,
+    disable: &[String],
+) -> anyhow::Result<Vec<(String, usize)>> {
+    let opts = npuc_passes::OptimizeOptions {
+        disable: disable.to_vec(),
+        ..Default::default()
+    };
+    let report = npuc_passes::optimize(m, &opts)?;
+    Ok(report.totals())
 }
 
 use anyhow::{bail, Result};

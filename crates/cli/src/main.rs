@@ -75,6 +75,9 @@ enum Cmd {
         /// Print what each optimization pass changed.
         #[arg(long = "print-passes")]
         print_passes: bool,
+        /// Skip an optimization pass by name (repeatable).
+        #[arg(long = "disable-pass", value_name = "PASS")]
+        disable_pass: Vec<String>,
     },
     /// Time loading and running a model or artifact.
     Bench {
@@ -152,6 +155,7 @@ fn main() {
             target,
             no_optimize,
             print_passes,
+            disable_pass,
         } => compile_cmd(
             &models,
             &named,
@@ -161,6 +165,7 @@ fn main() {
             target,
             !no_optimize,
             print_passes,
+            disable_pass,
         ),
         Cmd::Bench {
             model,
@@ -209,6 +214,7 @@ fn compile_cmd(
     target: Option<String>,
     optimize: bool,
     print_passes: bool,
+    disable_passes: Vec<String>,
 ) -> Result<()> {
     let mut list: Vec<(String, PathBuf)> = vec![];
     for m in models {
@@ -233,6 +239,7 @@ fn compile_cmd(
         dims,
         target,
         optimize,
+        disable_passes,
     };
     let s = npuc_cli::compile::compile(&list, &opts, output, |msg| eprintln!("{msg}"))?;
     for g in &s.graphs {

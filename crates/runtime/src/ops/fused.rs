@@ -210,6 +210,27 @@ pub fn gelu(x: f64) -> f64 {
     }
 }
 
+/// Applies `act` to every element. The match is outside the loops so each arm is a tight loop
+/// the compiler vectorizes (a per-element match on the enum costs 30% of a whole model).
+fn apply_f32(act: Act, v: &mut [f32]) {
+    use crate::ops::norm::exp_f32;
+    match act {
+        Act::None => {}
+        Act::Relu => v.iter_mut().for_each(|x| *x = x.max(0.0)),
+        Act::Clip(lo, hi) => v.iter_mut().for_each(|x| *x = x.max(lo).min(hi)),
+        Act::HardSigmoid(a, b) => v.iter_mut().for_each(|x| *x = (a * *x + b).clamp(0.0, 1.0)),
+        Act::HardSwish(a, b) => v
+            .iter_mut()
+            .for_each(|x| *x *= (a * *x + b).clamp(0.0, 1.0)),
+        Act::LeakyRelu(a) => v
+            .iter_mut()
+            .for_each(|x| *x = if *x < 0.0 { a * *x } else { *x }),
+        Act::Sigmoid => v.iter_mut().for_each(|x| *x = 1.0 / (1.0 + exp_f32(-*x))),
+        Act::Swish => v.iter_mut().for_each(|x| *x /= 1.0 + exp_f32(-*x)),
+        other => v.iter_mut().for_each(|x| *x = other.apply(*x)),
+    }
+}
+
 /// Applies `bias` (broadcast along the last axis, `None` for no bias) and `act` in place.
 pub fn epilogue(mut t: Tensor, bias: Option<&Tensor>, act: Act) -> Result<Tensor> {
     if bias.is_none() && act == Act::None {
@@ -235,17 +256,15 @@ pub fn epilogue(mut t: Tensor, bias: Option<&Tensor>, act: Act) -> Result<Tensor
                 None => None,
             };
             let v = t.as_mut_slice::<f32>()?;
-            match &bv {
-                Some(bv) => {
-                    let bv: &[f32] = bv;
-                    for row in v.chunks_mut(n) {
-                        for (x, &b) in row.iter_mut().zip(bv) {
-                            *x = act.apply(*x + b);
-                        }
+            if let Some(bv) = &bv {
+                let bv: &[f32] = bv;
+                for row in v.chunks_mut(n) {
+                    for (x, &b) in row.iter_mut().zip(bv) {
+                        *x += b;
                     }
                 }
-                None => v.iter_mut().for_each(|x| *x = act.apply(*x)),
             }
+            apply_f32(act, v);
             Ok(t)
         }
         DType::F64 | DType::F16 | DType::BF16 => {
