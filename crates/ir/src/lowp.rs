@@ -133,7 +133,8 @@ pub fn from_f32(d: DType, x: f32, saturate: bool) -> Option<u8> {
     let nan_code = || match f.nan {
         Some(n) if f.uz => n,
         Some(n) => n | if neg { sign_bit } else { 0 },
-        None => sgn(f.max_code),
+        // FLOAT4E2M1 has no NaN; ONNX maps NaN to the negative-zero code.
+        None => sign_bit,
     };
     if x.is_nan() {
         return Some(nan_code());

@@ -209,9 +209,48 @@ fn cast_to<D: Castable>(t: &Tensor) -> Result<Vec<D>> {
 
 /// Converts `t` to dtype `to` (numpy `astype` semantics; see the module docs).
 pub fn cast_tensor(t: &Tensor, to: DType) -> Result<Tensor> {
+    cast_tensor_with(t, to, true, npuc_ir::lowp::E8m0Round::Up)
+}
+
+/// [`cast_tensor`] with the float8 options: `saturate` (out-of-range values clamp to the largest
+/// finite value instead of becoming inf/NaN) and the rounding of FLOAT8E8M0.
+pub fn cast_tensor_with(
+    t: &Tensor,
+    to: DType,
+    saturate: bool,
+    e8m0_round: npuc_ir::lowp::E8m0Round,
+) -> Result<Tensor> {
+    use npuc_ir::lowp;
     let shape = t.shape().to_vec();
     if t.dtype() == to {
         return Ok(t.clone());
+    }
+    // Small floats and 2-bit integers go through a wider type of the same family.
+    if t.dtype().is_small_float() {
+        let wide = Tensor::from_vec(shape, t.to_f64_vec()?.into_iter().map(|x| x as f32).collect())?;
+        return cast_tensor_with(&wide, to, saturate, e8m0_round);
+    }
+    if matches!(t.dtype(), DType::I2 | DType::U2) {
+        let wide = match t.dtype() {
+            DType::I2 => Tensor::from_vec(shape, t.as_slice::<i8>()?.to_vec())?,
+            _ => Tensor::from_vec(shape, t.as_slice::<u8>()?.to_vec())?,
+        };
+        return cast_tensor_with(&wide, to, saturate, e8m0_round);
+    }
+    if to.is_small_float() {
+        let xs = cast_to::<f32>(t)?;
+        let codes: Vec<u8> = if to == DType::F8E8M0 {
+            xs.iter().map(|&x| lowp::e8m0_from_f32(x, e8m0_round, saturate)).collect()
+        } else {
+            xs.iter()
+                .map(|&x| lowp::from_f32(to, x, saturate).unwrap_or(0))
+                .collect()
+        };
+        return Ok(Tensor::from_codes(to, shape, codes)?);
+    }
+    if matches!(to, DType::I2 | DType::U2) {
+        let wide = cast_to::<i64>(t)?;
+        return Ok(Tensor::from_codes(to, shape, wide.iter().map(|&v| (v & 3) as u8).collect())?);
     }
     Ok(match to {
         DType::String => Tensor::from_strings(shape, to_strings(t)?)?,
@@ -232,23 +271,39 @@ fn dtype_attr(ctx: &OpCtx, name: &str) -> Result<DType> {
     }
 }
 
-/// Cast: converts input 0 to the dtype in attribute `to`. (`saturate` and `round_mode` only
-/// concern float8 types, which npuc does not support.)
+/// The float8 options of Cast/CastLike: `saturate` (default 1) and `round_mode` for E8M0
+/// ("up" by default, "down", "nearest").
+fn small_float_opts(ctx: &OpCtx) -> Result<(bool, npuc_ir::lowp::E8m0Round)> {
+    use npuc_ir::lowp::E8m0Round;
+    let saturate = ctx.node.int_or("saturate", 1)? != 0;
+    let round = match ctx.node.str_or("round_mode", "up")? {
+        "up" => E8m0Round::Up,
+        "down" => E8m0Round::Down,
+        "nearest" => E8m0Round::Nearest,
+        other => bail!("round_mode '{other}' is not one of up, down, nearest"),
+    };
+    Ok((saturate, round))
+}
+
+/// Cast: converts input 0 to the dtype in attribute `to`; `saturate`/`round_mode` apply to
+/// float8 targets.
 fn cast(ctx: &OpCtx, mut ins: Inputs) -> Result<Vec<Value>> {
     let to = dtype_attr(ctx, "to")?;
     if ins.tensor(0)?.dtype() == to {
         return Ok(vec![Value::tensor(ins.take_tensor(0)?)]);
     }
-    Ok(vec![Value::tensor(cast_tensor(ins.tensor(0)?, to)?)])
+    let (sat, round) = small_float_opts(ctx)?;
+    Ok(vec![Value::tensor(cast_tensor_with(ins.tensor(0)?, to, sat, round)?)])
 }
 
 /// CastLike: converts input 0 to the dtype of input 1.
-fn cast_like(_ctx: &OpCtx, mut ins: Inputs) -> Result<Vec<Value>> {
+fn cast_like(ctx: &OpCtx, mut ins: Inputs) -> Result<Vec<Value>> {
     let to = ins.tensor(1)?.dtype();
     if ins.tensor(0)?.dtype() == to {
         return Ok(vec![Value::tensor(ins.take_tensor(0)?)]);
     }
-    Ok(vec![Value::tensor(cast_tensor(ins.tensor(0)?, to)?)])
+    let (sat, round) = small_float_opts(ctx)?;
+    Ok(vec![Value::tensor(cast_tensor_with(ins.tensor(0)?, to, sat, round)?)])
 }
 
 /// BitCast: reinterprets the bytes of each element as dtype `to` (same element size).
