@@ -534,13 +534,40 @@ impl Artifact {
             what: format!("weight {i} has unknown dtype '{}'", w.dtype),
             offset: 0,
         })?;
+        // META is checksummed, not trusted: an element count that overflows would wrap (or
+        // panic) in the IR's shape arithmetic, so refuse it here.
+        if w.shape
+            .iter()
+            .try_fold(1usize, |n, &d| n.checked_mul(d))
+            .and_then(|n| n.checked_mul(dtype.size().max(1)))
+            .is_none()
+        {
+            return Err(FormatError::Corrupt {
+                path: self.path.clone(),
+                what: format!("weight {i} has an impossible shape {:?}", w.shape),
+                offset: 0,
+            });
+        }
         if let Some(s) = &w.strings {
-            return Ok(Tensor::from_strings(w.shape.clone(), s.clone())?);
+            return Tensor::from_strings(w.shape.clone(), s.clone()).map_err(|e| {
+                FormatError::Corrupt {
+                    path: self.path.clone(),
+                    what: format!("weight {i}: {e}"),
+                    offset: 0,
+                }
+            });
         }
         let off = self.weights_off + w.offset as usize;
-        if matches!(dtype, DType::I4 | DType::U4) {
+        if dtype.packed_bits() < 8 {
+            // Sub-byte types (4- and 2-bit integers, 4-bit floats) are stored one code per byte.
             let bytes = self.data.bytes()[off..off + w.len as usize].to_vec();
-            return Ok(Tensor::from_4bit(dtype, w.shape.clone(), bytes)?);
+            return Tensor::from_codes(dtype, w.shape.clone(), bytes).map_err(|e| {
+                FormatError::Corrupt {
+                    path: self.path.clone(),
+                    what: format!("weight {i}: {e}"),
+                    offset: off as u64,
+                }
+            });
         }
         Tensor::from_le_bytes(
             dtype,
