@@ -408,7 +408,11 @@ impl Artifact {
         let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().expect("4 bytes"));
         let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().expect("8 bytes"));
         let (major, minor) = (u16_at(8), u16_at(10));
-        if major > FORMAT_MAJOR || major == 0 {
+        if major == 0 {
+            // No release ever wrote major 0: this is damage, not a newer format.
+            return Err(corrupt("format major version 0 is invalid", 8));
+        }
+        if major > FORMAT_MAJOR {
             return Err(FormatError::Version {
                 path: path.into(),
                 major,

@@ -117,7 +117,13 @@ fn numeric_weights_are_borrowed_from_the_mapping() {
     assert!(borrowed >= 12, "only {borrowed} borrowed");
     // Identical weights are one blob: the duplicate initializer points at the same bytes.
     let ptr = |name: &str| {
-        let t = &m.graph.initializers.iter().find(|i| i.name == name).unwrap().tensor;
+        let t = &m
+            .graph
+            .initializers
+            .iter()
+            .find(|i| i.name == name)
+            .unwrap()
+            .tensor;
         t.as_slice::<f32>().unwrap().as_ptr()
     };
     assert_eq!(ptr("w"), ptr("w_dup"));
@@ -176,14 +182,23 @@ fn a_model_added_twice_stores_its_weights_once() {
     two.add_graph("a", &m, GraphInfo::default()).unwrap();
     two.add_graph("b", &m, GraphInfo::default()).unwrap();
     // String tensors live in META (not deduplicated); every blob-backed weight is shared.
-    let blobs = |w: &ArtifactWriter| w.meta().weights.iter().filter(|d| d.strings.is_none()).count();
+    let blobs = |w: &ArtifactWriter| {
+        w.meta()
+            .weights
+            .iter()
+            .filter(|d| d.strings.is_none())
+            .count()
+    };
     assert_eq!(blobs(&one), blobs(&two));
     let strings = |w: &ArtifactWriter| w.meta().weights.len() - blobs(w);
     assert_eq!(strings(&two), 2 * strings(&one));
     let (b1, b2) = (one.to_bytes().unwrap(), two.to_bytes().unwrap());
     let (_, wlen1) = weights_section(&b1);
     let (_, wlen2) = weights_section(&b2);
-    assert_eq!(wlen1, wlen2, "the weights section grew with the second graph");
+    assert_eq!(
+        wlen1, wlen2,
+        "the weights section grew with the second graph"
+    );
     // The second graph costs META only: far less than another copy of the weights.
     let weight_bytes: u64 = one.meta().weights.iter().map(|d| d.len).sum();
     assert!(weight_bytes > 1024);
@@ -198,7 +213,13 @@ fn a_model_added_twice_stores_its_weights_once() {
     let (ga, gb) = (a.model(Some("a")).unwrap(), a.model(Some("b")).unwrap());
     assert_eq!(ga.graph, gb.graph);
     assert_eq!(ga.graph, expected(&m).graph);
-    let p = |m: &Model| m.graph.initializers[0].tensor.as_slice::<f32>().unwrap().as_ptr();
+    let p = |m: &Model| {
+        m.graph.initializers[0]
+            .tensor
+            .as_slice::<f32>()
+            .unwrap()
+            .as_ptr()
+    };
     assert_eq!(p(&ga), p(&gb));
 }
 
@@ -211,7 +232,13 @@ fn distinct_weights_are_not_merged() {
     m2.graph.initializers[0].tensor = f32_tensor(vec![16, 16], 0.25);
     let mut w = ArtifactWriter::new(Target::host(), serde_json::Value::Null);
     w.add_graph("a", &m1, GraphInfo::default()).unwrap();
-    let blobs = |w: &ArtifactWriter| w.meta().weights.iter().filter(|d| d.strings.is_none()).count();
+    let blobs = |w: &ArtifactWriter| {
+        w.meta()
+            .weights
+            .iter()
+            .filter(|d| d.strings.is_none())
+            .count()
+    };
     let before = blobs(&w);
     w.add_graph("b", &m2, GraphInfo::default()).unwrap();
     // Only the changed matrix is new; every other blob (attribute tensors, subgraph
@@ -260,7 +287,9 @@ fn unexpanded_functions_are_refused() {
     let e = w.add_graph("g", &m, GraphInfo::default()).unwrap_err();
     assert!(e.to_string().contains("inlined"), "{e}");
     let mut m = sample_model();
-    m.graph.nodes[0].attrs.push(("r".into(), Attr::Ref("alpha".into())));
+    m.graph.nodes[0]
+        .attrs
+        .push(("r".into(), Attr::Ref("alpha".into())));
     let e = w.add_graph("g", &m, GraphInfo::default()).unwrap_err();
     assert!(e.to_string().contains("attribute reference 'alpha'"), "{e}");
 }

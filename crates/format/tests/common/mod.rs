@@ -55,13 +55,19 @@ pub fn all_dtype_initializers() -> Vec<Initializer> {
         ),
         init(
             "h",
-            Tensor::from_vec(vec![5], (0..5).map(|i| f16::from_f32(i as f32 * 0.5)).collect())
-                .unwrap(),
+            Tensor::from_vec(
+                vec![5],
+                (0..5).map(|i| f16::from_f32(i as f32 * 0.5)).collect(),
+            )
+            .unwrap(),
         ),
         init(
             "bf",
-            Tensor::from_vec(vec![4], (0..4).map(|i| bf16::from_f32(i as f32 - 2.0)).collect())
-                .unwrap(),
+            Tensor::from_vec(
+                vec![4],
+                (0..4).map(|i| bf16::from_f32(i as f32 - 2.0)).collect(),
+            )
+            .unwrap(),
         ),
         init(
             "d",
@@ -71,7 +77,10 @@ pub fn all_dtype_initializers() -> Vec<Initializer> {
             "flag",
             Tensor::from_vec(vec![3], vec![true, false, true]).unwrap(),
         ),
-        init("bytes", Tensor::from_vec(vec![9], (0u8..9).collect()).unwrap()),
+        init(
+            "bytes",
+            Tensor::from_vec(vec![9], (0u8..9).collect()).unwrap(),
+        ),
         init(
             "i8",
             Tensor::from_vec(vec![2, 2], vec![-128i8, -1, 0, 127]).unwrap(),
@@ -84,7 +93,10 @@ pub fn all_dtype_initializers() -> Vec<Initializer> {
         init("i32", Tensor::from_vec(vec![2], vec![i32::MIN, 7]).unwrap()),
         init("u32", Tensor::from_vec(vec![1], vec![u32::MAX]).unwrap()),
         init("u64", Tensor::from_vec(vec![1], vec![u64::MAX]).unwrap()),
-        init("empty", Tensor::from_vec(vec![0, 4], Vec::<f32>::new()).unwrap()),
+        init(
+            "empty",
+            Tensor::from_vec(vec![0, 4], Vec::<f32>::new()).unwrap(),
+        ),
         init(
             "u4",
             Tensor::from_codes(DType::U4, vec![7], vec![0, 1, 2, 3, 13, 14, 15]).unwrap(),
@@ -124,7 +136,10 @@ pub fn sample_model() -> Model {
         name: format!("branch{seed}"),
         nodes: vec![node("", "Add", &["x", "bw"], &["o"], vec![])],
         inputs: vec![],
-        outputs: vec![ValueInfo::new("o", tensor_ty(DType::F32, vec![Dim::Unknown]))],
+        outputs: vec![ValueInfo::new(
+            "o",
+            tensor_ty(DType::F32, vec![Dim::Unknown]),
+        )],
         initializers: vec![init("bw", f32_tensor(vec![16], seed))],
         value_info: vec![],
         doc: String::new(),
@@ -174,7 +189,10 @@ pub fn sample_model() -> Model {
                         ))))),
                     }),
                 ),
-                ("fs", Attr::Floats(vec![f32::INFINITY, f32::NEG_INFINITY, 0.1])),
+                (
+                    "fs",
+                    Attr::Floats(vec![f32::INFINITY, f32::NEG_INFINITY, 0.1]),
+                ),
                 ("is", Attr::Ints(vec![1, -2, 3])),
                 ("ss", Attr::Strings(vec!["a".into(), String::new()])),
                 (
@@ -223,7 +241,10 @@ pub fn sample_model() -> Model {
             inputs: vec![
                 ValueInfo::new(
                     "x",
-                    tensor_ty(DType::F32, vec![Dim::Symbolic("batch".into()), Dim::Fixed(16)]),
+                    tensor_ty(
+                        DType::F32,
+                        vec![Dim::Symbolic("batch".into()), Dim::Fixed(16)],
+                    ),
                 ),
                 ValueInfo::new("cond", tensor_ty(DType::Bool, vec![])),
                 ValueInfo::new(
@@ -243,7 +264,10 @@ pub fn sample_model() -> Model {
             value_info: vec![],
             doc: String::new(),
         },
-        metadata: vec![("author".into(), "tests".into()), ("k".into(), String::new())],
+        metadata: vec![
+            ("author".into(), "tests".into()),
+            ("k".into(), String::new()),
+        ],
         ..Default::default()
     }
 }
