@@ -7,8 +7,8 @@
 //! then executed, so the artifact format is checked against the whole suite.
 
 use anyhow::{anyhow, bail, Context, Result};
-use npuc_ir::{DType, Model, Tensor, TypeInfo};
 use npuc_format::{Artifact, ArtifactWriter, GraphInfo, Target};
+use npuc_ir::{DType, Model, Tensor, TypeInfo};
 use npuc_onnx::PbValue;
 use npuc_runtime::{registry, Session, SessionOptions, Value};
 use std::collections::{BTreeMap, BTreeSet, HashMap};

@@ -54,10 +54,7 @@ fn scratch() -> &'static Path {
 }
 
 fn npuc(args: &[&str]) -> Output {
-    Command::new(NPUC)
-        .args(args)
-        .output()
-        .expect("npuc runs")
+    Command::new(NPUC).args(args).output().expect("npuc runs")
 }
 
 fn ok(args: &[&str]) -> Output {
@@ -121,7 +118,10 @@ fn two_graphs_of_one_model_share_their_weights() {
     );
     // The file holds one copy of the weights, not two.
     let file = doc["file_bytes"].as_u64().unwrap();
-    assert!(file < unique + unique / 5, "{file} bytes for {unique} of weights");
+    assert!(
+        file < unique + unique / 5,
+        "{file} bytes for {unique} of weights"
+    );
     assert_eq!(file, std::fs::metadata(two_graph_artifact()).unwrap().len());
     assert_eq!(doc["verify"]["corrupt_weights"], serde_json::json!([]));
     assert_eq!(doc["verify"]["weights_checked"], t["weights"]);
@@ -161,7 +161,12 @@ fn running_a_graph_of_the_artifact_matches_running_the_onnx_model() {
         s(&d_art),
     ]);
     let (want, got) = (read_outputs(&d_onnx), read_outputs(&d_art));
-    assert_eq!(want.len(), 1, "{:?}", want.iter().map(|o| &o.0).collect::<Vec<_>>());
+    assert_eq!(
+        want.len(),
+        1,
+        "{:?}",
+        want.iter().map(|o| &o.0).collect::<Vec<_>>()
+    );
     assert_eq!(
         got.iter().map(|o| &o.0).collect::<Vec<_>>(),
         want.iter().map(|o| &o.0).collect::<Vec<_>>()
@@ -176,14 +181,24 @@ fn running_a_graph_of_the_artifact_matches_running_the_onnx_model() {
             .zip(&w)
             .fold(0.0f64, |m, (a, b)| m.max((a - b).abs()));
         // Same kernels on the same weights; a later optimizer may reassociate, hence a tolerance.
-        assert!(worst <= 1e-4 * scale, "{name}: max |diff| {worst} (scale {scale})");
+        assert!(
+            worst <= 1e-4 * scale,
+            "{name}: max |diff| {worst} (scale {scale})"
+        );
     }
 }
 
 #[test]
 fn an_unknown_graph_name_fails_and_lists_the_graphs() {
     let input = format!("x={}", s(&rec_input()));
-    let o = npuc(&["run", s(two_graph_artifact()), "--graph", "nope", "-i", &input]);
+    let o = npuc(&[
+        "run",
+        s(two_graph_artifact()),
+        "--graph",
+        "nope",
+        "-i",
+        &input,
+    ]);
     assert!(!o.status.success());
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(
@@ -192,8 +207,22 @@ fn an_unknown_graph_name_fails_and_lists_the_graphs() {
     );
 }
 
-/// The JSON document's shape: keys and value types, with data-dependent maps (op histogram,
-/// bound shapes/dims) reduced to their value type.
+/// The element shape of arrays, and the value shape of data-keyed maps, that may be empty for
+/// this artifact or machine (no KV cache, no corrupt weights, a CPU without extra features, no
+/// bound shapes): the snapshot must not depend on them being filled.
+fn declared(key: &str) -> Option<Value> {
+    Some(match key {
+        "kv_cache" => serde_json::json!({"name": "string", "role": "string"}),
+        "corrupt_weights" => "uint".into(),
+        "features" => "string".into(),
+        "input_shapes" => serde_json::json!(["uint"]),
+        "dims" | "op_histogram" => "uint".into(),
+        _ => return None,
+    })
+}
+
+/// The JSON document's shape: keys and value types. Arrays show their (uniform) element
+/// shape; maps keyed by data (op histogram, bound shapes/dims) show `{"*": value shape}`.
 fn skeleton(v: &Value, key: &str) -> Value {
     match v {
         Value::Null => "null".into(),
@@ -202,29 +231,34 @@ fn skeleton(v: &Value, key: &str) -> Value {
         Value::Number(_) => "number".into(),
         Value::String(_) => "string".into(),
         Value::Array(a) => {
-            // Every element must have the same shape; an empty array has none to show.
             let items: Vec<Value> = a.iter().map(|x| skeleton(x, key)).collect();
-            if let Some(first) = items.first() {
-                assert!(
-                    items.iter().all(|x| x == first),
-                    "'{key}' mixes element shapes: {items:?}"
-                );
-                Value::Array(vec![first.clone()])
-            } else {
-                Value::Array(vec![])
-            }
+            let elem = match items.first() {
+                Some(first) => {
+                    assert!(
+                        items.iter().all(|x| x == first),
+                        "'{key}' mixes element shapes: {items:?}"
+                    );
+                    first.clone()
+                }
+                None => declared(key).unwrap_or_else(|| {
+                    panic!("'{key}' is an empty array here: declare its element shape")
+                }),
+            };
+            Value::Array(vec![elem])
         }
         Value::Object(o) if matches!(key, "op_histogram" | "input_shapes" | "dims") => {
-            let vals: std::collections::BTreeSet<String> =
-                o.values().map(|x| skeleton(x, key).to_string()).collect();
-            let vals: Vec<String> = vals.into_iter().collect();
-            format!("map<string, {}>", vals.join("|")).into()
+            let mut vals: Vec<Value> = o.values().map(|x| skeleton(x, key)).collect();
+            vals.dedup();
+            let elem = match vals.as_slice() {
+                [] => declared(key).expect("declared"),
+                [one] => one.clone(),
+                _ => panic!("'{key}' mixes value shapes: {vals:?}"),
+            };
+            serde_json::json!({ "*": elem })
         }
-        Value::Object(o) => Value::Object(
-            o.iter()
-                .map(|(k, x)| (k.clone(), skeleton(x, k)))
-                .collect(),
-        ),
+        Value::Object(o) => {
+            Value::Object(o.iter().map(|(k, x)| (k.clone(), skeleton(x, k))).collect())
+        }
     }
 }
 
@@ -232,17 +266,14 @@ fn skeleton(v: &Value, key: &str) -> Value {
 fn inspect_json_schema_matches_the_snapshot() {
     let doc = inspect_json(two_graph_artifact(), true);
     let got = serde_json::to_string_pretty(&skeleton(&doc, "")).unwrap() + "\n";
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/snapshots/inspect_artifact_schema.json");
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/snapshots/inspect_artifact_schema.json");
     if std::env::var_os("UPDATE_SNAPSHOTS").is_some() {
         std::fs::write(&path, &got).unwrap();
         return;
     }
-    let want = std::fs::read_to_string(&path).unwrap_or_else(|e| {
-        panic!(
-            "{}: {e}; create it with UPDATE_SNAPSHOTS=1",
-            path.display()
-        )
-    });
+    let want = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("{}: {e}; create it with UPDATE_SNAPSHOTS=1", path.display()));
     if got != want {
         let diff: Vec<String> = want
             .lines()
@@ -311,7 +342,10 @@ fn killing_compile_never_leaves_a_partial_artifact() {
         // OUT is either absent or the complete artifact: never half-written.
         if out.exists() {
             let got = std::fs::read(&out).unwrap();
-            assert!(got == complete, "killed after {d:?}: OUT differs from a full compile");
+            assert!(
+                got == complete,
+                "killed after {d:?}: OUT differs from a full compile"
+            );
             std::fs::remove_file(&out).unwrap();
         }
         // A killed writer may leave its temp file; nothing else.
@@ -321,5 +355,68 @@ fn killing_compile_never_leaves_a_partial_artifact() {
             std::fs::remove_file(dir.join(&name)).unwrap();
         }
     }
-    assert!(killed >= 4, "only {killed} compiles were still running when killed");
+    assert!(
+        killed >= 4,
+        "only {killed} compiles were still running when killed"
+    );
+}
+
+#[test]
+fn inspect_verify_fails_on_a_damaged_weight() {
+    let good = std::fs::read(two_graph_artifact()).unwrap();
+    let doc = inspect_json(two_graph_artifact(), false);
+    // Flip a byte in the middle of the last page: inside the weights, which `open` does not hash.
+    let mut bad = good.clone();
+    let p = good.len() - 2048;
+    bad[p] ^= 0x40;
+    let path = scratch().join("damaged.npuc");
+    std::fs::write(&path, &bad).unwrap();
+    let o = npuc(&["inspect", s(&path), "--json", "--verify"]);
+    assert!(!o.status.success(), "corrupt weights passed --verify");
+    let printed: Value = serde_json::from_slice(&o.stdout).expect("the document is still printed");
+    let corrupt = printed["verify"]["corrupt_weights"].as_array().unwrap();
+    assert_eq!(corrupt.len(), 1, "{corrupt:?}");
+    assert!(corrupt[0].as_u64().unwrap() < doc["totals"]["weights"].as_u64().unwrap());
+    let o = npuc(&["inspect", s(&path), "--verify"]);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("fail their checksum"), "{err}");
+    // Without --verify the damage is not looked for (weights are checked lazily).
+    ok(&["inspect", s(&path), "--json"]);
+}
+
+#[test]
+fn an_artifact_for_another_cpu_is_refused_with_a_recompile_hint() {
+    let foreign = if std::env::consts::ARCH == "aarch64" {
+        "cpu-x86_64"
+    } else {
+        "cpu-aarch64"
+    };
+    let m = cache().join("suite/onnx-1.22.0/data/node/test_add/model.onnx");
+    assert!(
+        m.is_file(),
+        "{} is missing: run `scripts/fetch-data.sh suite`",
+        m.display()
+    );
+    let out = scratch().join("foreign.npuc");
+    ok(&["compile", s(&m), "--target", foreign, "-o", s(&out)]);
+    let o = npuc(&["run", s(&out)]);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains(&format!("was compiled for target '{foreign}'"))
+            && err.contains("recompile with `npuc compile --target"),
+        "{err}"
+    );
+    let o = npuc(&[
+        "compile",
+        s(&m),
+        "--target",
+        "cpu-z80",
+        "-o",
+        s(&scratch().join("z.npuc")),
+    ]);
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("unknown target 'cpu-z80'"));
+    assert!(!scratch().join("z.npuc").exists());
 }
