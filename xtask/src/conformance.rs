@@ -452,7 +452,7 @@ fn run_case(c: &Case, m: &Model) -> Result<()> {
         }
         let got = sess.run(feeds).map_err(|e| anyhow!("{e}"))?;
         let want = npuc_onnx::load_value_pb(out, None)?;
-        return compare(&got[0].1, &to_value(want), &got[0].0);
+        return compare(&got[0].1, &to_value(want));
     }
     if c.data.is_empty() {
         bail!("no test data sets");
@@ -486,13 +486,13 @@ fn run_case(c: &Case, m: &Model) -> Result<()> {
                 .find(|o| &o.name == name)
                 .and_then(|o| o.ty.as_ref());
             let want = npuc_onnx::load_value_pb(f, decl)?;
-            compare(v, &to_value(want), name).with_context(|| format!("output '{name}'"))?;
+            compare(v, &to_value(want)).with_context(|| format!("output '{name}'"))?;
         }
     }
     Ok(())
 }
 
-fn compare(got: &Value, want: &Value, name: &str) -> Result<()> {
+fn compare(got: &Value, want: &Value) -> Result<()> {
     match (got, want) {
         (Value::Tensor(g), Value::Tensor(w)) => compare_tensors(g, w),
         (Value::Sequence(g), Value::Sequence(w)) => {
@@ -500,18 +500,18 @@ fn compare(got: &Value, want: &Value, name: &str) -> Result<()> {
                 bail!("sequence length {} vs expected {}", g.len(), w.len());
             }
             for (a, b) in g.iter().zip(w) {
-                compare(a, b, name)?;
+                compare(a, b)?;
             }
             Ok(())
         }
         (Value::Optional(g), Value::Optional(w)) => match (g, w) {
             (None, None) => Ok(()),
-            (Some(a), Some(b)) => compare(a, b, name),
+            (Some(a), Some(b)) => compare(a, b),
             _ => bail!("optional presence differs"),
         },
         // An optional holding a value compares equal to the plain value.
-        (Value::Optional(Some(a)), b) => compare(a, b, name),
-        (a, Value::Optional(Some(b))) => compare(a, b, name),
+        (Value::Optional(Some(a)), b) => compare(a, b),
+        (a, Value::Optional(Some(b))) => compare(a, b),
         (a, b) => bail!("got a {}, expected a {}", a.kind(), b.kind()),
     }
 }
