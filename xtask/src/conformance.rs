@@ -1,8 +1,13 @@
 //! Runs the ONNX backend test data (onnx 1.22.0 wheel: node, light, pytorch-converted,
 //! pytorch-operator, simple) through npuc and compares outputs with the shipped references.
 //! A test is skipped only when one of its ops is absent from `npuc ops`.
+//!
+//! `--compiled` runs every test the way a deployed model runs: compiled into a `.npuc` artifact
+//! (functions inlined, serialized, reloaded with weights borrowed from the artifact's bytes),
+//! then executed, so the artifact format is checked against the whole suite.
 
 use anyhow::{anyhow, bail, Context, Result};
+use npuc_format::{Artifact, ArtifactWriter, GraphInfo, Target};
 use npuc_ir::{DType, Model, Tensor, TypeInfo};
 use npuc_onnx::PbValue;
 use npuc_runtime::{registry, Session, SessionOptions, Value};
@@ -32,6 +37,7 @@ struct Opts {
     test: Option<String>,
     json: bool,
     verbose: bool,
+    compiled: bool,
 }
 
 pub fn main(args: &[String]) -> Result<()> {
@@ -41,6 +47,7 @@ pub fn main(args: &[String]) -> Result<()> {
         test: None,
         json: false,
         verbose: false,
+        compiled: false,
     };
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -67,6 +74,7 @@ pub fn main(args: &[String]) -> Result<()> {
             }
             "--json" => o.json = true,
             "--verbose" | "-v" => o.verbose = true,
+            "--compiled" => o.compiled = true,
             other => bail!("unknown option '{other}'"),
         }
     }
@@ -129,7 +137,15 @@ pub fn main(args: &[String]) -> Result<()> {
                     .join(", ")
             ))
         } else {
-            match std::panic::catch_unwind(AssertUnwindSafe(|| run_case(&c, &model))) {
+            let case = || -> Result<()> {
+                if o.compiled {
+                    let compiled = compile_in_process(&model, &c.name).context("compile")?;
+                    run_case(&c, &compiled)
+                } else {
+                    run_case(&c, &model)
+                }
+            };
+            match std::panic::catch_unwind(AssertUnwindSafe(case)) {
                 Ok(Ok(())) => Outcome::Pass,
                 Ok(Err(e)) => Outcome::Fail(format!("{e:#}")),
                 Err(p) => Outcome::Fail(format!(
@@ -252,6 +268,24 @@ pub fn main(args: &[String]) -> Result<()> {
         std::process::exit(1);
     }
     Ok(())
+}
+
+/// What `npuc compile` followed by loading the artifact does to a model: inline functions,
+/// serialize into an artifact (host target, one graph "main"), parse it back, and return the
+/// graph as the runtime will see it (numeric weights borrowed from the artifact's bytes).
+fn compile_in_process(m: &Model, name: &str) -> Result<Model> {
+    let mut m = m.clone();
+    m.graph = npuc_runtime::exec::inline_functions(&m.graph, &m.functions)?;
+    m.functions.clear();
+    // Graph optimization belongs here, between inlining and serialization, as in `npuc compile`.
+    let mut w = ArtifactWriter::new(
+        Target::host(),
+        serde_json::json!({"optimize": false, "source": "conformance"}),
+    );
+    w.add_graph("main", &m, GraphInfo::default())?;
+    let bytes = w.to_bytes()?;
+    let a = Artifact::from_bytes(Path::new(&format!("{name}.npuc")), bytes)?;
+    Ok(a.model(Some("main"))?)
 }
 
 fn load_known_failures() -> Result<HashMap<String, String>> {
@@ -418,7 +452,7 @@ fn run_case(c: &Case, m: &Model) -> Result<()> {
         }
         let got = sess.run(feeds).map_err(|e| anyhow!("{e}"))?;
         let want = npuc_onnx::load_value_pb(out, None)?;
-        return compare(&got[0].1, &to_value(want), &got[0].0);
+        return compare(&got[0].1, &to_value(want));
     }
     if c.data.is_empty() {
         bail!("no test data sets");
@@ -452,13 +486,13 @@ fn run_case(c: &Case, m: &Model) -> Result<()> {
                 .find(|o| &o.name == name)
                 .and_then(|o| o.ty.as_ref());
             let want = npuc_onnx::load_value_pb(f, decl)?;
-            compare(v, &to_value(want), name).with_context(|| format!("output '{name}'"))?;
+            compare(v, &to_value(want)).with_context(|| format!("output '{name}'"))?;
         }
     }
     Ok(())
 }
 
-fn compare(got: &Value, want: &Value, name: &str) -> Result<()> {
+fn compare(got: &Value, want: &Value) -> Result<()> {
     match (got, want) {
         (Value::Tensor(g), Value::Tensor(w)) => compare_tensors(g, w),
         (Value::Sequence(g), Value::Sequence(w)) => {
@@ -466,18 +500,18 @@ fn compare(got: &Value, want: &Value, name: &str) -> Result<()> {
                 bail!("sequence length {} vs expected {}", g.len(), w.len());
             }
             for (a, b) in g.iter().zip(w) {
-                compare(a, b, name)?;
+                compare(a, b)?;
             }
             Ok(())
         }
         (Value::Optional(g), Value::Optional(w)) => match (g, w) {
             (None, None) => Ok(()),
-            (Some(a), Some(b)) => compare(a, b, name),
+            (Some(a), Some(b)) => compare(a, b),
             _ => bail!("optional presence differs"),
         },
         // An optional holding a value compares equal to the plain value.
-        (Value::Optional(Some(a)), b) => compare(a, b, name),
-        (a, Value::Optional(Some(b))) => compare(a, b, name),
+        (Value::Optional(Some(a)), b) => compare(a, b),
+        (a, Value::Optional(Some(b))) => compare(a, b),
         (a, b) => bail!("got a {}, expected a {}", a.kind(), b.kind()),
     }
 }

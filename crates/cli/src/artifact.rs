@@ -153,6 +153,14 @@ pub fn inspect(path: &Path, json_out: bool, verify: bool) -> Result<()> {
     let doc = inspect_json(&a, verify);
     if json_out {
         println!("{}", serde_json::to_string_pretty(&doc)?);
+        // `--verify` fails on corrupt weights whatever the output format.
+        let bad = &doc["verify"]["corrupt_weights"];
+        if bad.as_array().is_some_and(|b| !b.is_empty()) {
+            anyhow::bail!(
+                "weights {bad} of '{}' fail their checksum; the file is corrupt: recompile it",
+                path.display()
+            );
+        }
     } else {
         println!(
             "artifact  {} ({:.2} MB)",

@@ -38,10 +38,10 @@ pub struct CompileSummary {
     pub seconds: f64,
 }
 
-pub fn parse_bindings(
-    input_shape: &[String],
-    dim: &[String],
-) -> Result<(HashMap<String, Vec<usize>>, HashMap<String, usize>)> {
+/// Input-shape bindings (`name -> shape`) and symbolic-dimension bindings (`sym -> size`).
+pub type Bindings = (HashMap<String, Vec<usize>>, HashMap<String, usize>);
+
+pub fn parse_bindings(input_shape: &[String], dim: &[String]) -> Result<Bindings> {
     let mut shapes = HashMap::new();
     for s in input_shape {
         let (n, v) = s

@@ -408,7 +408,11 @@ impl Artifact {
         let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().expect("4 bytes"));
         let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().expect("8 bytes"));
         let (major, minor) = (u16_at(8), u16_at(10));
-        if major > FORMAT_MAJOR || major == 0 {
+        if major == 0 {
+            // No release ever wrote major 0: this is damage, not a newer format.
+            return Err(corrupt("format major version 0 is invalid", 8));
+        }
+        if major > FORMAT_MAJOR {
             return Err(FormatError::Version {
                 path: path.into(),
                 major,
@@ -534,13 +538,40 @@ impl Artifact {
             what: format!("weight {i} has unknown dtype '{}'", w.dtype),
             offset: 0,
         })?;
+        // META is checksummed, not trusted: an element count that overflows would wrap (or
+        // panic) in the IR's shape arithmetic, so refuse it here.
+        if w.shape
+            .iter()
+            .try_fold(1usize, |n, &d| n.checked_mul(d))
+            .and_then(|n| n.checked_mul(dtype.size().max(1)))
+            .is_none()
+        {
+            return Err(FormatError::Corrupt {
+                path: self.path.clone(),
+                what: format!("weight {i} has an impossible shape {:?}", w.shape),
+                offset: 0,
+            });
+        }
         if let Some(s) = &w.strings {
-            return Ok(Tensor::from_strings(w.shape.clone(), s.clone())?);
+            return Tensor::from_strings(w.shape.clone(), s.clone()).map_err(|e| {
+                FormatError::Corrupt {
+                    path: self.path.clone(),
+                    what: format!("weight {i}: {e}"),
+                    offset: 0,
+                }
+            });
         }
         let off = self.weights_off + w.offset as usize;
-        if matches!(dtype, DType::I4 | DType::U4) {
+        if dtype.packed_bits() < 8 {
+            // Sub-byte types (4- and 2-bit integers, 4-bit floats) are stored one code per byte.
             let bytes = self.data.bytes()[off..off + w.len as usize].to_vec();
-            return Ok(Tensor::from_4bit(dtype, w.shape.clone(), bytes)?);
+            return Tensor::from_codes(dtype, w.shape.clone(), bytes).map_err(|e| {
+                FormatError::Corrupt {
+                    path: self.path.clone(),
+                    what: format!("weight {i}: {e}"),
+                    offset: off as u64,
+                }
+            });
         }
         Tensor::from_le_bytes(
             dtype,
