@@ -277,10 +277,12 @@ fn compile_in_process(m: &Model, name: &str) -> Result<Model> {
     let mut m = m.clone();
     m.graph = npuc_runtime::exec::inline_functions(&m.graph, &m.functions)?;
     m.functions.clear();
-    // Graph optimization belongs here, between inlining and serialization, as in `npuc compile`.
+    // The same pipeline as `npuc compile`: inline, optimize, serialize, load.
+    npuc_passes::optimize(&mut m, &npuc_passes::OptimizeOptions::default())
+        .map_err(|e| anyhow!("optimize: {e}"))?;
     let mut w = ArtifactWriter::new(
         Target::host(),
-        serde_json::json!({"optimize": false, "source": "conformance"}),
+        serde_json::json!({"optimize": true, "source": "conformance"}),
     );
     w.add_graph("main", &m, GraphInfo::default())?;
     let bytes = w.to_bytes()?;

@@ -37,7 +37,7 @@ fn main() -> Result<()> {
         }
         _ => {
             eprintln!(
-                "usage: cargo xtask conformance [--suite DIR] [--op NAME] [--test SUBSTR] [--json] [--verbose]\n       cargo xtask fetch [suite|models|all]"
+                "usage: cargo xtask conformance [--suite DIR] [--op NAME] [--test SUBSTR] [--compiled] [--json] [--verbose]\n       cargo xtask fetch [suite|models|all]"
             );
             std::process::exit(2)
         }

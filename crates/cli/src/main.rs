@@ -291,18 +291,18 @@ fn inspect(path: &Path, json: bool, input_shape: &[String], dim: &[String]) -> R
     let mut hist: BTreeMap<String, usize> = BTreeMap::new();
     let mut unsupported: Vec<(String, String)> = vec![];
     let mut n_nodes = 0usize;
-    fn walk(g: &npuc_ir::Graph, m: &Model, f: &mut dyn FnMut(&npuc_ir::Node)) {
+    fn walk(g: &npuc_ir::Graph, f: &mut dyn FnMut(&npuc_ir::Node)) {
         for n in &g.nodes {
             f(n);
             for (_, a) in &n.attrs {
                 for sg in npuc_ir::subgraphs(a) {
-                    walk(sg, m, f);
+                    walk(sg, f);
                 }
             }
         }
     }
     let opset_of = |d: &str| m.opset(d).unwrap_or(1);
-    walk(&m.graph, &m, &mut |n| {
+    walk(&m.graph, &mut |n| {
         n_nodes += 1;
         *hist.entry(op_key(&n.domain, &n.op_type)).or_default() += 1;
         let is_fn = m.functions.iter().any(|f| f.name == n.op_type);
@@ -321,7 +321,7 @@ fn inspect(path: &Path, json: bool, input_shape: &[String], dim: &[String]) -> R
         bytes += i.tensor.len() * i.tensor.dtype().size().max(1);
     }
     // Constant nodes hold weights too (PP-LCNet stores them that way).
-    walk(&m.graph, &m, &mut |n| {
+    walk(&m.graph, &mut |n| {
         if n.op_type == "Constant" {
             if let Some(Attr::Tensor(t)) = n.attr("value") {
                 params += t.len();

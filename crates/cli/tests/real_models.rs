@@ -65,7 +65,11 @@ fn check(dir: &str, stem: &str, file: &str, local_ort: bool) {
     for (k, o) in meta["outputs"].as_array().unwrap().iter().enumerate() {
         let name = o["name"].as_str().unwrap();
         let file = o["file"].as_str().unwrap();
-        let file = if local_ort { format!("{}.ort-local.npy", &file[..file.len() - 4]) } else { file.to_string() };
+        let file = if local_ort {
+            format!("{}.ort-local.npy", &file[..file.len() - 4])
+        } else {
+            file.to_string()
+        };
         let want = npy::read_npy(&refdir.join(file)).unwrap();
         let (gname, got) = &outs[k];
         assert_eq!(gname, name);
@@ -141,18 +145,36 @@ fn text2tashkeel_bilstm_decisions() {
     let x = npy::read_npy(&refdir.join("input_0_input_ids.npy")).unwrap();
     let want = npy::read_npy(&refdir.join("output_0_logits.ort-local.npy")).unwrap();
     let sess = Session::new(&m, SessionOptions::default()).unwrap();
-    let out = sess.run(vec![("input_ids".into(), Value::tensor(x))]).unwrap();
+    let out = sess
+        .run(vec![("input_ids".into(), Value::tensor(x))])
+        .unwrap();
     let got = out[0].1.as_tensor().unwrap();
     assert_eq!(got.shape(), want.shape());
-    let (g, w) = (got.as_slice::<f32>().unwrap(), want.as_slice::<f32>().unwrap());
+    let (g, w) = (
+        got.as_slice::<f32>().unwrap(),
+        want.as_slice::<f32>().unwrap(),
+    );
     let classes = *want.shape().last().unwrap();
-    let argmax = |r: &[f32]| r.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0;
+    let argmax = |r: &[f32]| {
+        r.iter()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .unwrap()
+            .0
+    };
     let rows = g.len() / classes;
-    let agree = g.chunks(classes).zip(w.chunks(classes)).filter(|(a, b)| argmax(a) == argmax(b)).count();
+    let agree = g
+        .chunks(classes)
+        .zip(w.chunks(classes))
+        .filter(|(a, b)| argmax(a) == argmax(b))
+        .count();
     let scale = w.iter().fold(0f32, |a, &x| a.max(x.abs()));
     let diff = g.iter().zip(w).fold(0f32, |a, (x, y)| a.max((x - y).abs()));
     eprintln!("bilstm: {agree}/{rows} argmax agree, max abs diff {diff:.3} (max |ref| {scale:.3})");
-    assert!(agree * 10 >= rows * 9, "only {agree} of {rows} decisions agree");
+    assert!(
+        agree * 10 >= rows * 9,
+        "only {agree} of {rows} decisions agree"
+    );
     assert!(diff <= 0.03 * scale, "logits differ by {diff}");
 }
 
@@ -168,7 +190,10 @@ fn ppocrv5_det_text() {
     assert_eq!(got.shape(), want.shape());
     let (g, w) = (got.to_f64_vec().unwrap(), want.to_f64_vec().unwrap());
     let scale = w.iter().fold(0f64, |a, &x| a.max(x.abs()));
-    let diff = g.iter().zip(&w).fold(0f64, |a, (x, y)| a.max((x - y).abs()));
+    let diff = g
+        .iter()
+        .zip(&w)
+        .fold(0f64, |a, (x, y)| a.max((x - y).abs()));
     eprintln!("ppocrv5_det text page: max abs diff {diff:.3e} (max |ref| {scale:.3e})");
     assert!(diff <= 1e-3 * scale);
 }

@@ -227,7 +227,10 @@ pub fn cast_tensor_with(
     }
     // Small floats and 2-bit integers go through a wider type of the same family.
     if t.dtype().is_small_float() {
-        let wide = Tensor::from_vec(shape, t.to_f64_vec()?.into_iter().map(|x| x as f32).collect())?;
+        let wide = Tensor::from_vec(
+            shape,
+            t.to_f64_vec()?.into_iter().map(|x| x as f32).collect(),
+        )?;
         return cast_tensor_with(&wide, to, saturate, e8m0_round);
     }
     if matches!(t.dtype(), DType::I2 | DType::U2) {
@@ -240,7 +243,9 @@ pub fn cast_tensor_with(
     if to.is_small_float() {
         let xs = cast_to::<f32>(t)?;
         let codes: Vec<u8> = if to == DType::F8E8M0 {
-            xs.iter().map(|&x| lowp::e8m0_from_f32(x, e8m0_round, saturate)).collect()
+            xs.iter()
+                .map(|&x| lowp::e8m0_from_f32(x, e8m0_round, saturate))
+                .collect()
         } else {
             xs.iter()
                 .map(|&x| lowp::from_f32(to, x, saturate).unwrap_or(0))
@@ -250,7 +255,11 @@ pub fn cast_tensor_with(
     }
     if matches!(to, DType::I2 | DType::U2) {
         let wide = cast_to::<i64>(t)?;
-        return Ok(Tensor::from_codes(to, shape, wide.iter().map(|&v| (v & 3) as u8).collect())?);
+        return Ok(Tensor::from_codes(
+            to,
+            shape,
+            wide.iter().map(|&v| (v & 3) as u8).collect(),
+        )?);
     }
     Ok(match to {
         DType::String => Tensor::from_strings(shape, to_strings(t)?)?,
@@ -293,7 +302,12 @@ fn cast(ctx: &OpCtx, mut ins: Inputs) -> Result<Vec<Value>> {
         return Ok(vec![Value::tensor(ins.take_tensor(0)?)]);
     }
     let (sat, round) = small_float_opts(ctx)?;
-    Ok(vec![Value::tensor(cast_tensor_with(ins.tensor(0)?, to, sat, round)?)])
+    Ok(vec![Value::tensor(cast_tensor_with(
+        ins.tensor(0)?,
+        to,
+        sat,
+        round,
+    )?)])
 }
 
 /// CastLike: converts input 0 to the dtype of input 1.
@@ -303,7 +317,12 @@ fn cast_like(ctx: &OpCtx, mut ins: Inputs) -> Result<Vec<Value>> {
         return Ok(vec![Value::tensor(ins.take_tensor(0)?)]);
     }
     let (sat, round) = small_float_opts(ctx)?;
-    Ok(vec![Value::tensor(cast_tensor_with(ins.tensor(0)?, to, sat, round)?)])
+    Ok(vec![Value::tensor(cast_tensor_with(
+        ins.tensor(0)?,
+        to,
+        sat,
+        round,
+    )?)])
 }
 
 /// BitCast: reinterprets the bytes of each element as dtype `to` (same element size).
