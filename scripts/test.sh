@@ -4,5 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-cargo test --release --workspace
+cargo test --release --workspace --no-fail-fast
 cargo xtask conformance
+cargo xtask conformance --compiled

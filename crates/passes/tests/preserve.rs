@@ -245,7 +245,10 @@ fn read_npy(p: &Path) -> Tensor {
     Tensor::from_le_bytes_copy(dt, shape, data).expect("npy data")
 }
 
-fn real_model(dir: &str, stem: &str) -> Option<(Model, Vec<(String, Value)>, Vec<Tensor>)> {
+/// A real model with its reference feeds and expected outputs.
+type RealCase = (Model, Vec<(String, Value)>, Vec<Tensor>);
+
+fn real_model(dir: &str, stem: &str) -> Option<RealCase> {
     let home = std::env::var("HOME").unwrap_or_default();
     let mp = PathBuf::from(home)
         .join(".cache/npuc/models")

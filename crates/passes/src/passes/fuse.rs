@@ -16,6 +16,10 @@ use npuc_ir::infer::{infer_model, InferResult};
 use npuc_ir::{Attr, DType, Graph, Model, Node, TypeInfo};
 use std::collections::{HashMap, HashSet};
 
+/// A matched activation: (op name, its float parameters), the nodes it replaces, and the
+/// output value the fused node takes over.
+type FusedActivation<'a> = ((&'a str, Vec<f32>), Vec<usize>, String);
+
 pub struct MatMulBiasFusion;
 pub struct ActivationFusion;
 
@@ -177,7 +181,7 @@ impl Pass for ActivationFusion {
                 continue;
             }
             let users = ix.users(y);
-            let found: Option<((&str, Vec<f32>), Vec<usize>, String)> = match users {
+            let found: Option<FusedActivation> = match users {
                 [u] => {
                     let un = &g.nodes[*u];
                     if un.input(0) != Some(y.as_str()) {
