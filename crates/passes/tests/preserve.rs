@@ -7,8 +7,18 @@ use npuc_runtime::{registry, Session, SessionOptions, Value};
 use std::path::{Path, PathBuf};
 
 fn suite() -> PathBuf {
-    let home = std::env::var("HOME").unwrap_or_default();
-    PathBuf::from(home).join(".cache/npuc/suite/onnx-1.22.0/data")
+    let cache = std::env::var("NPUC_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| {
+            PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/npuc")
+        });
+    let d = cache.join("suite/onnx-1.22.0/data");
+    assert!(
+        d.join("node").is_dir(),
+        "{} is missing: run `scripts/fetch-data.sh suite`",
+        d.display()
+    );
+    d
 }
 
 fn all_supported(g: &Graph) -> bool {
@@ -249,22 +259,21 @@ fn read_npy(p: &Path) -> Tensor {
 type RealCase = (Model, Vec<(String, Value)>, Vec<Tensor>);
 
 fn real_model(dir: &str, stem: &str) -> Option<RealCase> {
-    let home = std::env::var("HOME").unwrap_or_default();
-    let mp = PathBuf::from(home)
-        .join(".cache/npuc/models")
-        .join(dir)
-        .join(format!("{stem}.onnx"));
+    let cache = std::env::var("NPUC_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| {
+            PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/npuc")
+        });
+    let mp = cache.join("models").join(dir).join(format!("{stem}.onnx"));
     let refdir = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../../tests/fixtures/models")
         .join(dir)
         .join(format!("{stem}.ref"));
-    if !mp.exists() || !refdir.exists() {
-        eprintln!(
-            "{} or its reference data is missing; skipping",
-            mp.display()
-        );
-        return None;
-    }
+    assert!(
+        mp.exists() && refdir.exists(),
+        "{} or its reference data is missing: run `scripts/fetch-data.sh models`",
+        mp.display()
+    );
     let m = npuc_onnx::load_model(&mp).expect("load model");
     let meta: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(refdir.join("meta.json")).expect("meta"))
