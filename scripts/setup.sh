@@ -11,8 +11,17 @@ if [ ${#need[@]} -gt 0 ]; then
   SUDO=; [ "$(id -u)" -eq 0 ] || SUDO=sudo
   $SUDO apt-get update -qq && $SUDO apt-get install -y -qq "${need[@]}"
 fi
+if ! command -v cargo >/dev/null && [ -x "$HOME/.cargo/bin/cargo" ]; then
+  export PATH="$HOME/.cargo/bin:$PATH"
+fi
 if ! command -v cargo >/dev/null; then
-  if [ -x "$HOME/.cargo/bin/cargo" ]; then export PATH="$HOME/.cargo/bin:$PATH"; else
-    echo "cargo not found: install Rust (https://rustup.rs) and re-run" >&2; exit 1; fi
+  # Debian's toolchain package; npuc needs Rust 1.87 or newer.
+  SUDO=; [ "$(id -u)" -eq 0 ] || SUDO=sudo
+  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq cargo rustc
+fi
+ver=$(rustc --version | sed -E 's/^rustc ([0-9]+)\.([0-9]+).*/\1 \2/')
+set -- $ver
+if [ "${1:-0}" -lt 1 ] || { [ "${1:-0}" -eq 1 ] && [ "${2:-0}" -lt 87 ]; }; then
+  echo "rustc $(rustc --version) is too old: npuc needs Rust 1.87 or newer (rustup.rs)" >&2; exit 1
 fi
 "$(dirname "$0")/fetch-data.sh" all
