@@ -1,6 +1,7 @@
 //! Developer tasks: `cargo xtask conformance` (the ONNX backend test suite), `cargo xtask fetch`.
 
 mod conformance;
+mod synth;
 
 use anyhow::{bail, Result};
 use std::path::PathBuf;
@@ -25,6 +26,7 @@ fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(|s| s.as_str()) {
         Some("conformance") => conformance::main(&args[1..]),
+        Some("synth-model") => synth::main(&args[1..]),
         Some("fetch") => {
             let status = std::process::Command::new("bash")
                 .arg(repo_root().join("scripts/fetch-data.sh"))
@@ -37,7 +39,7 @@ fn main() -> Result<()> {
         }
         _ => {
             eprintln!(
-                "usage: cargo xtask conformance [--suite DIR] [--op NAME] [--test SUBSTR] [--compiled] [--json] [--verbose]\n       cargo xtask fetch [suite|models|all]"
+                "usage: cargo xtask conformance [--suite DIR] [--op NAME] [--test SUBSTR] [--compiled] [--json] [--verbose]\n       cargo xtask fetch [suite|models|all]\n       cargo xtask synth-model OUT.onnx [--megabytes N]"
             );
             std::process::exit(2)
         }
