@@ -584,7 +584,7 @@ fn ops(json: bool) -> Result<()> {
 
 fn ocr_cmd(image: &Path, model: &Path, threads: usize, runs: usize) -> Result<()> {
     let t0 = Instant::now();
-    let m = load(model)?;
+    let m = npuc_cli::artifact::load_any(model, None)?;
     let chars = ocr::dictionary(&m).ok_or_else(|| {
         anyhow!(
             "'{}' has no 'character' metadata: is it a PaddleOCR recogniser?",
