@@ -9,6 +9,9 @@ mod cast;
 mod logic;
 mod unary;
 
+/// The vectorizable f32 `exp` shared by every kernel that needs one (softmax, sigmoid, ...).
+pub use unary::exp_f32;
+
 pub use cast::cast_tensor;
 
 use crate::error::Result;

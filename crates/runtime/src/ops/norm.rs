@@ -79,28 +79,8 @@ impl Real for f64 {
     }
 }
 
-/// Branch-free `exp` for f32 (Cephes' `expf` reduction and polynomial, about 1 ulp).
-/// Inputs below -87.3 give the smallest normal rather than 0, which is immaterial where it is
-/// used (softmax sums, which always contain a 1).
-#[inline(always)]
-pub fn exp_f32(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    // Adding and subtracting 1.5 * 2^23 rounds to the nearest integer without a libm call.
-    const ROUND: f32 = 12_582_912.0;
-    let x = x.clamp(-87.336_55, 88.3);
-    let n = (x * LOG2E + ROUND) - ROUND;
-    let r = x - n * 0.693_359_4 + n * 2.121_944_4e-4;
-    let p = (((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2)
-        * r
-        + 1.666_666_5e-1)
-        * r
-        + 0.5)
-        * r
-        * r
-        + r
-        + 1.0;
-    p * f32::from_bits(((n as i32 + 127) as u32) << 23)
-}
+/// The shared vectorizable f32 `exp` (one implementation for the whole runtime).
+pub use crate::ops::elementwise::exp_f32;
 
 /// Maximum of a slice (8 independent lanes so the loop vectorises); -inf when empty.
 #[inline]
