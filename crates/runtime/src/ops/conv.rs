@@ -24,6 +24,24 @@ pub fn register(r: &mut Registry) {
     detect::register(r);
 }
 
+/// `auto_pad = SAME_UPPER/SAME_LOWER` along one axis (Conv and pooling share it): the output
+/// length `ceil(in / stride)` and the begin/end padding that yields it, the odd pixel going to
+/// the end (UPPER) or the beginning (LOWER). `dk` is the dilated kernel extent.
+pub(crate) fn same_auto_pad(
+    in_len: usize,
+    stride: usize,
+    dk: usize,
+    upper: bool,
+) -> (usize, usize, usize) {
+    let out = in_len.div_ceil(stride);
+    let total = ((out.max(1) - 1) * stride + dk).saturating_sub(in_len);
+    let small = total / 2;
+    if upper {
+        (out, small, total - small)
+    } else {
+        (out, total - small, small)
+    }
+}
 /// Per-thread work below which a loop stays on the calling thread.
 const PAR_MIN: usize = 1 << 15;
 
@@ -123,14 +141,8 @@ pub fn conv_geom(node: &Node, in_sp: &[usize], k: &[usize]) -> Result<Geom> {
         let dk = (k[i] - 1) * d[i] + 1;
         match auto_pad {
             "SAME_UPPER" | "SAME_LOWER" => {
-                out[i] = in_sp[i].div_ceil(s[i]);
-                let total = ((out[i].max(1) - 1) * s[i] + dk).saturating_sub(in_sp[i]);
-                let small = total / 2;
-                (pb[i], pe[i]) = if auto_pad == "SAME_UPPER" {
-                    (small, total - small)
-                } else {
-                    (total - small, small)
-                };
+                (out[i], pb[i], pe[i]) =
+                    same_auto_pad(in_sp[i], s[i], dk, auto_pad == "SAME_UPPER");
             }
             "VALID" | "NOTSET" | "" => {
                 if auto_pad == "VALID" {

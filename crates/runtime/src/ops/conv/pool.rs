@@ -1,6 +1,8 @@
 //! Pooling: MaxPool (with indices), AveragePool, LpPool, the global pools and MaxUnpool.
 
-use super::{float_dispatch, pads_attr, spatial_attr, to3, valid_range, Geom, PAR_MIN};
+use super::{
+    float_dispatch, pads_attr, same_auto_pad, spatial_attr, to3, valid_range, Geom, PAR_MIN,
+};
 use crate::bail;
 use crate::error::Result;
 use crate::kernel::{Inputs, OpCtx, Registry};
@@ -42,14 +44,8 @@ fn pool_geom(node: &Node, in_sp: &[usize]) -> Result<Geom> {
         let dk = (k[i] - 1) * d[i] + 1;
         match auto_pad {
             "SAME_UPPER" | "SAME_LOWER" => {
-                out[i] = in_sp[i].div_ceil(s[i]);
-                let total = ((out[i].max(1) - 1) * s[i] + dk).saturating_sub(in_sp[i]);
-                let small = total / 2;
-                (pb[i], pe[i]) = if auto_pad == "SAME_UPPER" {
-                    (small, total - small)
-                } else {
-                    (total - small, small)
-                };
+                (out[i], pb[i], pe[i]) =
+                    same_auto_pad(in_sp[i], s[i], dk, auto_pad == "SAME_UPPER");
             }
             "VALID" | "NOTSET" | "" => {
                 if auto_pad == "VALID" {
