@@ -5,6 +5,7 @@
 //! Symbols are interned as ids (vocabulary ids plus extra ids for merge sides that are not
 //! vocabulary pieces), and merges are keyed by id pairs, so the merge loop does no string work.
 
+use crate::fxhash::FxHashMap;
 use crate::vocab::Vocab;
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap};
@@ -134,7 +135,7 @@ pub(crate) struct Bpe {
     /// Texts of interned symbols that are not vocabulary pieces (id = n_vocab + index).
     extra: Vec<String>,
     /// (left, right) symbol ids → (rank, merged symbol id).
-    merges: HashMap<(u32, u32), (u32, u32)>,
+    merges: FxHashMap<(u32, u32), (u32, u32)>,
     /// Symbol of each raw byte's mapped character.
     byte_sym: [u32; 256],
     byte_char: [char; 256],
@@ -153,7 +154,7 @@ impl Bpe {
             .collect::<Result<Vec<_>, _>>()?;
         let n_vocab = vocab.len() as u32;
         let mut extra: Vec<String> = Vec::new();
-        let mut extra_ids: HashMap<String, u32> = HashMap::new();
+        let mut extra_ids: FxHashMap<String, u32> = FxHashMap::default();
         let mut intern = |s: &str, extra: &mut Vec<String>| -> u32 {
             if let Some(id) = vocab.id(s) {
                 return id;
@@ -166,7 +167,7 @@ impl Bpe {
             extra_ids.insert(s.to_string(), id);
             id
         };
-        let mut map = HashMap::with_capacity(merges.len());
+        let mut map = FxHashMap::with_capacity_and_hasher(merges.len(), Default::default());
         for (rank, m) in merges.iter().enumerate() {
             // llama.cpp splits at the first space after position 0.
             let pos = m

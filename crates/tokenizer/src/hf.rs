@@ -23,12 +23,10 @@ impl HfBackend {
             .map_err(|e| e.to_string())
     }
 
-    pub fn decode(&self, ids: &[u32], skip_special: bool) -> String {
-        match self.tk.decode(ids, skip_special) {
-            Ok(s) => s,
-            // The HF decoder rejects nothing we feed it in practice; fall back to raw pieces.
-            Err(_) => String::new(),
-        }
+    /// HF's decode (its decoder chain, e.g. ByteLevel or Metaspace + ByteFallback); None when the
+    /// library rejects the ids.
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> Option<String> {
+        self.tk.decode(ids, skip_special).ok()
     }
 
     /// Renders one normal piece to bytes.

@@ -12,6 +12,7 @@
 
 mod bpe;
 mod chat;
+mod fxhash;
 mod hf;
 mod special;
 mod spm;
@@ -69,7 +70,9 @@ pub enum ModelKind {
 }
 
 enum Backend {
-    Spm { byte_tokens: [Option<u32>; 256] },
+    Spm {
+        byte_tokens: Box<[Option<u32>; 256]>,
+    },
     Bpe(Box<bpe::Bpe>),
     Hf(Box<hf::HfBackend>),
 }
@@ -231,7 +234,7 @@ impl Tokenizer {
                 add_bos = true;
                 add_space_prefix = true;
                 backend = Backend::Spm {
-                    byte_tokens: spm::byte_tokens(&vocab),
+                    byte_tokens: Box::new(spm::byte_tokens(&vocab)),
                 };
             }
             "gpt2" => {
@@ -587,7 +590,9 @@ impl Tokenizer {
     /// [`Tokenizer::decode`], optionally rendering control tokens' text (`special`).
     pub fn decode_with(&self, ids: &[u32], special: bool) -> String {
         if let Backend::Hf(h) = &self.backend {
-            return h.decode(ids, !special);
+            if let Some(s) = h.decode(ids, !special) {
+                return s;
+            }
         }
         let mut out = Vec::with_capacity(ids.len() * 4);
         for (i, &id) in ids.iter().enumerate() {

@@ -6,8 +6,9 @@
 //! thousands of special tokens (Gemma: 6.4k), the text is scanned once to find which special texts
 //! occur at all; only those are then applied.
 
+use crate::fxhash::FxHashMap;
 use crate::vocab::Vocab;
-use std::collections::{HashMap, HashSet};
+use aho_corasick::{AhoCorasick, MatchKind};
 
 /// A piece of the input: raw text (byte range into the input) or an already-decided token.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -16,49 +17,59 @@ pub(crate) enum Fragment {
     Token(u32),
 }
 
-/// Index of the special texts by first byte, for the one-pass presence scan.
+/// Multi-pattern matcher over the distinct special texts, for the one-pass presence scan.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct SpecialIndex {
-    /// For each first byte: the distinct lengths of special texts starting with it, longest first.
-    lengths: Vec<Vec<usize>>,
-    /// Text bytes → position in `Vocab::special`.
-    by_text: HashMap<Vec<u8>, usize>,
+    /// Pattern i is the text of `Vocab::special[first[i]]`.
+    matcher: Option<AhoCorasick>,
+    /// For each distinct text, its first position in `Vocab::special` (the entry llama.cpp
+    /// applies first: `special` is sorted longest first, ids ascending on ties).
+    first: Vec<usize>,
 }
 
 impl SpecialIndex {
     pub fn new(vocab: &Vocab) -> SpecialIndex {
-        let mut lengths = vec![Vec::new(); 256];
-        let mut by_text = HashMap::new();
+        let mut seen: FxHashMap<&str, ()> = FxHashMap::default();
+        let mut patterns = Vec::new();
+        let mut first = Vec::new();
         for (pos, &id) in vocab.special.iter().enumerate() {
-            let t = vocab.tokens[id as usize].as_bytes();
-            // `special` is sorted longest first with ids ascending on ties; the first entry of a
-            // text (duplicates are possible) is the one llama.cpp applies first.
-            by_text.entry(t.to_vec()).or_insert(pos);
-            let l: &mut Vec<usize> = &mut lengths[t[0] as usize];
-            if !l.contains(&t.len()) {
-                l.push(t.len());
+            let t = vocab.tokens[id as usize].as_str();
+            if seen.insert(t, ()).is_none() {
+                patterns.push(t);
+                first.push(pos);
             }
         }
-        for l in &mut lengths {
-            l.sort_unstable_by(|a, b| b.cmp(a));
-        }
-        SpecialIndex { lengths, by_text }
+        // Building can only fail for absurd pattern sets; without a matcher every special
+        // text is then tried directly (slower, same result).
+        let matcher = if patterns.is_empty() {
+            None
+        } else {
+            AhoCorasick::builder()
+                .match_kind(MatchKind::Standard)
+                .build(&patterns)
+                .ok()
+        };
+        SpecialIndex { matcher, first }
     }
 
-    /// Positions (into `Vocab::special`) of the special texts that occur somewhere in `text`.
-    fn present(&self, text: &[u8]) -> Vec<usize> {
-        let mut found = HashSet::new();
-        for i in 0..text.len() {
-            let ls = &self.lengths[text[i] as usize];
-            for &l in ls {
-                if i + l <= text.len() {
-                    if let Some(&p) = self.by_text.get(&text[i..i + l]) {
-                        found.insert(p);
-                    }
-                }
-            }
+    /// Positions (into `Vocab::special`) of the special texts that occur somewhere in `text`,
+    /// ascending (= the order llama.cpp applies them).
+    fn present(&self, vocab: &Vocab, text: &str) -> Vec<usize> {
+        let Some(m) = &self.matcher else {
+            return (0..vocab.special.len())
+                .filter(|&p| text.contains(vocab.tokens[vocab.special[p] as usize].as_str()))
+                .collect();
+        };
+        let mut hit = vec![false; self.first.len()];
+        for mat in m.find_overlapping_iter(text) {
+            hit[mat.pattern().as_usize()] = true;
         }
-        let mut v: Vec<usize> = found.into_iter().collect();
+        let mut v: Vec<usize> = hit
+            .iter()
+            .enumerate()
+            .filter(|&(_, &h)| h)
+            .map(|(i, _)| self.first[i])
+            .collect();
         v.sort_unstable();
         v
     }
@@ -80,7 +91,7 @@ pub(crate) fn partition(
     if bytes.is_empty() || vocab.special.is_empty() {
         return frags;
     }
-    for pos in index.present(bytes) {
+    for pos in index.present(vocab, text) {
         let id = vocab.special[pos];
         let ty = vocab.types[id as usize];
         if !parse_special && ty != crate::vocab::TokenType::UserDefined {

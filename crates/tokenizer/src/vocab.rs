@@ -1,7 +1,7 @@
 //! The vocabulary as llama.cpp loads it from GGUF metadata: token texts, scores, token types, the
 //! text → id map, the special-token cache and the end-of-generation set.
 
-use std::collections::HashMap;
+use crate::fxhash::FxHashMap;
 
 /// GGUF `tokenizer.ggml.token_type` values (llama.cpp's `llama_token_type`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -83,7 +83,7 @@ pub(crate) struct Vocab {
     pub scores: Vec<f32>,
     pub types: Vec<TokenType>,
     /// Text → id; when a text occurs twice the later id wins, as in llama.cpp's `token_to_id`.
-    pub token_to_id: HashMap<String, u32>,
+    pub token_to_id: FxHashMap<String, u32>,
     /// Ids matched as whole tokens in the input text, longest text first (llama.cpp's
     /// `cache_special_tokens`; ties keep id order so the result is deterministic).
     pub special: Vec<u32>,
@@ -91,7 +91,7 @@ pub(crate) struct Vocab {
 
 impl Vocab {
     pub fn new(tokens: Vec<String>, scores: Vec<f32>, types: Vec<TokenType>) -> Vocab {
-        let mut token_to_id = HashMap::with_capacity(tokens.len());
+        let mut token_to_id = FxHashMap::with_capacity_and_hasher(tokens.len(), Default::default());
         for (i, t) in tokens.iter().enumerate() {
             token_to_id.insert(t.clone(), i as u32);
         }
