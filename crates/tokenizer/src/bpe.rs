@@ -235,7 +235,7 @@ impl Bpe {
 
     fn sym_text<'a>(&'a self, vocab: &'a Vocab, id: u32) -> &'a str {
         if id < self.n_vocab {
-            &vocab.tokens[id as usize]
+            vocab.token(id)
         } else {
             &self.extra[(id - self.n_vocab) as usize]
         }

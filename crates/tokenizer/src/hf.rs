@@ -158,7 +158,7 @@ pub(crate) fn load(path: &Path) -> Result<Tokenizer> {
         bos_name = cfg.get("bos_token").and_then(token_content);
         eos_name = cfg.get("eos_token").and_then(token_content);
     }
-    let mut vocab = Vocab::new(tokens, vec![0.0; n], types);
+    let mut vocab = Vocab::new(&tokens, vec![0.0; n], types).map_err(ferr)?;
     let bos = bos_name.and_then(|b| vocab.id(&b));
     let eos = eos_name.and_then(|e| vocab.id(&e));
     let unk = ["<unk>", "[UNK]"].iter().find_map(|t| vocab.id(t));

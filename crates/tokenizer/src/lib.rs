@@ -147,13 +147,10 @@ impl Tokenizer {
             .as_str()
             .ok_or_else(|| err(model_key, "not a string".into()))?;
         let tokens_key = "tokenizer.ggml.tokens";
-        let tokens: Vec<String> = find(meta, tokens_key)
+        let tokens: Vec<&str> = find(meta, tokens_key)
             .ok_or_else(|| err(tokens_key, "missing".into()))?
             .as_str_array()
-            .ok_or_else(|| err(tokens_key, "not an array of strings".into()))?
-            .into_iter()
-            .map(str::to_string)
-            .collect();
+            .ok_or_else(|| err(tokens_key, "not an array of strings".into()))?;
         let n = tokens.len();
         if n == 0 {
             return Err(err(tokens_key, "empty vocabulary".into()));
@@ -191,7 +188,7 @@ impl Tokenizer {
             }
             None => vec![TokenType::Normal; n],
         };
-        let mut vocab = Vocab::new(tokens, scores, types);
+        let mut vocab = Vocab::new(&tokens, scores, types).map_err(|m| err(tokens_key, m))?;
 
         let id_key = |key: &str| -> Result<Option<u32>> {
             match find(meta, key) {
@@ -402,7 +399,7 @@ impl Tokenizer {
 
     /// The vocabulary text of `id` as stored (e.g. `▁the`, `Ġthe`, `<0x0A>`), None if out of range.
     pub fn token_text(&self, id: u32) -> Option<&str> {
-        self.vocab.tokens.get(id as usize).map(String::as_str)
+        self.vocab.get(id)
     }
 
     /// The type of `id`, None if out of range.
@@ -520,7 +517,7 @@ impl Tokenizer {
     }
 
     fn render(&self, id: u32, special: bool, out: &mut Vec<u8>) {
-        let Some(text) = self.vocab.tokens.get(id as usize) else {
+        let Some(text) = self.vocab.get(id) else {
             return;
         };
         let ty = self.vocab.types[id as usize];

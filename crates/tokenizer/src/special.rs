@@ -33,7 +33,7 @@ impl SpecialIndex {
         let mut patterns = Vec::new();
         let mut first = Vec::new();
         for (pos, &id) in vocab.special.iter().enumerate() {
-            let t = vocab.tokens[id as usize].as_str();
+            let t = vocab.token(id);
             if seen.insert(t, ()).is_none() {
                 patterns.push(t);
                 first.push(pos);
@@ -57,7 +57,7 @@ impl SpecialIndex {
     fn present(&self, vocab: &Vocab, text: &str) -> Vec<usize> {
         let Some(m) = &self.matcher else {
             return (0..vocab.special.len())
-                .filter(|&p| text.contains(vocab.tokens[vocab.special[p] as usize].as_str()))
+                .filter(|&p| text.contains(vocab.token(vocab.special[p])))
                 .collect();
         };
         let mut hit = vec![false; self.first.len()];
@@ -97,7 +97,7 @@ pub(crate) fn partition(
         if !parse_special && ty != crate::vocab::TokenType::UserDefined {
             continue;
         }
-        let needle = vocab.tokens[id as usize].as_str();
+        let needle = vocab.token(id);
         let mut out = Vec::with_capacity(frags.len() + 4);
         for f in frags {
             let Fragment::Text { start, end } = f else {
