@@ -14,12 +14,14 @@ mod bpe;
 mod chat;
 mod fxhash;
 mod hf;
+mod meta_json;
 mod special;
 mod spm;
 mod vocab;
 
 pub use bpe::PreType;
 pub use chat::ChatMessage;
+pub use meta_json::{is_tokenizer_key, metadata_from_json, metadata_to_json};
 pub use vocab::TokenType;
 
 use npuc_gguf::{GgufFile, MetaValue};
@@ -132,6 +134,11 @@ impl Tokenizer {
             .unwrap_or("model")
             .to_string();
         Self::from_metadata_named(&name, meta)
+    }
+
+    /// Builds a tokenizer from the JSON made by [`metadata_to_json`] (what an artifact stores).
+    pub fn from_metadata_json(json: &serde_json::Value) -> Result<Tokenizer> {
+        Self::from_metadata(&metadata_from_json(json)?)
     }
 
     /// Like [`Tokenizer::from_metadata`] with an explicit model name for error messages.

@@ -170,3 +170,31 @@ fn long_text_is_fast_and_consistent() {
     let whole = tok.encode(&first_lines, false).unwrap();
     assert_eq!(tok.decode(&whole), first_lines);
 }
+
+#[test]
+fn metadata_json_round_trip() {
+    let Some(tok) = gemma() else { return };
+    let gguf = npuc_gguf::GgufFile::open(model_path().unwrap()).unwrap();
+    let json = npuc_tokenizer::metadata_to_json(&gguf.metadata);
+    let text = serde_json::to_string(&json).unwrap();
+    eprintln!("gemma3 tokenizer metadata as JSON: {} bytes", text.len());
+    let back = Tokenizer::from_metadata_json(&serde_json::from_str(&text).unwrap()).unwrap();
+    assert_eq!(back.vocab_size(), tok.vocab_size());
+    let refs = load_json("gemma3_270m_greedy.json");
+    for p in refs["prompts"].as_array().unwrap() {
+        let prompt = p["prompt"].as_str().unwrap();
+        assert_eq!(
+            back.encode(prompt, true).unwrap(),
+            ids(&p["prompt_ids_bos"])
+        );
+    }
+    let sample: String = std::fs::read_to_string(fixtures().join("ppl_text.txt"))
+        .unwrap()
+        .chars()
+        .take(20_000)
+        .collect();
+    assert_eq!(
+        back.encode(&sample, true).unwrap(),
+        tok.encode(&sample, true).unwrap()
+    );
+}

@@ -320,3 +320,48 @@ fn bad_metadata_is_a_clear_error() {
         "{e}"
     );
 }
+
+#[test]
+fn metadata_json_round_trip() {
+    for model in ["tiny-llama-spm", "tiny-llama3", "tiny-qwen2"] {
+        let gguf =
+            npuc_gguf::GgufFile::open(fixtures().join(model).join(format!("{model}-F32.gguf")))
+                .unwrap();
+        let json = npuc_tokenizer::metadata_to_json(&gguf.metadata);
+        // Only tokenizer keys travel; the text survives serialization.
+        let obj = json.as_object().unwrap();
+        assert!(obj.keys().all(|k| npuc_tokenizer::is_tokenizer_key(k)));
+        assert!(obj.contains_key("tokenizer.ggml.tokens"));
+        let back: Value = serde_json::from_str(&serde_json::to_string(&json).unwrap()).unwrap();
+        let meta = npuc_tokenizer::metadata_from_json(&back).unwrap();
+        for (k, v) in &meta {
+            let orig = gguf.get(k).unwrap();
+            match (orig.as_f32_array(), v.as_f32_array()) {
+                (Some(a), Some(b)) if orig.as_str_array().is_none() => {
+                    assert_eq!(a, b, "{model}: {k}")
+                }
+                _ => assert_eq!(orig.to_string(), v.to_string(), "{model}: {k}"),
+            }
+        }
+        let a = tokenizer(model);
+        let b = Tokenizer::from_metadata_json(&back).unwrap();
+        for (text, with, _) in cases(model) {
+            assert_eq!(b.encode(&text, true).unwrap(), with, "{model}: {text:?}");
+            assert_eq!(a.encode(&text, true).unwrap(), with);
+        }
+        assert_eq!(
+            (a.bos(), a.eos(), a.add_bos(), a.eog_ids()),
+            (b.bos(), b.eos(), b.add_bos(), b.eog_ids())
+        );
+    }
+    let e = npuc_tokenizer::metadata_from_json(&serde_json::json!([1, 2]))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("expected a JSON object"), "{e}");
+    let e = npuc_tokenizer::metadata_from_json(
+        &serde_json::json!({"tokenizer.ggml.token_type": [1, "x", 2.5]}),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("tokenizer.ggml.token_type[1]"), "{e}");
+}
