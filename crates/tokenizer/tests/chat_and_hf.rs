@@ -166,3 +166,87 @@ fn tokenizer_json_matches_hf_ids() {
         .to_string();
     assert!(e.contains("nonexistent"), "{e}");
 }
+
+/// The GGUF byte-level BPE (hand-written, llama.cpp's algorithm) and HF's `tokenizers` library
+/// (reading the model's tokenizer.json) are independent implementations; on ordinary text they
+/// must give the same ids.
+#[test]
+fn gguf_bpe_agrees_with_hf_tokenizers_on_100kb_text() {
+    let text = std::fs::read_to_string(fixtures().join("gemma3/ppl_text.txt")).unwrap();
+    for model in ["tiny-llama3", "tiny-qwen2"] {
+        let hf = Tokenizer::from_tokenizer_json(fixtures().join(model).join("hf/tokenizer.json"))
+            .unwrap();
+        let gg =
+            Tokenizer::from_gguf_path(fixtures().join(model).join(format!("{model}-F32.gguf")))
+                .unwrap();
+        let a = gg.encode(&text, true).unwrap();
+        let b = hf.encode(&text, true).unwrap();
+        if a != b {
+            let i = a
+                .iter()
+                .zip(&b)
+                .position(|(x, y)| x != y)
+                .unwrap_or(a.len().min(b.len()));
+            panic!(
+                "{model}: first difference at token {i}: gguf {:?} vs hf {:?} (context {:?})",
+                &a[i..(i + 8).min(a.len())],
+                &b[i..(i + 8).min(b.len())],
+                gg.decode(&a[i.saturating_sub(8)..(i + 8).min(a.len())])
+            );
+        }
+        assert_eq!(gg.decode(&a), text, "{model}");
+        // Line by line as well (different fragment boundaries).
+        for line in text.lines().take(300) {
+            assert_eq!(
+                gg.encode(line, false).unwrap(),
+                hf.encode(line, false).unwrap(),
+                "{model}: {line:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn spm_round_trips_100kb_text() {
+    let text = std::fs::read_to_string(fixtures().join("gemma3/ppl_text.txt")).unwrap();
+    let tok = Tokenizer::from_gguf_path(fixtures().join("tiny-llama-spm/tiny-llama-spm-F32.gguf"))
+        .unwrap();
+    let ids = tok.encode(&text, false).unwrap();
+    assert_eq!(tok.decode(&ids), text);
+    // With BOS, llama.cpp's detokenizer keeps the prefix space after it.
+    let with = tok.encode(&text, true).unwrap();
+    assert_eq!(&with[1..], &ids[..]);
+    assert_eq!(tok.decode(&with), format!(" {text}"));
+}
+
+#[test]
+fn gguf_bpe_agrees_with_hf_tokenizers_on_random_text() {
+    let alphabet: Vec<char> = "ab xyZ09 123 4567 '\"sStTrRe've'LL'd .,;!?-_\n\r\n\t   \u{a0}\u{3000}éüßÆ—日本語😀🦀\u{0301}\u{0663}<>/|#$%^&*()"
+        .chars()
+        .collect();
+    let mut state = 0x2545_F491_4F6C_DD1Du64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    for model in ["tiny-llama3", "tiny-qwen2"] {
+        let hf = Tokenizer::from_tokenizer_json(fixtures().join(model).join("hf/tokenizer.json"))
+            .unwrap();
+        let gg =
+            Tokenizer::from_gguf_path(fixtures().join(model).join(format!("{model}-F32.gguf")))
+                .unwrap();
+        for _ in 0..2000 {
+            let len = (next() % 24) as usize;
+            let s: String = (0..len)
+                .map(|_| alphabet[(next() % alphabet.len() as u64) as usize])
+                .collect();
+            assert_eq!(
+                gg.encode(&s, false).unwrap(),
+                hf.encode(&s, false).unwrap(),
+                "{model}: {s:?}"
+            );
+        }
+    }
+}
