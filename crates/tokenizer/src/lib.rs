@@ -1,7 +1,7 @@
 //! LLM tokenizers for npuc.
 //!
 //! * From GGUF metadata (`tokenizer.ggml.*`), reproducing llama.cpp's tokenizers id for id:
-//!   `llama` (SentencePiece-style, [`spm`](crate) merge by score with byte fallback) and `gpt2`
+//!   `llama` (SentencePiece-style: merge by score, byte fallback) and `gpt2`
 //!   (byte-level BPE with the pre-tokenizer chosen by `tokenizer.ggml.pre`). Special tokens in the
 //!   text are split out first, as llama.cpp's `tokenizer_st_partition` does.
 //! * From a Hugging Face `tokenizer.json` (via the `tokenizers` crate).
@@ -609,8 +609,8 @@ impl Tokenizer {
         String::from_utf8_lossy(&out).into_owned()
     }
 
-    /// Renders the model's chat template for `messages` (see [`Tokenizer::apply_template`]).
-    /// Err when the model has no template, naming the model.
+    /// Renders the model's chat template for `messages` (see [`Tokenizer::apply_template`]), ready
+    /// for `encode(text, true)`. Err when the model has no template, naming the model.
     pub fn apply_chat_template(
         &self,
         messages: &[ChatMessage],
@@ -625,9 +625,45 @@ impl Tokenizer {
         self.apply_template(t, messages, add_generation_prompt)
     }
 
-    /// Renders a Jinja chat `template` (HF conventions: `messages`, `add_generation_prompt`,
-    /// `bos_token`, `eos_token`, `raise_exception`, Python string methods).
+    /// Renders a Jinja chat `template` for `encode(text, true)`: like llama.cpp's
+    /// `common_chat_templates_apply`, a leading BOS text is removed when encoding adds BOS (and a
+    /// trailing EOS text when it adds EOS), so the prompt gets exactly one BOS.
     pub fn apply_template(
+        &self,
+        template: &str,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        let mut text = self.render_template(template, messages, add_generation_prompt)?;
+        if self.add_bos {
+            if let Some(b) = self
+                .bos
+                .and_then(|b| self.token_text(b))
+                .filter(|b| !b.is_empty())
+            {
+                if text.starts_with(b) {
+                    text.drain(..b.len());
+                }
+            }
+        }
+        if self.add_eos {
+            if let Some(e) = self
+                .eos
+                .and_then(|e| self.token_text(e))
+                .filter(|e| !e.is_empty())
+            {
+                if text.ends_with(e) {
+                    text.truncate(text.len() - e.len());
+                }
+            }
+        }
+        Ok(text)
+    }
+
+    /// Renders a Jinja chat `template` exactly as HF transformers' `apply_chat_template(...,
+    /// tokenize=False)` does (variables `messages`, `add_generation_prompt`, `bos_token`,
+    /// `eos_token`; `raise_exception`; Python string methods; trim_blocks + lstrip_blocks).
+    pub fn render_template(
         &self,
         template: &str,
         messages: &[ChatMessage],

@@ -131,13 +131,17 @@ fn special_tokens_and_eog() {
         .to_string();
     assert!(e.contains("chat template"), "{e}");
     let tmpl = std::fs::read_to_string(fixtures().join("../chat/gemma3.jinja")).unwrap();
-    let text = tok.apply_template(&tmpl, &msgs, true).unwrap();
+    let raw = tok.render_template(&tmpl, &msgs, true).unwrap();
     assert_eq!(
-        text,
+        raw,
         "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
     );
-    let ids = tok.encode(&text, false).unwrap();
-    assert_eq!(&ids[..2], &[2, 105]);
+    // Ready for encode(.., true): exactly one BOS.
+    let text = tok.apply_template(&tmpl, &msgs, true).unwrap();
+    assert_eq!(text, &raw["<bos>".len()..]);
+    let ids = tok.encode(&text, true).unwrap();
+    assert_eq!(&ids[..3], &[2, 105, tok.encode("user", false).unwrap()[0]]);
+    assert_eq!(ids.iter().filter(|&&i| i == 2).count(), 1);
 }
 
 #[test]

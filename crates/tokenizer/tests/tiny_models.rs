@@ -365,3 +365,30 @@ fn metadata_json_round_trip() {
     .to_string();
     assert!(e.contains("tokenizer.ggml.token_type[1]"), "{e}");
 }
+
+/// SentencePiece itself (tests/fixtures/llm/tokenizer/make_spm_refs.py) on 300 lines and the
+/// first 20k characters of the 100 KB licence text.
+#[test]
+fn spm_matches_sentencepiece_on_licence_text() {
+    let refs = load_json(fixtures().join("tokenizer/spm_refs.json"));
+    let tok = tokenizer("tiny-llama-spm");
+    let lines = refs["lines"].as_array().unwrap();
+    assert_eq!(lines.len(), 300);
+    let mut mismatched = Vec::new();
+    for l in lines {
+        let text = l["text"].as_str().unwrap();
+        if tok.encode(text, false).unwrap() != ids(&l["ids"]) {
+            mismatched.push(text.to_string());
+        }
+    }
+    assert!(
+        mismatched.is_empty(),
+        "{} of 300 lines differ, e.g. {:?}",
+        mismatched.len(),
+        &mismatched[..mismatched.len().min(3)]
+    );
+    let text = std::fs::read_to_string(fixtures().join("gemma3/ppl_text.txt")).unwrap();
+    let n = refs["head"]["text_chars"].as_u64().unwrap() as usize;
+    let head: String = text.chars().take(n).collect();
+    assert_eq!(tok.encode(&head, false).unwrap(), ids(&refs["head"]["ids"]));
+}
