@@ -7,6 +7,7 @@ use crate::{Backend, Result, Tokenizer, TokenizerError};
 use std::path::Path;
 
 /// The wrapped HF tokenizer and how its pieces map to bytes.
+#[derive(Clone)]
 pub(crate) struct HfBackend {
     tk: tokenizers::Tokenizer,
     /// Pieces are in GPT-2's byte alphabet (ByteLevel decoder).

@@ -71,6 +71,7 @@ pub enum ModelKind {
     HfJson,
 }
 
+#[derive(Clone)]
 enum Backend {
     Spm {
         byte_tokens: Box<[Option<u32>; 256]>,
@@ -79,7 +80,9 @@ enum Backend {
     Hf(Box<hf::HfBackend>),
 }
 
-/// A tokenizer: encode text to ids, decode ids to text, and render chat prompts.
+/// A tokenizer: encode text to ids, decode ids to text, and render chat prompts. Cheap to
+/// share across threads (`Send + Sync`, all methods take `&self`).
+#[derive(Clone)]
 pub struct Tokenizer {
     name: String,
     vocab: Vocab,

@@ -392,3 +392,20 @@ fn spm_matches_sentencepiece_on_licence_text() {
     let head: String = text.chars().take(n).collect();
     assert_eq!(tok.encode(&head, false).unwrap(), ids(&refs["head"]["ids"]));
 }
+
+#[test]
+fn tokenizer_is_shareable_across_threads() {
+    fn assert_send_sync<T: Send + Sync + Clone>() {}
+    assert_send_sync::<Tokenizer>();
+    let tok = std::sync::Arc::new(tokenizer("tiny-llama3"));
+    let handles: Vec<_> = (0..2)
+        .map(|i| {
+            let tok = tok.clone();
+            std::thread::spawn(move || tok.encode(&format!("thread {i} says hello"), true).unwrap())
+        })
+        .collect();
+    for (i, h) in handles.into_iter().enumerate() {
+        let ids = h.join().unwrap();
+        assert_eq!(tok.decode(&ids), format!("thread {i} says hello"));
+    }
+}
