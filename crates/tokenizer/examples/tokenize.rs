@@ -25,8 +25,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let t = Instant::now();
     let plain = tok.encode_with(&text, true, false)?;
     let no_special = t.elapsed().as_secs_f64();
+    // Round trip without BOS: after a BOS llama.cpp's detokenizer keeps the SPM prefix space.
+    let no_bos = tok.encode(&text, false)?;
     let t = Instant::now();
-    let back = tok.decode(&ids);
+    let back = tok.decode(&no_bos);
     let dec = t.elapsed().as_secs_f64();
     println!(
         "gguf open {:.1} ms, tokenizer build {:.1} ms; {} bytes -> {} tokens: encode {:.1} ms (best of 5, {:.2} MB/s), parse_special=false {:.1} ms ({} tokens), decode {:.1} ms, round trip {}",
