@@ -296,22 +296,20 @@ impl Tokenizer {
             add_bos = false;
         }
 
-        // llama.cpp finds EOT / EOG tokens by name and forces them to CONTROL, so that they are
-        // parsed as specials and not rendered as text.
-        // llama.cpp scans a hash map, so when several EOT names exist its pick is arbitrary; npuc
-        // takes the first in name order (turn markers before `<|endoftext|>`).
+        // llama.cpp finds EOT / EOG tokens by name and forces those to CONTROL, so that they are
+        // parsed as specials and not rendered as text. It scans a hash map, so when several EOT
+        // names exist its pick is arbitrary; npuc takes the first in name order (turn markers
+        // before `<|endoftext|>`).
         if eot.is_none() {
             eot = vocab::EOT_NAMES.iter().find_map(|t| vocab.id(t));
+            if let Some(id) = eot {
+                vocab.types[id as usize] = TokenType::Control;
+            }
         }
         let mut eog: Vec<u32> = vocab::EOG_NAMES
             .iter()
             .filter_map(|t| vocab.id(t))
             .collect();
-        for id in [eot, eom].into_iter().flatten() {
-            if vocab.types[id as usize] != TokenType::Control {
-                vocab.types[id as usize] = TokenType::Control;
-            }
-        }
         for &id in &eog {
             vocab.types[id as usize] = TokenType::Control;
         }
