@@ -409,3 +409,28 @@ fn tokenizer_is_shareable_across_threads() {
         assert_eq!(tok.decode(&ids), format!("thread {i} says hello"));
     }
 }
+
+#[test]
+fn long_degenerate_inputs() {
+    // One huge "word" and long runs of spaces / multi-byte characters: no quadratic blow-up, no
+    // panic, lossless.
+    let inputs = [
+        "a".repeat(200_000),
+        " ".repeat(50_000),
+        "😀".repeat(20_000),
+        "\n\n x".repeat(20_000),
+        "1234567890".repeat(10_000),
+    ];
+    for model in ["tiny-llama-spm", "tiny-llama3", "tiny-qwen2"] {
+        let tok = tokenizer(model);
+        for s in &inputs {
+            let ids = tok.encode_with(s, false, false).unwrap();
+            assert!(!ids.is_empty());
+            assert!(
+                tok.decode(&ids) == *s,
+                "{model}: round trip of a {}-byte input",
+                s.len()
+            );
+        }
+    }
+}
