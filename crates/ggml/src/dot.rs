@@ -105,7 +105,7 @@ fn dot_f32(w: &[u8], x: &[u8]) -> f32 {
                 * f32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
         }
     }
-    let mut s = acc.iter().sum::<f32>();
+    let mut s = hsum8(&acc);
     for (a, b) in wr.chunks_exact(4).zip(xr.chunks_exact(4)) {
         s += f32::from_le_bytes([a[0], a[1], a[2], a[3]])
             * f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
@@ -123,7 +123,7 @@ fn dot_f16(w: &[u8], x: &[u8]) -> f32 {
             acc[l] += f16_at(a, 2 * l) * f16_at(b, 2 * l);
         }
     }
-    let mut s = acc.iter().sum::<f32>();
+    let mut s = hsum8(&acc);
     for i in (0..wr.len()).step_by(2) {
         s += f16_at(wr, i) * f16_at(xr, i);
     }
@@ -144,11 +144,17 @@ fn dot_bf16(w: &[u8], x: &[u8]) -> f32 {
             acc[l] += bf16_at(a, 2 * l) * bf16_at(b, 2 * l);
         }
     }
-    let mut s = acc.iter().sum::<f32>();
+    let mut s = hsum8(&acc);
     for i in (0..wr.len()).step_by(2) {
         s += bf16_at(wr, i) * bf16_at(xr, i);
     }
     s
+}
+
+/// Sum of 8 partial sums in the order the AVX2 horizontal sum uses.
+#[inline(always)]
+pub(crate) fn hsum8(a: &[f32; 8]) -> f32 {
+    ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
 }
 
 /// Σ a[i]·b[i] of two i8 slices of equal length, in i32.

@@ -237,7 +237,7 @@ pub(crate) fn dot_f32_scalar(a: &[f32], b: &[f32]) -> f32 {
             acc[l] += p[l] * q[l];
         }
     }
-    let mut s = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+    let mut s = crate::dot::hsum8(&acc);
     for (p, q) in ar.iter().zip(br) {
         s += p * q;
     }
