@@ -81,7 +81,8 @@ impl Acc {
         self.n += r.len() as u64;
     }
 
-    fn add_f64(&mut self, r: &[f64], q: &[f64]) {
+    /// Adds one pair of equally long f64 runs.
+    pub fn add_f64(&mut self, r: &[f64], q: &[f64]) {
         for (&x, &y) in r.iter().zip(q) {
             let e = x - y;
             self.ref2 += x * x;
@@ -603,7 +604,7 @@ pub struct VerifyArgs {
     /// Run the quantized model as QuantSim (float math with quantize-dequantize).
     #[arg(long)]
     pub simulate: bool,
-    /// Propose the activation tensors to keep at 16 bits to reach --target-sqnr.
+    /// Propose the tensors (activations, weights) to keep at 16 bits to reach --target-sqnr.
     #[arg(long, requires = "target_sqnr")]
     pub suggest: bool,
     /// Target output SQNR (dB) for --suggest.
@@ -613,6 +614,10 @@ pub struct VerifyArgs {
     /// values also cut clipping, still at a finer step than 8 bits while below 256).
     #[arg(long, default_value_t = 1.0)]
     pub headroom: f64,
+    /// With --suggest: most model evaluations spent pruning the chosen set (each runs every
+    /// sample).
+    #[arg(long = "prune-evals", default_value_t = 24)]
+    pub prune_evals: usize,
     /// With --suggest: write the overrides file (JSON) here.
     #[arg(long, requires = "suggest")]
     pub apply: Option<std::path::PathBuf>,
@@ -660,6 +665,7 @@ pub fn cmd(a: &VerifyArgs) -> Result<()> {
             headroom: a.headroom,
             threads: a.threads,
             simulate: a.simulate,
+            prune_evals: a.prune_evals,
         };
         let (s, promoted) = promote::suggest(&inp, &mut |m| eprintln!("{m}"))?;
         if let Some(p) = &a.apply {
@@ -675,7 +681,7 @@ pub fn cmd(a: &VerifyArgs) -> Result<()> {
         let mut j = report_json(&r);
         if let Some(s) = &suggestion {
             j["suggest"] = serde_json::json!({
-                "tensors": s.tensors,
+                "tensors": s.tensors, "schemes": s.schemes,
                 "local_sqnr_db": s.local_sqnr_db.iter().map(|x| json_num(*x)).collect::<Vec<_>>(),
                 "sqnr_db": json_num(s.sqnr_db), "cosine": json_num(s.cosine),
                 "baseline_db": json_num(s.baseline_db), "all_promoted_db": json_num(s.all_promoted_db),
@@ -698,7 +704,7 @@ pub fn cmd(a: &VerifyArgs) -> Result<()> {
     if let Some(s) = &suggestion {
         if s.reached {
             println!(
-                "suggest: keep {} of {} activation tensors at 16 bits to reach {} dB: {} dB (as given {} dB)",
+                "suggest: keep {} of {} tensors at 16 bits to reach {} dB: {} dB (as given {} dB)",
                 s.tensors.len(),
                 s.candidates,
                 s.target_db,
@@ -707,14 +713,14 @@ pub fn cmd(a: &VerifyArgs) -> Result<()> {
             );
         } else {
             println!(
-                "suggest: target {} dB not reachable by 16-bit activations: all {} promoted give {} dB (try --headroom)",
+                "suggest: target {} dB not reachable at 16 bits: all {} promoted give {} dB (try --headroom)",
                 s.target_db,
                 s.candidates,
                 fmt_db(s.all_promoted_db)
             );
         }
-        for (t, l) in s.tensors.iter().zip(&s.local_sqnr_db) {
-            println!("  w8a16 {t}  (local SQNR {} dB)", fmt_db(*l));
+        for ((t, sc), l) in s.tensors.iter().zip(&s.schemes).zip(&s.local_sqnr_db) {
+            println!("  {sc} {t}  (local SQNR {} dB)", fmt_db(*l));
         }
         if let Some(p) = &a.apply {
             println!("overrides written to {}", p.display());

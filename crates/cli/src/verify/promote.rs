@@ -1,14 +1,16 @@
-//! `npuc verify --suggest`: which activation tensors to keep at 16 bits to reach a target output
-//! SQNR, found without recalibration.
+//! `npuc verify --suggest`: which tensors to keep at 16 bits to reach a target output SQNR, found
+//! without recalibration.
 //!
 //! Promoting activation tensor `T` replaces its QuantizeLinear/DequantizeLinear pair's scale and
 //! zero point by a uint16 pair covering the same real range `[s (qmin - zp), s (qmax - zp)]`
 //! (times `headroom`, which widens the range to cut clipping; 1 keeps it): new scale =
-//! range / 65535, zero point = round(-lo / scale). Candidates are ranked by their local
+//! range / 65535, zero point = round(-lo / scale). Promoting a weight requantizes the float
+//! model's weight to int16, symmetric, per the same axis (requantizing the dequantized 8-bit
+//! weight would keep its error). Candidates are ranked by their local
 //! quantization SQNR (the Q input against the DQ output inside the quantized model, over the
 //! samples), lowest first; the shortest prefix of that ranking that reaches the target is found by
-//! bisection, then every chosen tensor whose removal keeps the target is dropped (pruning). The
-//! result is a small set, not a proven minimum.
+//! bisection, then chosen tensors whose removal keeps the target are dropped (pruning, last-ranked
+//! first, within an evaluation budget). The result is a small set, not a proven minimum.
 
 use super::{canonical_name, prepare_quantized, run_named, with_outputs, Acc, Sample};
 use anyhow::{anyhow, bail, Context, Result};
@@ -18,19 +20,45 @@ use serde::Serialize;
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
 
-/// An activation tensor quantized by a QuantizeLinear feeding DequantizeLinear node(s).
+/// A tensor that can be kept at 16 bits.
 #[derive(Clone, Debug)]
 pub struct Candidate {
     /// The float model's name for the tensor.
     pub tensor: String,
-    /// The QuantizeLinear node (index into the graph's nodes).
-    q_node: usize,
-    /// The DequantizeLinear nodes reading its output.
-    dq_nodes: Vec<usize>,
-    /// The Q input (the unquantized value).
-    pre: String,
-    /// The first DQ output (the quantized value).
-    post: String,
+    kind: Kind,
+}
+
+#[derive(Clone, Debug)]
+enum Kind {
+    /// An activation quantized by a QuantizeLinear feeding DequantizeLinear node(s).
+    Act {
+        /// The QuantizeLinear node (index into the graph's nodes).
+        q_node: usize,
+        /// The DequantizeLinear nodes reading its output.
+        dq_nodes: Vec<usize>,
+        /// The Q input (the unquantized value).
+        pre: String,
+        /// The first DQ output (the quantized value).
+        post: String,
+    },
+    /// A weight initializer read by a DequantizeLinear node. Promotion requantizes the float
+    /// model's weight (requantizing the 8-bit values would keep their error).
+    Weight {
+        /// The DequantizeLinear node.
+        dq_node: usize,
+        /// The float model's weight.
+        float: Tensor,
+    },
+}
+
+impl Candidate {
+    /// `w8a16` for an activation (16-bit activation), `w16a16` for a weight (16-bit weight).
+    pub fn scheme(&self) -> &'static str {
+        match self.kind {
+            Kind::Act { .. } => "w8a16",
+            Kind::Weight { .. } => "w16a16",
+        }
+    }
 }
 
 fn qrange(dt: DType) -> Option<(f64, f64)> {
@@ -59,8 +87,9 @@ fn q_dtype(m: &Model, n: &npuc_ir::Node) -> Option<DType> {
     }
 }
 
-/// Activation Q/DQ pairs of at most 8 bits whose scale (and zero point) are initializers.
-pub fn candidates(m: &Model) -> Vec<Candidate> {
+/// Activation Q/DQ pairs of at most 8 bits whose scale (and zero point) are initializers, then
+/// weights of at most 8 bits whose float value the reference model holds under the same name.
+pub fn candidates(m: &Model, reference: &Model) -> Vec<Candidate> {
     let g = &m.graph;
     let inits: HashSet<&str> = g.initializers.iter().map(|i| i.name.as_str()).collect();
     let mut readers: HashMap<&str, Vec<usize>> = HashMap::new();
@@ -102,13 +131,129 @@ pub fn candidates(m: &Model) -> Vec<Candidate> {
         };
         v.push(Candidate {
             tensor: canonical_name(&post).to_string(),
-            q_node: i,
-            dq_nodes: dqs,
-            pre: x.to_string(),
-            post,
+            kind: Kind::Act {
+                q_node: i,
+                dq_nodes: dqs,
+                pre: x.to_string(),
+                post,
+            },
+        });
+    }
+    for (i, n) in g.nodes.iter().enumerate() {
+        if !is_dq(n) || n.block_size_set() {
+            continue;
+        }
+        let (Some(w), Some(s), Some(y)) = (n.input(0), n.input(1), n.outputs.first()) else {
+            continue;
+        };
+        let Some(wq) = g.initializer(w) else { continue };
+        if qrange(wq.dtype()).is_none() || g.initializer(s).is_none() {
+            continue;
+        }
+        let name = canonical_name(y);
+        let Some(f) = reference.graph.initializer(name) else {
+            continue;
+        };
+        if f.shape() != wq.shape() || !f.dtype().is_float() {
+            continue;
+        }
+        v.push(Candidate {
+            tensor: name.to_string(),
+            kind: Kind::Weight {
+                dq_node: i,
+                float: f.clone(),
+            },
         });
     }
     v
+}
+
+/// Dequantizes `q` (per tensor or per `axis`) to f64.
+fn dequantize(q: &Tensor, scale: &[f64], zp: &[f64], axis: i64) -> Result<Vec<f64>> {
+    let v = q.to_f64_vec()?;
+    if scale.len() == 1 {
+        let z = zp.first().copied().unwrap_or(0.0);
+        return Ok(v.iter().map(|x| (x - z) * scale[0]).collect());
+    }
+    let (ax, inner) = axis_geometry(q.shape(), axis, scale.len())?;
+    let _ = ax;
+    Ok(v.iter()
+        .enumerate()
+        .map(|(i, x)| {
+            let c = (i / inner) % scale.len();
+            (x - zp.get(c).copied().unwrap_or(0.0)) * scale[c]
+        })
+        .collect())
+}
+
+/// (axis, elements after the axis) for per-axis parameters of length `n`.
+fn axis_geometry(shape: &[usize], axis: i64, n: usize) -> Result<(usize, usize)> {
+    let r = shape.len() as i64;
+    let a = if axis < 0 { axis + r } else { axis };
+    if a < 0 || a >= r || shape[a as usize] != n {
+        bail!("per-axis parameters of length {n} do not fit axis {axis} of shape {shape:?}");
+    }
+    Ok((a as usize, shape[a as usize + 1..].iter().product()))
+}
+
+/// Local SQNR of a weight candidate: the float weight against its dequantized value.
+fn weight_local(m: &Model, dq: &npuc_ir::Node, float: &Tensor) -> Result<Acc> {
+    let g = &m.graph;
+    let q = g
+        .initializer(dq.input(0).unwrap_or_default())
+        .ok_or_else(|| anyhow!("weight of '{}' is not an initializer", dq.display_name()))?;
+    let s = g
+        .initializer(dq.input(1).unwrap_or_default())
+        .ok_or_else(|| anyhow!("scale of '{}' is not an initializer", dq.display_name()))?
+        .to_f64_vec()?;
+    let z = match dq.input(2).filter(|z| !z.is_empty()) {
+        Some(z) => g
+            .initializer(z)
+            .ok_or_else(|| {
+                anyhow!(
+                    "zero point of '{}' is not an initializer",
+                    dq.display_name()
+                )
+            })?
+            .to_f64_vec()?,
+        None => vec![0.0; s.len()],
+    };
+    let d = dequantize(q, &s, &z, dq.int_or("axis", 1)?)?;
+    let mut a = Acc::default();
+    a.add_f64(&float.to_f64_vec()?, &d);
+    Ok(a)
+}
+
+/// Requantizes a float weight to int16, symmetric, per the same axis as `scale_len` says.
+fn weight_i16(float: &Tensor, axis: i64, scale_len: usize) -> Result<(Tensor, Tensor, Tensor)> {
+    let w = float.to_f64_vec()?;
+    let (n, inner) = if scale_len == 1 {
+        (1, w.len().max(1))
+    } else {
+        let (_, inner) = axis_geometry(float.shape(), axis, scale_len)?;
+        (scale_len, inner)
+    };
+    let chan = |i: usize| if n == 1 { 0 } else { (i / inner) % n };
+    let mut amax = vec![0f64; n];
+    for (i, x) in w.iter().enumerate() {
+        let c = chan(i);
+        amax[c] = amax[c].max(x.abs());
+    }
+    let scale: Vec<f32> = amax
+        .iter()
+        .map(|&a| if a > 0.0 { (a / 32767.0) as f32 } else { 1.0 })
+        .collect();
+    let q: Vec<i16> = w
+        .iter()
+        .enumerate()
+        .map(|(i, x)| (x / scale[chan(i)] as f64).round().clamp(-32767.0, 32767.0) as i16)
+        .collect();
+    let pshape = if scale_len == 1 { vec![] } else { vec![n] };
+    Ok((
+        Tensor::from_vec(float.shape().to_vec(), q)?,
+        Tensor::from_vec(pshape.clone(), scale)?,
+        Tensor::from_vec(pshape, vec![0i16; n])?,
+    ))
 }
 
 trait BlockSize {
@@ -122,7 +267,7 @@ impl BlockSize for npuc_ir::Node {
     }
 }
 
-/// A copy of `m` with the chosen candidates' Q/DQ pairs promoted to uint16.
+/// A copy of `m` with the chosen candidates promoted to 16 bits.
 pub fn promote(m: &Model, cands: &[Candidate], chosen: &[usize], headroom: f64) -> Result<Model> {
     if !(headroom.is_finite() && headroom >= 1.0) {
         bail!("--headroom must be a number >= 1, got {headroom}");
@@ -134,11 +279,50 @@ pub fn promote(m: &Model, cands: &[Candidate], chosen: &[usize], headroom: f64) 
         .iter()
         .map(|i| i.name.clone())
         .collect();
+    let mut fresh = |base: String| {
+        let mut n = base.clone();
+        let mut k = 1;
+        while !names.insert(n.clone()) {
+            n = format!("{base}_{k}");
+            k += 1;
+        }
+        n
+    };
     for &c in chosen {
         let cand = cands
             .get(c)
             .ok_or_else(|| anyhow!("candidate {c} out of range"))?;
-        let qn = &m.graph.nodes[cand.q_node];
+        let (q_node, dq_nodes) = match &cand.kind {
+            Kind::Act {
+                q_node, dq_nodes, ..
+            } => (*q_node, dq_nodes.clone()),
+            Kind::Weight { dq_node, float } => {
+                let dq = &m.graph.nodes[*dq_node];
+                let slen = m
+                    .graph
+                    .initializer(dq.input(1).unwrap_or_default())
+                    .map(|t| t.len())
+                    .unwrap_or(1);
+                let (q, s, z) = weight_i16(float, dq.int_or("axis", 1)?, slen)
+                    .with_context(|| format!("weight '{}'", cand.tensor))?;
+                let qn = fresh(format!("{}_w16", cand.tensor));
+                let sn = fresh(format!("{}_w16_scale", cand.tensor));
+                let zn = fresh(format!("{}_w16_zero_point", cand.tensor));
+                for (name, t) in [(&qn, q), (&sn, s), (&zn, z)] {
+                    out.graph.initializers.push(Initializer {
+                        name: name.clone(),
+                        tensor: t,
+                    });
+                }
+                let n = &mut out.graph.nodes[*dq_node];
+                n.inputs.resize(3, String::new());
+                n.inputs[0] = qn;
+                n.inputs[1] = sn;
+                n.inputs[2] = zn;
+                continue;
+            }
+        };
+        let qn = &m.graph.nodes[q_node];
         let s_name = qn.input(1).unwrap_or_default();
         let scale = m.graph.initializer(s_name).ok_or_else(|| {
             anyhow!(
@@ -178,15 +362,6 @@ pub fn promote(m: &Model, cands: &[Candidate], chosen: &[usize], headroom: f64) 
             ns.push(new_s as f32);
             nz.push((-lo / new_s).round().clamp(0.0, 65535.0) as u16);
         }
-        let mut fresh = |base: String| {
-            let mut n = base.clone();
-            let mut k = 1;
-            while !names.insert(n.clone()) {
-                n = format!("{base}_{k}");
-                k += 1;
-            }
-            n
-        };
         let sn = fresh(format!("{}_a16_scale", cand.tensor));
         let zn = fresh(format!("{}_a16_zero_point", cand.tensor));
         out.graph.initializers.push(Initializer {
@@ -197,7 +372,7 @@ pub fn promote(m: &Model, cands: &[Candidate], chosen: &[usize], headroom: f64) 
             name: zn.clone(),
             tensor: Tensor::from_vec(scale.shape().to_vec(), nz)?,
         });
-        for &ni in std::iter::once(&cand.q_node).chain(&cand.dq_nodes) {
+        for &ni in std::iter::once(&q_node).chain(&dq_nodes) {
             let n = &mut out.graph.nodes[ni];
             n.inputs.resize(3, String::new());
             n.inputs[1] = sn.clone();
@@ -206,7 +381,7 @@ pub fn promote(m: &Model, cands: &[Candidate], chosen: &[usize], headroom: f64) 
             n.attrs.retain(|(k, _)| k != "output_dtype");
         }
         // Declared types of the quantized value, if any, are now stale.
-        let y = out.graph.nodes[cand.q_node].outputs[0].clone();
+        let y = out.graph.nodes[q_node].outputs[0].clone();
         out.graph.value_info.retain(|vi| vi.name != y);
     }
     Ok(out)
@@ -255,6 +430,8 @@ impl Evaluator<'_> {
 pub struct Suggestion {
     /// Tensors to keep at 16 bits, in ranking order.
     pub tensors: Vec<String>,
+    /// The scheme of each (`w8a16`: activation, `w16a16`: weight).
+    pub schemes: Vec<String>,
     /// Output SQNR (dB) with them promoted.
     pub sqnr_db: f64,
     /// Output cosine with them promoted.
@@ -291,17 +468,22 @@ pub struct SuggestInput<'a> {
     pub threads: usize,
     /// Passed to [`prepare_quantized`].
     pub simulate: bool,
+    /// Most model evaluations spent pruning the chosen set.
+    pub prune_evals: usize,
 }
 
 /// Runs the search; returns the suggestion and the promoted model.
 pub fn suggest(inp: &SuggestInput, log: &mut dyn FnMut(&str)) -> Result<(Suggestion, Model)> {
     let q = inp.quantized;
-    let cands = candidates(q);
-    // Local quantization noise of every candidate, from one exposed run per sample.
+    let cands = candidates(q, inp.reference);
+    // Local quantization noise of every candidate: weights statically, activations from one
+    // exposed run per sample.
     let mut extra = vec![];
     for c in &cands {
-        extra.push(c.pre.clone());
-        extra.push(c.post.clone());
+        if let Kind::Act { pre, post, .. } = &c.kind {
+            extra.push(pre.clone());
+            extra.push(post.clone());
+        }
     }
     let qs = Session::new(
         &with_outputs(&prepare_quantized(q.clone(), inp.simulate)?, &extra),
@@ -311,11 +493,18 @@ pub fn suggest(inp: &SuggestInput, log: &mut dyn FnMut(&str)) -> Result<(Suggest
     )
     .context("preparing the quantized model")?;
     let mut local = vec![Acc::default(); cands.len()];
+    for (c, a) in cands.iter().zip(local.iter_mut()) {
+        if let Kind::Weight { dq_node, float } = &c.kind {
+            *a = weight_local(q, &q.graph.nodes[*dq_node], float)?;
+        }
+    }
     for s in inp.samples {
         let o = run_named(&qs, s)?;
         for (c, a) in cands.iter().zip(local.iter_mut()) {
-            if let (Some(x), Some(y)) = (o.get(&c.pre), o.get(&c.post)) {
-                a.add(x, y);
+            if let Kind::Act { pre, post, .. } = &c.kind {
+                if let (Some(x), Some(y)) = (o.get(pre), o.get(post)) {
+                    a.add(x, y);
+                }
             }
         }
     }
@@ -351,7 +540,7 @@ pub fn suggest(inp: &SuggestInput, log: &mut dyn FnMut(&str)) -> Result<(Suggest
     let build = |set: &[usize]| promote(q, &cands, set, inp.headroom);
     let (base_db, base_cos) = ev.eval(q)?;
     log(&format!(
-        "suggest: {} candidate activation tensors; output SQNR as given {} dB",
+        "suggest: {} candidate tensors; output SQNR as given {} dB",
         cands.len(),
         super::fmt_db(base_db)
     ));
@@ -384,10 +573,13 @@ pub fn suggest(inp: &SuggestInput, log: &mut dyn FnMut(&str)) -> Result<(Suggest
             }
         }
         let mut set: Vec<usize> = order[..hi].to_vec();
-        // Prune: the last-ranked first, as they are the least likely to matter.
+        // Prune: the last-ranked first, as they are the least likely to matter; at most
+        // `prune_evals` trials, since each runs the model on every sample.
         let mut i = set.len();
-        while i > 0 && set.len() > 1 {
+        let mut budget = inp.prune_evals;
+        while i > 0 && set.len() > 1 && budget > 0 {
             i -= 1;
+            budget -= 1;
             let mut trial = set.clone();
             trial.remove(i);
             let (d, c) = ev.eval(&build(&trial)?)?;
@@ -408,6 +600,10 @@ pub fn suggest(inp: &SuggestInput, log: &mut dyn FnMut(&str)) -> Result<(Suggest
     Ok((
         Suggestion {
             tensors: chosen.iter().map(|&i| cands[i].tensor.clone()).collect(),
+            schemes: chosen
+                .iter()
+                .map(|&i| cands[i].scheme().to_string())
+                .collect(),
             local_sqnr_db: chosen.iter().map(|&i| local[i].sqnr_db()).collect(),
             sqnr_db: db,
             cosine: cos,
@@ -473,16 +669,18 @@ struct Rule {
     scheme: String,
 }
 
-/// Writes the overrides JSON for a suggestion atomically: one `w8a16` rule per chosen tensor.
+/// Writes the overrides JSON for a suggestion atomically: one rule per chosen tensor, `w8a16`
+/// for an activation, `w16a16` for a weight.
 pub fn write_overrides(path: &Path, default: &str, s: &Suggestion) -> Result<()> {
     let f = OverridesFile {
         default: default.to_string(),
         rules: s
             .tensors
             .iter()
-            .map(|t| Rule {
+            .zip(&s.schemes)
+            .map(|(t, sc)| Rule {
                 pattern: t.clone(),
-                scheme: "w8a16".into(),
+                scheme: sc.clone(),
             })
             .collect(),
     };
