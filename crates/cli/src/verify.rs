@@ -733,3 +733,36 @@ pub fn cmd(a: &VerifyArgs) -> Result<()> {
     println!("{last}");
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ort_names_map_back() {
+        assert_eq!(canonical_name("conv1_DequantizeLinear_Output"), "conv1");
+        assert_eq!(canonical_name("conv1_QuantizeLinear_Output"), "conv1");
+        assert_eq!(canonical_name("conv1"), "conv1");
+    }
+
+    #[test]
+    fn metrics_accumulate_over_samples() {
+        // Two samples; the SQNR is of the sums, not the mean of per-sample SQNRs.
+        let mut a = Acc::default();
+        a.add_f32(&[1.0, 2.0], &[1.0, 2.5]);
+        a.add_f32(&[3.0], &[2.0]);
+        let (r2, e2) = (1.0 + 4.0 + 9.0, 0.25 + 1.0);
+        assert!((a.sqnr_db() - 10.0 * (r2 / e2 as f64).log10()).abs() < 1e-12);
+        let dot = 1.0 + 5.0 + 6.0;
+        let q2: f64 = 1.0 + 6.25 + 4.0;
+        assert!((a.cosine() - dot / (r2.sqrt() * q2.sqrt())).abs() < 1e-12);
+        assert_eq!(a.max_abs, 1.0);
+        assert_eq!(a.n, 3);
+        let mut exact = Acc::default();
+        exact.add_f32(&[1.0, -2.0], &[1.0, -2.0]);
+        assert!(exact.sqnr_db().is_infinite() && exact.cosine() == 1.0);
+        let mut nan = Acc::default();
+        nan.add_f32(&[1.0], &[f32::NAN]);
+        assert!(nan.sqnr_db().is_nan() && nan.max_abs.is_nan());
+    }
+}
