@@ -751,8 +751,8 @@ mod tests {
         let mut a = Acc::default();
         a.add_f32(&[1.0, 2.0], &[1.0, 2.5]);
         a.add_f32(&[3.0], &[2.0]);
-        let (r2, e2) = (1.0 + 4.0 + 9.0, 0.25 + 1.0);
-        assert!((a.sqnr_db() - 10.0 * (r2 / e2 as f64).log10()).abs() < 1e-12);
+        let (r2, e2): (f64, f64) = (1.0 + 4.0 + 9.0, 0.25 + 1.0);
+        assert!((a.sqnr_db() - 10.0 * (r2 / e2).log10()).abs() < 1e-12);
         let dot = 1.0 + 5.0 + 6.0;
         let q2: f64 = 1.0 + 6.25 + 4.0;
         assert!((a.cosine() - dot / (r2.sqrt() * q2.sqrt())).abs() < 1e-12);

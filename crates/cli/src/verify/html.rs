@@ -139,9 +139,9 @@ pub fn render(r: &VerifyReport, title: &str) -> String {
         } else {
             ""
         };
-        let _ = write!(
+        let _ = writeln!(
             rows,
-            "<tr{cls}><td>{i}</td><td>{}</td><td>{}</td><td>{}</td><td>{:.6}</td><td>{:.4e}</td></tr>\n",
+            "<tr{cls}><td>{i}</td><td>{}</td><td>{}</td><td>{}</td><td>{:.6}</td><td>{:.4e}</td></tr>",
             esc(&l.name),
             esc(&l.op),
             fmt_db(l.sqnr_db),
