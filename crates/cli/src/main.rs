@@ -118,6 +118,9 @@ enum Cmd {
         #[arg(long, default_value_t = 5)]
         runs: usize,
     },
+    /// Per-layer accuracy of a quantized model against its float reference (SQNR, cosine, max
+    /// abs error), an HTML report, and which tensors to keep at 16 bits.
+    Verify(npuc_cli::verify::VerifyArgs),
 }
 
 fn main() {
@@ -198,6 +201,7 @@ fn main() {
             threads,
             runs,
         } => ocr_cmd(&image, &model, threads, runs),
+        Cmd::Verify(a) => npuc_cli::verify::cmd(&a),
     };
     if let Err(e) = r {
         eprintln!("error: {e:#}");

@@ -1,0 +1,707 @@
+//! `npuc verify --suggest`: which tensors to keep at 16 bits to reach a target output SQNR, found
+//! without recalibration.
+//!
+//! Promoting activation tensor `T` replaces its QuantizeLinear/DequantizeLinear pair's scale and
+//! zero point by a uint16 pair covering the same real range `[s (qmin - zp), s (qmax - zp)]`
+//! (times `headroom`, which widens the range to cut clipping; 1 keeps it): new scale =
+//! range / 65535, zero point = round(-lo / scale). Promoting a weight requantizes the float
+//! model's weight to int16, symmetric, per the same axis (requantizing the dequantized 8-bit
+//! weight would keep its error). Candidates are ranked by their local
+//! quantization SQNR (the Q input against the DQ output inside the quantized model, over the
+//! samples), lowest first; the shortest prefix of that ranking that reaches the target is found by
+//! bisection, then chosen tensors whose removal keeps the target are dropped (pruning, last-ranked
+//! first, within an evaluation budget). The result is a small set, not a proven minimum.
+
+use super::{canonical_name, prepare_quantized, run_named, with_outputs, Acc, Sample};
+use anyhow::{anyhow, bail, Context, Result};
+use npuc_ir::{DType, Initializer, Model, Tensor};
+use npuc_runtime::{Session, SessionOptions};
+use serde::Serialize;
+use std::collections::{HashMap, HashSet};
+use std::path::Path;
+
+/// A tensor that can be kept at 16 bits.
+#[derive(Clone, Debug)]
+pub struct Candidate {
+    /// The float model's name for the tensor.
+    pub tensor: String,
+    kind: Kind,
+}
+
+#[derive(Clone, Debug)]
+enum Kind {
+    /// An activation quantized by a QuantizeLinear feeding DequantizeLinear node(s).
+    Act {
+        /// The QuantizeLinear node (index into the graph's nodes).
+        q_node: usize,
+        /// The DequantizeLinear nodes reading its output.
+        dq_nodes: Vec<usize>,
+        /// The Q input (the unquantized value).
+        pre: String,
+        /// The first DQ output (the quantized value).
+        post: String,
+    },
+    /// A weight initializer read by a DequantizeLinear node. Promotion requantizes the float
+    /// model's weight (requantizing the 8-bit values would keep their error).
+    Weight {
+        /// The DequantizeLinear node.
+        dq_node: usize,
+        /// The float model's weight.
+        float: Tensor,
+    },
+}
+
+impl Candidate {
+    /// `w8a16` for an activation (16-bit activation), `w16a16` for a weight (16-bit weight).
+    pub fn scheme(&self) -> &'static str {
+        match self.kind {
+            Kind::Act { .. } => "w8a16",
+            Kind::Weight { .. } => "w16a16",
+        }
+    }
+}
+
+fn qrange(dt: DType) -> Option<(f64, f64)> {
+    Some(match dt {
+        DType::U8 => (0.0, 255.0),
+        DType::I8 => (-128.0, 127.0),
+        DType::U4 => (0.0, 15.0),
+        DType::I4 => (-8.0, 7.0),
+        _ => return None,
+    })
+}
+
+fn is_q(n: &npuc_ir::Node) -> bool {
+    n.op_type == "QuantizeLinear" && matches!(n.domain.as_str(), "" | "ai.onnx")
+}
+
+fn is_dq(n: &npuc_ir::Node) -> bool {
+    n.op_type == "DequantizeLinear" && matches!(n.domain.as_str(), "" | "ai.onnx")
+}
+
+/// The quantized dtype of a Q node: its zero point's, else uint8 (the ONNX default).
+fn q_dtype(m: &Model, n: &npuc_ir::Node) -> Option<DType> {
+    match n.input(2) {
+        Some(z) => m.graph.initializer(z).map(|t| t.dtype()),
+        None => Some(DType::U8),
+    }
+}
+
+/// Activation Q/DQ pairs of at most 8 bits whose scale (and zero point) are initializers, then
+/// weights of at most 8 bits whose float value the reference model holds under the same name.
+pub fn candidates(m: &Model, reference: &Model) -> Vec<Candidate> {
+    let g = &m.graph;
+    let inits: HashSet<&str> = g.initializers.iter().map(|i| i.name.as_str()).collect();
+    let mut readers: HashMap<&str, Vec<usize>> = HashMap::new();
+    for (i, n) in g.nodes.iter().enumerate() {
+        if let Some(x) = n.input(0) {
+            readers.entry(x).or_default().push(i);
+        }
+    }
+    let mut v = vec![];
+    for (i, n) in g.nodes.iter().enumerate() {
+        if !is_q(n) || n.block_size_set() {
+            continue;
+        }
+        let (Some(x), Some(s), Some(y)) = (n.input(0), n.input(1), n.outputs.first()) else {
+            continue;
+        };
+        if inits.contains(x) || !inits.contains(s) {
+            continue;
+        }
+        if g.initializer(s).map(|t| t.dtype()) != Some(DType::F32) {
+            continue;
+        }
+        if q_dtype(m, n).and_then(qrange).is_none() {
+            continue;
+        }
+        let dqs: Vec<usize> = readers
+            .get(y.as_str())
+            .map(|r| r.iter().copied().filter(|&j| is_dq(&g.nodes[j])).collect())
+            .unwrap_or_default();
+        // Every reader of the quantized value must be a DQ, or promotion would change what an
+        // integer consumer sees.
+        let all = readers.get(y.as_str()).map(|r| r.len()).unwrap_or(0);
+        if dqs.is_empty() || dqs.len() != all {
+            continue;
+        }
+        let post = match g.nodes[dqs[0]].outputs.first() {
+            Some(p) if !p.is_empty() => p.clone(),
+            _ => continue,
+        };
+        v.push(Candidate {
+            tensor: canonical_name(&post).to_string(),
+            kind: Kind::Act {
+                q_node: i,
+                dq_nodes: dqs,
+                pre: x.to_string(),
+                post,
+            },
+        });
+    }
+    for (i, n) in g.nodes.iter().enumerate() {
+        if !is_dq(n) || n.block_size_set() {
+            continue;
+        }
+        let (Some(w), Some(s), Some(y)) = (n.input(0), n.input(1), n.outputs.first()) else {
+            continue;
+        };
+        let Some(wq) = g.initializer(w) else { continue };
+        if qrange(wq.dtype()).is_none() || g.initializer(s).is_none() {
+            continue;
+        }
+        let name = canonical_name(y);
+        let Some(f) = reference.graph.initializer(name) else {
+            continue;
+        };
+        if f.shape() != wq.shape() || !f.dtype().is_float() {
+            continue;
+        }
+        v.push(Candidate {
+            tensor: name.to_string(),
+            kind: Kind::Weight {
+                dq_node: i,
+                float: f.clone(),
+            },
+        });
+    }
+    v
+}
+
+/// Dequantizes `q` (per tensor or per `axis`) to f64.
+fn dequantize(q: &Tensor, scale: &[f64], zp: &[f64], axis: i64) -> Result<Vec<f64>> {
+    let v = q.to_f64_vec()?;
+    if scale.len() == 1 {
+        let z = zp.first().copied().unwrap_or(0.0);
+        return Ok(v.iter().map(|x| (x - z) * scale[0]).collect());
+    }
+    let (ax, inner) = axis_geometry(q.shape(), axis, scale.len())?;
+    let _ = ax;
+    Ok(v.iter()
+        .enumerate()
+        .map(|(i, x)| {
+            let c = (i / inner) % scale.len();
+            (x - zp.get(c).copied().unwrap_or(0.0)) * scale[c]
+        })
+        .collect())
+}
+
+/// (axis, elements after the axis) for per-axis parameters of length `n`.
+fn axis_geometry(shape: &[usize], axis: i64, n: usize) -> Result<(usize, usize)> {
+    let r = shape.len() as i64;
+    let a = if axis < 0 { axis + r } else { axis };
+    if a < 0 || a >= r || shape[a as usize] != n {
+        bail!("per-axis parameters of length {n} do not fit axis {axis} of shape {shape:?}");
+    }
+    Ok((a as usize, shape[a as usize + 1..].iter().product()))
+}
+
+/// Local SQNR of a weight candidate: the float weight against its dequantized value.
+fn weight_local(m: &Model, dq: &npuc_ir::Node, float: &Tensor) -> Result<Acc> {
+    let g = &m.graph;
+    let q = g
+        .initializer(dq.input(0).unwrap_or_default())
+        .ok_or_else(|| anyhow!("weight of '{}' is not an initializer", dq.display_name()))?;
+    let s = g
+        .initializer(dq.input(1).unwrap_or_default())
+        .ok_or_else(|| anyhow!("scale of '{}' is not an initializer", dq.display_name()))?
+        .to_f64_vec()?;
+    let z = match dq.input(2).filter(|z| !z.is_empty()) {
+        Some(z) => g
+            .initializer(z)
+            .ok_or_else(|| {
+                anyhow!(
+                    "zero point of '{}' is not an initializer",
+                    dq.display_name()
+                )
+            })?
+            .to_f64_vec()?,
+        None => vec![0.0; s.len()],
+    };
+    let d = dequantize(q, &s, &z, dq.int_or("axis", 1)?)?;
+    let mut a = Acc::default();
+    a.add_f64(&float.to_f64_vec()?, &d);
+    Ok(a)
+}
+
+/// Requantizes a float weight to int16, symmetric, per the same axis as `scale_len` says.
+fn weight_i16(float: &Tensor, axis: i64, scale_len: usize) -> Result<(Tensor, Tensor, Tensor)> {
+    let w = float.to_f64_vec()?;
+    let (n, inner) = if scale_len == 1 {
+        (1, w.len().max(1))
+    } else {
+        let (_, inner) = axis_geometry(float.shape(), axis, scale_len)?;
+        (scale_len, inner)
+    };
+    let chan = |i: usize| if n == 1 { 0 } else { (i / inner) % n };
+    let mut amax = vec![0f64; n];
+    for (i, x) in w.iter().enumerate() {
+        let c = chan(i);
+        amax[c] = amax[c].max(x.abs());
+    }
+    let scale: Vec<f32> = amax
+        .iter()
+        .map(|&a| if a > 0.0 { (a / 32767.0) as f32 } else { 1.0 })
+        .collect();
+    let q: Vec<i16> = w
+        .iter()
+        .enumerate()
+        .map(|(i, x)| (x / scale[chan(i)] as f64).round().clamp(-32767.0, 32767.0) as i16)
+        .collect();
+    let pshape = if scale_len == 1 { vec![] } else { vec![n] };
+    Ok((
+        Tensor::from_vec(float.shape().to_vec(), q)?,
+        Tensor::from_vec(pshape.clone(), scale)?,
+        Tensor::from_vec(pshape, vec![0i16; n])?,
+    ))
+}
+
+trait BlockSize {
+    fn block_size_set(&self) -> bool;
+}
+
+impl BlockSize for npuc_ir::Node {
+    /// Blocked quantization is a weight scheme; activation promotion leaves it alone.
+    fn block_size_set(&self) -> bool {
+        self.int_or("block_size", 0).unwrap_or(0) != 0
+    }
+}
+
+/// A copy of `m` with the chosen candidates promoted to 16 bits.
+pub fn promote(m: &Model, cands: &[Candidate], chosen: &[usize], headroom: f64) -> Result<Model> {
+    if !(headroom.is_finite() && headroom >= 1.0) {
+        bail!("--headroom must be a number >= 1, got {headroom}");
+    }
+    let mut out = m.clone();
+    let mut names: HashSet<String> = out
+        .graph
+        .initializers
+        .iter()
+        .map(|i| i.name.clone())
+        .collect();
+    let mut fresh = |base: String| {
+        let mut n = base.clone();
+        let mut k = 1;
+        while !names.insert(n.clone()) {
+            n = format!("{base}_{k}");
+            k += 1;
+        }
+        n
+    };
+    for &c in chosen {
+        let cand = cands
+            .get(c)
+            .ok_or_else(|| anyhow!("candidate {c} out of range"))?;
+        let (q_node, dq_nodes) = match &cand.kind {
+            Kind::Act {
+                q_node, dq_nodes, ..
+            } => (*q_node, dq_nodes.clone()),
+            Kind::Weight { dq_node, float } => {
+                let dq = &m.graph.nodes[*dq_node];
+                let slen = m
+                    .graph
+                    .initializer(dq.input(1).unwrap_or_default())
+                    .map(|t| t.len())
+                    .unwrap_or(1);
+                let (q, s, z) = weight_i16(float, dq.int_or("axis", 1)?, slen)
+                    .with_context(|| format!("weight '{}'", cand.tensor))?;
+                let qn = fresh(format!("{}_w16", cand.tensor));
+                let sn = fresh(format!("{}_w16_scale", cand.tensor));
+                let zn = fresh(format!("{}_w16_zero_point", cand.tensor));
+                for (name, t) in [(&qn, q), (&sn, s), (&zn, z)] {
+                    out.graph.initializers.push(Initializer {
+                        name: name.clone(),
+                        tensor: t,
+                    });
+                }
+                let n = &mut out.graph.nodes[*dq_node];
+                n.inputs.resize(3, String::new());
+                n.inputs[0] = qn;
+                n.inputs[1] = sn;
+                n.inputs[2] = zn;
+                continue;
+            }
+        };
+        let qn = &m.graph.nodes[q_node];
+        let s_name = qn.input(1).unwrap_or_default();
+        let scale = m.graph.initializer(s_name).ok_or_else(|| {
+            anyhow!(
+                "scale '{s_name}' of '{}' is not an initializer",
+                qn.display_name()
+            )
+        })?;
+        let s = scale.as_slice::<f32>()?;
+        let dt = q_dtype(m, qn).unwrap_or(DType::U8);
+        let (qmin, qmax) = qrange(dt).ok_or_else(|| anyhow!("{dt} cannot be promoted"))?;
+        let zp: Vec<f64> = match qn.input(2) {
+            Some(z) => m
+                .graph
+                .initializer(z)
+                .ok_or_else(|| anyhow!("zero point '{z}' is not an initializer"))?
+                .to_f64_vec()?,
+            None => vec![0.0; s.len()],
+        };
+        if zp.len() != s.len() {
+            bail!(
+                "'{}': scale has {} values but zero point {}",
+                qn.display_name(),
+                s.len(),
+                zp.len()
+            );
+        }
+        let mut ns = Vec::with_capacity(s.len());
+        let mut nz = Vec::with_capacity(s.len());
+        for (&sc, &z) in s.iter().zip(&zp) {
+            let sc = sc as f64;
+            let lo = (sc * (qmin - z)).min(0.0) * headroom;
+            let hi = (sc * (qmax - z)).max(0.0) * headroom;
+            let new_s = (hi - lo) / 65535.0;
+            if !(new_s > 0.0 && new_s.is_finite()) {
+                bail!("'{}': scale {sc} cannot be promoted", qn.display_name());
+            }
+            ns.push(new_s as f32);
+            nz.push((-lo / new_s).round().clamp(0.0, 65535.0) as u16);
+        }
+        let sn = fresh(format!("{}_a16_scale", cand.tensor));
+        let zn = fresh(format!("{}_a16_zero_point", cand.tensor));
+        out.graph.initializers.push(Initializer {
+            name: sn.clone(),
+            tensor: Tensor::from_vec(scale.shape().to_vec(), ns)?,
+        });
+        out.graph.initializers.push(Initializer {
+            name: zn.clone(),
+            tensor: Tensor::from_vec(scale.shape().to_vec(), nz)?,
+        });
+        for &ni in std::iter::once(&q_node).chain(&dq_nodes) {
+            let n = &mut out.graph.nodes[ni];
+            n.inputs.resize(3, String::new());
+            n.inputs[1] = sn.clone();
+            n.inputs[2] = zn.clone();
+            // An explicit 8-bit output_dtype would contradict the uint16 zero point.
+            n.attrs.retain(|(k, _)| k != "output_dtype");
+        }
+        // Declared types of the quantized value, if any, are now stale.
+        let y = out.graph.nodes[q_node].outputs[0].clone();
+        out.graph.value_info.retain(|vi| vi.name != y);
+    }
+    Ok(out)
+}
+
+/// Output SQNR (worst output) and its cosine of `q` against cached reference outputs.
+struct Evaluator<'a> {
+    reference_outputs: Vec<HashMap<String, std::sync::Arc<Tensor>>>,
+    output_pairs: Vec<(String, String)>,
+    samples: &'a [Sample],
+    threads: usize,
+    simulate: bool,
+    evaluations: usize,
+}
+
+impl Evaluator<'_> {
+    fn eval(&mut self, q: &Model) -> Result<(f64, f64)> {
+        self.evaluations += 1;
+        let prepared = prepare_quantized(q.clone(), self.simulate)?;
+        let sess = Session::new(
+            &prepared,
+            SessionOptions {
+                threads: self.threads,
+            },
+        )?;
+        let mut acc = vec![Acc::default(); self.output_pairs.len()];
+        for (s, r) in self.samples.iter().zip(&self.reference_outputs) {
+            let o = run_named(&sess, s)?;
+            for (k, (rn, qn)) in self.output_pairs.iter().enumerate() {
+                match (r.get(rn), o.get(qn)) {
+                    (Some(a), Some(b)) if acc[k].add(a, b) => {}
+                    _ => bail!("output '{rn}' cannot be compared with '{qn}'"),
+                }
+            }
+        }
+        let worst = acc
+            .iter()
+            .min_by(|a, b| a.sqnr_db().total_cmp(&b.sqnr_db()))
+            .ok_or_else(|| anyhow!("the model has no outputs"))?;
+        Ok((worst.sqnr_db(), worst.cosine()))
+    }
+}
+
+/// What `--suggest` found.
+#[derive(Clone, Debug, Serialize)]
+pub struct Suggestion {
+    /// Tensors to keep at 16 bits, in ranking order.
+    pub tensors: Vec<String>,
+    /// The scheme of each (`w8a16`: activation, `w16a16`: weight).
+    pub schemes: Vec<String>,
+    /// Output SQNR (dB) with them promoted.
+    pub sqnr_db: f64,
+    /// Output cosine with them promoted.
+    pub cosine: f64,
+    /// Output SQNR of the model as given.
+    pub baseline_db: f64,
+    /// Output SQNR with every candidate promoted.
+    pub all_promoted_db: f64,
+    /// Candidates considered.
+    pub candidates: usize,
+    /// Whether `sqnr_db >= target`.
+    pub reached: bool,
+    /// The target.
+    pub target_db: f64,
+    /// Model evaluations the search took.
+    pub evaluations: usize,
+    /// Local SQNR (dB) of each chosen tensor, same order as `tensors`.
+    pub local_sqnr_db: Vec<f64>,
+}
+
+/// Inputs of [`suggest`].
+pub struct SuggestInput<'a> {
+    /// The float model.
+    pub reference: &'a Model,
+    /// The quantized model (unprepared QDQ graph).
+    pub quantized: &'a Model,
+    /// Held-out samples.
+    pub samples: &'a [Sample],
+    /// Target output SQNR in dB.
+    pub target_db: f64,
+    /// Range multiplier for promoted tensors (1 = same real range).
+    pub headroom: f64,
+    /// Threads per session.
+    pub threads: usize,
+    /// Passed to [`prepare_quantized`].
+    pub simulate: bool,
+    /// Most model evaluations spent pruning the chosen set.
+    pub prune_evals: usize,
+}
+
+/// Runs the search; returns the suggestion and the promoted model.
+pub fn suggest(inp: &SuggestInput, log: &mut dyn FnMut(&str)) -> Result<(Suggestion, Model)> {
+    let q = inp.quantized;
+    let cands = candidates(q, inp.reference);
+    // Local quantization noise of every candidate: weights statically, activations from one
+    // exposed run per sample.
+    let mut extra = vec![];
+    for c in &cands {
+        if let Kind::Act { pre, post, .. } = &c.kind {
+            extra.push(pre.clone());
+            extra.push(post.clone());
+        }
+    }
+    let qs = Session::new(
+        &with_outputs(&prepare_quantized(q.clone(), inp.simulate)?, &extra),
+        SessionOptions {
+            threads: inp.threads,
+        },
+    )
+    .context("preparing the quantized model")?;
+    let mut local = vec![Acc::default(); cands.len()];
+    for (c, a) in cands.iter().zip(local.iter_mut()) {
+        if let Kind::Weight { dq_node, float } = &c.kind {
+            *a = weight_local(q, &q.graph.nodes[*dq_node], float)?;
+        }
+    }
+    for s in inp.samples {
+        let o = run_named(&qs, s)?;
+        for (c, a) in cands.iter().zip(local.iter_mut()) {
+            if let Kind::Act { pre, post, .. } = &c.kind {
+                if let (Some(x), Some(y)) = (o.get(pre), o.get(post)) {
+                    a.add(x, y);
+                }
+            }
+        }
+    }
+    let mut order: Vec<usize> = (0..cands.len()).collect();
+    order.sort_by(|&a, &b| {
+        let (x, y) = (local[a].sqnr_db(), local[b].sqnr_db());
+        // NaN (broken) first, then lowest SQNR.
+        y.is_nan()
+            .cmp(&x.is_nan())
+            .then(x.total_cmp(&y))
+            .then(a.cmp(&b))
+    });
+
+    let rs = Session::new(
+        inp.reference,
+        SessionOptions {
+            threads: inp.threads,
+        },
+    )?;
+    let mut reference_outputs = vec![];
+    for s in inp.samples {
+        reference_outputs.push(run_named(&rs, s)?);
+    }
+    let output_pairs = super::output_pairs(inp.reference, q)?;
+    let mut ev = Evaluator {
+        reference_outputs,
+        output_pairs,
+        samples: inp.samples,
+        threads: inp.threads,
+        simulate: inp.simulate,
+        evaluations: 0,
+    };
+    let build = |set: &[usize]| promote(q, &cands, set, inp.headroom);
+    let (base_db, base_cos) = ev.eval(q)?;
+    log(&format!(
+        "suggest: {} candidate tensors; output SQNR as given {} dB",
+        cands.len(),
+        super::fmt_db(base_db)
+    ));
+    let all_model = build(&order)?;
+    let (all_db, all_cos) = ev.eval(&all_model)?;
+    log(&format!(
+        "suggest: all {} promoted: {} dB",
+        cands.len(),
+        super::fmt_db(all_db)
+    ));
+    let target = inp.target_db;
+    let (chosen, db, cos, model) = if base_db >= target {
+        (vec![], base_db, base_cos, q.clone())
+    } else if all_db < target {
+        (order.clone(), all_db, all_cos, all_model)
+    } else {
+        // Smallest passing prefix (bisection: `hi` always passes, `lo` never does).
+        let (mut lo, mut hi) = (0usize, order.len());
+        let (mut best_db, mut best_cos) = (all_db, all_cos);
+        while hi - lo > 1 {
+            let mid = (lo + hi) / 2;
+            let (d, c) = ev.eval(&build(&order[..mid])?)?;
+            log(&format!("suggest: {mid} promoted: {} dB", super::fmt_db(d)));
+            if d >= target {
+                hi = mid;
+                best_db = d;
+                best_cos = c;
+            } else {
+                lo = mid;
+            }
+        }
+        let mut set: Vec<usize> = order[..hi].to_vec();
+        // Prune: the last-ranked first, as they are the least likely to matter; at most
+        // `prune_evals` trials, since each runs the model on every sample.
+        let mut i = set.len();
+        let mut budget = inp.prune_evals;
+        while i > 0 && set.len() > 1 && budget > 0 {
+            i -= 1;
+            budget -= 1;
+            let mut trial = set.clone();
+            trial.remove(i);
+            let (d, c) = ev.eval(&build(&trial)?)?;
+            if d >= target {
+                log(&format!(
+                    "suggest: dropped {} ({} dB without it)",
+                    cands[set[i]].tensor,
+                    super::fmt_db(d)
+                ));
+                set = trial;
+                best_db = d;
+                best_cos = c;
+            }
+        }
+        let model = build(&set)?;
+        (set, best_db, best_cos, model)
+    };
+    Ok((
+        Suggestion {
+            tensors: chosen.iter().map(|&i| cands[i].tensor.clone()).collect(),
+            schemes: chosen
+                .iter()
+                .map(|&i| cands[i].scheme().to_string())
+                .collect(),
+            local_sqnr_db: chosen.iter().map(|&i| local[i].sqnr_db()).collect(),
+            sqnr_db: db,
+            cosine: cos,
+            baseline_db: base_db,
+            all_promoted_db: all_db,
+            candidates: cands.len(),
+            reached: db >= target,
+            target_db: target,
+            evaluations: ev.evaluations,
+        },
+        model,
+    ))
+}
+
+/// The scheme of a QDQ model as `w<bits>a<bits>`, from its weight and activation zero points;
+/// `None` when it cannot tell (no Q/DQ nodes).
+pub fn model_scheme(m: &Model) -> Option<String> {
+    let inits: HashSet<&str> = m
+        .graph
+        .initializers
+        .iter()
+        .map(|i| i.name.as_str())
+        .collect();
+    let bits = |dt: DType| match dt {
+        DType::U8 | DType::I8 => Some(8),
+        DType::U16 | DType::I16 => Some(16),
+        DType::U4 | DType::I4 => Some(4),
+        _ => None,
+    };
+    let mut w: HashMap<u32, usize> = HashMap::new();
+    let mut a: HashMap<u32, usize> = HashMap::new();
+    for n in &m.graph.nodes {
+        if is_dq(n) {
+            if let Some(x) = n.input(0).filter(|x| inits.contains(x)) {
+                if let Some(b) = m.graph.initializer(x).and_then(|t| bits(t.dtype())) {
+                    *w.entry(b).or_default() += 1;
+                }
+            }
+        } else if is_q(n) && n.input(0).is_some_and(|x| !inits.contains(x)) {
+            if let Some(b) = q_dtype(m, n).and_then(bits) {
+                *a.entry(b).or_default() += 1;
+            }
+        }
+    }
+    let most = |h: &HashMap<u32, usize>| h.iter().max_by_key(|(b, c)| (**c, **b)).map(|(b, _)| *b);
+    match (most(&w), most(&a)) {
+        (Some(wb), Some(ab)) => Some(format!("w{wb}a{ab}")),
+        (Some(wb), None) => Some(format!("w{wb}")),
+        _ => None,
+    }
+}
+
+/// The overrides file `--apply` writes (the shape `npuc_quant::Overrides` reads).
+#[derive(Serialize)]
+struct OverridesFile {
+    default: String,
+    rules: Vec<Rule>,
+}
+
+#[derive(Serialize)]
+struct Rule {
+    pattern: String,
+    scheme: String,
+}
+
+/// Writes the overrides JSON for a suggestion atomically: one rule per chosen tensor, `w8a16`
+/// for an activation, `w16a16` for a weight.
+pub fn write_overrides(path: &Path, default: &str, s: &Suggestion) -> Result<()> {
+    let f = OverridesFile {
+        default: default.to_string(),
+        rules: s
+            .tensors
+            .iter()
+            .zip(&s.schemes)
+            .map(|(t, sc)| Rule {
+                pattern: t.clone(),
+                scheme: sc.clone(),
+            })
+            .collect(),
+    };
+    let mut bytes = serde_json::to_vec_pretty(&f)?;
+    bytes.push(b'\n');
+    npuc_onnx::export::write_atomic(path, &bytes)
+        .with_context(|| format!("writing '{}'", path.display()))?;
+    Ok(())
+}
+
+/// Writes the promoted model as ONNX (atomically).
+pub fn write_model(path: &Path, m: &Model) -> Result<()> {
+    match path.extension().and_then(|e| e.to_str()) {
+        Some("onnx") => {
+            npuc_onnx::save_model(m, path, &npuc_onnx::ExportOptions::default())
+                .with_context(|| format!("writing '{}'", path.display()))?;
+            Ok(())
+        }
+        _ => bail!(
+            "--apply-model '{}': write a .onnx model (compile it with `npuc compile` for a .npuc artifact)",
+            path.display()
+        ),
+    }
+}
