@@ -135,6 +135,8 @@ fn main() {
         } => {
             if npuc_cli::artifact::is_artifact(&model) {
                 npuc_cli::artifact::inspect(&model, json, verify)
+            } else if npuc_cli::gguf_inspect::is_gguf(&model) {
+                npuc_cli::gguf_inspect::inspect(&model, json)
             } else {
                 inspect(&model, json, &input_shape, &dim)
             }

@@ -48,7 +48,7 @@ fn type_and_k(n: &Node) -> Result<(GgmlType, usize)> {
 }
 
 /// The weight's raw bytes and its row count, checked against `ty` and `k`.
-fn weight_bytes<'a>(w: &'a Tensor, ty: GgmlType, k: usize) -> Result<(&'a [u8], usize)> {
+fn weight_bytes(w: &Tensor, ty: GgmlType, k: usize) -> Result<(&[u8], usize)> {
     let rb = npuc_ggml::row_bytes(ty, k).map_err(|e| crate::RtError::msg(e.to_string()))?;
     let s = w.shape();
     if s.len() != 2 {
