@@ -206,6 +206,43 @@ pub fn quantize_row(ty: GgmlType, x: &[f32], out: &mut [u8]) -> Result<()> {
 
 /// Quantizes one activation row `x` to `vec_ty` (the type [`crate::vec_dot_type`] names) into
 /// `out`.
+///
+/// Q8_0/Q8_1 follow ggml's x86 SIMD quantizers, which llama.cpp runs for activations on AVX2
+/// machines: `id = 127 / amax` and round-half-to-even, where the reference C code uses
+/// `id = 1 / (amax / 127)` and `roundf`. The two differ on a few values per row; matching the
+/// path llama.cpp really takes keeps near-tie greedy tokens identical. Q8_K has no x86-specific
+/// quantizer in ggml (it uses the reference) and F16 is a plain conversion.
 pub fn quantize_activations(vec_ty: GgmlType, x: &[f32], out: &mut [u8]) -> Result<()> {
-    quantize_row(vec_ty, x, out)
+    match vec_ty {
+        GgmlType::Q8_0 => {
+            check(GgmlType::Q8_0, x, out)?;
+            for (xb, ob) in x.chunks_exact(32).zip(out.chunks_exact_mut(34)) {
+                let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
+                put_f16(ob, 0, amax / 127.0);
+                let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+                for (o, v) in ob[2..].iter_mut().zip(xb) {
+                    *o = nearest_int(v * id) as i8 as u8;
+                }
+            }
+            Ok(())
+        }
+        GgmlType::Q8_1 => {
+            check(GgmlType::Q8_1, x, out)?;
+            for (xb, ob) in x.chunks_exact(32).zip(out.chunks_exact_mut(36)) {
+                let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
+                let d = amax / 127.0;
+                put_f16(ob, 0, d);
+                let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+                let mut sum = 0i32;
+                for (o, v) in ob[4..].iter_mut().zip(xb) {
+                    let q = nearest_int(v * id);
+                    sum += q;
+                    *o = q as i8 as u8;
+                }
+                put_f16(ob, 2, d * sum as f32);
+            }
+            Ok(())
+        }
+        _ => quantize_row(vec_ty, x, out),
+    }
 }
