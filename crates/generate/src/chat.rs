@@ -23,7 +23,10 @@ pub struct ChatMessage {
 impl ChatMessage {
     /// A message with the given role and content.
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> ChatMessage {
-        ChatMessage { role: role.into(), content: content.into() }
+        ChatMessage {
+            role: role.into(),
+            content: content.into(),
+        }
     }
 }
 
@@ -97,10 +100,19 @@ impl ChatSession {
         on_text: &mut dyn FnMut(&str),
     ) -> Result<TurnOutput> {
         self.messages.push(ChatMessage::new("user", user));
-        let r = self.turn_inner(lm, text, template, params, max_tokens, stop_strings, on_text);
+        let r = self.turn_inner(
+            lm,
+            text,
+            template,
+            params,
+            max_tokens,
+            stop_strings,
+            on_text,
+        );
         match r {
             Ok(out) => {
-                self.messages.push(ChatMessage::new("assistant", out.gen.text.clone()));
+                self.messages
+                    .push(ChatMessage::new("assistant", out.gen.text.clone()));
                 Ok(out)
             }
             Err(e) => {
@@ -139,7 +151,12 @@ impl ChatSession {
         }
         // What the cache really holds can only be a prefix of what we recorded.
         self.cached.truncate(lm.position());
-        let mut common = self.cached.iter().zip(&ids).take_while(|(a, b)| a == b).count();
+        let mut common = self
+            .cached
+            .iter()
+            .zip(&ids)
+            .take_while(|(a, b)| a == b)
+            .count();
         // At least one token must be fed to get logits for the first reply token.
         if common == ids.len() {
             common -= 1;
@@ -147,13 +164,20 @@ impl ChatSession {
         lm.truncate(common);
         self.cached.truncate(common);
         if lm.position() != common {
-            bail!("chat: the model cache is at position {} after truncating to {common}", lm.position());
+            bail!(
+                "chat: the model cache is at position {} after truncating to {common}",
+                lm.position()
+            );
         }
         let gen = generate_continue(lm, text, &ids, params, max_tokens, stop_strings, on_text)?;
         // The cache now holds the prompt and every generated token except the last one sampled.
         self.cached = ids.clone();
         self.cached.extend_from_slice(&gen.tokens);
         self.cached.truncate(lm.position());
-        Ok(TurnOutput { fed_tokens: ids.len() - common, reused_tokens: common, gen })
+        Ok(TurnOutput {
+            fed_tokens: ids.len() - common,
+            reused_tokens: common,
+            gen,
+        })
     }
 }

@@ -121,7 +121,9 @@ pub fn generate_continue<L: CausalLm + ?Sized, T: TokenText + ?Sized>(
     let new = &tokens[cached..];
 
     let t0 = Instant::now();
-    let mut logits = lm.forward(new, false).with_context(|| format!("prefill of {} tokens", new.len()))?;
+    let mut logits = lm
+        .forward(new, false)
+        .with_context(|| format!("prefill of {} tokens", new.len()))?;
     let prefill_s = t0.elapsed().as_secs_f64();
     check_row(&logits, vocab)?;
 
@@ -147,7 +149,9 @@ pub fn generate_continue<L: CausalLm + ?Sized, T: TokenText + ?Sized>(
         if out_tokens.len() == max_tokens {
             break;
         }
-        logits = lm.forward(&[tok], false).with_context(|| format!("decode step {}", out_tokens.len()))?;
+        logits = lm
+            .forward(&[tok], false)
+            .with_context(|| format!("decode step {}", out_tokens.len()))?;
         check_row(&logits, vocab)?;
         decode_steps += 1;
         decode_s += step_start.elapsed().as_secs_f64();
@@ -175,7 +179,10 @@ fn rate(n: usize, secs: f64) -> f64 {
 
 fn check_row(logits: &[f32], vocab: usize) -> Result<()> {
     if logits.len() != vocab {
-        bail!("model returned {} logits for one position, expected the vocabulary size {vocab}", logits.len());
+        bail!(
+            "model returned {} logits for one position, expected the vocabulary size {vocab}",
+            logits.len()
+        );
     }
     Ok(())
 }

@@ -38,7 +38,11 @@ pub struct PerplexityResult {
 impl PerplexityResult {
     /// llama.cpp's progress line: `[1]12.3456,[2]13.0000,...`.
     pub fn chunks_line(&self) -> String {
-        self.chunk_ppl.iter().enumerate().map(|(i, p)| format!("[{}]{:.4},", i + 1, p)).collect()
+        self.chunk_ppl
+            .iter()
+            .enumerate()
+            .map(|(i, p)| format!("[{}]{:.4},", i + 1, p))
+            .collect()
     }
 
     /// llama.cpp's final line: `PPL = 13.5372 +/- 0.35626`.
@@ -78,7 +82,11 @@ pub fn perplexity<L: CausalLm + ?Sized>(
         );
     }
     let vocab = lm.vocab();
-    if let Some((i, &t)) = tokens.iter().enumerate().find(|(_, &t)| t as usize >= vocab) {
+    if let Some((i, &t)) = tokens
+        .iter()
+        .enumerate()
+        .find(|(_, &t)| t as usize >= vocab)
+    {
         bail!("perplexity: token {i} has id {t}, outside the vocabulary of {vocab}");
     }
     if let Some(b) = bos {
@@ -102,7 +110,8 @@ pub fn perplexity<L: CausalLm + ?Sized>(
             chunk[0] = b;
         }
         lm.reset();
-        lm.forward(&chunk[..first], false).with_context(|| format!("perplexity chunk {}: first half", k + 1))?;
+        lm.forward(&chunk[..first], false)
+            .with_context(|| format!("perplexity chunk {}: first half", k + 1))?;
         let logits = lm
             .forward(&chunk[first..], true)
             .with_context(|| format!("perplexity chunk {}: second half", k + 1))?;
@@ -119,7 +128,10 @@ pub fn perplexity<L: CausalLm + ?Sized>(
         let (s1, s2) = (0..n_scored)
             .into_par_iter()
             .map(|r| {
-                let v = nll(&logits[r * vocab..(r + 1) * vocab], chunk[first + r + 1] as usize);
+                let v = nll(
+                    &logits[r * vocab..(r + 1) * vocab],
+                    chunk[first + r + 1] as usize,
+                );
                 (v, v * v)
             })
             .reduce(|| (0.0, 0.0), |a, b| (a.0 + b.0, a.1 + b.1));
@@ -133,6 +145,33 @@ pub fn perplexity<L: CausalLm + ?Sized>(
     let mean = nll_sum / count as f64;
     let ppl = mean.exp();
     let var = nll2_sum / count as f64 - mean * mean;
-    let stderr = if var > 0.0 { (var / (count as f64 - 1.0)).sqrt() * ppl } else { 0.0 };
-    Ok(PerplexityResult { ppl, stderr, chunk_ppl, count, n_ctx })
+    let stderr = if var > 0.0 {
+        (var / (count as f64 - 1.0)).sqrt() * ppl
+    } else {
+        0.0
+    };
+    Ok(PerplexityResult {
+        ppl,
+        stderr,
+        chunk_ppl,
+        count,
+        n_ctx,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::nll;
+
+    #[test]
+    fn nll_is_negative_log_softmax() {
+        // p = [1, 2, 5] / 8
+        let row = [0.0f32, 2f32.ln(), 5f32.ln()];
+        for (t, p) in [(0, 1.0 / 8.0), (1, 2.0 / 8.0), (2, 5.0 / 8.0)] {
+            assert!((nll(&row, t) - (-(p as f64).ln())).abs() < 1e-6);
+        }
+        // shift invariance and large logits (no overflow: the max is subtracted first)
+        let big: Vec<f32> = row.iter().map(|l| l + 1000.0).collect();
+        assert!((nll(&big, 2) - nll(&row, 2)).abs() < 1e-4);
+    }
 }

@@ -23,6 +23,9 @@
 //! candidates. (llama.cpp's typical stage computes `min_keep - 1` on an unsigned value, which makes it keep
 //! everything when `min_keep == 0`; we use the intended `i + 1 >= max(min_keep, 1)` instead.)
 //!
+//! Probabilities are normalised and accumulated in f64 (llama.cpp uses f32), so the candidate sets do
+//! not depend on summation order; this only matters for thresholds that fall within f32 rounding.
+//!
 //! Ties in logits are broken by the lower token id everywhere, so a sampler run is deterministic for a
 //! given seed regardless of sort algorithm details.
 
@@ -81,7 +84,10 @@ impl Default for SamplerParams {
 impl SamplerParams {
     /// Greedy decoding (temperature 0), everything else at its default.
     pub fn greedy() -> Self {
-        SamplerParams { temperature: 0.0, ..Default::default() }
+        SamplerParams {
+            temperature: 0.0,
+            ..Default::default()
+        }
     }
 
     /// Rejects values that have no meaning (NaN, negative penalties) with a message naming the field.
@@ -101,10 +107,16 @@ impl SamplerParams {
             }
         }
         if self.repeat_penalty <= 0.0 {
-            bail!("sampler parameter repeat_penalty must be > 0, got {}", self.repeat_penalty);
+            bail!(
+                "sampler parameter repeat_penalty must be > 0, got {}",
+                self.repeat_penalty
+            );
         }
         if self.repeat_last_n < -1 {
-            bail!("sampler parameter repeat_last_n must be >= -1, got {}", self.repeat_last_n);
+            bail!(
+                "sampler parameter repeat_last_n must be >= -1, got {}",
+                self.repeat_last_n
+            );
         }
         Ok(())
     }
@@ -123,7 +135,10 @@ pub struct Candidate {
 
 /// Descending logit, ties → lower id first. NaN logits sort last.
 fn by_logit_desc(a: &Candidate, b: &Candidate) -> Ordering {
-    b.logit.partial_cmp(&a.logit).unwrap_or_else(|| a.logit.is_nan().cmp(&b.logit.is_nan())).then(a.id.cmp(&b.id))
+    b.logit
+        .partial_cmp(&a.logit)
+        .unwrap_or_else(|| a.logit.is_nan().cmp(&b.logit.is_nan()))
+        .then(a.id.cmp(&b.id))
 }
 
 /// The sampler chain; owns its RNG and scratch buffers (no per-call allocation after the first call).
@@ -142,7 +157,14 @@ impl Sampler {
     pub fn new(params: SamplerParams) -> Result<Sampler> {
         params.validate()?;
         let rng = ChaCha8Rng::seed_from_u64(params.seed);
-        Ok(Sampler { params, rng, cands: Vec::new(), sorted: false, counts: HashMap::new(), scratch: Vec::new() })
+        Ok(Sampler {
+            params,
+            rng,
+            cands: Vec::new(),
+            sorted: false,
+            counts: HashMap::new(),
+            scratch: Vec::new(),
+        })
     }
 
     /// The parameters this sampler was built with.
@@ -170,7 +192,11 @@ impl Sampler {
     /// distribution the final draw uses. For `temperature <= 0` that is the argmax alone with p = 1.
     pub fn distribution(&mut self, logits: &mut [f32], history: &[u32]) -> Result<Vec<Candidate>> {
         if let Some(id) = self.prepare(logits, history)? {
-            return Ok(vec![Candidate { id, logit: logits[id as usize], p: 1.0 }]);
+            return Ok(vec![Candidate {
+                id,
+                logit: logits[id as usize],
+                p: 1.0,
+            }]);
         }
         self.softmax();
         Ok(self.cands.clone())
@@ -183,14 +209,22 @@ impl Sampler {
             bail!("sampler: empty logits row");
         }
         if logits.len() > u32::MAX as usize {
-            bail!("sampler: vocabulary of {} entries does not fit u32 token ids", logits.len());
+            bail!(
+                "sampler: vocabulary of {} entries does not fit u32 token ids",
+                logits.len()
+            );
         }
         self.apply_penalties(logits, history);
         if self.params.temperature <= 0.0 {
             return greedy(logits).map(Some);
         }
         self.cands.clear();
-        self.cands.extend(logits.iter().enumerate().map(|(i, &l)| Candidate { id: i as u32, logit: l, p: 0.0 }));
+        self.cands
+            .extend(logits.iter().enumerate().map(|(i, &l)| Candidate {
+                id: i as u32,
+                logit: l,
+                p: 0.0,
+            }));
         self.sorted = false;
         self.truncate_chain();
         let t = self.params.temperature;
@@ -214,11 +248,16 @@ impl Sampler {
     /// Repetition / frequency / presence penalties over the last `repeat_last_n` tokens of `history`.
     fn apply_penalties(&mut self, logits: &mut [f32], history: &[u32]) {
         let p = &self.params;
-        if p.repeat_last_n == 0 || (p.repeat_penalty == 1.0 && p.frequency_penalty == 0.0 && p.presence_penalty == 0.0)
+        if p.repeat_last_n == 0
+            || (p.repeat_penalty == 1.0 && p.frequency_penalty == 0.0 && p.presence_penalty == 0.0)
         {
             return;
         }
-        let n = if p.repeat_last_n < 0 { history.len() } else { (p.repeat_last_n as usize).min(history.len()) };
+        let n = if p.repeat_last_n < 0 {
+            history.len()
+        } else {
+            (p.repeat_last_n as usize).min(history.len())
+        };
         self.counts.clear();
         for &t in &history[history.len() - n..] {
             *self.counts.entry(t).or_insert(0) += 1;
@@ -226,7 +265,9 @@ impl Sampler {
         for (&tok, &count) in &self.counts {
             // Ids outside the vocabulary cannot be penalised; skipping them is safe (llama.cpp only ever
             // visits candidates, so it ignores them the same way).
-            let Some(l) = logits.get_mut(tok as usize) else { continue };
+            let Some(l) = logits.get_mut(tok as usize) else {
+                continue;
+            };
             if *l <= 0.0 {
                 *l *= p.repeat_penalty;
             } else {
@@ -258,18 +299,11 @@ impl Sampler {
         self.sort();
     }
 
-    /// Softmax over the current candidates (f32, like llama.cpp); sorts them first.
+    /// Softmax over the current candidates; sorts them first.
     fn softmax(&mut self) {
         self.sort();
         let max = self.cands[0].logit;
-        let mut sum = 0.0f32;
-        for c in self.cands.iter_mut() {
-            c.p = (c.logit - max).exp();
-            sum += c.p;
-        }
-        for c in self.cands.iter_mut() {
-            c.p /= sum;
-        }
+        normalise(&mut self.cands, max);
     }
 
     /// Locally typical sampling.
@@ -279,22 +313,39 @@ impl Sampler {
             return;
         }
         self.softmax();
-        let entropy: f32 = self.cands.iter().filter(|c| c.p > 0.0).map(|c| -c.p * c.p.ln()).sum();
+        let entropy: f32 = self
+            .cands
+            .iter()
+            .filter(|c| c.p > 0.0)
+            .map(|c| -c.p * c.p.ln())
+            .sum();
         self.scratch.clear();
-        self.scratch.extend(self.cands.iter().enumerate().map(|(i, c)| ((-c.p.ln() - entropy).abs(), i)));
+        self.scratch.extend(
+            self.cands
+                .iter()
+                .enumerate()
+                .map(|(i, c)| ((-c.p.ln() - entropy).abs(), i)),
+        );
         // Stable order for equal scores: candidate order (descending logit, then id).
-        self.scratch.sort_by(|a, b| a.0.partial_cmp(&b.0).unwrap_or(Ordering::Equal).then(a.1.cmp(&b.1)));
+        self.scratch.sort_by(|a, b| {
+            a.0.partial_cmp(&b.0)
+                .unwrap_or(Ordering::Equal)
+                .then(a.1.cmp(&b.1))
+        });
         let min_keep = self.min_keep();
-        let mut cum = 0.0f32;
+        let mut cum = 0.0f64;
         let mut last = self.scratch.len();
         for (i, &(_, idx)) in self.scratch.iter().enumerate() {
-            cum += self.cands[idx].p;
-            if cum > p && i + 1 >= min_keep {
+            cum += self.cands[idx].p as f64;
+            if cum > p as f64 && i + 1 >= min_keep {
                 last = i + 1;
                 break;
             }
         }
-        let kept: Vec<Candidate> = self.scratch[..last].iter().map(|&(_, idx)| self.cands[idx]).collect();
+        let kept: Vec<Candidate> = self.scratch[..last]
+            .iter()
+            .map(|&(_, idx)| self.cands[idx])
+            .collect();
         self.cands.clear();
         self.cands.extend(kept);
         self.sorted = false;
@@ -311,25 +362,22 @@ impl Sampler {
         let min_keep = self.min_keep();
         if !self.sorted {
             // Softmax denominators over all candidates, without sorting.
-            let max = self.cands.iter().map(|c| c.logit).fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0.0f32;
-            for c in self.cands.iter_mut() {
-                c.p = (c.logit - max).exp();
-                sum += c.p;
-            }
-            for c in self.cands.iter_mut() {
-                c.p /= sum;
-            }
+            let max = self
+                .cands
+                .iter()
+                .map(|c| c.logit)
+                .fold(f32::NEG_INFINITY, f32::max);
+            normalise(&mut self.cands, max);
             let n = self.cands.len();
             let mut m = 256.max(min_keep);
             while m < n {
                 self.cands.select_nth_unstable_by(m - 1, by_logit_desc);
                 self.cands[..m].sort_unstable_by(by_logit_desc);
-                let mut cum = 0.0f32;
+                let mut cum = 0.0f64;
                 let mut found = None;
                 for (i, c) in self.cands[..m].iter().enumerate() {
-                    cum += c.p;
-                    if cum >= p && i + 1 >= min_keep {
+                    cum += c.p as f64;
+                    if cum >= p as f64 && i + 1 >= min_keep {
                         found = Some(i + 1);
                         break;
                     }
@@ -343,11 +391,11 @@ impl Sampler {
             }
         }
         self.softmax();
-        let mut cum = 0.0f32;
+        let mut cum = 0.0f64;
         let mut last = self.cands.len();
         for (i, c) in self.cands.iter().enumerate() {
-            cum += c.p;
-            if cum >= p && i + 1 >= min_keep {
+            cum += c.p as f64;
+            if cum >= p as f64 && i + 1 >= min_keep {
                 last = i + 1;
                 break;
             }
@@ -392,7 +440,26 @@ impl Sampler {
             }
         }
         // Rounding can leave `target` just above the final cumulative sum: take the last positive one.
-        Ok(self.cands.iter().rev().find(|c| c.p > 0.0).unwrap_or(&self.cands[0]).id)
+        Ok(self
+            .cands
+            .iter()
+            .rev()
+            .find(|c| c.p > 0.0)
+            .unwrap_or(&self.cands[0])
+            .id)
+    }
+}
+
+/// Sets `p` of every candidate to its softmax probability given the maximum logit `max`. The sum is
+/// accumulated in f64, so the probabilities do not depend on the candidates' order.
+fn normalise(cands: &mut [Candidate], max: f32) {
+    let mut sum = 0.0f64;
+    for c in cands.iter_mut() {
+        c.p = (c.logit - max).exp();
+        sum += c.p as f64;
+    }
+    for c in cands.iter_mut() {
+        c.p = (c.p as f64 / sum) as f32;
     }
 }
 

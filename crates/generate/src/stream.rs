@@ -22,8 +22,15 @@ pub struct TextStream {
 impl TextStream {
     /// A stream that stops at any of `stop_strings` (empty strings are ignored).
     pub fn new<S: AsRef<str>>(stop_strings: &[S]) -> TextStream {
-        let stops = stop_strings.iter().map(|s| s.as_ref().to_string()).filter(|s| !s.is_empty()).collect();
-        TextStream { stops, ..Default::default() }
+        let stops = stop_strings
+            .iter()
+            .map(|s| s.as_ref().to_string())
+            .filter(|s| !s.is_empty())
+            .collect();
+        TextStream {
+            stops,
+            ..Default::default()
+        }
     }
 
     /// Appends the raw bytes of one token and passes newly final text to `on_text` (not called when there
@@ -109,7 +116,9 @@ impl TextStream {
                 Err(e) => {
                     let valid = e.valid_up_to();
                     // Cannot fail: from_utf8 just validated these `valid` bytes.
-                    self.text.push_str(std::str::from_utf8(&self.pending[start..start + valid]).unwrap_or(""));
+                    self.text.push_str(
+                        std::str::from_utf8(&self.pending[start..start + valid]).unwrap_or(""),
+                    );
                     start += valid;
                     match e.error_len() {
                         Some(n) => {
@@ -131,7 +140,7 @@ impl TextStream {
 
     /// Length of the longest suffix of the unemitted text that is a proper prefix of a stop string.
     fn holdback(&self) -> usize {
-        let region = self.text[self.emitted..].as_bytes();
+        let region = &self.text.as_bytes()[self.emitted..];
         let mut best = 0;
         for s in &self.stops {
             let s = s.as_bytes();
