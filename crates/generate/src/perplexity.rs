@@ -167,8 +167,8 @@ mod tests {
     fn nll_is_negative_log_softmax() {
         // p = [1, 2, 5] / 8
         let row = [0.0f32, 2f32.ln(), 5f32.ln()];
-        for (t, p) in [(0, 1.0 / 8.0), (1, 2.0 / 8.0), (2, 5.0 / 8.0)] {
-            assert!((nll(&row, t) - (-(p as f64).ln())).abs() < 1e-6);
+        for (t, p) in [(0, 1.0f64 / 8.0), (1, 2.0 / 8.0), (2, 5.0 / 8.0)] {
+            assert!((nll(&row, t) - (-p.ln())).abs() < 1e-6);
         }
         // shift invariance and large logits (no overflow: the max is subtracted first)
         let big: Vec<f32> = row.iter().map(|l| l + 1000.0).collect();

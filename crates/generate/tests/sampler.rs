@@ -89,12 +89,8 @@ fn penalties_follow_llama_cpp_formulas() {
     let mut logits = vec![2.0f32, -1.0, 0.5, 3.0];
     let mut s = Sampler::new(params.clone()).unwrap();
     let tok = s.sample(&mut logits, &[0, 1, 1, 3]).unwrap();
-    let want = [
-        2.0,
-        -1.0 * 2.0 - 2.0 * 0.1 - 0.5,
-        0.5,
-        3.0 / 2.0 - 0.1 - 0.5,
-    ];
+    // token 1: -1 * 2 (non-positive logit: multiplied), minus count 2 * 0.1 and presence 0.5
+    let want = [2.0, -2.0 - 2.0 * 0.1 - 0.5, 0.5, 3.0 / 2.0 - 0.1 - 0.5];
     for (g, w) in logits.iter().zip(want) {
         assert!((g - w).abs() < 1e-6, "{logits:?} vs {want:?}");
     }
