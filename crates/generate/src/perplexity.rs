@@ -60,12 +60,14 @@ pub fn nll(row: &[f32], target: usize) -> f64 {
 
 /// Computes the perplexity of `tokens` (already tokenized with BOS if the model adds one) with chunks of
 /// `n_ctx` tokens; `bos` is the BOS id when the model adds BOS (it replaces each chunk's first token).
+/// At most `max_chunks` chunks are evaluated when given (llama.cpp's `--chunks`).
 /// `on_chunk(k, running_ppl)` is called after each chunk (k from 1).
 pub fn perplexity<L: CausalLm + ?Sized>(
     lm: &mut L,
     tokens: &[u32],
     n_ctx: usize,
     bos: Option<u32>,
+    max_chunks: Option<usize>,
     on_chunk: &mut dyn FnMut(usize, f64),
 ) -> Result<PerplexityResult> {
     if n_ctx < 4 {
@@ -94,7 +96,10 @@ pub fn perplexity<L: CausalLm + ?Sized>(
             bail!("perplexity: BOS id {b} is outside the vocabulary of {vocab}");
         }
     }
-    let n_chunk = tokens.len() / n_ctx;
+    let n_chunk = (tokens.len() / n_ctx).min(max_chunks.unwrap_or(usize::MAX));
+    if n_chunk == 0 {
+        bail!("perplexity: --chunks 0 evaluates nothing");
+    }
     let first = n_ctx / 2;
     let n_scored = n_ctx - 1 - first;
     let mut nll_sum = 0.0f64;
