@@ -2,89 +2,13 @@
 //! tiny-qwen2 GGUF (`tokenizer.ggml.tokens`, GPT-2 byte-to-unicode alphabet) and the token ids HF's
 //! tokenizer produced for the test strings (`tokenizer_tests.json`).
 
+mod common;
+
+use common::{fixture, ByteVocab};
 use npuc_generate::{TextStream, TokenText};
-use npuc_gguf::GgufFile;
-use std::collections::HashMap;
-use std::path::PathBuf;
-
-fn fixture(rel: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures/llm")
-        .join(rel)
-}
-
-/// GPT-2's byte ↔ unicode table: printable Latin-1 bytes map to themselves, the other 68 bytes to
-/// U+0100.. in byte order.
-fn gpt2_unicode_to_byte() -> HashMap<char, u8> {
-    let mut keep: Vec<u32> = (b'!' as u32..=b'~' as u32).collect();
-    keep.extend(0xA1..=0xAC);
-    keep.extend(0xAE..=0xFF);
-    let mut map = HashMap::new();
-    let mut n = 0;
-    for b in 0u32..256 {
-        let c = if keep.contains(&b) {
-            b
-        } else {
-            n += 1;
-            255 + n
-        };
-        map.insert(char::from_u32(c).unwrap(), b as u8);
-    }
-    map
-}
-
-/// A byte-level vocabulary read from a GGUF (control tokens decode to nothing).
-struct ByteVocab {
-    pieces: Vec<Vec<u8>>,
-    eos: u32,
-}
-
-impl ByteVocab {
-    fn from_gguf(path: &PathBuf) -> ByteVocab {
-        let g = GgufFile::open(path).unwrap();
-        assert_eq!(g.req_str("tokenizer.ggml.model").unwrap(), "gpt2");
-        let tokens = g
-            .get("tokenizer.ggml.tokens")
-            .unwrap()
-            .as_str_array()
-            .unwrap();
-        let types = g
-            .get("tokenizer.ggml.token_type")
-            .unwrap()
-            .as_i64_array()
-            .unwrap();
-        let eos = g.req_u64("tokenizer.ggml.eos_token_id").unwrap() as u32;
-        let map = gpt2_unicode_to_byte();
-        let pieces = tokens
-            .iter()
-            .zip(&types)
-            .map(|(t, &ty)| {
-                if ty == 3 {
-                    Vec::new()
-                } else {
-                    t.chars().map(|c| map[&c]).collect()
-                }
-            })
-            .collect();
-        ByteVocab { pieces, eos }
-    }
-
-    fn id(&self, piece: &[u8]) -> u32 {
-        self.pieces.iter().position(|p| p == piece).unwrap() as u32
-    }
-}
-
-impl TokenText for ByteVocab {
-    fn token_bytes(&self, id: u32) -> Vec<u8> {
-        self.pieces.get(id as usize).cloned().unwrap_or_default()
-    }
-    fn is_eog(&self, id: u32) -> bool {
-        id == self.eos
-    }
-}
 
 fn vocab() -> ByteVocab {
-    ByteVocab::from_gguf(&fixture("tiny-qwen2/tiny-qwen2-F32.gguf"))
+    ByteVocab::tiny_qwen2()
 }
 
 fn cases() -> Vec<(String, Vec<u32>)> {
