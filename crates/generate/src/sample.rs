@@ -150,6 +150,7 @@ pub struct Sampler {
     sorted: bool,
     counts: HashMap<u32, u32>,
     scratch: Vec<(f32, usize)>,
+    tmp: Vec<Candidate>,
 }
 
 impl Sampler {
@@ -164,6 +165,7 @@ impl Sampler {
             sorted: false,
             counts: HashMap::new(),
             scratch: Vec::new(),
+            tmp: Vec::new(),
         })
     }
 
@@ -218,14 +220,20 @@ impl Sampler {
         if self.params.temperature <= 0.0 {
             return greedy(logits).map(Some);
         }
-        self.cands.clear();
-        self.cands
-            .extend(logits.iter().enumerate().map(|(i, &l)| Candidate {
-                id: i as u32,
-                logit: l,
-                p: 0.0,
-            }));
+        let n = logits.len();
+        let k = self.params.top_k;
         self.sorted = false;
+        if k > 0 && (k as usize).max(self.min_keep()) < n {
+            self.select_top_k(logits, (k as usize).max(self.min_keep()));
+        } else {
+            self.cands.clear();
+            self.cands
+                .extend(logits.iter().enumerate().map(|(i, &l)| Candidate {
+                    id: i as u32,
+                    logit: l,
+                    p: 0.0,
+                }));
+        }
         self.truncate_chain();
         let t = self.params.temperature;
         for c in self.cands.iter_mut() {
@@ -285,18 +293,40 @@ impl Sampler {
         }
     }
 
-    /// Keeps the `top_k` best candidates: O(n) selection, then only the `k` survivors are sorted.
+    /// The top-k stage: [`Sampler::prepare`] already selected the candidates, the stage only sorts them
+    /// (later stages expect llama.cpp's sorted order after top-k).
     fn top_k(&mut self) {
-        let k = self.params.top_k;
-        if k <= 0 {
-            return;
+        if self.params.top_k > 0 {
+            self.sort();
         }
-        let k = (k as usize).max(self.min_keep());
-        if k < self.cands.len() {
-            self.cands.select_nth_unstable_by(k - 1, by_logit_desc);
-            self.cands.truncate(k);
+    }
+
+    /// Collects the `k` best logits (ties → lower id) without materialising the whole vocabulary: one
+    /// pass that keeps a buffer of at most `2k` candidates above a running threshold and prunes it to
+    /// `k` by selection when full. NaN and -inf logits never become candidates (their probability is 0).
+    fn select_top_k(&mut self, logits: &[f32], k: usize) {
+        let cands = &mut self.cands;
+        cands.clear();
+        let mut thr = f32::NEG_INFINITY;
+        for (i, &l) in logits.iter().enumerate() {
+            // Later ids lose ties, so an equal logit never displaces a buffered candidate.
+            if l > thr {
+                cands.push(Candidate {
+                    id: i as u32,
+                    logit: l,
+                    p: 0.0,
+                });
+                if cands.len() == 2 * k {
+                    cands.select_nth_unstable_by(k - 1, by_logit_desc);
+                    cands.truncate(k);
+                    thr = cands.iter().map(|c| c.logit).fold(f32::INFINITY, f32::min);
+                }
+            }
         }
-        self.sort();
+        if cands.len() > k {
+            cands.select_nth_unstable_by(k - 1, by_logit_desc);
+            cands.truncate(k);
+        }
     }
 
     /// Softmax over the current candidates; sorts them first.
@@ -351,56 +381,76 @@ impl Sampler {
         self.sorted = false;
     }
 
-    /// Nucleus (top-p) truncation. Without a preceding top-k the candidate set may be the whole vocabulary;
-    /// instead of sorting all of it, the best `m` candidates are selected and sorted, growing `m` only when
-    /// their cumulative probability does not reach `p` yet (the exact same set as a full sort).
+    /// Nucleus (top-p) truncation. On an unsorted candidate set (no top-k before it) a full sort is
+    /// avoided: probabilities are binned by `max_logit - logit` into [`TOP_P_BINS`] bins, the bin where
+    /// the cumulative mass reaches `p` is found, and only that bin is sorted. Every token in a higher bin
+    /// has a larger logit than every token in that bin, so the kept set is exactly the sorted prefix
+    /// llama.cpp keeps.
     fn top_p(&mut self) {
         let p = self.params.top_p;
         if p >= 1.0 {
             return;
         }
         let min_keep = self.min_keep();
-        if !self.sorted {
-            // Softmax denominators over all candidates, without sorting.
-            let max = self
-                .cands
-                .iter()
-                .map(|c| c.logit)
-                .fold(f32::NEG_INFINITY, f32::max);
-            normalise(&mut self.cands, max);
-            let n = self.cands.len();
-            let mut m = 256.max(min_keep);
-            while m < n {
-                self.cands.select_nth_unstable_by(m - 1, by_logit_desc);
-                self.cands[..m].sort_unstable_by(by_logit_desc);
-                let mut cum = 0.0f64;
-                let mut found = None;
-                for (i, c) in self.cands[..m].iter().enumerate() {
-                    cum += c.p as f64;
-                    if cum >= p as f64 && i + 1 >= min_keep {
-                        found = Some(i + 1);
-                        break;
-                    }
+        if self.sorted || min_keep > 1 {
+            self.softmax();
+            let mut cum = 0.0f64;
+            let mut last = self.cands.len();
+            for (i, c) in self.cands.iter().enumerate() {
+                cum += c.p as f64;
+                if cum >= p as f64 && i + 1 >= min_keep {
+                    last = i + 1;
+                    break;
                 }
-                if let Some(last) = found {
-                    self.cands.truncate(last);
-                    self.sorted = true;
-                    return;
-                }
-                m = m.saturating_mul(4);
             }
+            self.cands.truncate(last);
+            return;
         }
-        self.softmax();
-        let mut cum = 0.0f64;
-        let mut last = self.cands.len();
-        for (i, c) in self.cands.iter().enumerate() {
+        let max = max_logit(&self.cands);
+        normalise(&mut self.cands, max);
+        let scale = TOP_P_BINS as f32 / TOP_P_RANGE;
+        let bin = |l: f32| -> usize {
+            let d = (max - l) * scale;
+            // NaN and very small logits go to the last bin.
+            if d < (TOP_P_BINS - 1) as f32 {
+                d as usize
+            } else {
+                TOP_P_BINS - 1
+            }
+        };
+        let mut mass = [0.0f64; TOP_P_BINS];
+        for c in &self.cands {
+            mass[bin(c.logit)] += c.p as f64;
+        }
+        let mut above = 0.0f64;
+        let mut cut_bin = None;
+        for (b, &m) in mass.iter().enumerate() {
+            if above + m >= p as f64 {
+                cut_bin = Some(b);
+                break;
+            }
+            above += m;
+        }
+        let Some(cb) = cut_bin else {
+            return; // the cumulative mass never reaches p (rounding): keep everything, like llama.cpp
+        };
+        self.tmp.clear();
+        self.tmp
+            .extend(self.cands.iter().filter(|c| bin(c.logit) == cb).copied());
+        self.tmp.sort_unstable_by(by_logit_desc);
+        let mut cum = above;
+        let mut keep_in_bin = self.tmp.len();
+        for (i, c) in self.tmp.iter().enumerate() {
             cum += c.p as f64;
-            if cum >= p as f64 && i + 1 >= min_keep {
-                last = i + 1;
+            if cum >= p as f64 {
+                keep_in_bin = i + 1;
                 break;
             }
         }
-        self.cands.truncate(last);
+        self.tmp.truncate(keep_in_bin);
+        self.cands.retain(|c| bin(c.logit) < cb);
+        self.cands.extend_from_slice(&self.tmp);
+        self.sorted = false;
     }
 
     /// Min-p truncation: keep `logit >= max_logit + ln(min_p)`.
@@ -409,9 +459,17 @@ impl Sampler {
         if p <= 0.0 || self.cands.is_empty() {
             return;
         }
+        let min_keep = self.min_keep();
+        if !self.sorted {
+            let min_logit = max_logit(&self.cands) + p.ln();
+            let n = self.cands.iter().filter(|c| c.logit >= min_logit).count();
+            if n >= min_keep {
+                self.cands.retain(|c| c.logit >= min_logit);
+                return;
+            }
+        }
         self.sort();
         let min_logit = self.cands[0].logit + p.ln();
-        let min_keep = self.min_keep();
         let mut i = 1;
         while i < self.cands.len() {
             if self.cands[i].logit < min_logit && i >= min_keep {
@@ -423,11 +481,16 @@ impl Sampler {
     }
 
     /// Softmax and one draw.
+    /// The draw walks the candidates in their current order (sorted or not: no sort is needed for it).
     fn dist(&mut self) -> Result<u32> {
-        self.softmax();
-        if !self.cands[0].logit.is_finite() {
+        if self.cands.is_empty() {
             bail!("sampler: no finite logit among the candidates");
         }
+        let max = max_logit(&self.cands);
+        if !max.is_finite() {
+            bail!("sampler: no finite logit among the candidates");
+        }
+        normalise(&mut self.cands, max);
         // 53 random bits → uniform in [0, 1).
         let u = (self.rng.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64);
         let total: f64 = self.cands.iter().map(|c| c.p as f64).sum();
@@ -450,6 +513,18 @@ impl Sampler {
     }
 }
 
+/// Bins of the top-p histogram.
+const TOP_P_BINS: usize = 1024;
+/// Logit range (below the maximum) the top-p bins cover; below it p < e^-32 relative to the top token.
+const TOP_P_RANGE: f32 = 32.0;
+
+fn max_logit(cands: &[Candidate]) -> f32 {
+    cands
+        .iter()
+        .map(|c| c.logit)
+        .fold(f32::NEG_INFINITY, f32::max)
+}
+
 /// Sets `p` of every candidate to its softmax probability given the maximum logit `max`. The sum is
 /// accumulated in f64, so the probabilities do not depend on the candidates' order.
 fn normalise(cands: &mut [Candidate], max: f32) {
@@ -465,18 +540,21 @@ fn normalise(cands: &mut [Candidate], max: f32) {
 
 /// Argmax with ties resolved to the lowest id; NaN logits are never chosen.
 pub fn greedy(logits: &[f32]) -> Result<u32> {
-    let mut best: Option<(usize, f32)> = None;
+    let mut best = 0usize;
+    let mut best_l = f32::NEG_INFINITY;
+    // Strict `>`: the first (lowest) id wins ties, NaN never compares greater.
     for (i, &l) in logits.iter().enumerate() {
-        if l.is_nan() {
-            continue;
-        }
-        match best {
-            Some((_, b)) if l <= b => {}
-            _ => best = Some((i, l)),
+        if l > best_l {
+            best = i;
+            best_l = l;
         }
     }
-    match best {
-        Some((i, _)) => Ok(i as u32),
-        None => bail!("sampler: all {} logits are NaN", logits.len()),
+    if best_l == f32::NEG_INFINITY {
+        // every logit is -inf or NaN: the first -inf one, if any
+        return match logits.iter().position(|&l| l == f32::NEG_INFINITY) {
+            Some(i) => Ok(i as u32),
+            None => bail!("sampler: all {} logits are NaN", logits.len()),
+        };
     }
+    Ok(best as u32)
 }

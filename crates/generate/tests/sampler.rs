@@ -407,13 +407,13 @@ fn reference(params: &SamplerParams, logits: &[f32]) -> Vec<(u32, f32)> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(64))]
+    #![proptest_config(ProptestConfig::with_cases(256))]
     /// The partial-selection paths (top-k select, incremental top-p) give exactly the candidate set of a
     /// full sort, on vocabularies larger than the incremental window.
     #[test]
     fn fast_paths_match_full_sort(
         seed in any::<u64>(),
-        n in 1usize..3000,
+        n in 1usize..5000,
         top_k in prop_oneof![Just(0i32), 1i32..400],
         top_p in prop_oneof![Just(1.0f32), 0.05f32..0.999],
         min_p in prop_oneof![Just(0.0f32), 0.001f32..0.5],
