@@ -8,7 +8,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use npuc_generate::chat::{ChatMessage, ChatSession, ChatTemplate};
 use npuc_generate::{generate, perplexity, CausalLm, GenOutput, SamplerParams, TokenText};
-use npuc_llm::{Engine, EngineOptions, Precision};
+use npuc_llm::{Engine, EngineOptions, Precision, Variant};
 use npuc_tokenizer::Tokenizer;
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
@@ -92,6 +92,9 @@ pub struct ModelArgs {
     /// Chat template (a file path, or the template text itself) replacing the model's.
     #[arg(long)]
     pub chat_template: Option<String>,
+    /// Graph variants to build (GGUF) or use (artifact), e.g. `ar1,ar32,ar128` (default: the engine's).
+    #[arg(long)]
+    pub variants: Option<String>,
 }
 
 /// Sampling options (llama.cpp's names and defaults, except the seed: fixed 0 for reproducibility).
@@ -236,7 +239,7 @@ pub fn load(args: &ModelArgs) -> Result<(Engine, Tokenizer)> {
     if threads == 0 {
         bail!("--threads must be at least 1");
     }
-    let opts = EngineOptions {
+    let mut opts = EngineOptions {
         threads,
         ctx: args.ctx,
         precision: match args.precision {
@@ -245,12 +248,15 @@ pub fn load(args: &ModelArgs) -> Result<(Engine, Tokenizer)> {
         },
         ..Default::default()
     };
+    if let Some(v) = &args.variants {
+        opts.variants = Variant::parse_list(v)?;
+    }
     let path = &args.model;
     let is_artifact = path.extension().is_some_and(|e| e == "npuc");
     let engine = if is_artifact { Engine::from_artifact(path, &opts) } else { Engine::from_gguf(path, &opts) }
         .with_context(|| format!("loading '{}'", path.display()))?;
     let mut tok = if is_artifact {
-        Tokenizer::from_metadata(&engine.tokenizer_metadata())
+        Tokenizer::from_metadata(&engine.metadata().entries)
     } else {
         Tokenizer::from_gguf_path(path)
     }
