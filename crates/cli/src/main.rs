@@ -78,6 +78,9 @@ enum Cmd {
         /// Skip an optimization pass by name (repeatable).
         #[arg(long = "disable-pass", value_name = "PASS")]
         disable_pass: Vec<String>,
+        /// Run an opt-in optimization pass (repeatable): attention-fusion.
+        #[arg(long = "enable-pass", value_name = "PASS")]
+        enable_pass: Vec<String>,
     },
     /// Time loading and running a model or artifact.
     Bench {
@@ -156,6 +159,7 @@ fn main() {
             no_optimize,
             print_passes,
             disable_pass,
+            enable_pass,
         } => compile_cmd(
             &models,
             &named,
@@ -166,6 +170,7 @@ fn main() {
             !no_optimize,
             print_passes,
             disable_pass,
+            enable_pass,
         ),
         Cmd::Bench {
             model,
@@ -215,6 +220,7 @@ fn compile_cmd(
     optimize: bool,
     print_passes: bool,
     disable_passes: Vec<String>,
+    enable_passes: Vec<String>,
 ) -> Result<()> {
     let mut list: Vec<(String, PathBuf)> = vec![];
     for m in models {
@@ -240,6 +246,7 @@ fn compile_cmd(
         target,
         optimize,
         disable_passes,
+        enable_passes,
     };
     let s = npuc_cli::compile::compile(&list, &opts, output, |msg| eprintln!("{msg}"))?;
     for g in &s.graphs {
