@@ -1,0 +1,520 @@
+//! LLM subcommands: `npuc generate`, `npuc chat`, `npuc perplexity` and `npuc bench` for GGUF / LLM
+//! artifacts. Argument structs are clap `Args` so `main.rs` only adds one variant per command.
+//!
+//! The engine (`npuc_llm::Engine`) and tokenizer (`npuc_tokenizer::Tokenizer`) are adapted to
+//! npuc-generate's `CausalLm` / `TokenText` traits by the thin wrappers [`Lm`] and [`Tok`].
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, ValueEnum};
+use npuc_generate::chat::{ChatMessage, ChatSession, ChatTemplate};
+use npuc_generate::{generate, perplexity, CausalLm, GenOutput, SamplerParams, TokenText};
+use npuc_llm::{Engine, EngineOptions, Precision, Variant};
+use npuc_tokenizer::Tokenizer;
+use std::io::{BufRead, Write};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// `CausalLm` view of the engine.
+pub struct Lm<'a>(pub &'a mut Engine);
+
+impl CausalLm for Lm<'_> {
+    fn forward(&mut self, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>> {
+        Ok(self.0.forward(tokens, all_logits)?)
+    }
+    fn position(&self) -> usize {
+        self.0.position()
+    }
+    fn ctx(&self) -> usize {
+        self.0.ctx()
+    }
+    fn vocab(&self) -> usize {
+        self.0.vocab()
+    }
+    fn reset(&mut self) {
+        self.0.reset()
+    }
+    fn truncate(&mut self, pos: usize) {
+        self.0.truncate(pos)
+    }
+}
+
+/// `TokenText` + `ChatTemplate` view of the tokenizer.
+pub struct Tok<'a>(pub &'a Tokenizer);
+
+impl TokenText for Tok<'_> {
+    fn token_bytes(&self, id: u32) -> Vec<u8> {
+        self.0.token_bytes(id)
+    }
+    fn is_eog(&self, id: u32) -> bool {
+        self.0.is_eog(id)
+    }
+}
+
+impl ChatTemplate for Tok<'_> {
+    fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        let msgs: Vec<npuc_tokenizer::ChatMessage> =
+            messages.iter().map(|m| npuc_tokenizer::ChatMessage::new(m.role.clone(), m.content.clone())).collect();
+        Ok(self.0.apply_chat_template(&msgs, add_generation_prompt)?)
+    }
+
+    /// Like llama.cpp: when the template already writes the BOS text, it is parsed as the BOS token and
+    /// no second BOS is added; otherwise BOS is added when the model asks for it.
+    fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let bos_text = self.0.bos().and_then(|b| self.0.token_text(b)).unwrap_or("");
+        let has_bos = !bos_text.is_empty() && text.starts_with(bos_text);
+        Ok(self.0.encode(text, !has_bos)?)
+    }
+}
+
+/// Numerical path of the engine.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum PrecisionArg {
+    /// Q8 activations in quantized matmuls (llama.cpp's CPU path), f16 KV cache.
+    Fast,
+    /// Dequantized weights, f32 activations and KV cache.
+    Exact,
+}
+
+/// Options shared by every LLM command: model, threads, context, precision.
+#[derive(Args, Debug, Clone)]
+pub struct ModelArgs {
+    /// A `.gguf` model or an LLM `.npuc` artifact.
+    pub model: PathBuf,
+    /// Worker threads (default: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Context length in tokens (default: the model's or the artifact's).
+    #[arg(long)]
+    pub ctx: Option<usize>,
+    /// `fast` (llama.cpp-like integer paths) or `exact` (f32).
+    #[arg(long, value_enum, default_value = "fast")]
+    pub precision: PrecisionArg,
+    /// Chat template (a file path, or the template text itself) replacing the model's.
+    #[arg(long)]
+    pub chat_template: Option<String>,
+    /// Graph variants to build (GGUF) or use (artifact), e.g. `ar1,ar32,ar128` (default: the engine's).
+    #[arg(long)]
+    pub variants: Option<String>,
+}
+
+/// Sampling options (llama.cpp's names and defaults, except the seed: fixed 0 for reproducibility).
+#[derive(Args, Debug, Clone)]
+pub struct SamplingArgs {
+    /// Temperature; 0 = greedy.
+    #[arg(long, default_value_t = 0.8)]
+    pub temperature: f32,
+    /// Top-k (0 = off).
+    #[arg(long, default_value_t = 40)]
+    pub top_k: i32,
+    /// Top-p (1 = off).
+    #[arg(long, default_value_t = 0.95)]
+    pub top_p: f32,
+    /// Min-p (0 = off).
+    #[arg(long, default_value_t = 0.05)]
+    pub min_p: f32,
+    /// Locally typical sampling (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    pub typical_p: f32,
+    /// Repetition penalty (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    pub repeat_penalty: f32,
+    /// Tokens the penalties look back over (-1 = all, 0 = off).
+    #[arg(long, default_value_t = 64, allow_hyphen_values = true)]
+    pub repeat_last_n: i32,
+    /// Presence penalty.
+    #[arg(long, default_value_t = 0.0)]
+    pub presence_penalty: f32,
+    /// Frequency penalty.
+    #[arg(long, default_value_t = 0.0)]
+    pub frequency_penalty: f32,
+    /// RNG seed.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Stop strings (repeatable); removed from the output.
+    #[arg(long = "stop")]
+    pub stop: Vec<String>,
+}
+
+impl SamplingArgs {
+    fn params(&self) -> SamplerParams {
+        SamplerParams {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            typical_p: self.typical_p,
+            repeat_penalty: self.repeat_penalty,
+            repeat_last_n: self.repeat_last_n,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            min_keep: 0,
+            seed: self.seed,
+        }
+    }
+}
+
+/// `npuc generate`.
+#[derive(Args, Debug, Clone)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+    /// Prompt text.
+    #[arg(long, conflicts_with = "prompt_tokens")]
+    pub prompt: Option<String>,
+    /// Prompt as comma-separated token ids (used verbatim: no BOS is added).
+    #[arg(long, value_delimiter = ',')]
+    pub prompt_tokens: Option<Vec<u32>>,
+    /// Maximum number of tokens to generate.
+    #[arg(long, default_value_t = 128)]
+    pub max_tokens: usize,
+    /// Wrap the prompt as a user message in the chat template.
+    #[arg(long)]
+    pub chat: bool,
+    /// Do not add BOS when tokenizing the prompt.
+    #[arg(long)]
+    pub no_bos: bool,
+    /// Print one JSON object instead of streaming text.
+    #[arg(long)]
+    pub json: bool,
+    /// With `--max-tokens 0`: write the last prompt position's logits (f32 [vocab]) to this `.npy`.
+    #[arg(long)]
+    pub logits_out: Option<PathBuf>,
+}
+
+/// `npuc chat`.
+#[derive(Args, Debug, Clone)]
+pub struct ChatArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+    /// System message.
+    #[arg(long)]
+    pub system: Option<String>,
+    /// Maximum tokens per reply.
+    #[arg(long, default_value_t = 512)]
+    pub max_tokens: usize,
+}
+
+/// `npuc perplexity`.
+#[derive(Args, Debug, Clone)]
+pub struct PerplexityArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Text file to score.
+    #[arg(long)]
+    pub file: PathBuf,
+    /// Evaluate at most this many chunks.
+    #[arg(long)]
+    pub chunks: Option<usize>,
+    /// Print one JSON object at the end.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `npuc bench` for LLMs.
+#[derive(Args, Debug, Clone)]
+pub struct LlmBenchArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Prompt tokens of the prefill test (pp).
+    #[arg(long, default_value_t = 128)]
+    pub prompt_len: usize,
+    /// Generated tokens of the decode test (tg).
+    #[arg(long, default_value_t = 64)]
+    pub gen: usize,
+    /// Repetitions (median reported).
+    #[arg(long, default_value_t = 3)]
+    pub runs: usize,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Loads the engine and the tokenizer for `args.model`.
+pub fn load(args: &ModelArgs) -> Result<(Engine, Tokenizer)> {
+    let threads = args.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    if threads == 0 {
+        bail!("--threads must be at least 1");
+    }
+    let mut opts = EngineOptions {
+        threads,
+        ctx: args.ctx,
+        precision: match args.precision {
+            PrecisionArg::Fast => Precision::Fast,
+            PrecisionArg::Exact => Precision::Exact,
+        },
+        ..Default::default()
+    };
+    if let Some(v) = &args.variants {
+        opts.variants = Variant::parse_list(v)?;
+    }
+    let path = &args.model;
+    let is_artifact = path.extension().is_some_and(|e| e == "npuc");
+    let engine = if is_artifact { Engine::from_artifact(path, &opts) } else { Engine::from_gguf(path, &opts) }
+        .with_context(|| format!("loading '{}'", path.display()))?;
+    let mut tok = if is_artifact {
+        Tokenizer::from_metadata(&engine.metadata().entries)
+    } else {
+        Tokenizer::from_gguf_path(path)
+    }
+    .with_context(|| format!("tokenizer of '{}'", path.display()))?;
+    if let Some(t) = &args.chat_template {
+        let text = if Path::new(t).is_file() {
+            std::fs::read_to_string(t).with_context(|| format!("reading chat template '{t}'"))?
+        } else {
+            t.clone()
+        };
+        tok.set_chat_template(Some(text));
+    }
+    if tok.vocab_size() > engine.vocab() {
+        bail!(
+            "'{}': the tokenizer has {} tokens but the model's output has {} logits",
+            path.display(),
+            tok.vocab_size(),
+            engine.vocab()
+        );
+    }
+    Ok((engine, tok))
+}
+
+fn json_out(out: &GenOutput, prompt: &[u32]) -> serde_json::Value {
+    serde_json::json!({
+        "prompt_tokens": prompt,
+        "tokens": out.tokens,
+        "text": out.text,
+        "prefill_tokens_per_s": out.prefill_tokens_per_s,
+        "decode_tokens_per_s": out.decode_tokens_per_s,
+        "stopped": out.stopped.as_str(),
+    })
+}
+
+/// `npuc generate`: streams text to stdout, speeds to stderr (or one JSON object with `--json`).
+pub fn generate_cmd(a: &GenerateArgs) -> Result<()> {
+    let (mut engine, tok) = load(&a.model)?;
+    let prompt: Vec<u32> = match (&a.prompt, &a.prompt_tokens) {
+        (_, Some(ids)) => ids.clone(),
+        (Some(text), None) if a.chat => {
+            let t = Tok(&tok);
+            let rendered = t.render(&[ChatMessage::new("user", text.clone())], true)?;
+            if a.no_bos {
+                tok.encode(&rendered, false)?
+            } else {
+                t.encode(&rendered)?
+            }
+        }
+        (Some(text), None) => tok.encode(text, !a.no_bos)?,
+        (None, None) => bail!("give --prompt TEXT or --prompt-tokens IDS"),
+    };
+    if prompt.is_empty() {
+        bail!("the prompt is empty (no tokens); give a non-empty --prompt or drop --no-bos");
+    }
+    if let Some(path) = &a.logits_out {
+        if a.max_tokens != 0 {
+            bail!("--logits-out writes the prompt's last logits and needs --max-tokens 0");
+        }
+        let t0 = Instant::now();
+        let logits = Lm(&mut engine).forward(&prompt, false)?;
+        let secs = t0.elapsed().as_secs_f64();
+        let t = npuc_ir::Tensor::from_vec(vec![logits.len()], logits)?;
+        let bytes = crate::npy::npy_bytes(&t).map_err(anyhow::Error::msg)?;
+        npuc_onnx::export::write_atomic(path, &bytes).with_context(|| format!("writing '{}'", path.display()))?;
+        eprintln!("prefill: {} tokens, {:.1} tokens/s; logits → {}", prompt.len(), prompt.len() as f64 / secs, path.display());
+        return Ok(());
+    }
+    let params = a.sampling.params();
+    let mut lm = Lm(&mut engine);
+    let stdout = std::io::stdout();
+    let json = a.json;
+    let mut on_text = |s: &str| {
+        if !json {
+            let mut o = stdout.lock();
+            let _ = o.write_all(s.as_bytes());
+            let _ = o.flush();
+        }
+    };
+    let out = generate(&mut lm, &Tok(&tok), &prompt, &params, a.max_tokens, &a.sampling.stop, &mut on_text)?;
+    for w in &out.warnings {
+        eprintln!("warning: {w}");
+    }
+    if json {
+        println!("{}", json_out(&out, &prompt));
+    } else {
+        println!();
+        eprintln!(
+            "prefill: {} tokens, {:.1} tokens/s; decode: {} tokens, {:.1} tokens/s; stopped: {}",
+            out.prompt_tokens,
+            out.prefill_tokens_per_s,
+            out.tokens.len(),
+            out.decode_tokens_per_s,
+            out.stopped.as_str()
+        );
+    }
+    Ok(())
+}
+
+/// `npuc chat`: reads user messages from stdin, one per line; `/reset` clears, `/exit` quits.
+pub fn chat_cmd(a: &ChatArgs) -> Result<()> {
+    let (mut engine, tok) = load(&a.model)?;
+    if tok.chat_template().is_none() {
+        bail!("'{}' has no chat template; give one with --chat-template", a.model.model.display());
+    }
+    let params = a.sampling.params();
+    let mut session = ChatSession::new(a.system.as_deref());
+    let mut lm = Lm(&mut engine);
+    let t = Tok(&tok);
+    let stdin = std::io::stdin();
+    let stdout = std::io::stdout();
+    eprintln!("chat: /reset clears the conversation, /exit quits");
+    loop {
+        eprint!("> ");
+        let mut line = String::new();
+        if stdin.lock().read_line(&mut line)? == 0 {
+            break;
+        }
+        let line = line.trim_end_matches(['\n', '\r']);
+        match line.trim() {
+            "" => continue,
+            "/exit" | "/quit" => break,
+            "/reset" => {
+                session.reset(&mut lm);
+                eprintln!("(conversation cleared)");
+                continue;
+            }
+            _ => {}
+        }
+        let mut on_text = |s: &str| {
+            let mut o = stdout.lock();
+            let _ = o.write_all(s.as_bytes());
+            let _ = o.flush();
+        };
+        match session.turn(&mut lm, &t, &t, line, &params, a.max_tokens, &a.sampling.stop, &mut on_text) {
+            Ok(r) => {
+                println!();
+                eprintln!(
+                    "[{} cached + {} new prompt tokens, {:.1} tokens/s prefill; {} tokens, {:.1} tokens/s decode]",
+                    r.reused_tokens,
+                    r.fed_tokens,
+                    r.gen.prefill_tokens_per_s,
+                    r.gen.tokens.len(),
+                    r.gen.decode_tokens_per_s
+                );
+            }
+            Err(e) => eprintln!("error: {e:#}"),
+        }
+    }
+    Ok(())
+}
+
+/// `npuc perplexity`: llama.cpp's `llama-perplexity` method (see npuc_generate::perplexity).
+pub fn perplexity_cmd(a: &PerplexityArgs) -> Result<()> {
+    let n_ctx = a.model.ctx.unwrap_or(512);
+    let mut margs = a.model.clone();
+    margs.ctx = Some(n_ctx);
+    let (mut engine, tok) = load(&margs)?;
+    let text = std::fs::read_to_string(&a.file).with_context(|| format!("reading '{}'", a.file.display()))?;
+    let t0 = Instant::now();
+    // llama.cpp: common_tokenize(text, add_special = true, parse_special = false)
+    let tokens = tok.encode_with(&text, true, false)?;
+    eprintln!("perplexity: {} tokens ({:.2} s to tokenize), n_ctx {n_ctx}", tokens.len(), t0.elapsed().as_secs_f64());
+    let bos = if tok.add_bos() { tok.bos() } else { None };
+    let t0 = Instant::now();
+    let mut lm = Lm(&mut engine);
+    let r = perplexity(&mut lm, &tokens, n_ctx, bos, a.chunks, &mut |k, p| {
+        eprint!("[{k}]{p:.4},");
+        let _ = std::io::stderr().flush();
+    })?;
+    eprintln!();
+    let secs = t0.elapsed().as_secs_f64();
+    let n_chunks = r.chunk_ppl.len();
+    if a.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "ppl": r.ppl, "stderr": r.stderr, "ctx": n_ctx, "chunks": n_chunks, "scored_tokens": r.count,
+                "chunk_ppl": r.chunk_ppl, "seconds": secs,
+            })
+        );
+    } else {
+        println!("{}", r.final_line());
+        eprintln!("{n_chunks} chunks in {secs:.1} s ({:.1} tokens/s)", (n_chunks * n_ctx) as f64 / secs);
+    }
+    Ok(())
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// `npuc bench` for LLMs: prefill (pp) and decode (tg) tokens/s like llama-bench, and peak RSS.
+pub fn bench_cmd(a: &LlmBenchArgs) -> Result<()> {
+    if a.runs == 0 || a.prompt_len == 0 {
+        bail!("--runs and --prompt-len must be at least 1");
+    }
+    let t0 = Instant::now();
+    let (mut engine, tok) = load(&a.model)?;
+    let load_s = t0.elapsed().as_secs_f64();
+    let vocab = tok.vocab_size().min(engine.vocab()) as u64;
+    // Deterministic pseudo-random tokens (llama-bench also uses random tokens), BOS first if the model adds it.
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state % vocab) as u32
+    };
+    let mut prompt: Vec<u32> = (0..a.prompt_len).map(|_| next()).collect();
+    if let (true, Some(b)) = (tok.add_bos(), tok.bos()) {
+        prompt[0] = b;
+    }
+    let gen_tokens: Vec<u32> = (0..a.gen).map(|_| next()).collect();
+    let mut lm = Lm(&mut engine);
+    if a.prompt_len + a.gen > lm.ctx() {
+        bail!("--prompt-len {} + --gen {} exceed the context of {}; raise --ctx", a.prompt_len, a.gen, lm.ctx());
+    }
+    // warm-up (first-touch of weights, thread pool start)
+    lm.reset();
+    lm.forward(&prompt[..prompt.len().min(8)], false)?;
+    let (mut pp, mut tg) = (Vec::new(), Vec::new());
+    for _ in 0..a.runs {
+        lm.reset();
+        let t = Instant::now();
+        lm.forward(&prompt, false)?;
+        pp.push(a.prompt_len as f64 / t.elapsed().as_secs_f64());
+        if a.gen > 0 {
+            lm.reset();
+            lm.forward(&prompt[..1], false)?;
+            let t = Instant::now();
+            for &g in &gen_tokens {
+                lm.forward(&[g], false)?;
+            }
+            tg.push(a.gen as f64 / t.elapsed().as_secs_f64());
+        }
+    }
+    let pp = median(&mut pp);
+    let tg = if tg.is_empty() { 0.0 } else { median(&mut tg) };
+    let rss = crate::bench::peak_rss_bytes();
+    if a.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "model": a.model.model.display().to_string(), "threads": a.model.threads, "load_s": load_s,
+                "prompt_len": a.prompt_len, "gen": a.gen, "runs": a.runs,
+                "prefill_tokens_per_s": pp, "decode_tokens_per_s": tg, "peak_rss_bytes": rss,
+            })
+        );
+    } else {
+        println!("load: {load_s:.2} s");
+        println!("pp{}: {pp:.1} tokens/s", a.prompt_len);
+        if a.gen > 0 {
+            println!("tg{}: {tg:.1} tokens/s", a.gen);
+        }
+        if let Some(r) = rss {
+            println!("peak RSS: {:.1} MB", r as f64 / 1e6);
+        }
+    }
+    Ok(())
+}
