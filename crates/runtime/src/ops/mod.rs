@@ -9,6 +9,7 @@ pub mod gather;
 pub mod matmul;
 pub mod misc;
 pub mod norm;
+pub mod qlinear;
 pub mod quant;
 pub mod reduce;
 pub mod rnn;
@@ -29,6 +30,7 @@ pub fn register_all(r: &mut Registry) {
     matmul::register(r);
     misc::register(r);
     norm::register(r);
+    qlinear::register(r);
     quant::register(r);
     reduce::register(r);
     rnn::register(r);

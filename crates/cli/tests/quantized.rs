@@ -1,0 +1,213 @@
+//! Integer execution of ONNX QDQ models (`npuc_cli::quantized::prepare`, the `quant-lower`
+//! pass and `npuc.QMatMul`) against the same QDQ graph run in float ("simulate") and against
+//! onnxruntime 1.32.0's run of that QDQ model on this CPU.
+//!
+//! Fixtures come from `scripts/make_qdq_fixtures.py` (models quantized by onnxruntime's
+//! `quantize_static`, QDQ, per-channel, u8/u16 activations, int8/int4 weights); the real-model
+//! QDQ files are large and live in `~/.cache/npuc/qdq/` (`make_qdq_fixtures.py --real`).
+//!
+//! The bound: outputs come out of a DequantizeLinear whose scale is the output's quantization
+//! step; lowered and simulated runs must agree to within one step (the integer sums are exact,
+//! only the float rounding of the simulated products differs, which can move a value across
+//! a rounding boundary).
+
+use npuc_cli::npy;
+use npuc_ir::{DType, Model, Tensor};
+use npuc_runtime::{Session, SessionOptions, Value};
+use std::path::{Path, PathBuf};
+
+fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/quant")
+}
+
+fn cache() -> PathBuf {
+    std::env::var("NPUC_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| {
+            PathBuf::from(std::env::var("HOME").unwrap_or_else(|_| ".".into())).join(".cache/npuc")
+        })
+}
+
+fn run(m: &Model, dir: &Path, threads: usize) -> Vec<Tensor> {
+    let sess = Session::new(m, SessionOptions { threads }).expect("session");
+    let feeds: Vec<(String, Value)> = sess
+        .inputs()
+        .iter()
+        .enumerate()
+        .map(|(i, vi)| {
+            let t = npy::read_npy(&dir.join(format!("input_{i}.npy"))).expect("input");
+            (vi.name.clone(), Value::tensor(t))
+        })
+        .collect();
+    sess.run(feeds)
+        .expect("run")
+        .into_iter()
+        .map(|(_, v)| v.as_tensor().expect("tensor output").clone())
+        .collect()
+}
+
+/// The quantization step of graph output `i`: the scale of the DequantizeLinear producing it.
+fn output_step(m: &Model, i: usize) -> f64 {
+    let name = &m.graph.outputs[i].name;
+    let dq = m
+        .graph
+        .nodes
+        .iter()
+        .find(|n| n.outputs.iter().any(|o| o == name))
+        .expect("output producer");
+    assert_eq!(
+        dq.op_type, "DequantizeLinear",
+        "output {name} is not dequantized"
+    );
+    let s = m.graph.initializer(&dq.inputs[1]).expect("constant scale");
+    s.to_f64_vec().unwrap()[0]
+}
+
+struct Diff {
+    max_steps: f64,
+    /// Fraction of elements differing by more than one step.
+    frac_over: f64,
+}
+
+fn diff(a: &Tensor, b: &Tensor, step: f64) -> Diff {
+    assert_eq!(a.shape(), b.shape());
+    assert_eq!(a.dtype(), DType::F32);
+    let (a, b) = (a.to_f64_vec().unwrap(), b.to_f64_vec().unwrap());
+    let mut max = 0f64;
+    let mut over = 0usize;
+    for (x, y) in a.iter().zip(&b) {
+        let d = (x - y).abs() / step;
+        assert!(d.is_finite(), "non-finite output");
+        max = max.max(d);
+        if d > 1.0 + 1e-3 {
+            over += 1;
+        }
+    }
+    Diff {
+        max_steps: max,
+        frac_over: over as f64 / a.len().max(1) as f64,
+    }
+}
+
+/// Runs one case; returns (lowered vs simulate, lowered vs onnxruntime) per output.
+fn case(model: &Path, dir: &Path, want_lowered: usize) -> Vec<(Diff, Diff)> {
+    let m = npuc_onnx::load_model(model).expect("model loads");
+    let mut low = m.clone();
+    let p = npuc_cli::quantized::prepare(&mut low, false).expect("lowering");
+    assert!(p.quantized);
+    assert_eq!(
+        p.lowered,
+        want_lowered,
+        "{}: products lowered",
+        dir.display()
+    );
+    let sim = run(&m, dir, 2);
+    let lo1 = run(&low, dir, 1);
+    let lo2 = run(&low, dir, 2);
+    let mut res = vec![];
+    for (i, (s, l)) in sim.iter().zip(&lo1).enumerate() {
+        assert_eq!(
+            l.to_f64_vec().unwrap(),
+            lo2[i].to_f64_vec().unwrap(),
+            "1 and 2 threads differ"
+        );
+        let ort = npy::read_npy(&dir.join(format!("ort_{i}.npy"))).expect("ort output");
+        let step = output_step(&m, i);
+        let a = diff(l, s, step);
+        let b = diff(l, &ort, step);
+        eprintln!(
+            "{}: output {i}: lowered vs simulate max {:.3} steps ({:.4}% > 1 step), vs onnxruntime max {:.3} steps ({:.4}% > 1 step)",
+            dir.file_name().unwrap().to_string_lossy(),
+            a.max_steps,
+            a.frac_over * 100.0,
+            b.max_steps,
+            b.frac_over * 100.0
+        );
+        res.push((a, b));
+    }
+    res
+}
+
+fn small(name: &str, want_lowered: usize) {
+    let dir = fixtures().join(name);
+    for (a, b) in case(&dir.join("model.onnx"), &dir, want_lowered) {
+        assert!(
+            a.max_steps <= 1.0 + 1e-3,
+            "{name}: {} steps from simulate",
+            a.max_steps
+        );
+        assert!(
+            b.max_steps <= 1.0 + 1e-3,
+            "{name}: {} steps from onnxruntime",
+            b.max_steps
+        );
+    }
+}
+
+#[test]
+fn mlp_w8a8() {
+    small("mlp_w8a8", 2);
+}
+
+#[test]
+fn mlp_w8a16() {
+    small("mlp_w8a16", 2);
+}
+
+#[test]
+fn mlp_w4a8() {
+    small("mlp_w4a8", 2);
+}
+
+#[test]
+fn gemm_bias_relu_clip_w8a8() {
+    small("gemm_w8a8", 2);
+}
+
+#[test]
+fn attention_w8a8() {
+    small("attention_w8a8", 6);
+}
+
+#[test]
+fn attention_w8a16() {
+    small("attention_w8a16", 6);
+}
+
+fn real(name: &str, want_lowered: usize) {
+    let model = cache().join("qdq").join(format!("{name}.onnx"));
+    assert!(
+        model.is_file(),
+        "{} is missing: run `python3 scripts/make_qdq_fixtures.py --real`",
+        model.display()
+    );
+    for (a, b) in case(&model, &fixtures().join(name), want_lowered) {
+        // Twelve quantized layers deep, a one-step difference early on may move a few
+        // later values by one more step; the bulk must agree within one step.
+        assert!(
+            a.max_steps <= 3.0,
+            "{name}: {} steps from simulate",
+            a.max_steps
+        );
+        assert!(
+            a.frac_over <= 1e-3,
+            "{name}: {:.4}% beyond one step",
+            a.frac_over * 100.0
+        );
+        assert!(
+            b.max_steps <= 3.0,
+            "{name}: {} steps from onnxruntime",
+            b.max_steps
+        );
+        assert!(
+            b.frac_over <= 1e-3,
+            "{name}: {:.4}% beyond one step",
+            b.frac_over * 100.0
+        );
+    }
+}
+
+#[test]
+fn vit_s_w8a8() {
+    real("vit_s_w8a8", 72);
+}
