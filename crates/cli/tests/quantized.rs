@@ -1,6 +1,8 @@
 //! Integer execution of ONNX QDQ models (`npuc_cli::quantized::prepare`, the `quant-lower`
 //! pass and `npuc.QMatMul`) against the same QDQ graph run in float ("simulate") and against
-//! onnxruntime 1.32.0's run of that QDQ model on this CPU.
+//! onnxruntime 1.32.0's runs of that QDQ model on this CPU: as written (ORT_DISABLE_ALL, the
+//! QDQ semantics) and optimized (onnxruntime's own integer fusions, which differ from its
+//! plain run by up to 24 output steps on ViT-S; the tests record that spread).
 //!
 //! Fixtures come from `scripts/make_qdq_fixtures.py` (models quantized by onnxruntime's
 //! `quantize_static`, QDQ, per-channel, u8/u16 activations, int8/int4 weights); the real-model
@@ -89,8 +91,20 @@ fn diff(a: &Tensor, b: &Tensor, step: f64) -> Diff {
     }
 }
 
-/// Runs one case; returns (lowered vs simulate, lowered vs onnxruntime) per output.
-fn case(model: &Path, dir: &Path, want_lowered: usize) -> Vec<(Diff, Diff)> {
+/// Lowered vs the references, per output.
+struct Cmp {
+    /// vs npuc's float run of the QDQ graph.
+    sim: Diff,
+    /// vs onnxruntime running the QDQ graph as written (ORT_DISABLE_ALL).
+    ort_plain: Diff,
+    /// vs onnxruntime with its default optimizations (its own QDQ fusions).
+    ort_opt: Diff,
+    /// onnxruntime optimized vs plain: how far onnxruntime is from itself, in steps.
+    ort_spread: f64,
+}
+
+/// Runs one case and compares the lowered run with every reference.
+fn case(model: &Path, dir: &Path, want_lowered: usize) -> Vec<Cmp> {
     let m = npuc_onnx::load_model(model).expect("model loads");
     let mut low = m.clone();
     let p = npuc_cli::quantized::prepare(&mut low, false).expect("lowering");
@@ -112,18 +126,27 @@ fn case(model: &Path, dir: &Path, want_lowered: usize) -> Vec<(Diff, Diff)> {
             "1 and 2 threads differ"
         );
         let ort = npy::read_npy(&dir.join(format!("ort_{i}.npy"))).expect("ort output");
+        let plain = npy::read_npy(&dir.join(format!("ort_noopt_{i}.npy"))).expect("ort output");
         let step = output_step(&m, i);
-        let a = diff(l, s, step);
-        let b = diff(l, &ort, step);
+        let c = Cmp {
+            sim: diff(l, s, step),
+            ort_plain: diff(l, &plain, step),
+            ort_opt: diff(l, &ort, step),
+            ort_spread: diff(&ort, &plain, step).max_steps,
+        };
         eprintln!(
-            "{}: output {i}: lowered vs simulate max {:.3} steps ({:.4}% > 1 step), vs onnxruntime max {:.3} steps ({:.4}% > 1 step)",
+            "{}: output {i}: lowered vs simulate max {:.3} steps ({:.4}% > 1 step); vs onnxruntime \
+             plain {:.3} ({:.4}%), optimized {:.3} ({:.4}%); onnxruntime optimized vs plain {:.3}",
             dir.file_name().unwrap().to_string_lossy(),
-            a.max_steps,
-            a.frac_over * 100.0,
-            b.max_steps,
-            b.frac_over * 100.0
+            c.sim.max_steps,
+            c.sim.frac_over * 100.0,
+            c.ort_plain.max_steps,
+            c.ort_plain.frac_over * 100.0,
+            c.ort_opt.max_steps,
+            c.ort_opt.frac_over * 100.0,
+            c.ort_spread,
         );
-        res.push((a, b));
+        res.push(c);
     }
     res
 }
@@ -171,7 +194,8 @@ fn attention_w8a8() {
 
 #[test]
 fn attention_w8a16() {
-    small("attention_w8a16", 6);
+    // Both attention products have two 16-bit operands: they stay in float.
+    small("attention_w8a16", 4);
 }
 
 fn real(name: &str, want_lowered: usize) {
@@ -209,5 +233,5 @@ fn real(name: &str, want_lowered: usize) {
 
 #[test]
 fn vit_s_w8a8() {
-    real("vit_s_w8a8", 72);
+    real("vit_s_w8a8", 96);
 }

@@ -178,41 +178,55 @@ pub fn igemm_with(isa: Isa, a: &PackedA, b: &PackedB, c: &mut [i32], threads: us
     }
     let blocks = m.div_ceil(MR);
     let c = &mut c[..m * n];
-    let run_block = |bi: usize, cblk: &mut [i32]| {
-        let rows = MR.min(m - bi * MR);
-        let ablk = &a.data[bi * MR * a.kp2..(bi + 1) * MR * a.kp2];
+    // One group of row blocks per thread. Within a group, B panels are the outer loop: a panel
+    // (k x NR i16) stays in L1/L2 while the group's rows of A stream past it; A's group is
+    // reused across panels from L2. (Row blocks outer would stream all of B once per block.)
+    let groups = if threads > 1 && m * n * k >= PAR_WORK {
+        threads.min(blocks)
+    } else {
+        1
+    };
+    let blocks_per = blocks.div_ceil(groups);
+    let run_group = |gi: usize, cgrp: &mut [i32]| {
+        let b0 = gi * blocks_per;
+        let b1 = ((gi + 1) * blocks_per).min(blocks);
         let mut tile = [0i32; MR * NR];
         for pn in 0..b.panels {
             let bpan = &b.data[pn * b.pairs * 2 * NR..(pn + 1) * b.pairs * 2 * NR];
-            match isa {
-                Isa::Scalar => tile_scalar(b.pairs, ablk, a.kp2, bpan, &mut tile),
-                Isa::Avx2 => {
-                    #[cfg(target_arch = "x86_64")]
-                    // SAFETY: avx2 support was checked above (`Isa::detect`); `ablk` holds MR
-                    // rows of `kp2 = 2 * pairs` values and `bpan` holds `pairs * 2 * NR` values,
-                    // exactly what the kernel reads; `tile` has MR * NR slots.
-                    unsafe {
-                        tile_avx2(b.pairs, ablk, a.kp2, bpan, &mut tile)
-                    }
-                    #[cfg(not(target_arch = "x86_64"))]
-                    tile_scalar(b.pairs, ablk, a.kp2, bpan, &mut tile)
-                }
-            }
             let c0 = pn * NR;
             let cols = NR.min(n - c0);
-            for r in 0..rows {
-                cblk[r * n + c0..r * n + c0 + cols].copy_from_slice(&tile[r * NR..r * NR + cols]);
+            for bi in b0..b1 {
+                let rows = MR.min(m - bi * MR);
+                let ablk = &a.data[bi * MR * a.kp2..(bi + 1) * MR * a.kp2];
+                match isa {
+                    Isa::Scalar => tile_scalar(b.pairs, ablk, a.kp2, bpan, &mut tile),
+                    Isa::Avx2 => {
+                        #[cfg(target_arch = "x86_64")]
+                        // SAFETY: avx2 support was checked above (`Isa::detect`); `ablk` holds
+                        // MR rows of `kp2 = 2 * pairs` values and `bpan` holds
+                        // `pairs * 2 * NR` values, exactly what the kernel reads; `tile` has
+                        // MR * NR slots.
+                        unsafe {
+                            tile_avx2(b.pairs, ablk, a.kp2, bpan, &mut tile)
+                        }
+                        #[cfg(not(target_arch = "x86_64"))]
+                        tile_scalar(b.pairs, ablk, a.kp2, bpan, &mut tile)
+                    }
+                }
+                let r0 = (bi - b0) * MR;
+                for r in 0..rows {
+                    let dst = &mut cgrp[(r0 + r) * n + c0..(r0 + r) * n + c0 + cols];
+                    dst.copy_from_slice(&tile[r * NR..r * NR + cols]);
+                }
             }
         }
     };
-    if threads > 1 && m * n * k >= PAR_WORK && blocks > 1 {
-        c.par_chunks_mut(MR * n)
+    if groups > 1 {
+        c.par_chunks_mut(blocks_per * MR * n)
             .enumerate()
-            .for_each(|(bi, cblk)| run_block(bi, cblk));
+            .for_each(|(gi, cgrp)| run_group(gi, cgrp));
     } else {
-        for (bi, cblk) in c.chunks_mut(MR * n).enumerate() {
-            run_block(bi, cblk);
-        }
+        run_group(0, c);
     }
     Ok(())
 }
