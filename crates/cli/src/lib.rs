@@ -8,6 +8,7 @@ pub mod gguf_inspect;
 pub mod npy;
 pub mod ocr;
 pub mod verify;
+pub mod quantized;
 
 /// Runs the standard optimization pipeline; returns (pass name, total changes) per pass that
 /// changed something.

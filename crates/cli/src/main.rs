@@ -530,7 +530,8 @@ fn run(
     out_dir: Option<&Path>,
     threads: usize,
 ) -> Result<()> {
-    let m = npuc_cli::artifact::load_any(path, graph)?;
+    let mut m = npuc_cli::artifact::load_any(path, graph)?;
+    npuc_cli::quantized::prepare(&mut m, false)?;
     let t0 = Instant::now();
     let sess = Session::new(&m, SessionOptions { threads })?;
     let load_ms = t0.elapsed().as_secs_f64() * 1e3;

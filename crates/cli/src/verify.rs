@@ -33,10 +33,10 @@ pub fn canonical_name(name: &str) -> &str {
     name
 }
 
-/// Prepares a quantized model for execution. The integer-kernel lowering (`quantized::prepare`,
-/// with `simulate` selecting QuantSim instead) plugs in here; until it lands the QDQ graph runs as
-/// is, which is exactly the simulated (quantize-dequantize) execution.
-pub fn prepare_quantized(m: Model, _simulate: bool) -> Result<Model> {
+/// Prepares a quantized model for execution: lowered to integer kernels
+/// (`quantized::prepare`), or run as is (QuantSim: quantize-dequantize in float) with `simulate`.
+pub fn prepare_quantized(mut m: Model, simulate: bool) -> Result<Model> {
+    crate::quantized::prepare(&mut m, simulate)?;
     Ok(m)
 }
 

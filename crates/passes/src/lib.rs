@@ -10,7 +10,10 @@
 //! captures) is left alone. Graph output names are always preserved.
 
 pub mod passes;
+pub mod quant_lower;
 pub mod util;
+
+pub use quant_lower::lower_quantized;
 
 use npuc_ir::Model;
 use std::time::Instant;
@@ -202,6 +205,15 @@ impl PassManager {
         report.nodes_after = model.graph.nodes.len();
         report.millis = t0.elapsed().as_millis();
         Ok(report)
+    }
+}
+
+/// Passes that exist by name but are not part of the standard pipeline (they change how a
+/// graph executes, not only its form): `quant-lower`.
+pub fn pass_by_name(name: &str) -> Option<Box<dyn Pass>> {
+    match name {
+        "quant-lower" => Some(Box::new(quant_lower::QuantLower)),
+        _ => None,
     }
 }
 

@@ -4,8 +4,9 @@ use crate::error::{Result, RtError};
 use crate::kernel::{registry, Inputs, KernelFn, OpCtx};
 use crate::value::Value;
 use npuc_ir::{subgraphs, Attr, DType, Dim, Function, Graph, Model, Node, TypeInfo, ValueInfo};
+use std::any::Any;
 use std::collections::{HashMap, HashSet};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 struct Step {
     node: Node,
@@ -19,6 +20,12 @@ struct Step {
     /// Slots captured by this node's subgraphs whose last reader is this node.
     free_after: Vec<usize>,
     subplans: Vec<(String, Arc<Plan>)>,
+    /// Per input: whether it is a graph constant (an initializer no feed can override), so a
+    /// kernel may derive data from it once per plan (see [`OpCtx::cached`]).
+    const_inputs: Vec<bool>,
+    /// What the kernel derived from its constant inputs (e.g. prepacked weights), built on
+    /// the first run and shared by later runs of this plan.
+    cache: OnceLock<Arc<dyn Any + Send + Sync>>,
 }
 
 /// A graph ready to run: values mapped to slots, kernels resolved, lifetimes computed.
@@ -181,6 +188,8 @@ impl Plan {
                 free_before: vec![],
                 free_after: vec![],
                 subplans,
+                const_inputs: vec![],
+                cache: OnceLock::new(),
             });
         }
         if !unsupported.is_empty() {
@@ -218,6 +227,20 @@ impl Plan {
             .iter()
             .map(|o| (o.name.clone(), slot_of[&o.name]))
             .collect();
+        // Constant inputs: initializers that are not also graph inputs (those may be fed).
+        let fed: HashSet<usize> = inputs.iter().map(|i| i.1).collect();
+        let const_slots: HashSet<usize> = consts
+            .iter()
+            .map(|c| c.0)
+            .filter(|s| !fed.contains(s))
+            .collect();
+        for st in &mut steps {
+            st.const_inputs = st
+                .inputs
+                .iter()
+                .map(|s| s.is_some_and(|s| const_slots.contains(&s)))
+                .collect();
+        }
         // Lifetimes: the last step reading each slot frees it, unless it is kept (constant,
         // graph input or output).
         let mut keep: HashSet<usize> = outputs.iter().map(|o| o.1).collect();
@@ -261,6 +284,20 @@ impl Plan {
 
     pub fn input_count(&self) -> usize {
         self.inputs.len()
+    }
+
+    /// Whether input `input` of step `node_index` is a constant of this plan.
+    pub(crate) fn input_is_const(&self, node_index: usize, input: usize) -> bool {
+        self.steps[node_index]
+            .const_inputs
+            .get(input)
+            .copied()
+            .unwrap_or(false)
+    }
+
+    /// The per-step cache slot (see [`OpCtx::cached`]).
+    pub(crate) fn step_cache(&self, node_index: usize) -> &OnceLock<Arc<dyn Any + Send + Sync>> {
+        &self.steps[node_index].cache
     }
 
     pub(crate) fn subplan(&self, node_index: usize, attr: &str) -> Option<&Arc<Plan>> {

@@ -5,6 +5,7 @@ use crate::error::{Result, RtError};
 use crate::exec::{Frame, Plan};
 use crate::value::Value;
 use npuc_ir::{Node, Tensor};
+use std::any::Any;
 use std::collections::BTreeMap;
 use std::sync::{Arc, OnceLock};
 
@@ -85,6 +86,30 @@ impl OpCtx<'_> {
             .subplan(self.node_index, attr)
             .ok_or_else(|| RtError::msg(format!("attribute '{attr}' holds no graph")))?;
         sub.run_with_outer(inputs, Some(self.frame), self.threads)
+    }
+    /// Whether input `i` is a constant of the running graph (an initializer that no feed can
+    /// replace): data derived only from constant inputs may be cached with [`OpCtx::cached`].
+    pub fn input_is_const(&self, i: usize) -> bool {
+        self.plan.input_is_const(self.node_index, i)
+    }
+
+    /// Data this node derives from its constant inputs (prepacked weights, requantization
+    /// multipliers), built by `init` on the first run and shared by every later run of the
+    /// same plan. `init` must depend only on inputs for which [`OpCtx::input_is_const`] holds
+    /// and on attributes; a cached value of another type is an error, not a panic.
+    pub fn cached<T: Any + Send + Sync>(&self, init: impl FnOnce() -> Result<T>) -> Result<Arc<T>> {
+        let cell = self.plan.step_cache(self.node_index);
+        let any = match cell.get() {
+            Some(v) => v.clone(),
+            None => {
+                let v: Arc<dyn Any + Send + Sync> = Arc::new(init()?);
+                // Two threads may race to build it; either result is the same, keep the first.
+                let _ = cell.set(v.clone());
+                cell.get().cloned().unwrap_or(v)
+            }
+        };
+        any.downcast::<T>()
+            .map_err(|_| RtError::msg("node cache holds data of another type"))
     }
     /// Number of inputs the subgraph at `attr` declares.
     pub fn subgraph_input_count(&self, attr: &str) -> Option<usize> {

@@ -3,6 +3,7 @@
 pub mod error;
 pub mod exec;
 pub mod kernel;
+pub mod kernels;
 pub mod ops;
 pub mod value;
 

@@ -10,6 +10,7 @@ pub mod ggml;
 pub mod matmul;
 pub mod misc;
 pub mod norm;
+pub mod qlinear;
 pub mod quant;
 pub mod reduce;
 pub mod rnn;
@@ -31,6 +32,7 @@ pub fn register_all(r: &mut Registry) {
     matmul::register(r);
     misc::register(r);
     norm::register(r);
+    qlinear::register(r);
     quant::register(r);
     reduce::register(r);
     rnn::register(r);

@@ -1,0 +1,286 @@
+//! Exact integer matrix products for quantized operators: `C[m x n] (i32) = A'[m x k] * B'[k x n]`
+//! where `A' = a - za` and `B' = b - zb[col]` are the zero-point-corrected operands.
+//!
+//! Both operands are widened to i16 *after* subtracting their zero points: an 8-bit value minus
+//! an 8-bit zero point lies in [-255, 255], so it fits i16 exactly and no row/column-sum
+//! correction is needed afterwards. Products are accumulated with `vpmaddwd` (pairs of i16
+//! products summed into i32), which cannot saturate: |pair| <= 2 * 255 * 255 = 130050.
+//! `vpmaddubsw` (u8 x i8 -> saturating i16 pairs) is deliberately not used: 2 * 255 * 127 >
+//! 32767, so it is inexact without VNNI.
+//!
+//! Overflow bound: operands lie in [-256, 255] (8-bit values minus zero points, or the high
+//! byte of a split 16-bit value), so every term is at most 256 * 255 = 65280 in magnitude and
+//! an i32 sum of `k` terms is exact for `k <= MAX_K` = floor((2^31 - 1) / 65280) = 32896.
+//! Callers check [`MAX_K`]; 16-bit operands are split into a high and a low byte by the caller
+//! (see `ops::qlinear`), which keeps the bound per half.
+//!
+//! Layouts: `A` is packed row-major with `k` padded to an even `kp2 = 2 * pairs` (zeros), rows
+//! padded to a multiple of [`MR`]; `B` is packed in panels of [`NR`] columns, each panel holding
+//! for every k pair the `NR` columns' two values interleaved (the `vpmaddwd` operand order).
+//! Padding is zero, so padded lanes contribute nothing.
+
+use crate::bail;
+use crate::error::Result;
+use rayon::prelude::*;
+
+/// Rows of a micro-tile.
+pub const MR: usize = 6;
+/// Columns of a micro-tile (two AVX2 registers of eight i32 lanes).
+pub const NR: usize = 16;
+/// The longest reduction whose i32 accumulation is proven exact (see the module docs).
+pub const MAX_K: usize = 32896;
+/// Products with at least this many multiply-adds are split across threads.
+const PAR_WORK: usize = 1 << 17;
+
+/// A packed, zero-point-corrected right-hand operand (`k x n`), built once per constant weight.
+#[derive(Debug, Clone)]
+pub struct PackedB {
+    k: usize,
+    n: usize,
+    pairs: usize,
+    panels: usize,
+    data: Vec<i16>,
+}
+
+impl PackedB {
+    /// Packs `B[k x n]` where element (r, c) is `get(r, c)` (already zero-point corrected and
+    /// within [-32768, 32767]; the exactness bound assumes [-255, 255], checked by callers).
+    pub fn pack(k: usize, n: usize, get: impl Fn(usize, usize) -> i16) -> PackedB {
+        let pairs = k.div_ceil(2);
+        let panels = n.div_ceil(NR);
+        let mut data = vec![0i16; panels * pairs * 2 * NR];
+        for pn in 0..panels {
+            let base = pn * pairs * 2 * NR;
+            let c0 = pn * NR;
+            let cols = NR.min(n - c0);
+            for r in 0..k {
+                let (p, h) = (r / 2, r % 2);
+                let row = &mut data[base + p * 2 * NR..base + (p + 1) * 2 * NR];
+                for j in 0..cols {
+                    row[2 * j + h] = get(r, c0 + j);
+                }
+            }
+        }
+        PackedB {
+            k,
+            n,
+            pairs,
+            panels,
+            data,
+        }
+    }
+    /// Reduction length.
+    pub fn k(&self) -> usize {
+        self.k
+    }
+    /// Number of columns.
+    pub fn n(&self) -> usize {
+        self.n
+    }
+}
+
+/// A packed, zero-point-corrected left-hand operand (`m x k`), built per run.
+#[derive(Debug, Clone)]
+pub struct PackedA {
+    m: usize,
+    k: usize,
+    kp2: usize,
+    data: Vec<i16>,
+}
+
+impl PackedA {
+    /// Packs `A[m x k]` where element (r, c) is `get(r, c)`.
+    pub fn pack(m: usize, k: usize, get: impl Fn(usize, usize) -> i16) -> PackedA {
+        let kp2 = k.div_ceil(2) * 2;
+        let rows = m.div_ceil(MR) * MR;
+        let mut data = vec![0i16; rows * kp2];
+        for r in 0..m {
+            let row = &mut data[r * kp2..r * kp2 + k];
+            for (c, d) in row.iter_mut().enumerate() {
+                *d = get(r, c);
+            }
+        }
+        PackedA { m, k, kp2, data }
+    }
+    /// Packs a contiguous row-major `m x k` slice through a per-element conversion; the fast
+    /// path of [`PackedA::pack`] for the common activation layout.
+    pub fn pack_rows<T: Copy>(m: usize, k: usize, src: &[T], f: impl Fn(T) -> i16) -> PackedA {
+        let kp2 = k.div_ceil(2) * 2;
+        let rows = m.div_ceil(MR) * MR;
+        let mut data = vec![0i16; rows * kp2];
+        if k == 0 {
+            return PackedA { m, k, kp2, data };
+        }
+        for (dst, s) in data
+            .chunks_exact_mut(kp2)
+            .zip(src.chunks_exact(k.max(1)))
+            .take(m)
+        {
+            for (d, &v) in dst.iter_mut().zip(s) {
+                *d = f(v);
+            }
+        }
+        PackedA { m, k, kp2, data }
+    }
+    /// Number of rows.
+    pub fn m(&self) -> usize {
+        self.m
+    }
+}
+
+/// Which micro-kernel runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Isa {
+    /// Portable Rust; always available.
+    Scalar,
+    /// AVX2 `vpmaddwd`; only when the CPU reports avx2.
+    Avx2,
+}
+
+impl Isa {
+    /// The best kernel this CPU supports.
+    pub fn detect() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx2") {
+                return Isa::Avx2;
+            }
+        }
+        Isa::Scalar
+    }
+}
+
+/// `c[m x n]` (row stride `n`) = `a * b`, exact in i32 for `k <= MAX_K`.
+pub fn igemm(a: &PackedA, b: &PackedB, c: &mut [i32], threads: usize) -> Result<()> {
+    igemm_with(Isa::detect(), a, b, c, threads)
+}
+
+/// [`igemm`] with an explicit kernel choice (tests compare the kernels).
+pub fn igemm_with(isa: Isa, a: &PackedA, b: &PackedB, c: &mut [i32], threads: usize) -> Result<()> {
+    let (m, n, k) = (a.m, b.n, b.k);
+    if a.k != k {
+        bail!("integer product: A has {} columns, B has {k} rows", a.k);
+    }
+    if k > MAX_K {
+        bail!("integer product: reduction length {k} exceeds {MAX_K}, the exact i32 bound");
+    }
+    if c.len() < m * n {
+        bail!(
+            "integer product: output holds {} values, {m}x{n} needed",
+            c.len()
+        );
+    }
+    if isa == Isa::Avx2 && Isa::detect() != Isa::Avx2 {
+        bail!("integer product: AVX2 kernel requested on a CPU without avx2");
+    }
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    let blocks = m.div_ceil(MR);
+    let c = &mut c[..m * n];
+    // One group of row blocks per thread. Within a group, B panels are the outer loop: a panel
+    // (k x NR i16) stays in L1/L2 while the group's rows of A stream past it; A's group is
+    // reused across panels from L2. (Row blocks outer would stream all of B once per block.)
+    let groups = if threads > 1 && m * n * k >= PAR_WORK {
+        threads.min(blocks)
+    } else {
+        1
+    };
+    let blocks_per = blocks.div_ceil(groups);
+    let run_group = |gi: usize, cgrp: &mut [i32]| {
+        let b0 = gi * blocks_per;
+        let b1 = ((gi + 1) * blocks_per).min(blocks);
+        let mut tile = [0i32; MR * NR];
+        for pn in 0..b.panels {
+            let bpan = &b.data[pn * b.pairs * 2 * NR..(pn + 1) * b.pairs * 2 * NR];
+            let c0 = pn * NR;
+            let cols = NR.min(n - c0);
+            for bi in b0..b1 {
+                let rows = MR.min(m - bi * MR);
+                let ablk = &a.data[bi * MR * a.kp2..(bi + 1) * MR * a.kp2];
+                match isa {
+                    Isa::Scalar => tile_scalar(b.pairs, ablk, a.kp2, bpan, &mut tile),
+                    Isa::Avx2 => {
+                        #[cfg(target_arch = "x86_64")]
+                        // SAFETY: avx2 support was checked above (`Isa::detect`); `ablk` holds
+                        // MR rows of `kp2 = 2 * pairs` values and `bpan` holds
+                        // `pairs * 2 * NR` values, exactly what the kernel reads; `tile` has
+                        // MR * NR slots.
+                        unsafe {
+                            tile_avx2(b.pairs, ablk, a.kp2, bpan, &mut tile)
+                        }
+                        #[cfg(not(target_arch = "x86_64"))]
+                        tile_scalar(b.pairs, ablk, a.kp2, bpan, &mut tile)
+                    }
+                }
+                let r0 = (bi - b0) * MR;
+                for r in 0..rows {
+                    let dst = &mut cgrp[(r0 + r) * n + c0..(r0 + r) * n + c0 + cols];
+                    dst.copy_from_slice(&tile[r * NR..r * NR + cols]);
+                }
+            }
+        }
+    };
+    if groups > 1 {
+        c.par_chunks_mut(blocks_per * MR * n)
+            .enumerate()
+            .for_each(|(gi, cgrp)| run_group(gi, cgrp));
+    } else {
+        run_group(0, c);
+    }
+    Ok(())
+}
+
+/// Scalar twin of [`tile_avx2`]: one MR x NR tile from packed operands.
+fn tile_scalar(pairs: usize, a: &[i16], lda: usize, b: &[i16], tile: &mut [i32; MR * NR]) {
+    tile.fill(0);
+    for p in 0..pairs {
+        let bp = &b[p * 2 * NR..(p + 1) * 2 * NR];
+        for r in 0..MR {
+            let a0 = a[r * lda + 2 * p] as i32;
+            let a1 = a[r * lda + 2 * p + 1] as i32;
+            let t = &mut tile[r * NR..(r + 1) * NR];
+            for (j, d) in t.iter_mut().enumerate() {
+                *d = d.wrapping_add(a0 * bp[2 * j] as i32 + a1 * bp[2 * j + 1] as i32);
+            }
+        }
+    }
+}
+
+/// One MR x NR tile with AVX2: per k pair, two B loads, MR broadcasts of an (a0, a1) pair and
+/// 2 * MR `vpmaddwd` + `vpaddd`.
+///
+/// # Safety
+/// The CPU must support avx2; `a` must hold `MR` rows of stride `lda >= 2 * pairs`, `b` at
+/// least `pairs * 2 * NR` values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn tile_avx2(pairs: usize, a: &[i16], lda: usize, b: &[i16], tile: &mut [i32; MR * NR]) {
+    use std::arch::x86_64::*;
+    debug_assert!(a.len() >= (MR - 1) * lda + 2 * pairs && b.len() >= pairs * 2 * NR);
+    let mut acc = [_mm256_setzero_si256(); 2 * MR];
+    let ap = a.as_ptr();
+    let bp = b.as_ptr();
+    for p in 0..pairs {
+        // SAFETY: p < pairs, so b[p*32 .. p*32+32] and a[r*lda + 2p .. +2] are in bounds
+        // (caller contract); unaligned loads are used throughout.
+        unsafe {
+            let b0 = _mm256_loadu_si256(bp.add(p * 2 * NR) as *const __m256i);
+            let b1 = _mm256_loadu_si256(bp.add(p * 2 * NR + NR) as *const __m256i);
+            for r in 0..MR {
+                let pair = (ap.add(r * lda + 2 * p) as *const i32).read_unaligned();
+                let av = _mm256_set1_epi32(pair);
+                acc[2 * r] = _mm256_add_epi32(acc[2 * r], _mm256_madd_epi16(av, b0));
+                acc[2 * r + 1] = _mm256_add_epi32(acc[2 * r + 1], _mm256_madd_epi16(av, b1));
+            }
+        }
+    }
+    let tp = tile.as_mut_ptr();
+    for r in 0..MR {
+        // SAFETY: tile has MR * NR i32 slots; row r occupies [r*NR, r*NR + 16).
+        unsafe {
+            _mm256_storeu_si256(tp.add(r * NR) as *mut __m256i, acc[2 * r]);
+            _mm256_storeu_si256(tp.add(r * NR + 8) as *mut __m256i, acc[2 * r + 1]);
+        }
+    }
+}

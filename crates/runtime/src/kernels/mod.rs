@@ -1,0 +1,4 @@
+//! Low-level compute kernels shared by op implementations: SIMD micro-kernels with scalar
+//! twins, selected at run time by CPU feature detection.
+
+pub mod igemm;

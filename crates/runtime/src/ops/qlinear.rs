@@ -1,0 +1,580 @@
+//! Integer execution of quantized matrix products: `npuc.QMatMul`, the op the `quant-lower`
+//! pass (npuc-passes) writes in place of `DQ(a), DQ(b) [, DQ(bias)] -> MatMul|Gemm [-> Relu|Clip]
+//! [-> Q]` in ONNX QDQ graphs.
+//!
+//! Also `npuc.Quantize` / `npuc.Dequantize`: per-tensor f32 QuantizeLinear/DequantizeLinear
+//! without the general kernels' f64 intermediates, for the Q/DQ pairs that stay in a lowered
+//! graph around float ops.
+//!
+//! QMatMul inputs: `a, a_scale, a_zero_point, b, b_scale, b_zero_point, bias?, y_scale?, y_zero_point?`.
+//! - `a`: u8/i8/u16/i16 activations `[.., M, K]`, per-tensor scale and zero point.
+//! - `b`: 8-bit or 4-bit (i8/u8/i4/u4) `[K, N]` (`[N, K]` with `trans_b = 1`) with a per-tensor
+//!   or per-column (`[N]`) scale/zero point; or an 8-bit activation `[.., K, N]` (batched,
+//!   broadcast like MatMul) with per-tensor parameters.
+//! - `bias`: optional f32 `[N]` added to the dequantized product (the DQ of the int32 bias).
+//! - `y_scale, y_zero_point`: when present the result is requantized to `y_zero_point`'s
+//!   dtype (round half to even, saturating); otherwise it is f32 (fused dequantization).
+//! - attributes `trans_b` (int, default 0), `clip_min`/`clip_max` (floats, optional): the fused
+//!   Relu/Clip, applied to the real-valued result before requantization.
+//!
+//! Math: `y[m, n] = sa * sb[n] * sum_k (a - za)(b - zb[n]) + bias[n]`, the sum exact in integers
+//! (see [`crate::kernels::igemm`]); 16-bit activations are split into a high and a low byte
+//! (`a - za = 256 * hi + lo`, both within 8-bit ranges) and the two exact sums are combined in
+//! the f32 epilogue. A constant `b` is packed once per plan ([`OpCtx::cached`]).
+
+use crate::bail;
+use crate::error::{Result, RtError};
+use crate::kernel::{Inputs, OpCtx, Registry};
+use crate::kernels::igemm::{igemm, PackedA, PackedB, MAX_K};
+use crate::ops::matmul::MatMulPlan;
+use crate::value::Value;
+use npuc_ir::{DType, Tensor};
+use rayon::prelude::*;
+use std::sync::Arc;
+
+/// Registers the quantized-execution ops of domain "npuc".
+pub fn register(r: &mut Registry) {
+    r.add_range("npuc", "QMatMul", 1, 1, qmatmul);
+    r.add_range("npuc", "Quantize", 1, 1, quantize_f32);
+    r.add_range("npuc", "Dequantize", 1, 1, dequantize_f32);
+}
+
+/// Elements of output at which the epilogue is split across threads.
+const PAR_EPILOGUE: usize = 1 << 15;
+
+/// A constant right-hand operand, zero-point corrected and packed once.
+struct PackedWeight {
+    packed: PackedB,
+    /// Per-column scale (length `n`, scalar scales broadcast).
+    scale: Vec<f32>,
+}
+
+fn f32_scalar(t: &Tensor, what: &str) -> Result<f32> {
+    let v = t.to_f64_vec()?;
+    if v.len() != 1 {
+        bail!("{what} must be a scalar, found shape {:?}", t.shape());
+    }
+    Ok(v[0] as f32)
+}
+
+fn zp_scalar(t: Option<&Tensor>, what: &str) -> Result<i32> {
+    match t {
+        None => Ok(0),
+        Some(t) => {
+            let v = t.to_i64_vec()?;
+            if v.len() != 1 {
+                bail!("{what} must be a scalar, found shape {:?}", t.shape());
+            }
+            Ok(v[0] as i32)
+        }
+    }
+}
+
+/// Whether `dt` is an integer type of at most 8 bits (so `v - zp` fits [-255, 255]).
+fn is_8bit(dt: DType) -> bool {
+    matches!(dt, DType::U8 | DType::I8 | DType::U4 | DType::I4)
+}
+
+/// `(lo, hi)` of a quantized output dtype.
+fn qrange(dt: DType) -> Result<(i32, i32)> {
+    Ok(match dt {
+        DType::U8 => (0, 255),
+        DType::I8 => (-128, 127),
+        DType::U16 => (0, 65535),
+        DType::I16 => (-32768, 32767),
+        other => bail!("quantized output type {other} is not supported (u8, i8, u16, i16)"),
+    })
+}
+
+/// Packs a constant or per-run right-hand operand `[k, n]` (or `[n, k]` when `trans`).
+fn pack_weight(
+    b: &Tensor,
+    b_scale: &Tensor,
+    b_zp: Option<&Tensor>,
+    k: usize,
+    n: usize,
+    trans: bool,
+) -> Result<PackedWeight> {
+    if !is_8bit(b.dtype()) {
+        bail!(
+            "the right-hand operand must be 8- or 4-bit, found {}",
+            b.dtype()
+        );
+    }
+    if b.len() != k * n {
+        bail!(
+            "right-hand operand has {} values, {k}x{n} expected",
+            b.len()
+        );
+    }
+    let vals = b.to_i64_vec()?;
+    let scale: Vec<f32> = b_scale.to_f64_vec()?.iter().map(|&s| s as f32).collect();
+    let zps: Vec<i64> = match b_zp {
+        Some(z) => z.to_i64_vec()?,
+        None => vec![0],
+    };
+    let per_col = |len: usize, what: &str| -> Result<()> {
+        if len != 1 && len != n {
+            bail!("{what} has {len} values; per-tensor (1) or per-column ({n}) expected");
+        }
+        Ok(())
+    };
+    per_col(scale.len(), "right-hand scale")?;
+    per_col(zps.len(), "right-hand zero point")?;
+    if zps.iter().any(|z| !(-128..=255).contains(z)) {
+        bail!("right-hand zero point is out of the 8-bit range");
+    }
+    let zp = |c: usize| if zps.len() == 1 { zps[0] } else { zps[c] };
+    let packed = if trans {
+        PackedB::pack(k, n, |r, c| (vals[c * k + r] - zp(c)) as i16)
+    } else {
+        PackedB::pack(k, n, |r, c| (vals[r * n + c] - zp(c)) as i16)
+    };
+    let scale = if scale.len() == 1 {
+        vec![scale[0]; n]
+    } else {
+        scale
+    };
+    Ok(PackedWeight { packed, scale })
+}
+
+/// The left-hand operand packed as one or two (16-bit split) 8-bit-range matrices.
+enum PackedAct {
+    Single(PackedA),
+    /// `a - za = 256 * hi + lo`.
+    Split(PackedA, PackedA),
+}
+
+fn pack_act(a: &Tensor, off: usize, m: usize, k: usize, za: i32) -> Result<PackedAct> {
+    let len = m * k;
+    Ok(match a.dtype() {
+        DType::U8 => {
+            let s = &a.as_slice::<u8>()?[off..off + len];
+            PackedAct::Single(PackedA::pack_rows(m, k, s, |v| (v as i32 - za) as i16))
+        }
+        DType::I8 => {
+            let s = &a.as_slice::<i8>()?[off..off + len];
+            PackedAct::Single(PackedA::pack_rows(m, k, s, |v| (v as i32 - za) as i16))
+        }
+        DType::U16 | DType::I16 => {
+            let wide: Vec<i32> = if a.dtype() == DType::U16 {
+                a.as_slice::<u16>()?[off..off + len]
+                    .iter()
+                    .map(|&v| v as i32 - za)
+                    .collect()
+            } else {
+                a.as_slice::<i16>()?[off..off + len]
+                    .iter()
+                    .map(|&v| v as i32 - za)
+                    .collect()
+            };
+            // Arithmetic shift: hi in [-256, 255], lo in [0, 255] for |v| <= 65535.
+            let hi = PackedA::pack_rows(m, k, &wide, |v| (v >> 8) as i16);
+            let lo = PackedA::pack_rows(m, k, &wide, |v| (v & 0xff) as i16);
+            PackedAct::Split(hi, lo)
+        }
+        other => bail!("the left-hand operand must be u8, i8, u16 or i16, found {other}"),
+    })
+}
+
+/// How results leave the kernel.
+#[derive(Clone, Copy)]
+enum OutMode {
+    /// Requantize: `q = clamp(round(v / ys) + zp, lo, hi)`.
+    Quant {
+        inv_ys: f32,
+        zp: i32,
+        lo: i32,
+        hi: i32,
+    },
+    /// f32, clamped to `[lo, hi]` (the fused activation; infinite when none).
+    Float { lo: f32, hi: f32 },
+}
+
+/// Rounds half to even for |v| < 2^22 with plain float adds (vectorizes on SSE2, unlike a
+/// libm call): adding 1.5 * 2^23 leaves no fraction bits, and the FPU rounds ties to even.
+#[inline(always)]
+fn round_even_small(v: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0;
+    (v + MAGIC) - MAGIC
+}
+
+/// Converts the integer sums of `rows` output rows into the output values.
+#[allow(clippy::too_many_arguments)]
+fn epilogue_rows<T: Copy + Send>(
+    acc: &[i32],
+    acc_lo: Option<&[i32]>,
+    n: usize,
+    mult: &[f32],
+    bias: &[f32],
+    mode: OutMode,
+    out: &mut [T],
+    conv: impl Fn(f32) -> T + Sync,
+    threads: usize,
+) {
+    let body = |(ri, orow): (usize, &mut [T])| {
+        let arow = &acc[ri * n..(ri + 1) * n];
+        let lrow = acc_lo.map(|l| &l[ri * n..(ri + 1) * n]);
+        match mode {
+            OutMode::Quant { inv_ys, zp, lo, hi } => {
+                let (flo, fhi) = ((lo - zp) as f32, (hi - zp) as f32);
+                for j in 0..n {
+                    let s = match lrow {
+                        None => arow[j] as f32,
+                        Some(l) => arow[j] as f32 * 256.0 + l[j] as f32,
+                    };
+                    let v = (s * mult[j] + bias[j]) * inv_ys;
+                    let q = round_even_small(v.max(flo).min(fhi)) + zp as f32;
+                    orow[j] = conv(q);
+                }
+            }
+            OutMode::Float { lo, hi } => {
+                for j in 0..n {
+                    let s = match lrow {
+                        None => arow[j] as f32,
+                        Some(l) => arow[j] as f32 * 256.0 + l[j] as f32,
+                    };
+                    orow[j] = conv((s * mult[j] + bias[j]).max(lo).min(hi));
+                }
+            }
+        }
+    };
+    if threads > 1 && out.len() >= PAR_EPILOGUE {
+        out.par_chunks_mut(n).enumerate().for_each(body);
+    } else {
+        out.chunks_mut(n).enumerate().for_each(body);
+    }
+}
+
+fn qmatmul(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
+    let a = ins.tensor(0)?;
+    let a_scale = f32_scalar(ins.tensor(1)?, "a_scale")?;
+    let za = zp_scalar(ins.opt_tensor(2), "a_zero_point")?;
+    let b = ins.tensor(3)?;
+    let b_scale = ins.tensor(4)?;
+    let b_zp = ins.opt_tensor(5);
+    let bias = ins.opt_tensor(6);
+    let y_scale = ins.opt_tensor(7);
+    let y_zp = ins.opt_tensor(8);
+    let trans_b = ctx.node.int_or("trans_b", 0)? != 0;
+    let (za_lo, za_hi) = if is_8bit(a.dtype()) {
+        (-128, 255)
+    } else {
+        (-32768, 65535)
+    };
+    if !(za_lo..=za_hi).contains(&za) {
+        bail!(
+            "a_zero_point {za} is out of range for {} activations",
+            a.dtype()
+        );
+    }
+    if !matches!(a.dtype(), DType::U8 | DType::I8 | DType::U16 | DType::I16) {
+        bail!("a must be u8, i8, u16 or i16, found {}", a.dtype());
+    }
+    let b_shape: Vec<usize> = if trans_b {
+        if b.rank() != 2 {
+            bail!("trans_b needs a 2-D b, found shape {:?}", b.shape());
+        }
+        vec![b.shape()[1], b.shape()[0]]
+    } else {
+        b.shape().to_vec()
+    };
+    let plan = MatMulPlan::new(a.shape(), &b_shape)?;
+    let (m, n, k) = (plan.m, plan.n, plan.k);
+    if k > MAX_K {
+        bail!("reduction length {k} exceeds {MAX_K}, the longest exact in i32 accumulation");
+    }
+    let bias: Vec<f32> = match bias {
+        Some(t) => {
+            let v: Vec<f32> = t.to_f64_vec()?.iter().map(|&x| x as f32).collect();
+            if v.len() != n && v.len() != 1 {
+                bail!("bias has {} values, {n} expected", v.len());
+            }
+            if v.len() == 1 {
+                vec![v[0]; n]
+            } else {
+                v
+            }
+        }
+        None => vec![0.0; n],
+    };
+    let clip_lo = ctx.node.float_or("clip_min", f32::NEG_INFINITY)?;
+    let clip_hi = ctx.node.float_or("clip_max", f32::INFINITY)?;
+    let (mode, out_dt) = match (y_scale, y_zp) {
+        (Some(ys), Some(yz)) => {
+            let ys = f32_scalar(ys, "y_scale")?;
+            if !(ys > 0.0 && ys.is_finite()) {
+                bail!("y_scale must be positive and finite, found {ys}");
+            }
+            let zp = zp_scalar(Some(yz), "y_zero_point")?;
+            let (mut lo, mut hi) = qrange(yz.dtype())?;
+            // The fused activation clamps the real value; quantization is monotonic, so it
+            // clamps the quantized value at the quantized bounds.
+            let q = |v: f32| (v / ys).round_ties_even() as f64 + zp as f64;
+            if clip_lo.is_finite() {
+                lo = lo.max(q(clip_lo).clamp(lo as f64, hi as f64) as i32);
+            }
+            if clip_hi.is_finite() {
+                hi = hi.min(q(clip_hi).clamp(lo as f64, hi as f64) as i32);
+            }
+            (
+                OutMode::Quant {
+                    inv_ys: 1.0 / ys,
+                    zp,
+                    lo,
+                    hi,
+                },
+                yz.dtype(),
+            )
+        }
+        (None, None) => (
+            OutMode::Float {
+                lo: clip_lo,
+                hi: clip_hi,
+            },
+            DType::F32,
+        ),
+        _ => bail!("y_scale and y_zero_point must both be given or both be absent"),
+    };
+    let batches = plan.out_shape.iter().product::<usize>() / (m * n).max(1);
+    let const_b =
+        ctx.input_is_const(3) && ctx.input_is_const(4) && (b_zp.is_none() || ctx.input_is_const(5));
+    let single_b = b_shape.len() == 2;
+    let weight: Option<Arc<PackedWeight>> = if const_b && single_b {
+        Some(ctx.cached(|| pack_weight(b, b_scale, b_zp, k, n, trans_b))?)
+    } else {
+        None
+    };
+    if weight.is_none() && (b_scale.len() != 1 || b_zp.is_some_and(|z| z.len() != 1)) {
+        bail!("a non-constant b must have per-tensor scale and zero point");
+    }
+    // Rows of a that share one b: the whole batch when b is a single matrix.
+    let (groups, rows_per): (Vec<(usize, usize)>, usize) = if plan.fold_batch {
+        (vec![(0, 0)], m * batches)
+    } else {
+        (plan.offsets.clone(), m)
+    };
+    let total = plan.out_shape.iter().product::<usize>();
+    let mut acc = vec![0i32; rows_per * n];
+    let mut acc_lo = vec![];
+    let out_len = total;
+    let mut out_f32: Vec<f32> = vec![];
+    let mut out_u8: Vec<u8> = vec![];
+    let mut out_i8: Vec<i8> = vec![];
+    let mut out_u16: Vec<u16> = vec![];
+    let mut out_i16: Vec<i16> = vec![];
+    match out_dt {
+        DType::F32 => out_f32 = vec![0.0; out_len],
+        DType::U8 => out_u8 = vec![0; out_len],
+        DType::I8 => out_i8 = vec![0; out_len],
+        DType::U16 => out_u16 = vec![0; out_len],
+        DType::I16 => out_i16 = vec![0; out_len],
+        other => bail!("unsupported output type {other}"),
+    }
+    for (gi, &(oa, ob)) in groups.iter().enumerate() {
+        let local;
+        let w: &PackedWeight = match &weight {
+            Some(w) => w.as_ref(),
+            None => {
+                local = pack_batch_b(b, b_scale, b_zp, ob, k, n)?;
+                &local
+            }
+        };
+        let mult: Vec<f32> = w.scale.iter().map(|&s| a_scale * s).collect();
+        let packed_a = pack_act(a, oa, rows_per, k, za)?;
+        let lo_part = match &packed_a {
+            PackedAct::Single(pa) => {
+                igemm(pa, &w.packed, &mut acc, ctx.threads)?;
+                None
+            }
+            PackedAct::Split(hi, lo) => {
+                igemm(hi, &w.packed, &mut acc, ctx.threads)?;
+                acc_lo.resize(rows_per * n, 0);
+                igemm(lo, &w.packed, &mut acc_lo, ctx.threads)?;
+                Some(acc_lo.as_slice())
+            }
+        };
+        let o = gi * rows_per * n..(gi + 1) * rows_per * n;
+        let t = ctx.threads;
+        match out_dt {
+            DType::F32 => epilogue_rows(
+                &acc,
+                lo_part,
+                n,
+                &mult,
+                &bias,
+                mode,
+                &mut out_f32[o],
+                |v| v,
+                t,
+            ),
+            DType::U8 => epilogue_rows(
+                &acc,
+                lo_part,
+                n,
+                &mult,
+                &bias,
+                mode,
+                &mut out_u8[o],
+                |v| v as u8,
+                t,
+            ),
+            DType::I8 => epilogue_rows(
+                &acc,
+                lo_part,
+                n,
+                &mult,
+                &bias,
+                mode,
+                &mut out_i8[o],
+                |v| v as i8,
+                t,
+            ),
+            DType::U16 => epilogue_rows(
+                &acc,
+                lo_part,
+                n,
+                &mult,
+                &bias,
+                mode,
+                &mut out_u16[o],
+                |v| v as u16,
+                t,
+            ),
+            _ => epilogue_rows(
+                &acc,
+                lo_part,
+                n,
+                &mult,
+                &bias,
+                mode,
+                &mut out_i16[o],
+                |v| v as i16,
+                t,
+            ),
+        }
+    }
+    let shape = plan.out_shape.clone();
+    let t = match out_dt {
+        DType::F32 => Tensor::from_vec(shape, out_f32)?,
+        DType::U8 => Tensor::from_vec(shape, out_u8)?,
+        DType::I8 => Tensor::from_vec(shape, out_i8)?,
+        DType::U16 => Tensor::from_vec(shape, out_u16)?,
+        _ => Tensor::from_vec(shape, out_i16)?,
+    };
+    Ok(vec![Value::tensor(t)])
+}
+
+/// Packs batch matrix `b[off .. off + k*n]` of an activation right-hand operand.
+fn pack_batch_b(
+    b: &Tensor,
+    b_scale: &Tensor,
+    b_zp: Option<&Tensor>,
+    off: usize,
+    k: usize,
+    n: usize,
+) -> Result<PackedWeight> {
+    let zb = zp_scalar(b_zp, "b_zero_point")?;
+    let sb = f32_scalar(b_scale, "b_scale")?;
+    let packed = match b.dtype() {
+        DType::U8 => {
+            let s = &b.as_slice::<u8>()?[off..off + k * n];
+            PackedB::pack(k, n, |r, c| (s[r * n + c] as i32 - zb) as i16)
+        }
+        DType::I8 => {
+            let s = &b.as_slice::<i8>()?[off..off + k * n];
+            PackedB::pack(k, n, |r, c| (s[r * n + c] as i32 - zb) as i16)
+        }
+        other => {
+            return Err(RtError::msg(format!(
+                "a non-constant right-hand operand must be u8 or i8, found {other}"
+            )))
+        }
+    };
+    Ok(PackedWeight {
+        packed,
+        scale: vec![sb; n],
+    })
+}
+
+/// `npuc.Quantize(x: f32, scale: f32 scalar, zero_point: u8|i8|u16|i16 scalar)`: ONNX
+/// QuantizeLinear restricted to per-tensor f32 quantization, computed in f32 without
+/// intermediate vectors (`round_half_even(x / scale) + zp`, saturated), the same value as the
+/// general kernel in `ops::quant` for these types.
+fn quantize_f32(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
+    let scale = f32_scalar(ins.tensor(1)?, "y_scale")?;
+    let zt = ins.tensor(2)?;
+    let zp = zp_scalar(Some(zt), "y_zero_point")?;
+    let (lo, hi) = qrange(zt.dtype())?;
+    let out_dt = zt.dtype();
+    let x = ins.tensor(0)?;
+    if x.dtype() != DType::F32 {
+        bail!("npuc.Quantize takes f32 input, found {}", x.dtype());
+    }
+    let shape = x.shape().to_vec();
+    let xs = x.as_slice::<f32>()?;
+    let (flo, fhi) = ((lo - zp) as f32, (hi - zp) as f32);
+    let zf = zp as f32;
+    // Divide (not multiply by the reciprocal) so results match QuantizeLinear bit for bit.
+    let q = |v: f32| round_even_small((v / scale).max(flo).min(fhi)) + zf;
+    fn fill<T: Copy + Send + Default>(
+        xs: &[f32],
+        threads: usize,
+        f: impl Fn(f32) -> T + Sync,
+    ) -> Vec<T> {
+        let mut out = vec![T::default(); xs.len()];
+        if threads > 1 && xs.len() >= PAR_EPILOGUE {
+            out.par_chunks_mut(1 << 13)
+                .zip(xs.par_chunks(1 << 13))
+                .for_each(|(o, x)| o.iter_mut().zip(x).for_each(|(o, &x)| *o = f(x)));
+        } else {
+            out.iter_mut().zip(xs).for_each(|(o, &x)| *o = f(x));
+        }
+        out
+    }
+    let t = ctx.threads;
+    let out = match out_dt {
+        DType::U8 => Tensor::from_vec(shape, fill(xs, t, |v| q(v) as u8))?,
+        DType::I8 => Tensor::from_vec(shape, fill(xs, t, |v| q(v) as i8))?,
+        DType::U16 => Tensor::from_vec(shape, fill(xs, t, |v| q(v) as u16))?,
+        _ => Tensor::from_vec(shape, fill(xs, t, |v| q(v) as i16))?,
+    };
+    Ok(vec![Value::tensor(out)])
+}
+
+/// `npuc.Dequantize(x: u8|i8|u16|i16, scale: f32 scalar, zero_point?)`: ONNX DequantizeLinear
+/// restricted to per-tensor f32 output, `(x - zp) * scale` in f32 (exact integer difference,
+/// one rounding, as the general kernel).
+fn dequantize_f32(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
+    let x = ins.tensor(0)?;
+    let scale = f32_scalar(ins.tensor(1)?, "x_scale")?;
+    let zp = zp_scalar(ins.opt_tensor(2), "x_zero_point")?;
+    fn conv<T: Copy + Sync + npuc_ir::Elem>(
+        x: &Tensor,
+        threads: usize,
+        f: impl Fn(T) -> f32 + Sync,
+    ) -> Result<Vec<f32>> {
+        let xs = x.as_slice::<T>()?;
+        let mut out = vec![0f32; xs.len()];
+        if threads > 1 && xs.len() >= PAR_EPILOGUE {
+            out.par_chunks_mut(1 << 13)
+                .zip(xs.par_chunks(1 << 13))
+                .for_each(|(o, x)| o.iter_mut().zip(x).for_each(|(o, &x)| *o = f(x)));
+        } else {
+            out.iter_mut().zip(xs).for_each(|(o, &x)| *o = f(x));
+        }
+        Ok(out)
+    }
+    let t = ctx.threads;
+    let out = match x.dtype() {
+        DType::U8 => conv::<u8>(x, t, |v| (v as i32 - zp) as f32 * scale)?,
+        DType::I8 => conv::<i8>(x, t, |v| (v as i32 - zp) as f32 * scale)?,
+        DType::U16 => conv::<u16>(x, t, |v| (v as i32 - zp) as f32 * scale)?,
+        DType::I16 => conv::<i16>(x, t, |v| (v as i32 - zp) as f32 * scale)?,
+        other => bail!("npuc.Dequantize takes u8, i8, u16 or i16, found {other}"),
+    };
+    Ok(vec![Value::tensor(Tensor::from_vec(
+        x.shape().to_vec(),
+        out,
+    )?)])
+}
