@@ -4,6 +4,7 @@
 pub mod artifact;
 pub mod bench;
 pub mod compile;
+pub mod llm_compile;
 pub mod npy;
 pub mod ocr;
 
