@@ -7,7 +7,6 @@
 use crate::compile::{CompileSummary, GraphSummary};
 use anyhow::{Context, Result};
 use npuc_format::{ArtifactWriter, GraphInfo, Target};
-use npuc_ir::Backing;
 use npuc_llm::engine::{build_variants, TOKENIZER_KEY, TOKENIZER_PREFIXES};
 use npuc_llm::{EngineOptions, GgufMetaJson, Precision, Variant, WeightMode};
 use std::path::Path;

@@ -846,6 +846,19 @@ impl Builder<'_> {
                     let s = self.op("Sigmoid", &[&gate], vec![]);
                     self.op("Mul", &[&gate, &s], vec![])
                 }
+                Act::GeluTanh if self.opts.precision == Precision::Fast => {
+                    // ggml's CPU GELU is a table over f16 inputs holding f16 outputs
+                    // (GGML_GELU_FP16): round the input and the output through f16 like it.
+                    let a = self.op("Cast", &[&gate], vec![("to", Attr::Int(10))]);
+                    let a = self.op("Cast", &[&a], vec![("to", Attr::Int(1))]);
+                    let a = self.op(
+                        "Gelu",
+                        &[&a],
+                        vec![("approximate", Attr::String("tanh".into()))],
+                    );
+                    let a = self.op("Cast", &[&a], vec![("to", Attr::Int(10))]);
+                    self.op("Cast", &[&a], vec![("to", Attr::Int(1))])
+                }
                 Act::GeluTanh => self.op(
                     "Gelu",
                     &[&gate],
