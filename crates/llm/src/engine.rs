@@ -29,7 +29,7 @@ pub struct EngineOptions {
     /// Cache slots; default: the model's training context, at most 4096 (GGUF), or the
     /// compiled context (artifacts; a different value is an error).
     pub ctx: Option<usize>,
-    /// Variants to build (GGUF) or use (artifact; empty = all it holds).
+    /// Variants to build (GGUF) or use (artifact: empty or the default list = all it holds).
     pub variants: Vec<Variant>,
     /// Numerics (GGUF only; an artifact's precision was fixed at compile time).
     pub precision: Precision,
@@ -85,11 +85,17 @@ impl Engine {
         let names: Vec<String> = art.graph_names().iter().map(|s| s.to_string()).collect();
         let mut models = vec![];
         let mut meta = None;
+        // The default list (or an empty one) means "whatever was compiled".
+        let wanted: &[Variant] = if opts.variants == EngineOptions::default().variants {
+            &[]
+        } else {
+            &opts.variants
+        };
         for name in &names {
             let Ok(v) = Variant::parse(name) else {
                 continue;
             };
-            if !opts.variants.is_empty() && !opts.variants.contains(&v) {
+            if !wanted.is_empty() && !wanted.contains(&v) {
                 continue;
             }
             let m = art.model(Some(name))?;
@@ -104,7 +110,7 @@ impl Engine {
             }
             models.push((v, m));
         }
-        for v in &opts.variants {
+        for v in wanted {
             if !models.iter().any(|(m, _)| m == v) {
                 bail!(
                     "{}: has no graph '{}' (it holds: {})",

@@ -9,6 +9,7 @@
 //! cache at `positions` after each call.
 
 pub mod build;
+pub mod compile;
 pub mod engine;
 pub mod meta;
 

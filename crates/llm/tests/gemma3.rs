@@ -12,7 +12,10 @@ fn model() -> Option<PathBuf> {
     let home = std::env::var_os("HOME")?;
     let p = PathBuf::from(home).join(".cache/npuc/models/gemma3-270m/gemma-3-270m-q4_k_m.gguf");
     if !p.exists() {
-        eprintln!("SKIP: {} is absent (scripts/fetch-data.sh gemma3-270m)", p.display());
+        eprintln!(
+            "SKIP: {} is absent (scripts/fetch-data.sh gemma3-270m)",
+            p.display()
+        );
         return None;
     }
     if !npuc_runtime::registry().has("npuc", "GgmlMatMul") {
@@ -54,10 +57,18 @@ fn exact_last_logits_match_transformers() {
     let (_, ids) = read_npy(&dir.join("prompt_ids.npy"));
     let ids: Vec<u32> = ids.iter().map(|&v| v as u32).collect();
     let (_, want) = read_npy(&dir.join("logits_last.npy"));
-    let mut e = Engine::from_gguf(&path, &opts(Precision::Exact, &[Variant::Ar(1), Variant::Ar(32)])).unwrap();
+    let mut e = Engine::from_gguf(
+        &path,
+        &opts(Precision::Exact, &[Variant::Ar(1), Variant::Ar(32)]),
+    )
+    .unwrap();
     let got = e.forward(&ids, false).unwrap();
     let d = max_diff(&got, &want);
-    eprintln!("gemma3 exact: max |logits_last - transformers| = {d:.3e}, argmax {} (ref {})", argmax(&got), argmax(&want));
+    eprintln!(
+        "gemma3 exact: max |logits_last - transformers| = {d:.3e}, argmax {} (ref {})",
+        argmax(&got),
+        argmax(&want)
+    );
     assert!(d <= 0.01, "max abs diff {d}");
     // Token by token through ar1 gives the same logits.
     e.reset();
@@ -78,11 +89,18 @@ fn fast_greedy_matches_llama_cpp() {
     )
     .unwrap();
     let ids = |v: &serde_json::Value| -> Vec<u32> {
-        v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect()
     };
     let mut e = Engine::from_gguf(
         &path,
-        &opts(Precision::Fast, &[Variant::Ar(1), Variant::Ar(32), Variant::Ar(128)]),
+        &opts(
+            Precision::Fast,
+            &[Variant::Ar(1), Variant::Ar(32), Variant::Ar(128)],
+        ),
     )
     .unwrap();
     let (mut same, mut total, mut prompts_ok) = (0, 0, 0);
@@ -92,7 +110,11 @@ fn fast_greedy_matches_llama_cpp() {
         let want = ids(&p["gen_ids"]);
         let got = greedy(&mut e, &prompt, want.len());
         let prefix = got.iter().zip(&want).take_while(|(a, b)| a == b).count();
-        eprintln!("prompt of {} tokens: {prefix}/{} greedy tokens identical to llama.cpp", prompt.len(), want.len());
+        eprintln!(
+            "prompt of {} tokens: {prefix}/{} greedy tokens identical to llama.cpp",
+            prompt.len(),
+            want.len()
+        );
         same += prefix;
         total += want.len();
         prompts_ok += usize::from(prefix == want.len());

@@ -127,3 +127,30 @@ fn context_overflow_is_a_clear_error() {
     );
     assert_eq!(e.position(), 10);
 }
+
+/// Fast precision (f16 KV cache, f16-rounded q and probabilities) on the F32 files: close to
+/// the f32 reference (the f16 rounding moves logits by ~4e-3), ar1 and ar32 agree up to f16
+/// rounding flips caused by the last-bit differences of M=1 and M=32 products (~6e-4).
+#[test]
+fn fast_precision_f16_cache_close_to_reference() {
+    for model in MODELS {
+        let dir = fixtures().join(model);
+        let path = dir.join(format!("{model}-F32.gguf"));
+        let (_, want) = read_npy(&dir.join("logits/F32.npy"));
+        let fast = |v: Variant| EngineOptions {
+            precision: Precision::Fast,
+            ..opts(&[v], 64)
+        };
+        let mut e1 = Engine::from_gguf(&path, &fast(Variant::Ar(1))).unwrap();
+        let mut step = vec![];
+        for &t in &SEQ {
+            step.extend(e1.forward(&[t], false).unwrap());
+        }
+        let mut e32 = Engine::from_gguf(&path, &fast(Variant::Ar(32))).unwrap();
+        let all = e32.forward(&SEQ, true).unwrap();
+        let (d1, dd) = (max_diff(&step, &want), max_diff(&step, &all));
+        eprintln!("{model} fast: max|ar1 - ref| {d1:.2e}, max|ar1 - ar32| {dd:.2e}");
+        assert!(d1 < 0.05 && d1 > 0.0, "{model}: {d1}");
+        assert!(dd < 5e-3, "{model}: {dd}");
+    }
+}

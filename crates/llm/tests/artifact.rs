@@ -1,7 +1,7 @@
 //! `npuc compile MODEL.gguf`: AR variants in one artifact with the weights stored once, and an
 //! engine over the artifact that computes exactly what the in-memory GGUF engine computes.
 
-use npuc_cli::llm_compile::{compile_gguf, LlmCompileOptions};
+use npuc_llm::compile::{compile_gguf, LlmCompileOptions};
 use npuc_llm::engine::TOKENIZER_PREFIXES;
 use npuc_llm::{Engine, EngineOptions, GgufMetaJson, Precision, Variant};
 use std::path::PathBuf;
@@ -12,7 +12,14 @@ const SEQ: [u32; 24] = [
 ];
 
 fn fixture(rel: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/llm").join(rel)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/llm")
+        .join(rel)
+}
+
+/// A fresh path in the temp directory (removed when the test ends).
+fn tmp(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("npuc-llm-{}-{name}", std::process::id()))
 }
 
 fn argmax(v: &[f32]) -> u32 {
@@ -28,8 +35,7 @@ fn argmax(v: &[f32]) -> u32 {
 #[test]
 fn tiny_artifact_equals_gguf_engine() {
     let gguf = fixture("tiny-llama3/tiny-llama3-F32.gguf");
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("tiny.npuc");
+    let out = tmp("tiny.npuc");
     let variants = vec![Variant::Ar(1), Variant::Ar(8), Variant::Full];
     let opts = LlmCompileOptions {
         variants: variants.clone(),
@@ -43,7 +49,11 @@ fn tiny_artifact_equals_gguf_engine() {
     let g = npuc_gguf::GgufFile::open(&gguf).unwrap();
     let tensor_bytes: u64 = g.tensors.iter().map(|t| t.nbytes).sum();
     assert!(s.weight_bytes_referenced >= 3 * s.weight_bytes_unique - 3 * 4096);
-    assert!(s.weight_bytes_unique <= tensor_bytes + 4096, "{} > {tensor_bytes}", s.weight_bytes_unique);
+    assert!(
+        s.weight_bytes_unique <= tensor_bytes + 4096,
+        "{} > {tensor_bytes}",
+        s.weight_bytes_unique
+    );
 
     let eo = EngineOptions {
         threads: 1,
@@ -51,10 +61,20 @@ fn tiny_artifact_equals_gguf_engine() {
         variants,
         precision: Precision::Exact,
     };
-    let mut a = Engine::from_artifact(&out, &EngineOptions { variants: vec![], ..eo.clone() }).unwrap();
+    let mut a = Engine::from_artifact(
+        &out,
+        &EngineOptions {
+            variants: vec![],
+            ..eo.clone()
+        },
+    )
+    .unwrap();
     let mut b = Engine::from_gguf(&gguf, &eo).unwrap();
     assert_eq!((a.ctx(), a.vocab()), (32, 512));
-    assert_eq!(a.metadata(), &GgufMetaJson::filtered(&g.metadata, TOKENIZER_PREFIXES));
+    assert_eq!(
+        a.metadata(),
+        &GgufMetaJson::filtered(&g.metadata, TOKENIZER_PREFIXES)
+    );
     assert!(a.metadata().get("tokenizer.ggml.tokens").is_some());
     // Prefill of 24 (ar8 x 3) then decode; and `full` for a whole-sequence scoring call.
     let la = a.forward(&SEQ, true).unwrap();
@@ -63,23 +83,39 @@ fn tiny_artifact_equals_gguf_engine() {
     for _ in 0..4 {
         let (ta, tb) = (argmax(&la[la.len() - 512..]), argmax(&lb[lb.len() - 512..]));
         assert_eq!(ta, tb);
-        assert_eq!(a.forward(&[ta], false).unwrap(), b.forward(&[tb], false).unwrap());
+        assert_eq!(
+            a.forward(&[ta], false).unwrap(),
+            b.forward(&[tb], false).unwrap()
+        );
     }
     // Wrong context for a compiled artifact: a clear error.
-    let err = Engine::from_artifact(&out, &EngineOptions { ctx: Some(64), ..eo }).err().unwrap();
-    assert!(err.to_string().contains("compiled for a context of 32"), "{err}");
+    let err = Engine::from_artifact(
+        &out,
+        &EngineOptions {
+            ctx: Some(64),
+            ..eo
+        },
+    )
+    .err()
+    .unwrap();
+    assert!(
+        err.to_string().contains("compiled for a context of 32"),
+        "{err}"
+    );
+    std::fs::remove_file(&out).unwrap();
 }
 
 #[test]
 fn gemma3_artifact_same_tokens_as_gguf() {
-    let Some(home) = std::env::var_os("HOME") else { return };
+    let Some(home) = std::env::var_os("HOME") else {
+        return;
+    };
     let gguf = PathBuf::from(home).join(".cache/npuc/models/gemma3-270m/gemma-3-270m-q4_k_m.gguf");
     if !gguf.exists() || !npuc_runtime::registry().has("npuc", "GgmlMatMul") {
         eprintln!("SKIP: gemma3 270M GGUF absent or no npuc.GgmlMatMul in this runtime");
         return;
     }
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("gemma.npuc");
+    let out = tmp("gemma.npuc");
     let variants = vec![Variant::Ar(1), Variant::Ar(32), Variant::Ar(128)];
     let opts = LlmCompileOptions {
         variants: variants.clone(),
@@ -96,10 +132,18 @@ fn gemma3_artifact_same_tokens_as_gguf() {
         s.seconds
     );
     assert!(s.weight_bytes_unique < 260_000_000);
-    let eo = EngineOptions { threads: 2, ctx: Some(256), variants, precision: Precision::Fast };
+    let eo = EngineOptions {
+        threads: 2,
+        ctx: Some(256),
+        variants,
+        precision: Precision::Fast,
+    };
     let prompt = [2u32, 818, 5279, 529, 7001, 563];
     let mut toks = vec![];
-    for e in [Engine::from_gguf(&gguf, &eo).unwrap(), Engine::from_artifact(&out, &eo).unwrap()] {
+    for e in [
+        Engine::from_gguf(&gguf, &eo).unwrap(),
+        Engine::from_artifact(&out, &eo).unwrap(),
+    ] {
         let mut e = e;
         let mut l = e.forward(&prompt, false).unwrap();
         let mut t = vec![];
@@ -111,4 +155,5 @@ fn gemma3_artifact_same_tokens_as_gguf() {
         toks.push(t);
     }
     assert_eq!(toks[0], toks[1]);
+    std::fs::remove_file(&out).unwrap();
 }
