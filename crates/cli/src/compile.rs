@@ -18,6 +18,8 @@ pub struct CompileOptions {
     pub optimize: bool,
     /// Optimization passes to skip (by name, as `--print-passes` shows them).
     pub disable_passes: Vec<String>,
+    /// Opt-in passes to run (`--enable-pass`).
+    pub enable_passes: Vec<String>,
 }
 
 #[derive(Debug)]
@@ -206,6 +208,7 @@ pub fn compile(
         "dims": opts.dims.iter().collect::<std::collections::BTreeMap<_, _>>(),
         "optimize": opts.optimize,
         "disable_passes": opts.disable_passes,
+        "enable_passes": opts.enable_passes,
         "target": target.name,
     });
     let mut w = ArtifactWriter::new(target, options);
@@ -243,7 +246,7 @@ pub fn compile(
         let nodes_before = count_nodes(&m);
         let pass_log = if opts.optimize {
             log(&format!("[{name}] optimizing {nodes_before} nodes"));
-            crate::optimize_hook(&mut m, &opts.disable_passes)?
+            crate::optimize_hook(&mut m, &opts.disable_passes, &opts.enable_passes)?
         } else {
             vec![]
         };

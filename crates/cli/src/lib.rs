@@ -13,9 +13,20 @@ pub mod ocr;
 pub fn optimize_hook(
     m: &mut npuc_ir::Model,
     disable: &[String],
+    enable: &[String],
 ) -> anyhow::Result<Vec<(String, usize)>> {
+    if let Some(e) = enable
+        .iter()
+        .find(|e| !npuc_passes::OPT_IN_PASSES.contains(&e.as_str()))
+    {
+        anyhow::bail!(
+            "--enable-pass {e}: not an opt-in pass (opt-in passes: {})",
+            npuc_passes::OPT_IN_PASSES.join(", ")
+        );
+    }
     let opts = npuc_passes::OptimizeOptions {
         disable: disable.to_vec(),
+        enable: enable.to_vec(),
         ..Default::default()
     };
     let report = npuc_passes::optimize(m, &opts)?;

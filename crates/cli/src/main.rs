@@ -78,6 +78,9 @@ enum Cmd {
         /// Skip an optimization pass by name (repeatable).
         #[arg(long = "disable-pass", value_name = "PASS")]
         disable_pass: Vec<String>,
+        /// Run an opt-in optimization pass (repeatable): attention-fusion.
+        #[arg(long = "enable-pass", value_name = "PASS")]
+        enable_pass: Vec<String>,
         /// GGUF input: graph variants, e.g. ar1,ar32,ar128,full.
         #[arg(long, default_value = "ar1,ar32,ar128")]
         variants: String,
@@ -158,16 +161,11 @@ fn main() {
         Cmd::Compile {
             models,
             output,
-            named,
-            input_shape,
-            dim,
             target,
-            no_optimize,
-            print_passes,
-            disable_pass,
             variants,
             ctx,
             precision,
+            ..
         } if models.len() == 1 && npuc_cli::llm_compile::is_gguf(&models[0]) => {
             llm_compile_cmd(&models[0], &output, &variants, ctx, &precision, target)
         }
@@ -181,6 +179,7 @@ fn main() {
             no_optimize,
             print_passes,
             disable_pass,
+            enable_pass,
             ..
         } => compile_cmd(
             &models,
@@ -192,6 +191,7 @@ fn main() {
             !no_optimize,
             print_passes,
             disable_pass,
+            enable_pass,
         ),
         Cmd::Bench {
             model,
@@ -271,6 +271,7 @@ fn compile_cmd(
     optimize: bool,
     print_passes: bool,
     disable_passes: Vec<String>,
+    enable_passes: Vec<String>,
 ) -> Result<()> {
     let mut list: Vec<(String, PathBuf)> = vec![];
     for m in models {
@@ -296,6 +297,7 @@ fn compile_cmd(
         target,
         optimize,
         disable_passes,
+        enable_passes,
     };
     let s = npuc_cli::compile::compile(&list, &opts, output, |msg| eprintln!("{msg}"))?;
     for g in &s.graphs {

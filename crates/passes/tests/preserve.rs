@@ -105,7 +105,15 @@ fn check_model(m: &Model, feeds: &[(String, Value)]) -> Outcome {
         return Outcome::Skipped;
     };
     let mut opt = m.clone();
-    let report = match optimize(&mut opt, &OptimizeOptions::default()) {
+    // Every pass, the opt-in ones included, must preserve outputs.
+    let all = OptimizeOptions {
+        enable: npuc_passes::OPT_IN_PASSES
+            .iter()
+            .map(|p| p.to_string())
+            .collect(),
+        ..Default::default()
+    };
+    let report = match optimize(&mut opt, &all) {
         Ok(r) => r,
         Err(e) => return Outcome::Differs(format!("optimize failed: {e}")),
     };

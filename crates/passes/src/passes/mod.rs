@@ -1,5 +1,6 @@
 //! The passes, one module each.
 
+pub mod attention_fusion;
 pub mod const_fold;
 pub mod conv_fold;
 pub mod cse;

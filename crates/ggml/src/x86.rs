@@ -1,0 +1,288 @@
+//! AVX2+FMA kernels (x86_64). Each has a scalar twin in `dot.rs` / `matmul.rs`; the proptests in
+//! `tests/kernels.rs` compare them. Only called after `crate::has_avx2()` said yes.
+
+use crate::dequant::scale_min_k4;
+use crate::dot::DotFn;
+use crate::{f16_at, GgmlType, QK_K};
+use std::arch::x86_64::*;
+
+/// Horizontal sum of 8 f32 lanes in the order ((0+4)+(2+6))+((1+5)+(3+7)).
+#[inline(always)]
+unsafe fn hsum(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    _mm_cvtss_f32(s)
+}
+
+/// f32 dot product (twin of `matmul::dot_f32_scalar`).
+pub(crate) fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    // SAFETY: only reachable when `has_avx2()` confirmed AVX2 and FMA.
+    unsafe { dot_f32_avx2(a, b) }
+}
+
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_f32_avx2(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let mut acc = _mm256_setzero_ps();
+    let mut i = 0;
+    while i + 8 <= n {
+        // SAFETY: i + 8 <= n <= both lengths, so both 8-float loads are in bounds.
+        let (p, q) = unsafe {
+            (
+                _mm256_loadu_ps(a.as_ptr().add(i)),
+                _mm256_loadu_ps(b.as_ptr().add(i)),
+            )
+        };
+        acc = _mm256_fmadd_ps(p, q, acc);
+        i += 8;
+    }
+    let mut s = hsum(acc);
+    while i < n {
+        s += a[i] * b[i];
+        i += 1;
+    }
+    s
+}
+
+/// The AVX2 kernel for `ty`, when there is one.
+pub(crate) fn avx2_fn(ty: GgmlType) -> Option<DotFn> {
+    Some(match ty {
+        GgmlType::F16 => f16_f16,
+        GgmlType::Q4_0 => q4_0_q8_0,
+        GgmlType::Q5_0 => q5_0_q8_0,
+        GgmlType::Q8_0 => q8_0_q8_0,
+        GgmlType::Q4_K => q4_k_q8_k,
+        GgmlType::Q6_K => q6_k_q8_k,
+        _ => return None,
+    })
+}
+
+/// Loads 32 bytes at `b[at..at + 32]`; the slice index is the bounds check.
+#[inline(always)]
+unsafe fn load32(b: &[u8], at: usize) -> __m256i {
+    let s = &b[at..at + 32];
+    // SAFETY: `s` is exactly 32 readable bytes; loadu has no alignment requirement.
+    unsafe { _mm256_loadu_si256(s.as_ptr() as *const __m256i) }
+}
+
+/// Loads 16 bytes at `b[at..at + 16]`.
+#[inline(always)]
+unsafe fn load16(b: &[u8], at: usize) -> __m128i {
+    let s = &b[at..at + 16];
+    // SAFETY: `s` is exactly 16 readable bytes; loadu has no alignment requirement.
+    unsafe { _mm_loadu_si128(s.as_ptr() as *const __m128i) }
+}
+
+/// Σ of signed i8 products, pairwise, as 8 f32 lanes (each lane the sum of 4 products).
+#[inline(always)]
+unsafe fn mul_sum_i8_pairs_float(x: __m256i, y: __m256i) -> __m256 {
+    // maddubs needs one unsigned operand: |x| times y with x's sign moved onto y.
+    let ax = _mm256_sign_epi8(x, x);
+    let sy = _mm256_sign_epi8(y, x);
+    let dot = _mm256_maddubs_epi16(ax, sy);
+    _mm256_cvtepi32_ps(_mm256_madd_epi16(dot, _mm256_set1_epi16(1)))
+}
+
+/// The 16 nibbles of `qs[16]` as 32 bytes: low nibbles (elements 0..16) then high (16..32).
+#[inline(always)]
+unsafe fn nibbles(b: &[u8], at: usize) -> __m256i {
+    let t = load16(b, at);
+    let both = _mm256_set_m128i(_mm_srli_epi16(t, 4), t);
+    _mm256_and_si256(both, _mm256_set1_epi8(0x0F))
+}
+
+/// Expands the 32 bits of `x` to 32 bytes: 0xFF where the bit is set, 0 elsewhere.
+#[inline(always)]
+unsafe fn bytes_from_bits_32(x: u32) -> __m256i {
+    let shuf = _mm256_set_epi64x(
+        0x0303030303030303,
+        0x0202020202020202,
+        0x0101010101010101,
+        0x0000000000000000,
+    );
+    let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(x as i32), shuf);
+    let bit = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe);
+    _mm256_cmpeq_epi8(_mm256_or_si256(bytes, bit), _mm256_set1_epi64x(-1))
+}
+
+fn q8_0_q8_0(w: &[u8], x: &[u8]) -> f32 {
+    // SAFETY: only reachable when `has_avx2()` confirmed AVX2, FMA and F16C.
+    unsafe { q8_0_q8_0_avx2(w, x) }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q8_0_q8_0_avx2(w: &[u8], x: &[u8]) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    for (wb, xb) in w.chunks_exact(34).zip(x.chunks_exact(34)) {
+        let d = _mm256_set1_ps(f16_at(wb, 0) * f16_at(xb, 0));
+        let q = mul_sum_i8_pairs_float(load32(wb, 2), load32(xb, 2));
+        acc = _mm256_fmadd_ps(d, q, acc);
+    }
+    hsum(acc)
+}
+
+fn q4_0_q8_0(w: &[u8], x: &[u8]) -> f32 {
+    // SAFETY: only reachable when `has_avx2()` confirmed AVX2, FMA and F16C.
+    unsafe { q4_0_q8_0_avx2(w, x) }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_0_q8_0_avx2(w: &[u8], x: &[u8]) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    let off = _mm256_set1_epi8(8);
+    for (wb, xb) in w.chunks_exact(18).zip(x.chunks_exact(34)) {
+        let d = _mm256_set1_ps(f16_at(wb, 0) * f16_at(xb, 0));
+        let qw = _mm256_sub_epi8(nibbles(wb, 2), off);
+        let q = mul_sum_i8_pairs_float(qw, load32(xb, 2));
+        acc = _mm256_fmadd_ps(d, q, acc);
+    }
+    hsum(acc)
+}
+
+fn q5_0_q8_0(w: &[u8], x: &[u8]) -> f32 {
+    // SAFETY: only reachable when `has_avx2()` confirmed AVX2, FMA and F16C.
+    unsafe { q5_0_q8_0_avx2(w, x) }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q5_0_q8_0_avx2(w: &[u8], x: &[u8]) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    for (wb, xb) in w.chunks_exact(22).zip(x.chunks_exact(34)) {
+        let d = _mm256_set1_ps(f16_at(wb, 0) * f16_at(xb, 0));
+        let qh = u32::from_le_bytes([wb[2], wb[3], wb[4], wb[5]]);
+        // q - 16 = nibble when the 5th bit is set, nibble | 0xF0 (nibble - 16) when not.
+        let hi = _mm256_andnot_si256(bytes_from_bits_32(qh), _mm256_set1_epi8(0xF0u8 as i8));
+        let qw = _mm256_or_si256(nibbles(wb, 6), hi);
+        let q = mul_sum_i8_pairs_float(qw, load32(xb, 2));
+        acc = _mm256_fmadd_ps(d, q, acc);
+    }
+    hsum(acc)
+}
+
+/// The parts of a Q8_K block: `d` and the 16 bsums as one register.
+#[inline(always)]
+unsafe fn q8k_d_bsums(xb: &[u8]) -> (f32, __m256i) {
+    let d = f32::from_le_bytes([xb[0], xb[1], xb[2], xb[3]]);
+    (d, load32(xb, 4 + QK_K))
+}
+
+fn q4_k_q8_k(w: &[u8], x: &[u8]) -> f32 {
+    // SAFETY: only reachable when `has_avx2()` confirmed AVX2, FMA and F16C.
+    unsafe { q4_k_q8_k_avx2(w, x) }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_k_q8_k_avx2(w: &[u8], x: &[u8]) -> f32 {
+    let m4 = _mm256_set1_epi8(0x0F);
+    let mut acc = _mm256_setzero_ps();
+    let mut acc_m = 0f32;
+    for (wb, xb) in w.chunks_exact(144).zip(x.chunks_exact(292)) {
+        let (yd, bsums) = q8k_d_bsums(xb);
+        let d = f16_at(wb, 0) * yd;
+        let dmin = f16_at(wb, 2) * yd;
+        let mut sc = [0i16; 8];
+        let mut mn = [0i16; 8];
+        for j in 0..8 {
+            let (s, m) = scale_min_k4(j, &wb[4..16]);
+            sc[j] = s as i16;
+            mn[j] = m as i16;
+        }
+        // Σ_j min_j · (bsum of its 32 values): pair up the 16 bsums, then one madd.
+        let pairs = _mm_hadd_epi16(
+            _mm256_castsi256_si128(bsums),
+            _mm256_extracti128_si256(bsums, 1),
+        );
+        // SAFETY: `mn` is 8 i16 = 16 readable bytes.
+        let mins = unsafe { _mm_loadu_si128(mn.as_ptr() as *const __m128i) };
+        let pm = _mm_madd_epi16(mins, pairs);
+        let pm = _mm_add_epi32(pm, _mm_shuffle_epi32(pm, 0b01_00_11_10));
+        let pm = _mm_add_epi32(pm, _mm_shuffle_epi32(pm, 0b10_11_00_01));
+        let summs = _mm_cvtsi128_si32(pm);
+        let mut sumi = _mm256_setzero_si256();
+        for j in 0..4 {
+            let q4 = load32(wb, 16 + 32 * j);
+            let q4l = _mm256_and_si256(q4, m4);
+            let q4h = _mm256_and_si256(_mm256_srli_epi16(q4, 4), m4);
+            let pl = _mm256_maddubs_epi16(q4l, load32(xb, 4 + 64 * j));
+            let ph = _mm256_maddubs_epi16(q4h, load32(xb, 4 + 64 * j + 32));
+            let pl = _mm256_madd_epi16(_mm256_set1_epi16(sc[2 * j]), pl);
+            let ph = _mm256_madd_epi16(_mm256_set1_epi16(sc[2 * j + 1]), ph);
+            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(pl, ph));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+        acc_m -= dmin * summs as f32;
+    }
+    hsum(acc) + acc_m
+}
+
+fn q6_k_q8_k(w: &[u8], x: &[u8]) -> f32 {
+    // SAFETY: only reachable when `has_avx2()` confirmed AVX2, FMA and F16C.
+    unsafe { q6_k_q8_k_avx2(w, x) }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q6_k_q8_k_avx2(w: &[u8], x: &[u8]) -> f32 {
+    let m4 = _mm256_set1_epi8(0x0F);
+    let m3 = _mm256_set1_epi8(0x03);
+    let m32 = _mm256_set1_epi8(32);
+    let mut acc = _mm256_setzero_ps();
+    for (wb, xb) in w.chunks_exact(210).zip(x.chunks_exact(292)) {
+        let d = f16_at(wb, 208) * f32::from_le_bytes([xb[0], xb[1], xb[2], xb[3]]);
+        let sc = &wb[192..208];
+        let mut sumi = _mm256_setzero_si256();
+        for n in 0..2 {
+            let b1 = load32(wb, 64 * n);
+            let b2 = load32(wb, 64 * n + 32);
+            let bh = load32(wb, 128 + 32 * n);
+            let h0 = _mm256_slli_epi16(_mm256_and_si256(bh, m3), 4);
+            let h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bh, 2), m3), 4);
+            let h2 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bh, 4), m3), 4);
+            let h3 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bh, 6), m3), 4);
+            let q = [
+                _mm256_or_si256(_mm256_and_si256(b1, m4), h0),
+                _mm256_or_si256(_mm256_and_si256(b2, m4), h1),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b1, 4), m4), h2),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b2, 4), m4), h3),
+            ];
+            for (t, &qt) in q.iter().enumerate() {
+                let q8 = load32(xb, 4 + 128 * n + 32 * t);
+                // (q - 32)·q8 = q·q8 - 32·q8, both through maddubs (q is unsigned 0..63).
+                let p =
+                    _mm256_sub_epi16(_mm256_maddubs_epi16(qt, q8), _mm256_maddubs_epi16(m32, q8));
+                let g = 8 * n + 2 * t;
+                let s = _mm256_set_m128i(
+                    _mm_set1_epi16(sc[g + 1] as i8 as i16),
+                    _mm_set1_epi16(sc[g] as i8 as i16),
+                );
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(s, p));
+            }
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    hsum(acc)
+}
+
+fn f16_f16(w: &[u8], x: &[u8]) -> f32 {
+    // SAFETY: only reachable when `has_avx2()` confirmed AVX2, FMA and F16C.
+    unsafe { f16_f16_avx2(w, x) }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn f16_f16_avx2(w: &[u8], x: &[u8]) -> f32 {
+    let n = w.len().min(x.len()) / 2;
+    let mut acc = _mm256_setzero_ps();
+    let mut i = 0;
+    while i + 8 <= n {
+        let a = _mm256_cvtph_ps(load16(w, 2 * i));
+        let b = _mm256_cvtph_ps(load16(x, 2 * i));
+        acc = _mm256_fmadd_ps(a, b, acc);
+        i += 8;
+    }
+    let mut s = hsum(acc);
+    while i < n {
+        s += f16_at(w, 2 * i) * f16_at(x, 2 * i);
+        i += 1;
+    }
+    s
+}

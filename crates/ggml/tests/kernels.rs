@@ -1,0 +1,268 @@
+//! Kernel properties: SIMD dot products equal their scalar twins (integer parts exactly, f32
+//! sums to ~1e-6), integer dot products equal f64 dot products of the dequantized operands,
+//! the reference quantizers match gguf-py bit for bit, and matmul's modes and thread counts
+//! agree.
+
+mod common;
+
+use common::{read_npy_f32, root};
+use npuc_ggml::*;
+use proptest::prelude::*;
+
+/// Types with a `vec_dot` and where their f16 scale fields live (byte offsets in a block).
+fn scale_fields(ty: GgmlType) -> &'static [usize] {
+    use GgmlType::*;
+    match ty {
+        Q4_0 | Q5_0 | Q8_0 | IQ4_NL => &[0],
+        Q4_1 | Q5_1 => &[0, 2],
+        Q2_K => &[80, 82],
+        Q3_K => &[108],
+        Q4_K | Q5_K => &[0, 2],
+        Q6_K => &[208],
+        _ => &[],
+    }
+}
+
+const DOT_TYPES: [GgmlType; 13] = [
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q8_0,
+    GgmlType::IQ4_NL,
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+];
+
+/// A random but well-formed weight row of `nb` blocks: random quant bytes, finite scales.
+fn weight_row(ty: GgmlType, nb: usize, seed: &[u8], scales: &[f32]) -> (usize, Vec<u8>) {
+    let k = nb * ty.block_size();
+    let rb = ty.row_bytes(k).unwrap();
+    let mut w: Vec<u8> = (0..rb)
+        .map(|i| seed[i % seed.len()].wrapping_mul(31).wrapping_add(i as u8))
+        .collect();
+    match ty {
+        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => {
+            let vals: Vec<f32> = (0..k).map(|i| scales[i % scales.len()] * 100.0).collect();
+            quantize_row(ty, &vals, &mut w).unwrap();
+        }
+        _ => {
+            let ts = ty.type_size();
+            for (b, blk) in w.chunks_exact_mut(ts).enumerate() {
+                for (f, &at) in scale_fields(ty).iter().enumerate() {
+                    let v = scales[(b * 2 + f) % scales.len()];
+                    blk[at..at + 2]
+                        .copy_from_slice(&half::f16::from_f32(v).to_bits().to_le_bytes());
+                }
+                if ty == GgmlType::Q8_0 {
+                    // ggml's quantizers never produce -128 (its AVX2 kernel would saturate on it).
+                    for q in &mut blk[2..] {
+                        if *q == 0x80 {
+                            *q = 0x81;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    (k, w)
+}
+
+fn f64_dot(a: &[f32], b: &[f32]) -> (f64, f64) {
+    let s = a.iter().zip(b).map(|(&x, &y)| x as f64 * y as f64).sum();
+    let m = a
+        .iter()
+        .zip(b)
+        .map(|(&x, &y)| (x as f64 * y as f64).abs())
+        .sum();
+    (s, m)
+}
+
+fn all_types() -> Vec<GgmlType> {
+    let mut v = DOT_TYPES.to_vec();
+    v.push(GgmlType::Q6_K);
+    v
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    #[test]
+    fn simd_equals_scalar_and_dequantized_reference(
+        ti in 0usize..14,
+        nb in 1usize..5,
+        seed in prop::collection::vec(any::<u8>(), 1..64),
+        scales in prop::collection::vec(-0.05f32..0.05, 1..16),
+        x in prop::collection::vec(-4.0f32..4.0, 1..64),
+    ) {
+        let ty = all_types()[ti];
+        let nb = if ty.block_size() == 1 { nb * 37 } else { nb };
+        let (k, w) = weight_row(ty, nb, &seed, &scales);
+        let xs: Vec<f32> = (0..k).map(|i| x[i % x.len()] * (1.0 + (i % 7) as f32 * 0.1)).collect();
+        let vt = vec_dot_type(ty).unwrap();
+        let mut xq = vec![0u8; vt.row_bytes(k).unwrap()];
+        quantize_row(vt, &xs, &mut xq).unwrap();
+        let fast = vec_dot(ty, &w, &xq, k).unwrap();
+        let slow = vec_dot_scalar(ty, &w, &xq, k).unwrap();
+        let mut wd = vec![0f32; k];
+        dequantize_row(ty, &w, &mut wd).unwrap();
+        let mut xd = vec![0f32; k];
+        dequantize_row(vt, &xq, &mut xd).unwrap();
+        let (want, mut mag) = f64_dot(&wd, &xd);
+        if vt == GgmlType::Q8_1 {
+            // Q4_1/Q5_1 use Q8_1's `s = f16(d · Σq)` for the min term, exactly like ggml: allow
+            // its f16 rounding (2^-11 relative) on top.
+            let ts = ty.type_size();
+            mag += w.chunks_exact(ts).zip(xq.chunks_exact(36)).map(|(a, b)| {
+                let m = half::f16::from_le_bytes([a[2], a[3]]).to_f64();
+                let s = half::f16::from_le_bytes([b[2], b[3]]).to_f64();
+                (m * s).abs() * 1e-3 / 4e-6
+            }).sum::<f64>();
+        }
+        prop_assert!((fast as f64 - slow as f64).abs() <= 2e-6 * mag + 1e-30,
+            "{ty}: simd {fast} scalar {slow} (magnitude {mag})");
+        prop_assert!((slow as f64 - want).abs() <= 4e-6 * mag + 1e-30,
+            "{ty}: scalar {slow} vs f64 reference {want} (magnitude {mag})");
+    }
+
+    #[test]
+    fn matmul_modes_threads_and_scalar_agree(
+        ti in 0usize..14,
+        n in 1usize..40,
+        m in 1usize..20,
+        seed in prop::collection::vec(any::<u8>(), 1..64),
+        scales in prop::collection::vec(-0.05f32..0.05, 1..16),
+    ) {
+        let ty = all_types()[ti];
+        let nb = if ty.block_size() == 1 { 64 } else { 1 };
+        let (k, _) = weight_row(ty, nb, &seed, &scales);
+        let mut w = Vec::new();
+        for r in 0..n {
+            let s: Vec<u8> = seed.iter().map(|b| b.wrapping_add(r as u8)).collect();
+            w.extend(weight_row(ty, nb, &s, &scales).1);
+        }
+        let x: Vec<f32> = (0..m * k).map(|i| ((i * 7919) % 1000) as f32 / 250.0 - 2.0).collect();
+        let mut wd = vec![0f32; n * k];
+        dequantize_row(ty, &w, &mut wd).unwrap();
+        let mut y = [vec![0f32; m * n], vec![0f32; m * n], vec![0f32; m * n], vec![0f32; m * n]];
+        matmul(ty, &w, n, k, &x, m, &mut y[0], MatMulMode::ActQuant, 1).unwrap();
+        matmul(ty, &w, n, k, &x, m, &mut y[1], MatMulMode::ActQuant, 2).unwrap();
+        matmul_scalar(ty, &w, n, k, &x, m, &mut y[2], MatMulMode::ActQuant, 1).unwrap();
+        matmul(ty, &w, n, k, &x, m, &mut y[3], MatMulMode::Exact, 2).unwrap();
+        prop_assert_eq!(&y[0], &y[1]);
+        for i in 0..m {
+            for j in 0..n {
+                let (want, mag) = f64_dot(&x[i * k..(i + 1) * k], &wd[j * k..(j + 1) * k]);
+                let e = y[3][i * n + j] as f64;
+                prop_assert!((e - want).abs() <= 2e-6 * mag + 1e-30, "{ty} exact [{i},{j}] {e} vs {want}");
+                let (a, s) = (y[0][i * n + j] as f64, y[2][i * n + j] as f64);
+                prop_assert!((a - s).abs() <= 2e-6 * mag + 1e-30, "{ty} simd/scalar [{i},{j}] {a} vs {s}");
+                // Activation quantization error: ≤ half a step of 127 levels per block.
+                prop_assert!((a - want).abs() <= 2e-2 * mag + 1e-6, "{ty} act_quant [{i},{j}] {a} vs {want}");
+            }
+        }
+    }
+}
+
+#[test]
+fn reference_quantizers_match_gguf_py() {
+    let dir = root().join("tests/fixtures/llm/dequant");
+    let (shape, x) = read_npy_f32(&dir.join("quant_input.npy"));
+    for ty in [
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q8_0,
+    ] {
+        let (_, want) = read_npy_f32(&dir.join(format!("quant_roundtrip_{ty}.npy")));
+        let mut q = vec![0u8; shape[0] * ty.row_bytes(shape[1]).unwrap()];
+        quantize_row(ty, &x, &mut q).unwrap();
+        let mut got = vec![0f32; x.len()];
+        dequantize_row(ty, &q, &mut got).unwrap();
+        for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(
+                a.to_bits(),
+                b.to_bits(),
+                "{ty} element {i}: ours {a}, gguf-py {b}"
+            );
+        }
+    }
+}
+
+#[test]
+fn q8_k_quantizer_follows_ggml() {
+    // iscale = -127/max: the largest-magnitude value maps to -127 (sign flipped then d < 0 when
+    // max > 0), bsums are the sums of 16 quants, and zero blocks are all zero.
+    let mut x: Vec<f32> = (0..512).map(|i| ((i as f32) * 0.731).sin()).collect();
+    x[3] = 2.0;
+    for v in &mut x[256..] {
+        *v = 0.0;
+    }
+    let mut q = vec![0u8; 2 * 292];
+    quantize_row_q8_K(&x, &mut q).unwrap();
+    let d = f32::from_le_bytes([q[0], q[1], q[2], q[3]]);
+    assert_eq!(d, 1.0 / (-127.0f32 / 2.0));
+    assert_eq!(q[4 + 3] as i8, -127);
+    for j in 0..16 {
+        let s: i32 = q[4 + 16 * j..4 + 16 * j + 16]
+            .iter()
+            .map(|&v| v as i8 as i32)
+            .sum();
+        assert_eq!(
+            i16::from_le_bytes([q[260 + 2 * j], q[261 + 2 * j]]) as i32,
+            s
+        );
+    }
+    assert!(q[292..].iter().all(|&b| b == 0));
+    let mut back = vec![0f32; 512];
+    dequantize_row(GgmlType::Q8_K, &q, &mut back).unwrap();
+    for (a, b) in back.iter().zip(&x) {
+        assert!((a - b).abs() <= 2.0 / 127.0 * 0.5 + 1e-6, "{a} vs {b}");
+    }
+}
+
+#[test]
+fn bad_lengths_are_errors() {
+    let mut out = vec![0f32; 48];
+    let e = dequantize_row(GgmlType::Q4_0, &[0u8; 18], &mut out).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("not a multiple of the block size 32"),
+        "{e}"
+    );
+    let mut out = vec![0f32; 64];
+    let e = dequantize_row(GgmlType::Q4_0, &[0u8; 35], &mut out).unwrap_err();
+    assert!(e.to_string().contains("need 36 bytes, got 35"), "{e}");
+    let e = vec_dot(GgmlType::Q4_K, &[0u8; 144], &[0u8; 291], 256).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("Q8_K activations 292 bytes (got 291)"),
+        "{e}"
+    );
+    let mut y = vec![0f32; 2];
+    let e = matmul(
+        GgmlType::Q8_0,
+        &[0u8; 34],
+        2,
+        32,
+        &[0f32; 32],
+        1,
+        &mut y,
+        MatMulMode::ActQuant,
+        1,
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("expected 68 bytes, got 34"), "{e}");
+    let e = gather_rows(GgmlType::Q8_0, &[0u8; 68], 32, &[1, 2], &mut [0f32; 64]).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("id 2 (at index 1) is out of range for 2 rows"),
+        "{e}"
+    );
+}

@@ -1,0 +1,138 @@
+//! GGML block-quantized weights (domain `npuc`, backed by `npuc-ggml`):
+//!
+//! - `GgmlMatMul(X f32 [..., K], W[, bias f32 [N]]) -> Y f32 [..., N]`, `Y = X · Wᵀ`. `W` holds
+//!   N rows of K elements: a u8 `[N, row_bytes]` tensor of raw GGUF blocks, or (for the plain
+//!   types) an f32/f16/bf16 `[N, K]` tensor. Attributes: `ggml_type` (GgmlType name), `k`
+//!   (logical row length), `act_quant` (1, the default: activations quantized like llama.cpp
+//!   and integer dot products; 0: exact, dequantized weights and f32 math).
+//! - `GgmlGather(W, ids i64/i32 [...]) -> f32 [..., K]`: rows of `W` dequantized exactly
+//!   (embedding lookup). Attributes `ggml_type`, `k`.
+
+use crate::bail;
+use crate::error::Result;
+use crate::kernel::{Inputs, OpCtx, Registry};
+use crate::value::Value;
+use npuc_ggml::{GgmlType, MatMulMode};
+use npuc_ir::{DType, Node, Tensor};
+
+pub fn register(r: &mut Registry) {
+    r.add_range("npuc", "GgmlMatMul", 1, 1, ggml_matmul);
+    r.add_range("npuc", "GgmlGather", 1, 1, ggml_gather);
+}
+
+/// The `ggml_type` and `k` attributes, validated.
+fn type_and_k(n: &Node) -> Result<(GgmlType, usize)> {
+    let Some(name) = n.attr_str("ggml_type")? else {
+        bail!("missing attribute ggml_type");
+    };
+    let Some(ty) = GgmlType::from_name(name) else {
+        bail!("unknown ggml_type '{name}'");
+    };
+    if !npuc_ggml::can_dequantize(ty) {
+        bail!("ggml_type {ty} is not supported by the CPU kernels");
+    }
+    let Some(k) = n.attr_int("k")? else {
+        bail!("missing attribute k");
+    };
+    if k <= 0 {
+        bail!("attribute k must be positive, got {k}");
+    }
+    let k = k as usize;
+    if ty.row_bytes(k).is_none() {
+        bail!(
+            "k = {k} is not a multiple of the {ty} block size {}",
+            ty.block_size()
+        );
+    }
+    Ok((ty, k))
+}
+
+/// The weight's raw bytes and its row count, checked against `ty` and `k`.
+fn weight_bytes<'a>(w: &'a Tensor, ty: GgmlType, k: usize) -> Result<(&'a [u8], usize)> {
+    let rb = npuc_ggml::row_bytes(ty, k).map_err(|e| crate::RtError::msg(e.to_string()))?;
+    let s = w.shape();
+    if s.len() != 2 {
+        bail!("weight must be 2-D [rows, row_bytes or k], got shape {s:?}");
+    }
+    let (bytes, width): (&[u8], usize) = match (w.dtype(), ty) {
+        (DType::U8, _) => (w.as_slice::<u8>()?, rb),
+        (DType::F32, GgmlType::F32) => (bytemuck::cast_slice(w.as_slice::<f32>()?), k),
+        (DType::F16, GgmlType::F16) => (bytemuck::cast_slice(w.as_slice::<half::f16>()?), k),
+        (DType::BF16, GgmlType::BF16) => (bytemuck::cast_slice(w.as_slice::<half::bf16>()?), k),
+        (d, _) => bail!("weight of dtype {d:?} cannot hold ggml_type {ty} (expected u8 blocks)"),
+    };
+    if s[1] != width {
+        bail!(
+            "weight shape {s:?}: rows of {k} {ty} elements must be {width} wide, got {}",
+            s[1]
+        );
+    }
+    if bytes.len() != s[0] * rb {
+        bail!(
+            "weight holds {} bytes, expected {} ({} rows of {rb})",
+            bytes.len(),
+            s[0] * rb,
+            s[0]
+        );
+    }
+    Ok((bytes, s[0]))
+}
+
+fn ggml_matmul(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
+    let node = ctx.node;
+    let (ty, k) = type_and_k(node)?;
+    let mode = match node.int_or("act_quant", 1)? {
+        0 => MatMulMode::Exact,
+        1 => MatMulMode::ActQuant,
+        v => bail!("attribute act_quant must be 0 or 1, got {v}"),
+    };
+    let x = ins.tensor(0)?;
+    let (w, n) = weight_bytes(ins.tensor(1)?, ty, k)?;
+    if x.dtype() != DType::F32 {
+        bail!("X must be f32, got {:?}", x.dtype());
+    }
+    let xs = x.shape();
+    if xs.last() != Some(&k) {
+        bail!("X shape {xs:?}: last dimension must be k = {k}");
+    }
+    let xv = x.as_slice::<f32>()?;
+    let m = xv.len() / k;
+    let mut y = vec![0f32; m * n];
+    npuc_ggml::matmul(ty, w, n, k, xv, m, &mut y, mode, ctx.threads)
+        .map_err(|e| crate::RtError::msg(e.to_string()))?;
+    if let Some(b) = ins.opt_tensor(2) {
+        if b.dtype() != DType::F32 || b.len() != n {
+            bail!(
+                "bias must be f32 [{n}], got {:?} {:?}",
+                b.dtype(),
+                b.shape()
+            );
+        }
+        let bv = b.as_slice::<f32>()?;
+        for row in y.chunks_exact_mut(n) {
+            for (v, b) in row.iter_mut().zip(bv) {
+                *v += b;
+            }
+        }
+    }
+    let mut shape = xs.to_vec();
+    *shape.last_mut().expect("X has a last dimension") = n;
+    Ok(vec![Value::tensor(Tensor::from_vec(shape, y)?)])
+}
+
+fn ggml_gather(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
+    let (ty, k) = type_and_k(ctx.node)?;
+    let (w, _) = weight_bytes(ins.tensor(0)?, ty, k)?;
+    let ids_t = ins.tensor(1)?;
+    let ids: Vec<i64> = match ids_t.dtype() {
+        DType::I64 => ids_t.as_slice::<i64>()?.to_vec(),
+        DType::I32 => ids_t.as_slice::<i32>()?.iter().map(|&v| v as i64).collect(),
+        d => bail!("ids must be i64 or i32, got {d:?}"),
+    };
+    let mut out = vec![0f32; ids.len() * k];
+    npuc_ggml::gather_rows(ty, w, k, &ids, &mut out)
+        .map_err(|e| crate::RtError::msg(e.to_string()))?;
+    let mut shape = ids_t.shape().to_vec();
+    shape.push(k);
+    Ok(vec![Value::tensor(Tensor::from_vec(shape, out)?)])
+}
