@@ -108,7 +108,14 @@ fn fast_greedy_matches_llama_cpp() {
     for p in refs["prompts"].as_array().unwrap() {
         let prompt = ids(&p["prompt_ids_bos"]);
         let want = ids(&p["gen_ids"]);
+        let t0 = std::time::Instant::now();
         let got = greedy(&mut e, &prompt, want.len());
+        let secs = t0.elapsed().as_secs_f64();
+        eprintln!(
+            "  {} prompt + {} generated tokens in {secs:.2} s (2 threads)",
+            prompt.len(),
+            want.len()
+        );
         let prefix = got.iter().zip(&want).take_while(|(a, b)| a == b).count();
         eprintln!(
             "prompt of {} tokens: {prefix}/{} greedy tokens identical to llama.cpp",

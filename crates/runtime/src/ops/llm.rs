@@ -130,8 +130,8 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
     let (ra, rb) = (ca.remainder(), cb.remainder());
     for (x, y) in ca.zip(cb) {
-        for k in 0..8 {
-            acc[k] = x[k].mul_add(y[k], acc[k]);
+        for ((a, &xv), &yv) in acc.iter_mut().zip(x).zip(y) {
+            *a = xv.mul_add(yv, *a);
         }
     }
     let mut s = 0f32;
@@ -244,8 +244,7 @@ fn cached_attention(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         scores.resize(end, f32::NEG_INFINITY);
         let pi = positions[i];
         let mut maxv = f32::NEG_INFINITY;
-        for p in 0..end {
-            let m = mrow[p];
+        for (p, &m) in mrow[..end].iter().enumerate() {
             if m == f32::NEG_INFINITY || (window > 0 && pi - p as i64 >= window) {
                 continue;
             }
