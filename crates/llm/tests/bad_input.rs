@@ -34,7 +34,7 @@ fn err(g: &GgufFile) -> String {
         precision: Precision::Exact,
         weights: WeightMode::Auto,
     };
-    build(g, &o).err().expect("the build must fail").to_string()
+    build(g, &o).expect_err("the build must fail").to_string()
 }
 
 fn set(meta: &mut [(String, MetaValue)], key: &str, v: MetaValue) {
