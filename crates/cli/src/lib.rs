@@ -5,6 +5,7 @@ pub mod artifact;
 pub mod bench;
 pub mod compile;
 pub mod gguf_inspect;
+pub mod llm_compile;
 pub mod npy;
 pub mod ocr;
 pub mod verify;

@@ -81,6 +81,15 @@ enum Cmd {
         /// Run an opt-in optimization pass (repeatable): attention-fusion.
         #[arg(long = "enable-pass", value_name = "PASS")]
         enable_pass: Vec<String>,
+        /// GGUF input: graph variants, e.g. ar1,ar32,ar128,full.
+        #[arg(long, default_value = "ar1,ar32,ar128")]
+        variants: String,
+        /// GGUF input: context length (KV cache slots); default: the model's, at most 4096.
+        #[arg(long)]
+        ctx: Option<usize>,
+        /// GGUF input: fast (llama.cpp numerics, f16 KV) or exact (f32).
+        #[arg(long, default_value = "fast")]
+        precision: String,
     },
     /// Time loading and running a model or artifact.
     Bench {
@@ -157,6 +166,17 @@ fn main() {
         Cmd::Compile {
             models,
             output,
+            target,
+            variants,
+            ctx,
+            precision,
+            ..
+        } if models.len() == 1 && npuc_cli::llm_compile::is_gguf(&models[0]) => {
+            llm_compile_cmd(&models[0], &output, &variants, ctx, &precision, target)
+        }
+        Cmd::Compile {
+            models,
+            output,
             named,
             input_shape,
             dim,
@@ -165,6 +185,7 @@ fn main() {
             print_passes,
             disable_pass,
             enable_pass,
+            ..
         } => compile_cmd(
             &models,
             &named,
@@ -213,6 +234,36 @@ fn main() {
 
 fn load(path: &Path) -> Result<Model> {
     Ok(npuc_onnx::load_model(path)?)
+}
+
+fn llm_compile_cmd(
+    model: &Path,
+    output: &Path,
+    variants: &str,
+    ctx: Option<usize>,
+    precision: &str,
+    target: Option<String>,
+) -> Result<()> {
+    let opts = npuc_cli::llm_compile::LlmCompileOptions {
+        variants: npuc_llm::Variant::parse_list(variants)?,
+        ctx,
+        precision: npuc_llm::Precision::parse(precision)?,
+        target,
+    };
+    let s = npuc_cli::llm_compile::compile_gguf(model, &opts, output, |m| eprintln!("{m}"))?;
+    for g in &s.graphs {
+        println!("graph {:<8} nodes {}", g.name, g.nodes_after);
+    }
+    println!(
+        "compiled {} graphs into {} ({:.2} MB): weights {:.2} MB unique / {:.2} MB referenced, {:.2} s",
+        s.graphs.len(),
+        output.display(),
+        s.file_bytes as f64 / 1e6,
+        s.weight_bytes_unique as f64 / 1e6,
+        s.weight_bytes_referenced as f64 / 1e6,
+        s.seconds
+    );
+    Ok(())
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -7,6 +7,7 @@ pub mod elementwise;
 pub mod fused;
 pub mod gather;
 pub mod ggml;
+pub mod llm;
 pub mod matmul;
 pub mod misc;
 pub mod norm;
@@ -29,6 +30,7 @@ pub fn register_all(r: &mut Registry) {
     fused::register(r);
     gather::register(r);
     ggml::register(r);
+    llm::register(r);
     matmul::register(r);
     misc::register(r);
     norm::register(r);

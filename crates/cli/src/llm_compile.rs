@@ -1,0 +1,41 @@
+//! `npuc compile MODEL.gguf --variants ar1,ar32,ar128,full --ctx 1024 [--precision fast|exact]`:
+//! the CLI side of [`npuc_llm::compile`] (one graph per AR variant in one artifact, the GGUF
+//! weights stored once, model facts and tokenizer metadata in the graphs' metadata).
+
+use crate::compile::{CompileSummary, GraphSummary};
+use anyhow::Result;
+pub use npuc_llm::compile::LlmCompileOptions;
+use std::path::Path;
+
+/// True for paths the LLM compiler handles (`.gguf`).
+pub fn is_gguf(path: &Path) -> bool {
+    path.extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+}
+
+/// Compiles a GGUF model into the artifact `out` (written atomically).
+pub fn compile_gguf(
+    path: &Path,
+    opts: &LlmCompileOptions,
+    out: &Path,
+    log: impl FnMut(&str),
+) -> Result<CompileSummary> {
+    let s = npuc_llm::compile::compile_gguf(path, opts, out, log)?;
+    Ok(CompileSummary {
+        graphs: s
+            .graphs
+            .into_iter()
+            .map(|(name, nodes)| GraphSummary {
+                name,
+                nodes_before: nodes,
+                nodes_after: nodes,
+                arena_bytes: 0,
+                pass_log: vec![],
+            })
+            .collect(),
+        weight_bytes_unique: s.weight_bytes_unique,
+        weight_bytes_referenced: s.weight_bytes_referenced,
+        file_bytes: s.file_bytes,
+        seconds: s.seconds,
+    })
+}

@@ -1,0 +1,895 @@
+//! GGUF → IR: hyper-parameters (per architecture: [`llama`], [`qwen2`], [`gemma3`]) and the
+//! shared decoder-graph builder.
+//!
+//! One graph per variant: N new tokens per call over a cache of C slots. Weights keep their
+//! GGUF tensor names as initializer names in every variant, so an artifact stores them once and
+//! in-memory engines share the same (zero-copy, mmap-backed) tensors.
+
+pub mod gemma3;
+pub mod llama;
+pub mod qwen2;
+
+use crate::{bail, LlmError, Result};
+use npuc_gguf::{GgufFile, TensorInfo};
+use npuc_ir::{
+    Attr, DType, GgmlType, Graph, Initializer, Model, Node, OpsetImport, Tensor, TypeInfo,
+    ValueInfo,
+};
+
+/// Architectures with a builder.
+pub const SUPPORTED: &[&str] = &["llama", "qwen2", "gemma3"];
+
+/// Numerics of a build.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Precision {
+    /// llama.cpp's CPU numerics: activations quantized inside quantized matmuls
+    /// (`act_quant = 1`), f16 KV cache.
+    #[default]
+    Fast,
+    /// f32 everywhere: dequantized weights times f32 activations, f32 KV cache.
+    Exact,
+}
+
+impl Precision {
+    /// Parses `fast` / `exact`.
+    pub fn parse(s: &str) -> Result<Precision> {
+        match s {
+            "fast" => Ok(Precision::Fast),
+            "exact" => Ok(Precision::Exact),
+            _ => bail!("unknown precision '{s}' (expected fast or exact)"),
+        }
+    }
+    /// The KV cache element type.
+    pub fn kv_dtype(self) -> DType {
+        match self {
+            Precision::Fast => DType::F16,
+            Precision::Exact => DType::F32,
+        }
+    }
+    /// `fast` / `exact`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::Fast => "fast",
+            Precision::Exact => "exact",
+        }
+    }
+}
+
+/// How weights enter the graph.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum WeightMode {
+    /// `Ggml` when the runtime has `npuc.GgmlMatMul`, else `Plain`.
+    #[default]
+    Auto,
+    /// F32/F16 weights as f32 initializers used by ONNX `Gemm(transB=1)` / `Gather`
+    /// (quantized files are refused).
+    Plain,
+    /// Every weight as stored in the GGUF (u8 blocks, zero-copy), through `npuc.GgmlMatMul` /
+    /// `npuc.GgmlGather`.
+    Ggml,
+}
+
+impl WeightMode {
+    fn resolve(self) -> WeightMode {
+        match self {
+            WeightMode::Auto => {
+                if npuc_runtime::registry().has("npuc", "GgmlMatMul") {
+                    WeightMode::Ggml
+                } else {
+                    WeightMode::Plain
+                }
+            }
+            m => m,
+        }
+    }
+}
+
+/// A graph variant: `ar{N}` (N tokens per call) or `full` (N = ctx).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Variant {
+    /// N new tokens per call.
+    Ar(usize),
+    /// The whole context in one call.
+    Full,
+}
+
+impl Variant {
+    /// Parses `ar{N}` (N >= 1) or `full`.
+    pub fn parse(s: &str) -> Result<Variant> {
+        if s == "full" {
+            return Ok(Variant::Full);
+        }
+        match s.strip_prefix("ar").and_then(|n| n.parse::<usize>().ok()) {
+            Some(n) if n >= 1 => Ok(Variant::Ar(n)),
+            _ => {
+                bail!("unknown variant '{s}' (expected ar<N> with N >= 1, e.g. ar1, ar32, or full)")
+            }
+        }
+    }
+    /// Parses a comma-separated list.
+    pub fn parse_list(s: &str) -> Result<Vec<Variant>> {
+        s.split(',').map(|v| Variant::parse(v.trim())).collect()
+    }
+    /// The graph name (`ar32`, `full`).
+    pub fn name(self) -> String {
+        match self {
+            Variant::Ar(n) => format!("ar{n}"),
+            Variant::Full => "full".into(),
+        }
+    }
+    /// Tokens per call with a context of `ctx`.
+    pub fn tokens(self, ctx: usize) -> usize {
+        match self {
+            Variant::Ar(n) => n,
+            Variant::Full => ctx,
+        }
+    }
+}
+
+/// What to build.
+#[derive(Clone, Debug)]
+pub struct BuildOptions {
+    /// Tokens per call (N).
+    pub tokens: usize,
+    /// Cache slots (C).
+    pub ctx: usize,
+    pub precision: Precision,
+    pub weights: WeightMode,
+}
+
+/// The FFN activation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Act {
+    /// `silu(gate) * up` (llama, qwen2).
+    Silu,
+    /// `gelu_tanh(gate) * up` (gemma3).
+    GeluTanh,
+}
+
+/// Rotary embedding flavour (see `npuc.Rope`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeMode {
+    /// Adjacent pairs (GGUF `llama`, q/k rows permuted by the converter).
+    Normal,
+    /// Halves (qwen2, gemma3).
+    Neox,
+}
+
+/// Everything the builder needs to know about one model.
+#[derive(Clone, Debug)]
+pub struct Hparams {
+    /// `general.architecture`.
+    pub arch: String,
+    pub n_layers: usize,
+    pub n_embd: usize,
+    pub n_ff: usize,
+    pub n_head: usize,
+    pub n_kv_head: usize,
+    pub head_dim: usize,
+    pub vocab: usize,
+    /// Training context (`{arch}.context_length`), the default `ctx`.
+    pub ctx_train: usize,
+    pub eps: f32,
+    pub rope_mode: RopeMode,
+    /// Rotated features per head.
+    pub rope_dims: usize,
+    /// Rope base of global layers.
+    pub rope_base: f32,
+    /// Rope base of sliding-window layers.
+    pub rope_base_swa: f32,
+    /// Linear rope scaling factor of global layers (1 = none).
+    pub rope_linear: f32,
+    /// Sliding window of local layers (0 = none).
+    pub window: usize,
+    /// Per layer: uses the sliding window (and `rope_base_swa`).
+    pub swa_layers: Vec<bool>,
+    pub attn_scale: f32,
+    /// Embeddings are multiplied by this after the lookup (gemma: sqrt(n_embd)).
+    pub embed_scale: Option<f32>,
+    pub act: Act,
+    /// q/k/v biases (qwen2).
+    pub qkv_bias: bool,
+    /// Per-head q/k RMSNorm (gemma3).
+    pub qk_norm: bool,
+    /// RMSNorm after attention and after the FFN, before the residual add (gemma3).
+    pub post_norms: bool,
+    /// `rope_freqs.weight` present (llama3 scaling): divides the angles.
+    pub rope_freqs: bool,
+    /// No `output.weight`: the LM head is `token_embd.weight`.
+    pub tied: bool,
+}
+
+/// Architecture-independent GGUF key reading.
+pub(crate) struct Keys<'a> {
+    pub g: &'a GgufFile,
+    pub arch: &'a str,
+}
+
+impl Keys<'_> {
+    fn key(&self, k: &str) -> String {
+        format!("{}.{k}", self.arch)
+    }
+    /// Required positive integer `{arch}.k`.
+    pub fn req(&self, k: &str) -> Result<usize> {
+        let key = self.key(k);
+        let v = match self.g.get(&key) {
+            None => {
+                return Err(self
+                    .g
+                    .meta_err(
+                        &key,
+                        format!("missing (required by the {} builder)", self.arch),
+                    )
+                    .into())
+            }
+            Some(v) => v,
+        };
+        match v.as_u64() {
+            Some(n) if n > 0 && n < (1 << 31) => Ok(n as usize),
+            _ => Err(self
+                .g
+                .meta_err(&key, format!("expected a positive integer, found {v:?}"))
+                .into()),
+        }
+    }
+    /// Optional positive integer `{arch}.k`.
+    pub fn opt(&self, k: &str) -> Result<Option<usize>> {
+        if self.g.get(&self.key(k)).is_none() {
+            return Ok(None);
+        }
+        self.req(k).map(Some)
+    }
+    /// Optional float `{arch}.k`.
+    pub fn f(&self, k: &str) -> Result<Option<f32>> {
+        let key = self.key(k);
+        match self.g.get(&key) {
+            None => Ok(None),
+            Some(v) => match v.as_f64() {
+                Some(x) if x.is_finite() => Ok(Some(x as f32)),
+                _ => Err(self
+                    .g
+                    .meta_err(&key, format!("expected a number, found {v:?}"))
+                    .into()),
+            },
+        }
+    }
+    /// Optional string `{arch}.k`.
+    pub fn s(&self, k: &str) -> Option<&str> {
+        self.g.get(&self.key(k)).and_then(|v| v.as_str())
+    }
+}
+
+/// Hyper-parameters common to the three architectures (each arch module adjusts them).
+pub(crate) fn common_hparams(g: &GgufFile, arch: &str) -> Result<Hparams> {
+    let k = Keys { g, arch };
+    let n_layers = k.req("block_count")?;
+    let n_embd = k.req("embedding_length")?;
+    let n_ff = k.req("feed_forward_length")?;
+    let n_head = k.req("attention.head_count")?;
+    let n_kv_head = k.opt("attention.head_count_kv")?.unwrap_or(n_head);
+    if n_head % n_kv_head != 0 {
+        bail!(
+            "{}: {arch}.attention.head_count {n_head} is not a multiple of {arch}.attention.head_count_kv {n_kv_head}",
+            g.name
+        );
+    }
+    let head_dim = match k.opt("attention.key_length")? {
+        Some(d) => d,
+        None => {
+            if n_embd % n_head != 0 {
+                bail!(
+                    "{}: {arch}.embedding_length {n_embd} is not a multiple of {arch}.attention.head_count {n_head} (and no {arch}.attention.key_length)",
+                    g.name
+                );
+            }
+            n_embd / n_head
+        }
+    };
+    if let Some(vd) = k.opt("attention.value_length")? {
+        if vd != head_dim {
+            bail!("{}: {arch}.attention.value_length {vd} differs from key_length {head_dim} (not supported)", g.name);
+        }
+    }
+    let emb = g
+        .tensor("token_embd.weight")
+        .ok_or_else(|| missing(g, "token_embd.weight", arch))?;
+    let vocab = match k.opt("vocab_size")? {
+        Some(v) => v,
+        None => match g.get("tokenizer.ggml.tokens").and_then(|v| v.as_array()) {
+            Some(a) => a.len(),
+            None => emb.rows() as usize,
+        },
+    };
+    let rope_dims = k.opt("rope.dimension_count")?.unwrap_or(head_dim);
+    if rope_dims > head_dim || rope_dims % 2 != 0 {
+        bail!(
+            "{}: {arch}.rope.dimension_count {rope_dims} must be even and <= head dim {head_dim}",
+            g.name
+        );
+    }
+    let rope_base = k.f("rope.freq_base")?.unwrap_or(10000.0);
+    let rope_linear = match k.s("rope.scaling.type") {
+        None | Some("none") => 1.0,
+        Some("linear") => k.f("rope.scaling.factor")?.unwrap_or(1.0),
+        // llama3/yarn scaling of llama is carried by rope_freqs.weight (convert_hf_to_gguf).
+        Some("llama3") if g.tensor("rope_freqs.weight").is_some() => 1.0,
+        Some(t) => bail!("{}: {arch}.rope.scaling.type '{t}' is not supported (none, linear, llama3 with rope_freqs.weight)", g.name),
+    };
+    if rope_linear <= 0.0 {
+        bail!("{}: {arch}.rope.scaling.factor must be positive", g.name);
+    }
+    let eps = k.f("attention.layer_norm_rms_epsilon")?.unwrap_or(1e-5);
+    Ok(Hparams {
+        arch: arch.to_string(),
+        n_layers,
+        n_embd,
+        n_ff,
+        n_head,
+        n_kv_head,
+        head_dim,
+        vocab,
+        ctx_train: k.opt("context_length")?.unwrap_or(2048),
+        eps,
+        rope_mode: RopeMode::Neox,
+        rope_dims,
+        rope_base,
+        rope_base_swa: rope_base,
+        rope_linear,
+        window: 0,
+        swa_layers: vec![false; n_layers],
+        attn_scale: 1.0 / (head_dim as f32).sqrt(),
+        embed_scale: None,
+        act: Act::Silu,
+        qkv_bias: false,
+        qk_norm: false,
+        post_norms: false,
+        rope_freqs: g.tensor("rope_freqs.weight").is_some(),
+        tied: g.tensor("output.weight").is_none(),
+    })
+}
+
+pub(crate) fn missing(g: &GgufFile, t: &str, arch: &str) -> LlmError {
+    g.tensor_err(t, format!("missing (required by the {arch} builder)"))
+        .into()
+}
+
+/// Reads and validates the hyper-parameters of `g`.
+pub fn hparams(g: &GgufFile) -> Result<Hparams> {
+    let arch = g.architecture()?;
+    match arch {
+        "llama" => llama::hparams(g),
+        "qwen2" => qwen2::hparams(g),
+        "gemma3" => gemma3::hparams(g),
+        a => bail!(
+            "{}: architecture '{a}' is not supported (supported: {})",
+            g.name,
+            SUPPORTED.join(", ")
+        ),
+    }
+}
+
+/// Builds the graph of one variant.
+pub fn build(g: &GgufFile, opts: &BuildOptions) -> Result<Model> {
+    let hp = hparams(g)?;
+    build_with(g, &hp, opts)
+}
+
+/// Builds the graph of one variant from already-read hyper-parameters.
+pub fn build_with(g: &GgufFile, hp: &Hparams, opts: &BuildOptions) -> Result<Model> {
+    if opts.tokens == 0 || opts.ctx == 0 || opts.tokens > opts.ctx {
+        bail!(
+            "a variant of {} tokens per call does not fit a context of {}",
+            opts.tokens,
+            opts.ctx
+        );
+    }
+    let mut b = Builder {
+        g,
+        hp,
+        opts,
+        mode: opts.weights.resolve(),
+        nodes: vec![],
+        inits: vec![],
+        n: 0,
+    };
+    b.decoder()?;
+    let (n, c) = (opts.tokens, opts.ctx);
+    let (kvh, d) = (hp.n_kv_head, hp.head_dim);
+    let kv = opts.precision.kv_dtype();
+    let mut inputs = vec![
+        ValueInfo::new("input_ids", Some(TypeInfo::tensor(DType::I64, &[n]))),
+        ValueInfo::new("positions", Some(TypeInfo::tensor(DType::I64, &[n]))),
+        ValueInfo::new("attn_mask", Some(TypeInfo::tensor(DType::F32, &[n, c]))),
+    ];
+    let mut outputs = vec![ValueInfo::new(
+        "logits",
+        Some(TypeInfo::tensor(DType::F32, &[n, hp.vocab])),
+    )];
+    for l in 0..hp.n_layers {
+        for kind in ["key", "value"] {
+            inputs.push(ValueInfo::new(
+                format!("past_{kind}.{l}"),
+                Some(TypeInfo::tensor(kv, &[kvh, c, d])),
+            ));
+            outputs.push(ValueInfo::new(
+                format!("new_{kind}.{l}"),
+                Some(TypeInfo::tensor(kv, &[kvh, n, d])),
+            ));
+        }
+    }
+    let graph = Graph {
+        name: format!("{}-n{n}-c{c}", hp.arch),
+        nodes: b.nodes,
+        inputs,
+        outputs,
+        initializers: b.inits,
+        ..Default::default()
+    };
+    Ok(Model {
+        ir_version: 10,
+        opset_imports: vec![
+            OpsetImport {
+                domain: String::new(),
+                version: 23,
+            },
+            OpsetImport {
+                domain: "npuc".into(),
+                version: 1,
+            },
+        ],
+        producer_name: "npuc-llm".into(),
+        producer_version: env!("CARGO_PKG_VERSION").into(),
+        graph,
+        metadata: vec![(
+            "npuc.llm".into(),
+            serde_json::json!({
+                "arch": hp.arch, "ctx": c, "tokens": n, "n_layers": hp.n_layers,
+                "n_kv_heads": kvh, "head_dim": d, "vocab": hp.vocab,
+                "kv_dtype": kv.name(), "precision": opts.precision.name(),
+            })
+            .to_string(),
+        )],
+        ..Default::default()
+    })
+}
+
+struct Builder<'a> {
+    g: &'a GgufFile,
+    hp: &'a Hparams,
+    opts: &'a BuildOptions,
+    mode: WeightMode,
+    nodes: Vec<Node>,
+    inits: Vec<Initializer>,
+    /// Counter for fresh value names.
+    n: usize,
+}
+
+impl Builder<'_> {
+    fn info(&self, name: &str) -> Result<&TensorInfo> {
+        self.g
+            .tensor(name)
+            .ok_or_else(|| missing(self.g, name, &self.hp.arch))
+    }
+
+    /// Checks a tensor's row-major shape.
+    fn expect_shape(&self, name: &str, shape: &[usize]) -> Result<&TensorInfo> {
+        let t = self.info(name)?;
+        if t.shape() != shape {
+            return Err(self
+                .g
+                .tensor_err(
+                    name,
+                    format!(
+                        "has shape {:?}, expected {:?} from the {} hyper-parameters",
+                        t.shape(),
+                        shape,
+                        self.hp.arch
+                    ),
+                )
+                .into());
+        }
+        Ok(t)
+    }
+
+    fn has_init(&self, name: &str) -> bool {
+        self.inits.iter().any(|i| i.name == name)
+    }
+
+    /// A tensor as stored (typed when F32/F16/BF16, u8 `[rows, row_bytes]` blocks otherwise),
+    /// zero-copy over the file's mapping when aligned.
+    fn raw_tensor(&self, t: &TensorInfo) -> Result<Tensor> {
+        let (off, len) = self.g.tensor_range(t);
+        let shape = t.shape();
+        let dt = match t.ggml_type {
+            GgmlType::F32 => DType::F32,
+            GgmlType::F16 => DType::F16,
+            GgmlType::BF16 => DType::BF16,
+            ty => {
+                let rb = ty.row_bytes(t.row_len() as usize).ok_or_else(|| {
+                    self.g.tensor_err(
+                        &t.name,
+                        format!(
+                            "row of {} elements is not a whole number of {} blocks",
+                            t.row_len(),
+                            ty.name()
+                        ),
+                    )
+                })?;
+                return Ok(Tensor::from_le_bytes(
+                    DType::U8,
+                    vec![t.rows() as usize, rb],
+                    self.g.backing(),
+                    off,
+                    len,
+                )?);
+            }
+        };
+        Ok(Tensor::from_le_bytes(
+            dt,
+            shape,
+            self.g.backing(),
+            off,
+            len,
+        )?)
+    }
+
+    /// A tensor as f32 (zero-copy for F32; F16/BF16 widened; quantized types refused).
+    fn f32_tensor(&self, t: &TensorInfo) -> Result<Tensor> {
+        let raw = self.raw_tensor(t)?;
+        match raw.dtype() {
+            DType::F32 => Ok(raw),
+            DType::F16 | DType::BF16 => {
+                let v: Vec<f32> = raw.to_f64_vec()?.into_iter().map(|x| x as f32).collect();
+                Ok(Tensor::from_vec(raw.shape().to_vec(), v)?)
+            }
+            _ => Err(self
+                .g
+                .tensor_err(
+                    &t.name,
+                    format!(
+                        "is {}: quantized weights need the npuc.GgmlMatMul/GgmlGather ops (weights mode ggml)",
+                        t.ggml_type.name()
+                    ),
+                )
+                .into()),
+        }
+    }
+
+    /// Adds `name` as an f32 initializer (1-D parameters: norms, biases, rope factors).
+    fn param(&mut self, name: &str, len: usize) -> Result<String> {
+        if !self.has_init(name) {
+            let t = self.expect_shape(name, &[len])?;
+            let tensor = self.f32_tensor(t)?;
+            self.inits.push(Initializer {
+                name: name.into(),
+                tensor,
+            });
+        }
+        Ok(name.into())
+    }
+
+    fn fresh(&mut self, what: &str) -> String {
+        self.n += 1;
+        format!("{what}_{}", self.n)
+    }
+
+    fn push(
+        &mut self,
+        op: &str,
+        domain: &str,
+        ins: &[&str],
+        out: &str,
+        attrs: Vec<(&str, Attr)>,
+    ) -> String {
+        let mut nd = Node::new(op, ins, &[out]);
+        nd.name = out.to_string();
+        nd.domain = domain.into();
+        for (k, a) in attrs {
+            nd = nd.with_attr(k, a);
+        }
+        self.nodes.push(nd);
+        out.to_string()
+    }
+
+    fn op(&mut self, op: &str, ins: &[&str], attrs: Vec<(&str, Attr)>) -> String {
+        let out = self.fresh(&op.to_lowercase());
+        self.push(op, "", ins, &out, attrs)
+    }
+
+    fn const_i64(&mut self, vals: &[i64]) -> String {
+        let name = format!(
+            "const_i64_{}",
+            vals.iter()
+                .map(|v| v.to_string())
+                .collect::<Vec<_>>()
+                .join("_")
+        );
+        if !self.has_init(&name) {
+            let t = Tensor::from_vec(vec![vals.len()], vals.to_vec()).expect("length matches");
+            self.inits.push(Initializer {
+                name: name.clone(),
+                tensor: t,
+            });
+        }
+        name
+    }
+
+    fn const_f32(&mut self, name: &str, v: f32) -> String {
+        if !self.has_init(name) {
+            self.inits.push(Initializer {
+                name: name.into(),
+                tensor: Tensor::scalar(v),
+            });
+        }
+        name.into()
+    }
+
+    fn rms(&mut self, x: &str, w: &str, len: usize) -> Result<String> {
+        let w = self.param(w, len)?;
+        let eps = self.hp.eps;
+        Ok(self.op(
+            "RMSNormalization",
+            &[x, &w],
+            vec![("axis", Attr::Int(-1)), ("epsilon", Attr::Float(eps))],
+        ))
+    }
+
+    /// `x [M, k] · Wᵀ (+ bias)` with W = `name` of `n_out` rows of `k`.
+    fn linear(
+        &mut self,
+        x: &str,
+        name: &str,
+        bias: Option<&str>,
+        n_out: usize,
+        k: usize,
+    ) -> Result<String> {
+        let t = self.expect_shape(name, &[n_out, k])?.clone();
+        let bias = match bias {
+            Some(b) => Some(self.param(b, n_out)?),
+            None => None,
+        };
+        if !self.has_init(name) {
+            let tensor = match self.mode {
+                WeightMode::Ggml => self.raw_tensor(&t)?,
+                _ => self.f32_tensor(&t)?,
+            };
+            self.inits.push(Initializer {
+                name: name.into(),
+                tensor,
+            });
+        }
+        let mut ins = vec![x, name];
+        if let Some(b) = &bias {
+            ins.push(b);
+        }
+        let out = self.fresh("linear");
+        Ok(match self.mode {
+            WeightMode::Ggml => {
+                let aq = i64::from(self.opts.precision == Precision::Fast);
+                self.push(
+                    "GgmlMatMul",
+                    "npuc",
+                    &ins,
+                    &out,
+                    vec![
+                        ("ggml_type", Attr::String(t.ggml_type.name().into())),
+                        ("k", Attr::Int(k as i64)),
+                        ("act_quant", Attr::Int(aq)),
+                    ],
+                )
+            }
+            _ => self.push("Gemm", "", &ins, &out, vec![("transB", Attr::Int(1))]),
+        })
+    }
+
+    fn embed(&mut self) -> Result<String> {
+        let (v, e) = (self.hp.vocab, self.hp.n_embd);
+        let t = self.info("token_embd.weight")?.clone();
+        if t.shape().get(1) != Some(&e) || (t.rows() as usize) < v {
+            return Err(self
+                .g
+                .tensor_err(
+                    "token_embd.weight",
+                    format!("has shape {:?}, expected [>= {v}, {e}]", t.shape()),
+                )
+                .into());
+        }
+        let name = "token_embd.weight";
+        if !self.has_init(name) {
+            let tensor = match self.mode {
+                WeightMode::Ggml => self.raw_tensor(&t)?,
+                _ => self.f32_tensor(&t)?,
+            };
+            self.inits.push(Initializer {
+                name: name.into(),
+                tensor,
+            });
+        }
+        Ok(match self.mode {
+            WeightMode::Ggml => {
+                let out = self.fresh("embed");
+                self.push(
+                    "GgmlGather",
+                    "npuc",
+                    &[name, "input_ids"],
+                    &out,
+                    vec![
+                        ("ggml_type", Attr::String(t.ggml_type.name().into())),
+                        ("k", Attr::Int(e as i64)),
+                    ],
+                )
+            }
+            _ => self.op("Gather", &[name, "input_ids"], vec![("axis", Attr::Int(0))]),
+        })
+    }
+
+    fn decoder(&mut self) -> Result<()> {
+        let hp = self.hp;
+        let (n, e) = (self.opts.tokens, hp.n_embd);
+        let (h, kvh, d) = (hp.n_head, hp.n_kv_head, hp.head_dim);
+        let mut x = self.embed()?;
+        if let Some(s) = hp.embed_scale {
+            let c = self.const_f32("embed_scale", s);
+            x = self.op("Mul", &[&x, &c], vec![]);
+        }
+        let freqs = if hp.rope_freqs {
+            Some(self.param("rope_freqs.weight", hp.rope_dims / 2)?)
+        } else {
+            None
+        };
+        // Linear rope scaling of global layers as constant factors (angles / factor).
+        let linear = if hp.rope_linear != 1.0 && freqs.is_none() {
+            let name = "rope_linear_factors".to_string();
+            if !self.has_init(&name) {
+                let t = Tensor::from_vec(
+                    vec![hp.rope_dims / 2],
+                    vec![hp.rope_linear; hp.rope_dims / 2],
+                )?;
+                self.inits.push(Initializer {
+                    name: name.clone(),
+                    tensor: t,
+                });
+            }
+            Some(name)
+        } else {
+            None
+        };
+        let shape_q = self.const_i64(&[n as i64, h as i64, d as i64]);
+        let shape_kv = self.const_i64(&[n as i64, kvh as i64, d as i64]);
+        let mode = match hp.rope_mode {
+            RopeMode::Normal => "normal",
+            RopeMode::Neox => "neox",
+        };
+        for l in 0..hp.n_layers {
+            let p = |s: &str| format!("blk.{l}.{s}");
+            let swa = hp.swa_layers[l];
+            let hn = self.rms(&x, &p("attn_norm.weight"), e)?;
+            let (bq, bk, bv) = if hp.qkv_bias {
+                (
+                    Some(p("attn_q.bias")),
+                    Some(p("attn_k.bias")),
+                    Some(p("attn_v.bias")),
+                )
+            } else {
+                (None, None, None)
+            };
+            let q = self.linear(&hn, &p("attn_q.weight"), bq.as_deref(), h * d, e)?;
+            let k = self.linear(&hn, &p("attn_k.weight"), bk.as_deref(), kvh * d, e)?;
+            let v = self.linear(&hn, &p("attn_v.weight"), bv.as_deref(), kvh * d, e)?;
+            let mut q = self.op("Reshape", &[&q, &shape_q], vec![]);
+            let mut k = self.op("Reshape", &[&k, &shape_kv], vec![]);
+            let v = self.op("Reshape", &[&v, &shape_kv], vec![]);
+            if hp.qk_norm {
+                q = self.rms(&q, &p("attn_q_norm.weight"), d)?;
+                k = self.rms(&k, &p("attn_k_norm.weight"), d)?;
+            }
+            let base = if swa { hp.rope_base_swa } else { hp.rope_base };
+            let factors = if swa {
+                None
+            } else {
+                freqs.clone().or(linear.clone())
+            };
+            let rope_attrs = || {
+                vec![
+                    ("mode", Attr::String(mode.into())),
+                    ("base", Attr::Float(base)),
+                    ("dims", Attr::Int(hp.rope_dims as i64)),
+                ]
+            };
+            let mut rin = vec![q.as_str(), "positions"];
+            if let Some(f) = &factors {
+                rin.push(f);
+            }
+            let qr = self.fresh("rope_q");
+            let q = self.push("Rope", "npuc", &rin, &qr, rope_attrs());
+            rin[0] = &k;
+            let kr = self.fresh("rope_k");
+            let k = self.push("Rope", "npuc", &rin, &kr, rope_attrs());
+            // This call's K/V in the cache layout [KVH, N, D] and dtype.
+            for (src, kind) in [(&k, "key"), (&v, "value")] {
+                let t = self.op(
+                    "Transpose",
+                    &[src],
+                    vec![("perm", Attr::Ints(vec![1, 0, 2]))],
+                );
+                let out = format!("new_{kind}.{l}");
+                if self.opts.precision.kv_dtype() == DType::F16 {
+                    self.push("Cast", "", &[&t], &out, vec![("to", Attr::Int(10))]);
+                } else {
+                    self.push("Identity", "", &[&t], &out, vec![]);
+                }
+            }
+            let pk = format!("past_key.{l}");
+            let pv = format!("past_value.{l}");
+            let att = self.fresh("attn");
+            let window = if swa { hp.window as i64 } else { 0 };
+            let a = self.push(
+                "CachedAttention",
+                "npuc",
+                &[&q, &k, &v, &pk, &pv, "positions", "attn_mask"],
+                &att,
+                vec![
+                    ("scale", Attr::Float(hp.attn_scale)),
+                    ("window", Attr::Int(window)),
+                ],
+            );
+            let mut o = self.linear(&a, &p("attn_output.weight"), None, e, h * d)?;
+            if hp.post_norms {
+                o = self.rms(&o, &p("post_attention_norm.weight"), e)?;
+            }
+            x = self.op("Add", &[&x, &o], vec![]);
+            let hn = self.rms(&x, &p("ffn_norm.weight"), e)?;
+            let gate = self.linear(&hn, &p("ffn_gate.weight"), None, hp.n_ff, e)?;
+            let up = self.linear(&hn, &p("ffn_up.weight"), None, hp.n_ff, e)?;
+            let act = match hp.act {
+                Act::Silu => {
+                    let s = self.op("Sigmoid", &[&gate], vec![]);
+                    self.op("Mul", &[&gate, &s], vec![])
+                }
+                Act::GeluTanh if self.opts.precision == Precision::Fast => {
+                    // ggml's CPU GELU is a table over f16 inputs holding f16 outputs
+                    // (GGML_GELU_FP16): round the input and the output through f16 like it.
+                    let a = self.op("Cast", &[&gate], vec![("to", Attr::Int(10))]);
+                    let a = self.op("Cast", &[&a], vec![("to", Attr::Int(1))]);
+                    let a = self.op(
+                        "Gelu",
+                        &[&a],
+                        vec![("approximate", Attr::String("tanh".into()))],
+                    );
+                    let a = self.op("Cast", &[&a], vec![("to", Attr::Int(10))]);
+                    self.op("Cast", &[&a], vec![("to", Attr::Int(1))])
+                }
+                Act::GeluTanh => self.op(
+                    "Gelu",
+                    &[&gate],
+                    vec![("approximate", Attr::String("tanh".into()))],
+                ),
+            };
+            let m = self.op("Mul", &[&act, &up], vec![]);
+            let mut dn = self.linear(&m, &p("ffn_down.weight"), None, e, hp.n_ff)?;
+            if hp.post_norms {
+                dn = self.rms(&dn, &p("post_ffw_norm.weight"), e)?;
+            }
+            x = self.op("Add", &[&x, &dn], vec![]);
+        }
+        let xn = self.rms(&x, "output_norm.weight", e)?;
+        let head = if hp.tied {
+            "token_embd.weight"
+        } else {
+            "output.weight"
+        };
+        let (vocab, rows) = (hp.vocab, self.info(head)?.rows() as usize);
+        if rows != vocab {
+            return Err(self
+                .g
+                .tensor_err(
+                    head,
+                    format!("has {rows} rows, expected the vocabulary size {vocab}"),
+                )
+                .into());
+        }
+        let logits = self.linear(&xn, head, None, vocab, e)?;
+        self.push("Identity", "", &[&logits], "logits", vec![]);
+        Ok(())
+    }
+}

@@ -1,0 +1,141 @@
+//! The LLM artifact compiler behind `npuc compile MODEL.gguf --variants ar1,ar32,ar128,full --ctx 1024 [--precision fast|exact]`:
+//! one graph per AR variant in one artifact, the GGUF weights stored once (every variant uses
+//! the same initializer names and bytes, which the artifact writer deduplicates), plus the
+//! model facts (`npuc.llm`, per graph) and the tokenizer's GGUF metadata as JSON
+//! (`npuc.llm.tokenizer`, first graph) so that the artifact can generate without the GGUF.
+
+use crate::engine::{build_variants, TOKENIZER_KEY, TOKENIZER_PREFIXES};
+use crate::{EngineOptions, GgufMetaJson, LlmError, Precision, Result, Variant, WeightMode};
+use npuc_format::{ArtifactWriter, GraphInfo, Target};
+use std::path::Path;
+use std::time::Instant;
+
+/// What `npuc compile` was asked for a GGUF input.
+#[derive(Clone, Debug)]
+pub struct LlmCompileOptions {
+    /// Variants, e.g. `ar1,ar32,ar128,full`.
+    pub variants: Vec<Variant>,
+    /// Cache slots (default: the model's training context, at most 4096).
+    pub ctx: Option<usize>,
+    pub precision: Precision,
+    /// Target descriptor name (default: this machine).
+    pub target: Option<String>,
+}
+
+impl Default for LlmCompileOptions {
+    fn default() -> Self {
+        LlmCompileOptions {
+            variants: vec![Variant::Ar(1), Variant::Ar(32), Variant::Ar(128)],
+            ctx: None,
+            precision: Precision::Fast,
+            target: None,
+        }
+    }
+}
+
+/// True for paths the LLM compiler handles (`.gguf`).
+pub fn is_gguf(path: &Path) -> bool {
+    path.extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+}
+
+/// What was written.
+#[derive(Clone, Debug)]
+pub struct LlmCompileSummary {
+    /// Graph names and node counts.
+    pub graphs: Vec<(String, usize)>,
+    /// Bytes of weights stored in the artifact.
+    pub weight_bytes_unique: u64,
+    /// Bytes of weights the graphs reference (counting shared ones once per graph).
+    pub weight_bytes_referenced: u64,
+    pub file_bytes: u64,
+    pub seconds: f64,
+}
+
+/// Compiles a GGUF model into the artifact `out` (written atomically).
+pub fn compile_gguf(
+    path: &Path,
+    opts: &LlmCompileOptions,
+    out: &Path,
+    mut log: impl FnMut(&str),
+) -> Result<LlmCompileSummary> {
+    let t0 = Instant::now();
+    let target = match &opts.target {
+        Some(t) => Target::parse(t)?,
+        None => Target::host(),
+    };
+    let g = npuc_gguf::GgufFile::open(path)?;
+    let eopts = EngineOptions {
+        threads: 1,
+        ctx: opts.ctx,
+        variants: opts.variants.clone(),
+        precision: opts.precision,
+    };
+    log(&format!(
+        "[{}] building {} for {}",
+        path.display(),
+        opts.variants
+            .iter()
+            .map(|v| v.name())
+            .collect::<Vec<_>>()
+            .join(", "),
+        g.architecture().unwrap_or("?")
+    ));
+    let models = build_variants(&g, &eopts, WeightMode::Auto)?;
+    let options = serde_json::json!({
+        "llm": true,
+        "variants": opts.variants.iter().map(|v| v.name()).collect::<Vec<_>>(),
+        "ctx": opts.ctx,
+        "precision": opts.precision.name(),
+        "target": target.name,
+    });
+    let mut w = ArtifactWriter::new(target, options);
+    w.add_source(
+        &path
+            .file_name()
+            .map(|f| f.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+        g.backing().bytes(),
+    );
+    let tok = GgufMetaJson::filtered(&g.metadata, TOKENIZER_PREFIXES);
+    let mut graphs = vec![];
+    let mut referenced = 0u64;
+    for (i, (v, mut m)) in models.into_iter().enumerate() {
+        if i == 0 {
+            m.metadata
+                .push((TOKENIZER_KEY.into(), tok.to_json().to_string()));
+        }
+        // Refuse unsupported ops now (e.g. a quantized file without the ggml kernels).
+        npuc_runtime::Plan::for_model(&m).map_err(|e| {
+            LlmError::msg(format!("'{}' variant {}: {e}", path.display(), v.name()))
+        })?;
+        let nodes = m.graph.nodes.len();
+        referenced += m
+            .graph
+            .initializers
+            .iter()
+            .map(|i| (i.tensor.len() * i.tensor.dtype().size()) as u64)
+            .sum::<u64>();
+        log(&format!("[{}] serializing {nodes} nodes", v.name()));
+        w.add_graph(
+            &v.name(),
+            &m,
+            GraphInfo {
+                nodes_before: nodes,
+                nodes_after: nodes,
+                arena_bytes: 0,
+                source: path.display().to_string(),
+            },
+        )?;
+        graphs.push((v.name(), nodes));
+    }
+    let unique: u64 = w.meta().weights.iter().map(|wd| wd.len).sum();
+    let file_bytes = w.write(out)?;
+    Ok(LlmCompileSummary {
+        graphs,
+        weight_bytes_unique: unique,
+        weight_bytes_referenced: referenced,
+        file_bytes,
+        seconds: t0.elapsed().as_secs_f64(),
+    })
+}

@@ -1,0 +1,371 @@
+//! Ops of the `npuc` domain for decoder-only language models (built by `npuc-llm`):
+//!
+//! - `Rope(x [N, heads, D], positions i64 [N][, freq_factors f32 [dims/2]])`: rotary position
+//!   embedding, attrs `mode` ("normal": rotate adjacent pairs `(x[2i], x[2i+1])`, the layout of
+//!   GGUF `llama` q/k; "neox": rotate `(x[i], x[i + dims/2])`), `base` (float), `dims` (int,
+//!   rotated leading features, default D). Angle of pair i at position p:
+//!   `p * base^(-2i/dims) / freq_factors[i]` (llama3 scaling is carried by the factors).
+//! - `CachedAttention(q [N, H, D], k_new [N, KVH, D], v_new [N, KVH, D], past_k [KVH, C, D],
+//!   past_v [KVH, C, D], positions i64 [N], mask f32 [N, C]) -> out f32 [N, H*D]`: attention of
+//!   this call's N tokens over a KV cache of C slots. Slot p's key is `k_new[j]` when
+//!   `positions[j] == p`, else `past_k[p]` (same for values), so the host only writes the new
+//!   K/V into its cache after the run. `mask` is additive (0 / -inf); attr `window` (0 = none)
+//!   additionally hides slots p with `positions[i] - p >= window` (sliding-window layers), attr
+//!   `scale` multiplies q·k. Query head h reads KV head `h / (H / KVH)` (GQA). With f16 caches
+//!   the op mirrors ggml's CPU path: q and the new keys/values are rounded to f16, the softmax
+//!   probabilities are rounded to f16 before the product with V, sums are f32.
+//!
+//! Decode calls (N = 1) only visit the slots the mask leaves visible up to the last visible
+//! one, so their cost grows with the filled part of the cache, not with C; the cache is read in
+//! place (never copied).
+
+use crate::bail;
+use crate::error::Result;
+use crate::kernel::{Inputs, OpCtx, Registry};
+use crate::value::Value;
+use npuc_ir::{f16, DType, Tensor};
+use rayon::prelude::*;
+
+/// Registers `npuc.Rope` and `npuc.CachedAttention`.
+pub fn register(r: &mut Registry) {
+    r.add_range("npuc", "Rope", 1, 1, rope);
+    r.add_range("npuc", "CachedAttention", 1, 1, cached_attention);
+}
+
+/// Rotation angles (cos, sin) of `half` pairs at `pos`, computed in f64 so that both
+/// transformers' and ggml's f32 formulas are matched to well below f32 rounding of the result.
+fn rope_angles(pos: i64, base: f64, dims: usize, factors: Option<&[f32]>, cs: &mut [(f32, f32)]) {
+    for (i, c) in cs.iter_mut().enumerate() {
+        let mut theta = pos as f64 * base.powf(-2.0 * i as f64 / dims as f64);
+        if let Some(f) = factors {
+            theta /= f[i] as f64;
+        }
+        *c = (theta.cos() as f32, theta.sin() as f32);
+    }
+}
+
+fn rope(ctx: &OpCtx, mut ins: Inputs) -> Result<Vec<Value>> {
+    let mode = ctx.node.str_or("mode", "neox")?.to_string();
+    let neox = match mode.as_str() {
+        "neox" => true,
+        "normal" => false,
+        m => bail!("unknown rope mode '{m}' (expected normal or neox)"),
+    };
+    let base = ctx.node.float_or("base", 10000.0)? as f64;
+    let pos = ins.tensor(1)?.to_i64_vec()?;
+    let factors = match ins.opt_tensor(2) {
+        Some(t) => Some(t.as_slice::<f32>()?.to_vec()),
+        None => None,
+    };
+    let mut x = ins.take_tensor(0)?;
+    if x.dtype() != DType::F32 {
+        bail!("x must be f32, got {}", x.dtype());
+    }
+    let [n, heads, d] = *x.shape() else {
+        bail!("x must be [N, heads, D], got {:?}", x.shape());
+    };
+    let dims = ctx.node.int_or("dims", d as i64)?;
+    if dims <= 0 || dims as usize > d || dims % 2 != 0 {
+        bail!("dims {dims} must be even, positive and at most the head size {d}");
+    }
+    let dims = dims as usize;
+    let half = dims / 2;
+    if pos.len() != n {
+        bail!("positions has {} entries for {n} tokens", pos.len());
+    }
+    if let Some(f) = &factors {
+        if f.len() != half {
+            bail!(
+                "freq_factors has {} entries, expected dims/2 = {half}",
+                f.len()
+            );
+        }
+        if f.iter()
+            .any(|&v| v.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater))
+        {
+            bail!("freq_factors must be positive");
+        }
+    }
+    let xs = x.as_mut_slice::<f32>()?;
+    let mut cs = vec![(0f32, 0f32); half];
+    for (t, &p) in pos.iter().enumerate() {
+        rope_angles(p, base, dims, factors.as_deref(), &mut cs);
+        for h in 0..heads {
+            let row = &mut xs[(t * heads + h) * d..(t * heads + h + 1) * d];
+            for (i, &(c, s)) in cs.iter().enumerate() {
+                let (a, b) = if neox {
+                    (i, i + half)
+                } else {
+                    (2 * i, 2 * i + 1)
+                };
+                let (x0, x1) = (row[a], row[b]);
+                row[a] = x0 * c - x1 * s;
+                row[b] = x0 * s + x1 * c;
+            }
+        }
+    }
+    Ok(vec![Value::tensor(x)])
+}
+
+/// A cache (past keys or values) as f32 or f16 rows.
+enum Cache<'a> {
+    F32(&'a [f32]),
+    F16(&'a [f16]),
+}
+
+impl<'a> Cache<'a> {
+    fn of(t: &'a Tensor) -> Result<Cache<'a>> {
+        Ok(match t.dtype() {
+            DType::F32 => Cache::F32(t.as_slice::<f32>()?),
+            DType::F16 => Cache::F16(t.as_slice::<f16>()?),
+            d => bail!("KV cache must be f32 or f16, got {d}"),
+        })
+    }
+}
+
+/// `a · b` with 8 independent accumulators (vectorises; f32 sums like ggml's CPU dot).
+#[inline]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for ((a, &xv), &yv) in acc.iter_mut().zip(x).zip(y) {
+            *a = xv.mul_add(yv, *a);
+        }
+    }
+    let mut s = 0f32;
+    for (x, y) in ra.iter().zip(rb) {
+        s = x.mul_add(*y, s);
+    }
+    acc.iter().sum::<f32>() + s
+}
+
+/// `out += w * v`.
+#[inline]
+fn axpy(out: &mut [f32], w: f32, v: &[f32]) {
+    for (o, &x) in out.iter_mut().zip(v) {
+        *o = w.mul_add(x, *o);
+    }
+}
+
+/// Rounds through f16 (what storing into an f16 cache does).
+#[inline]
+fn r16(v: f32) -> f32 {
+    f16::from_f32(v).to_f32()
+}
+
+fn cached_attention(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
+    let q = ins.tensor(0)?;
+    let kn = ins.tensor(1)?;
+    let vn = ins.tensor(2)?;
+    let pk = ins.tensor(3)?;
+    let pv = ins.tensor(4)?;
+    let positions = ins.tensor(5)?.to_i64_vec()?;
+    let mask_t = ins.tensor(6)?;
+    let scale = ctx.node.float_or("scale", 0.0)?;
+    let window = ctx.node.int_or("window", 0)?;
+    let [n, h, d] = *q.shape() else {
+        bail!("q must be [N, H, D], got {:?}", q.shape());
+    };
+    let [n2, kvh, d2] = *kn.shape() else {
+        bail!("k_new must be [N, KVH, D], got {:?}", kn.shape());
+    };
+    if n2 != n || d2 != d || vn.shape() != kn.shape() {
+        bail!(
+            "k_new {:?} / v_new {:?} do not match q {:?}",
+            kn.shape(),
+            vn.shape(),
+            q.shape()
+        );
+    }
+    if kvh == 0 || h % kvh != 0 {
+        bail!("{h} query heads are not a multiple of {kvh} KV heads");
+    }
+    let [kvh2, c, d3] = *pk.shape() else {
+        bail!("past_k must be [KVH, C, D], got {:?}", pk.shape());
+    };
+    if kvh2 != kvh || d3 != d || pv.shape() != pk.shape() || pv.dtype() != pk.dtype() {
+        bail!(
+            "past_k {:?} {} / past_v {:?} {} do not match [KVH={kvh}, C, D={d}]",
+            pk.shape(),
+            pk.dtype(),
+            pv.shape(),
+            pv.dtype()
+        );
+    }
+    if positions.len() != n {
+        bail!("positions has {} entries for {n} tokens", positions.len());
+    }
+    if mask_t.shape() != [n, c] {
+        bail!("mask must be [N={n}, C={c}], got {:?}", mask_t.shape());
+    }
+    let mask = mask_t.as_slice::<f32>()?;
+    let (qs, kns, vns) = (
+        q.as_slice::<f32>()?,
+        kn.as_slice::<f32>()?,
+        vn.as_slice::<f32>()?,
+    );
+    let (pk, pv) = (Cache::of(pk)?, Cache::of(pv)?);
+    let half = matches!(pk, Cache::F16(_));
+    // Which of this call's tokens writes each slot (the last one wins, like the host's write).
+    let mut src = vec![u32::MAX; c];
+    for (j, &p) in positions.iter().enumerate() {
+        if p < 0 || p as usize >= c {
+            bail!("position {p} of token {j} is outside the cache of {c} slots");
+        }
+        src[p as usize] = j as u32;
+    }
+    let scale = if scale == 0.0 {
+        1.0 / (d as f32).sqrt()
+    } else {
+        scale
+    };
+    let group = h / kvh;
+    let mut out = vec![0f32; n * h * d];
+    // One task per (token, head): a disjoint D-slice of the output.
+    let task = |(idx, o): (usize, &mut [f32]), scratch: &mut (Vec<f32>, Vec<f32>, Vec<f32>)| {
+        let (i, hh) = (idx / h, idx % h);
+        let g = hh / group;
+        let (scores, qrow, row) = scratch;
+        let mrow = &mask[i * c..(i + 1) * c];
+        // Slots past the last visible one are never read.
+        let end = mrow
+            .iter()
+            .rposition(|m| *m != f32::NEG_INFINITY)
+            .map_or(0, |p| p + 1);
+        qrow.clear();
+        qrow.extend_from_slice(&qs[(i * h + hh) * d..(i * h + hh + 1) * d]);
+        if half {
+            qrow.iter_mut().for_each(|v| *v = r16(*v));
+        }
+        row.resize(d, 0.0);
+        scores.clear();
+        scores.resize(end, f32::NEG_INFINITY);
+        let pi = positions[i];
+        let mut maxv = f32::NEG_INFINITY;
+        for (p, &m) in mrow[..end].iter().enumerate() {
+            if m == f32::NEG_INFINITY || (window > 0 && pi - p as i64 >= window) {
+                continue;
+            }
+            let kr: &[f32] = if src[p] != u32::MAX {
+                let j = src[p] as usize;
+                let k = &kns[(j * kvh + g) * d..(j * kvh + g + 1) * d];
+                if half {
+                    row.iter_mut().zip(k).for_each(|(r, v)| *r = r16(*v));
+                    row
+                } else {
+                    k
+                }
+            } else {
+                let off = (g * c + p) * d;
+                match pk {
+                    Cache::F32(s) => &s[off..off + d],
+                    Cache::F16(s) => {
+                        row.iter_mut()
+                            .zip(&s[off..off + d])
+                            .for_each(|(r, v)| *r = v.to_f32());
+                        row
+                    }
+                }
+            };
+            let sc = dot(qrow, kr) * scale + m;
+            scores[p] = sc;
+            maxv = maxv.max(sc);
+        }
+        o.iter_mut().for_each(|v| *v = 0.0);
+        if maxv == f32::NEG_INFINITY {
+            return; // nothing visible (cannot happen with a well-formed mask)
+        }
+        let mut sum = 0f32;
+        for s in scores.iter_mut() {
+            let e = if *s == f32::NEG_INFINITY {
+                0.0
+            } else {
+                (*s - maxv).exp()
+            };
+            *s = e;
+            sum += e;
+        }
+        let inv = 1.0 / sum;
+        for (p, &e) in scores.iter().enumerate() {
+            if e == 0.0 {
+                continue;
+            }
+            let w = if half { r16(e * inv) } else { e * inv };
+            if src[p] != u32::MAX {
+                let j = src[p] as usize;
+                let v = &vns[(j * kvh + g) * d..(j * kvh + g + 1) * d];
+                if half {
+                    for (ov, &x) in o.iter_mut().zip(v) {
+                        *ov = w.mul_add(r16(x), *ov);
+                    }
+                } else {
+                    axpy(o, w, v);
+                }
+            } else {
+                let off = (g * c + p) * d;
+                match pv {
+                    Cache::F32(s) => axpy(o, w, &s[off..off + d]),
+                    Cache::F16(s) => {
+                        for (ov, x) in o.iter_mut().zip(&s[off..off + d]) {
+                            *ov = w.mul_add(x.to_f32(), *ov);
+                        }
+                    }
+                }
+            }
+        }
+    };
+    let work = n * h * d * mask.len().max(1) / n.max(1);
+    if ctx.threads > 1 && n * h > 1 && work > 1 << 16 {
+        out.par_chunks_mut(d)
+            .enumerate()
+            .for_each_init(|| (Vec::new(), Vec::new(), Vec::new()), |s, t| task(t, s));
+    } else {
+        let mut s = (Vec::new(), Vec::new(), Vec::new());
+        for t in out.chunks_mut(d).enumerate() {
+            task(t, &mut s);
+        }
+    }
+    Ok(vec![Value::tensor(Tensor::from_vec(vec![n, h * d], out)?)])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Naive attention over an explicit key/value list, the reference for the op.
+    fn naive(q: &[f32], keys: &[Vec<f32>], vals: &[Vec<f32>], scale: f32) -> Vec<f32> {
+        let s: Vec<f32> = keys
+            .iter()
+            .map(|k| q.iter().zip(k).map(|(a, b)| a * b).sum::<f32>() * scale)
+            .collect();
+        let m = s.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+        let e: Vec<f32> = s.iter().map(|v| (v - m).exp()).collect();
+        let z: f32 = e.iter().sum();
+        let mut o = vec![0f32; q.len()];
+        for (w, v) in e.iter().zip(vals) {
+            for (a, b) in o.iter_mut().zip(v) {
+                *a += w / z * b;
+            }
+        }
+        o
+    }
+
+    #[test]
+    fn dot_matches_naive() {
+        let a: Vec<f32> = (0..37).map(|i| (i as f32 * 0.37).sin()).collect();
+        let b: Vec<f32> = (0..37).map(|i| (i as f32 * 0.11).cos()).collect();
+        let r: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
+        assert!((dot(&a, &b) - r).abs() < 1e-5);
+    }
+
+    #[test]
+    fn rope_angles_match_formula() {
+        let mut cs = vec![(0f32, 0f32); 4];
+        rope_angles(3, 10000.0, 8, Some(&[1.0, 2.0, 1.0, 1.0]), &mut cs);
+        let th1 = 3.0 * 10000f64.powf(-2.0 / 8.0) / 2.0;
+        assert!((cs[1].0 as f64 - th1.cos()).abs() < 1e-7);
+        assert!((cs[0].1 as f64 - 3f64.sin()).abs() < 1e-7);
+    }
+}
