@@ -6,6 +6,7 @@ pub mod bench;
 pub mod compile;
 pub mod npy;
 pub mod ocr;
+pub mod quantize;
 
 /// Runs the standard optimization pipeline; returns (pass name, total changes) per pass that
 /// changed something.

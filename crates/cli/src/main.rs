@@ -78,6 +78,8 @@ enum Cmd {
         /// Skip an optimization pass by name (repeatable).
         #[arg(long = "disable-pass", value_name = "PASS")]
         disable_pass: Vec<String>,
+        #[command(flatten)]
+        quant: npuc_cli::quantize::QuantizeArgs,
     },
     /// Time loading and running a model or artifact.
     Bench {
@@ -127,11 +129,18 @@ fn main() {
             dim,
             verify,
         } => {
-            if npuc_cli::artifact::is_artifact(&model) {
+            let r = if npuc_cli::artifact::is_artifact(&model) {
                 npuc_cli::artifact::inspect(&model, json, verify)
             } else {
                 inspect(&model, json, &input_shape, &dim)
-            }
+            };
+            r.and_then(|_| {
+                if json {
+                    Ok(())
+                } else {
+                    npuc_cli::quantize::print_quant_report(&model)
+                }
+            })
         }
         Cmd::Run {
             model,
@@ -156,6 +165,29 @@ fn main() {
             no_optimize,
             print_passes,
             disable_pass,
+            quant,
+        } if quant.scheme.is_some() => npuc_cli::quantize::compile_cmd(
+            &models,
+            &named,
+            &output,
+            &input_shape,
+            &dim,
+            target,
+            !no_optimize,
+            disable_pass,
+            &quant,
+        ),
+        Cmd::Compile {
+            models,
+            output,
+            named,
+            input_shape,
+            dim,
+            target,
+            no_optimize,
+            print_passes,
+            disable_pass,
+            quant: _,
         } => compile_cmd(
             &models,
             &named,
