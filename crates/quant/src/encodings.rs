@@ -232,6 +232,7 @@ fn layout_for(m: &Model, name: &str, n: usize, block: Option<usize>) -> Result<(
     bail!("'{name}': {n} per-channel encodings match no axis of its shape {shape:?}")
 }
 
+#[allow(clippy::too_many_arguments)]
 fn build(m: &Model, name: &str, is_param: bool, bw: u32, sym: bool, scale: Vec<f32>, offset: Vec<i64>, block: Option<usize>) -> Result<QEnc> {
     let what = format!("encoding of '{name}'");
     if scale.is_empty() || scale.len() != offset.len() {
