@@ -163,7 +163,7 @@ fn main() {
             dim,
             target,
             no_optimize,
-            print_passes,
+            print_passes: _,
             disable_pass,
             quant,
         } if quant.scheme.is_some() => npuc_cli::quantize::compile_cmd(
