@@ -477,6 +477,16 @@ pub fn bias_encoding(g: &Graph, enc: &Encodings, name: &str, b: &BiasSpec) -> Re
         }
         we.scale.iter().map(|&s| sx * s).collect()
     };
+    // 16-bit inputs times 16-bit weights give scales so small that the bias overflows int32:
+    // keep such biases float rather than saturate them.
+    let bv = bias.as_slice::<f32>().map_err(|e| anyhow!("bias '{name}': {e}"))?;
+    let fits = bv.iter().enumerate().all(|(i, &b)| {
+        let s = if scales.len() == 1 { scales[0] } else { scales[i] };
+        ((b as f64) / (s as f64)).abs() < i32::MAX as f64
+    });
+    if !fits {
+        return Ok(None);
+    }
     let per = scales.len() > 1;
     Ok(Some(QEnc {
         dtype: DType::I32,
