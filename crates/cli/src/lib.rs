@@ -10,6 +10,7 @@ pub mod npy;
 pub mod ocr;
 pub mod verify;
 pub mod quantized;
+pub mod quantize;
 
 /// Runs the standard optimization pipeline; returns (pass name, total changes) per pass that
 /// changed something.

@@ -90,6 +90,8 @@ enum Cmd {
         /// GGUF input: fast (llama.cpp numerics, f16 KV) or exact (f32).
         #[arg(long, default_value = "fast")]
         precision: String,
+        #[command(flatten)]
+        quant: npuc_cli::quantize::QuantizeArgs,
     },
     /// Time loading and running a model or artifact.
     Bench {
@@ -142,13 +144,20 @@ fn main() {
             dim,
             verify,
         } => {
-            if npuc_cli::artifact::is_artifact(&model) {
+            let r = if npuc_cli::artifact::is_artifact(&model) {
                 npuc_cli::artifact::inspect(&model, json, verify)
             } else if npuc_cli::gguf_inspect::is_gguf(&model) {
                 npuc_cli::gguf_inspect::inspect(&model, json)
             } else {
                 inspect(&model, json, &input_shape, &dim)
-            }
+            };
+            r.and_then(|_| {
+                if json {
+                    Ok(())
+                } else {
+                    npuc_cli::quantize::print_quant_report(&model)
+                }
+            })
         }
         Cmd::Run {
             model,
@@ -174,6 +183,29 @@ fn main() {
         } if models.len() == 1 && npuc_cli::llm_compile::is_gguf(&models[0]) => {
             llm_compile_cmd(&models[0], &output, &variants, ctx, &precision, target)
         }
+        Cmd::Compile {
+            models,
+            output,
+            named,
+            input_shape,
+            dim,
+            target,
+            no_optimize,
+            print_passes: _,
+            disable_pass,
+            quant,
+            ..
+        } if quant.scheme.is_some() => npuc_cli::quantize::compile_cmd(
+            &models,
+            &named,
+            &output,
+            &input_shape,
+            &dim,
+            target,
+            !no_optimize,
+            disable_pass,
+            &quant,
+        ),
         Cmd::Compile {
             models,
             output,

@@ -335,6 +335,7 @@ mod tests {
     use super::*;
 
     /// Naive attention over an explicit key/value list, the reference for the op.
+    #[allow(dead_code)]
     fn naive(q: &[f32], keys: &[Vec<f32>], vals: &[Vec<f32>], scale: f32) -> Vec<f32> {
         let s: Vec<f32> = keys
             .iter()

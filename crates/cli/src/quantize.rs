@@ -1,0 +1,396 @@
+//! `npuc compile --quantize`: import, bind, optimize with standard-ONNX passes only (so the QDQ
+//! export stays loadable by onnxruntime), calibrate or read encodings, insert QDQ, write the
+//! artifact, and optionally the QNN-EP QDQ ONNX and the AIMET encodings.
+
+use crate::compile::{bind_inputs, plan_arena, CompileOptions};
+use anyhow::{anyhow, bail, Context, Result};
+use npuc_format::{ArtifactWriter, GraphInfo, Target};
+use npuc_ir::{DType, Model, TypeInfo};
+use npuc_quant::qdq::{read_qdq, QEnc};
+use npuc_quant::{encodings, CalibMethod, CalibSource, Granularity, ImagePreprocess, Overrides, QuantOptions, Scheme};
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// Quantization flags of `npuc compile` (all optional; `--quantize` turns quantization on).
+#[derive(Clone, Debug, Default, clap::Args)]
+pub struct QuantizeArgs {
+    /// Quantize: w8a8, w8a16, w4a16, w4a8, w16a16, fp16, bf16, w8, w4 (weights only).
+    #[arg(long = "quantize", value_name = "SCHEME")]
+    pub scheme: Option<String>,
+    /// Calibration data: a dir of .npy (sub-folder or `<input>_*.npy` per input), a QNN
+    /// input_list.txt of .raw files, or an image folder (with --image-size).
+    #[arg(long = "calib", value_name = "SRC")]
+    pub calib: Option<PathBuf>,
+    /// Activation range method: minmax, percentile, mse, entropy.
+    #[arg(long = "calib-method", default_value = "minmax")]
+    pub calib_method: String,
+    /// Percentile for --calib-method percentile.
+    #[arg(long, default_value_t = 99.99)]
+    pub percentile: f64,
+    /// Weight granularity: per-tensor, per-channel, per-row, per-block.
+    #[arg(long, default_value = "per-channel")]
+    pub granularity: String,
+    /// Block size for --granularity per-block.
+    #[arg(long = "block-size", default_value_t = 32)]
+    pub block_size: usize,
+    /// Signed symmetric activations (int8/int16, zero point 0) instead of unsigned asymmetric.
+    #[arg(long = "symmetric-activations")]
+    pub symmetric_activations: bool,
+    /// Mixed-precision overrides file (JSON, or TOML by extension).
+    #[arg(long, value_name = "FILE")]
+    pub overrides: Option<PathBuf>,
+    /// Keep nodes/tensors matching this glob float (repeatable).
+    #[arg(long = "keep-float", value_name = "PATTERN")]
+    pub keep_float: Vec<String>,
+    /// Quantize with these AIMET encodings (0.6.1 or 1.0.0) instead of calibrating.
+    #[arg(long, value_name = "ENC.json")]
+    pub encodings: Option<PathBuf>,
+    /// Also write a QDQ ONNX model following onnxruntime QNN-EP conventions.
+    #[arg(long = "emit-qdq", value_name = "Q.onnx")]
+    pub emit_qdq: Option<PathBuf>,
+    /// Also write AIMET/QNN encodings JSON.
+    #[arg(long = "emit-encodings", value_name = "ENC.json")]
+    pub emit_encodings: Option<PathBuf>,
+    /// Encodings format for --emit-encodings: 0.6.1 or 1.0.0.
+    #[arg(long = "encodings-version", default_value = "0.6.1")]
+    pub encodings_version: String,
+    /// Use at most N calibration samples.
+    #[arg(long = "max-samples", value_name = "N")]
+    pub max_samples: Option<usize>,
+    /// Image calibration: resize to H,W.
+    #[arg(long = "image-size", value_name = "H,W")]
+    pub image_size: Option<String>,
+    /// Image calibration: per-channel mean (after --scale), 1 or 3 values.
+    #[arg(long)]
+    pub mean: Option<String>,
+    /// Image calibration: per-channel std, 1 or 3 values.
+    #[arg(long)]
+    pub std: Option<String>,
+    /// Image calibration: nchw or nhwc.
+    #[arg(long, default_value = "nchw")]
+    pub layout: String,
+    /// Image calibration: rgb or bgr.
+    #[arg(long = "channel-order", default_value = "rgb")]
+    pub channel_order: String,
+    /// Image calibration: pixel multiplier applied first.
+    #[arg(long, default_value = "1/255")]
+    pub scale: String,
+    /// Threads for calibration runs.
+    #[arg(long = "calib-threads", default_value_t = 2)]
+    pub threads: usize,
+    /// Hide the calibration progress bar.
+    #[arg(long = "no-progress")]
+    pub no_progress: bool,
+}
+
+/// What a quantized compile did.
+#[derive(Debug)]
+pub struct QuantSummary {
+    /// Activations quantized (integer or cast).
+    pub activations: usize,
+    /// Weights and biases quantized.
+    pub params: usize,
+    /// Calibration samples used (0 with `--encodings`).
+    pub samples: usize,
+    /// Scheme name.
+    pub scheme: String,
+    /// Method (or "encodings FILE").
+    pub method: String,
+    /// Artifact size.
+    pub file_bytes: u64,
+    /// Wall time.
+    pub seconds: f64,
+}
+
+fn floats3(s: &str, what: &str) -> Result<[f32; 3]> {
+    let v: Vec<f32> = s
+        .split(',')
+        .map(|x| x.trim().parse::<f32>().map_err(|_| anyhow!("{what}: '{x}' is not a number")))
+        .collect::<Result<_>>()?;
+    match v.len() {
+        1 => Ok([v[0]; 3]),
+        3 => Ok([v[0], v[1], v[2]]),
+        _ => bail!("{what} takes 1 or 3 comma-separated numbers, got '{s}'"),
+    }
+}
+
+fn parse_scale(s: &str) -> Result<f32> {
+    let v = match s.split_once('/') {
+        Some((a, b)) => a.trim().parse::<f32>().ok().zip(b.trim().parse::<f32>().ok()).map(|(a, b)| a / b),
+        None => s.trim().parse::<f32>().ok(),
+    };
+    v.filter(|x| x.is_finite()).ok_or_else(|| anyhow!("--scale: '{s}' is not a number or fraction"))
+}
+
+impl QuantizeArgs {
+    fn preprocess(&self) -> Result<Option<ImagePreprocess>> {
+        let Some(size) = &self.image_size else { return Ok(None) };
+        let (h, w) = size
+            .split_once([',', 'x'])
+            .and_then(|(h, w)| Some((h.trim().parse::<usize>().ok()?, w.trim().parse::<usize>().ok()?)))
+            .filter(|&(h, w)| h > 0 && w > 0)
+            .ok_or_else(|| anyhow!("--image-size expects H,W, got '{size}'"))?;
+        Ok(Some(ImagePreprocess {
+            size: (h, w),
+            mean: self.mean.as_deref().map(|m| floats3(m, "--mean")).transpose()?.unwrap_or([0.0; 3]),
+            std: self.std.as_deref().map(|m| floats3(m, "--std")).transpose()?.unwrap_or([1.0; 3]),
+            scale: parse_scale(&self.scale)?,
+            nchw: match self.layout.as_str() {
+                "nchw" => true,
+                "nhwc" => false,
+                l => bail!("--layout must be nchw or nhwc, got '{l}'"),
+            },
+            bgr: match self.channel_order.as_str() {
+                "rgb" => false,
+                "bgr" => true,
+                c => bail!("--channel-order must be rgb or bgr, got '{c}'"),
+            },
+        }))
+    }
+
+    /// The quantizer options these flags describe.
+    pub fn options(&self) -> Result<QuantOptions> {
+        let overrides = self.overrides.as_deref().map(Overrides::load).transpose()?;
+        Ok(QuantOptions {
+            scheme: Scheme::parse(self.scheme.as_deref().unwrap_or("w8a8"))?,
+            method: CalibMethod::parse(&self.calib_method, self.percentile)?,
+            granularity: Granularity::parse(&self.granularity, self.block_size)?,
+            symmetric_activations: self.symmetric_activations,
+            overrides,
+            keep_float: self.keep_float.clone(),
+            threads: self.threads.max(1),
+        })
+    }
+}
+
+/// Loads, binds, inlines, verifies and optimizes a model with the passes that keep it standard
+/// ONNX (no `npuc`-domain fusions), ready to quantize.
+pub fn prepare(path: &Path, opts: &CompileOptions) -> Result<Model> {
+    let mut m = npuc_onnx::load_model(path)?;
+    bind_inputs(&mut m, &opts.input_shapes, &opts.dims)?;
+    m.graph = npuc_runtime::exec::inline_functions(&m.graph, &m.functions)?;
+    m.functions.clear();
+    let problems = m.graph.verify(&HashSet::new());
+    if !problems.is_empty() {
+        bail!(
+            "'{}' is not a valid graph:\n  {}",
+            path.display(),
+            problems.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("\n  ")
+        );
+    }
+    npuc_runtime::Plan::for_model(&m).map_err(|e| anyhow!("'{}': {e}", path.display()))?;
+    if opts.optimize {
+        let mut disable = opts.disable_passes.clone();
+        // These may emit npuc-domain ops at old opsets, which onnxruntime cannot load.
+        disable.extend(["gelu-fusion".to_string(), "layernorm-fusion".to_string()]);
+        let o = npuc_passes::OptimizeOptions { fuse: false, disable, ..Default::default() };
+        npuc_passes::optimize(&mut m, &o)?;
+    }
+    Ok(m)
+}
+
+/// Quantizes `m` per `q`: returns the QDQ model, the encodings, and the number of samples.
+pub fn quantize_model(m: &Model, q: &QuantizeArgs) -> Result<(Model, npuc_quant::Encodings, usize, String)> {
+    let opts = q.options()?;
+    let (enc, samples, method) = if let Some(e) = &q.encodings {
+        (encodings::read(e, m)?, 0, format!("encodings {}", e.display()))
+    } else {
+        let plan = npuc_quant::plan(m, &opts)?;
+        let src_path = q.calib.as_ref().ok_or_else(|| {
+            anyhow!("--quantize {} needs calibration data: --calib DIR|input_list.txt (or --encodings ENC.json)", q.scheme.as_deref().unwrap_or(""))
+        })?;
+        let src = CalibSource::detect(src_path, q.preprocess()?)?;
+        let inits: HashSet<&str> = m.graph.initializers.iter().map(|i| i.name.as_str()).collect();
+        let inputs: Vec<npuc_ir::ValueInfo> =
+            m.graph.inputs.iter().filter(|i| !inits.contains(i.name.as_str())).cloned().collect();
+        let files = src.list(&inputs, q.max_samples)?;
+        let n = files.len();
+        let bar = if !q.no_progress {
+            let b = indicatif::ProgressBar::new(n as u64);
+            b.set_style(
+                indicatif::ProgressStyle::with_template("calibrating {bar:40} {pos}/{len} samples {elapsed_precise}")
+                    .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            );
+            Some(b)
+        } else {
+            None
+        };
+        let obs = if plan.activations.is_empty() {
+            Default::default()
+        } else {
+            npuc_quant::calibrate(
+                m,
+                &plan,
+                opts.method,
+                opts.threads,
+                files.iter().map(|f| src.load(f, &inputs)),
+                |i| {
+                    if let Some(b) = &bar {
+                        b.set_position(i as u64);
+                    }
+                },
+            )?
+        };
+        if let Some(b) = bar {
+            b.finish_and_clear();
+        }
+        (npuc_quant::encodings_from_ranges(m, &plan, &obs, opts.method)?, n, opts.method.name())
+    };
+    let qm = npuc_quant::apply(m, &enc)?;
+    Ok((qm, enc, samples, method))
+}
+
+/// `npuc compile MODEL --quantize ...`: one quantized graph into `out`.
+pub fn compile_quantized(
+    name: &str,
+    path: &Path,
+    opts: &CompileOptions,
+    q: &QuantizeArgs,
+    out: &Path,
+    mut log: impl FnMut(&str),
+) -> Result<QuantSummary> {
+    let t0 = Instant::now();
+    let target = match &opts.target {
+        Some(t) => Target::parse(t)?,
+        None => Target::host(),
+    };
+    let m = prepare(path, opts)?;
+    let nodes_before = m.graph.nodes.len();
+    let (qm, enc, samples, method) = quantize_model(&m, q)?;
+    if let Some(p) = &q.emit_encodings {
+        let args = serde_json::json!({
+            "activation_bitwidth": enc.activations.values().find_map(|e| match e { npuc_quant::TensorEncoding::Int(q) => Some(npuc_quant::bitwidth(q.dtype)), _ => None }).unwrap_or(32),
+            "param_bitwidth": enc.params.values().find_map(|e| match e { npuc_quant::TensorEncoding::Int(q) if q.dtype != DType::I32 => Some(npuc_quant::bitwidth(q.dtype)), _ => None }).unwrap_or(32),
+            "dtype": "int",
+            "is_symmetric": if q.symmetric_activations { "True" } else { "False" },
+            "per_channel_quantization": q.granularity != "per-tensor",
+            "quant_scheme": if method.starts_with("mse") { "post_training_tf_enhanced" } else { "post_training_tf" },
+            "npuc_scheme": q.scheme.as_deref().unwrap_or(""),
+            "npuc_calib_method": method,
+        });
+        encodings::write(p, &enc, encodings::EncodingsVersion::parse(&q.encodings_version)?, args)?;
+        log(&format!("wrote encodings {} ({})", p.display(), q.encodings_version));
+    }
+    if let Some(p) = &q.emit_qdq {
+        let em = npuc_quant::export::qnn_qdq(&m, &enc)?;
+        npuc_onnx::save_model(&em, p, &Default::default()).with_context(|| format!("writing {}", p.display()))?;
+        log(&format!("wrote QDQ ONNX {}", p.display()));
+    }
+    let options = serde_json::json!({
+        "input_shapes": opts.input_shapes.iter().collect::<std::collections::BTreeMap<_, _>>(),
+        "dims": opts.dims.iter().collect::<std::collections::BTreeMap<_, _>>(),
+        "optimize": opts.optimize,
+        "target": target.name,
+        "quantize": { "scheme": q.scheme.as_deref().unwrap_or(""), "method": method, "granularity": q.granularity, "samples": samples },
+    });
+    let mut w = ArtifactWriter::new(target, options);
+    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    w.add_source(&path.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default(), &bytes);
+    drop(bytes);
+    let bound: HashMap<String, TypeInfo> =
+        qm.graph.inputs.iter().filter_map(|v| v.ty.clone().map(|t| (v.name.clone(), t))).collect();
+    let inferred = npuc_ir::infer::infer_model(&qm, &bound);
+    let (arena_bytes, _) = plan_arena(&qm, &inferred.types);
+    w.add_graph(
+        name,
+        &qm,
+        GraphInfo { nodes_before, nodes_after: qm.graph.nodes.len(), arena_bytes, source: path.display().to_string() },
+    )?;
+    let file_bytes = w.write(out)?;
+    Ok(QuantSummary {
+        activations: enc.activations.len(),
+        params: enc.params.len(),
+        samples,
+        scheme: q.scheme.clone().unwrap_or_default(),
+        method,
+        file_bytes,
+        seconds: t0.elapsed().as_secs_f64(),
+    })
+}
+
+fn short(e: &QEnc) -> String {
+    npuc_quant::qdq::describe(e)
+}
+
+/// Lines describing every quantized tensor of a model (empty when it has none): name, kind
+/// (activation/weight), type, granularity and scale/offset or a per-channel summary.
+pub fn quant_report(m: &Model) -> Result<Vec<String>> {
+    let mut lines = vec![];
+    for (name, is_param, e) in read_qdq(m)? {
+        lines.push(format!("  {:<8} {name}: {}", if is_param { "param" } else { "act" }, short(&e)));
+    }
+    let casts = m
+        .graph
+        .nodes
+        .iter()
+        .filter(|n| n.op_type == "Cast" && n.name.ends_with("_CastDown"))
+        .count();
+    if casts > 0 {
+        lines.push(format!("  {casts} activations rounded through float16/bfloat16 (Cast pairs)"));
+    }
+    Ok(lines)
+}
+
+/// Prints [`quant_report`] for a model or artifact if it holds quantized tensors.
+pub fn print_quant_report(path: &Path) -> Result<()> {
+    let m = crate::artifact::load_any(path, None)?;
+    let lines = quant_report(&m)?;
+    if !lines.is_empty() {
+        println!("quantized tensors ({}):", lines.len());
+        for l in lines {
+            println!("{l}");
+        }
+    }
+    Ok(())
+}
+
+/// The `npuc compile --quantize` command: one model (a graph named after its file stem, or
+/// `--name GRAPH=MODEL`), printing the summary line.
+#[allow(clippy::too_many_arguments)]
+pub fn compile_cmd(
+    models: &[PathBuf],
+    named: &[String],
+    output: &Path,
+    input_shape: &[String],
+    dim: &[String],
+    target: Option<String>,
+    optimize: bool,
+    disable_passes: Vec<String>,
+    q: &QuantizeArgs,
+) -> Result<()> {
+    let mut list: Vec<(String, PathBuf)> = models
+        .iter()
+        .map(|m| (m.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "graph".into()), m.clone()))
+        .collect();
+    for n in named {
+        let (g, p) = n.split_once('=').ok_or_else(|| anyhow!("--name expects GRAPH=MODEL, got '{n}'"))?;
+        list.push((g.to_string(), PathBuf::from(p)));
+    }
+    if list.len() != 1 {
+        bail!("--quantize takes exactly one model ({} given); quantize each model separately", list.len());
+    }
+    let (input_shapes, dims) = crate::compile::parse_bindings(input_shape, dim)?;
+    let opts = CompileOptions {
+        input_shapes,
+        dims,
+        target,
+        optimize,
+        disable_passes,
+        enable_passes: vec![],
+    };
+    let (name, path) = &list[0];
+    let s = compile_quantized(name, path, &opts, q, output, |m| eprintln!("{m}"))?;
+    println!(
+        "quantized {} activations + {} params, scheme {}, method {}, {} samples; wrote {} ({:.2} MB) in {:.2} s",
+        s.activations,
+        s.params,
+        s.scheme,
+        s.method,
+        s.samples,
+        output.display(),
+        s.file_bytes as f64 / 1e6,
+        s.seconds
+    );
+    Ok(())
+}

