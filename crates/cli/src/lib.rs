@@ -5,12 +5,13 @@ pub mod artifact;
 pub mod bench;
 pub mod compile;
 pub mod gguf_inspect;
+pub mod llm_cmd;
 pub mod llm_compile;
 pub mod npy;
 pub mod ocr;
-pub mod verify;
-pub mod quantized;
 pub mod quantize;
+pub mod quantized;
+pub mod verify;
 
 /// Runs the standard optimization pipeline; returns (pass name, total changes) per pass that
 /// changed something.

@@ -52,15 +52,21 @@ impl TokenText for Tok<'_> {
 
 impl ChatTemplate for Tok<'_> {
     fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
-        let msgs: Vec<npuc_tokenizer::ChatMessage> =
-            messages.iter().map(|m| npuc_tokenizer::ChatMessage::new(m.role.clone(), m.content.clone())).collect();
+        let msgs: Vec<npuc_tokenizer::ChatMessage> = messages
+            .iter()
+            .map(|m| npuc_tokenizer::ChatMessage::new(m.role.clone(), m.content.clone()))
+            .collect();
         Ok(self.0.apply_chat_template(&msgs, add_generation_prompt)?)
     }
 
     /// Like llama.cpp: when the template already writes the BOS text, it is parsed as the BOS token and
     /// no second BOS is added; otherwise BOS is added when the model asks for it.
     fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let bos_text = self.0.bos().and_then(|b| self.0.token_text(b)).unwrap_or("");
+        let bos_text = self
+            .0
+            .bos()
+            .and_then(|b| self.0.token_text(b))
+            .unwrap_or("");
         let has_bos = !bos_text.is_empty() && text.starts_with(bos_text);
         Ok(self.0.encode(text, !has_bos)?)
     }
@@ -235,7 +241,9 @@ pub struct LlmBenchArgs {
 
 /// Loads the engine and the tokenizer for `args.model`.
 pub fn load(args: &ModelArgs) -> Result<(Engine, Tokenizer)> {
-    let threads = args.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let threads = args
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     if threads == 0 {
         bail!("--threads must be at least 1");
     }
@@ -253,8 +261,12 @@ pub fn load(args: &ModelArgs) -> Result<(Engine, Tokenizer)> {
     }
     let path = &args.model;
     let is_artifact = path.extension().is_some_and(|e| e == "npuc");
-    let engine = if is_artifact { Engine::from_artifact(path, &opts) } else { Engine::from_gguf(path, &opts) }
-        .with_context(|| format!("loading '{}'", path.display()))?;
+    let engine = if is_artifact {
+        Engine::from_artifact(path, &opts)
+    } else {
+        Engine::from_gguf(path, &opts)
+    }
+    .with_context(|| format!("loading '{}'", path.display()))?;
     let mut tok = if is_artifact {
         Tokenizer::from_metadata(&engine.metadata().entries)
     } else {
@@ -320,8 +332,14 @@ pub fn generate_cmd(a: &GenerateArgs) -> Result<()> {
         let secs = t0.elapsed().as_secs_f64();
         let t = npuc_ir::Tensor::from_vec(vec![logits.len()], logits)?;
         let bytes = crate::npy::npy_bytes(&t).map_err(anyhow::Error::msg)?;
-        npuc_onnx::export::write_atomic(path, &bytes).with_context(|| format!("writing '{}'", path.display()))?;
-        eprintln!("prefill: {} tokens, {:.1} tokens/s; logits → {}", prompt.len(), prompt.len() as f64 / secs, path.display());
+        npuc_onnx::export::write_atomic(path, &bytes)
+            .with_context(|| format!("writing '{}'", path.display()))?;
+        eprintln!(
+            "prefill: {} tokens, {:.1} tokens/s; logits → {}",
+            prompt.len(),
+            prompt.len() as f64 / secs,
+            path.display()
+        );
         return Ok(());
     }
     let params = a.sampling.params();
@@ -335,7 +353,15 @@ pub fn generate_cmd(a: &GenerateArgs) -> Result<()> {
             let _ = o.flush();
         }
     };
-    let out = generate(&mut lm, &Tok(&tok), &prompt, &params, a.max_tokens, &a.sampling.stop, &mut on_text)?;
+    let out = generate(
+        &mut lm,
+        &Tok(&tok),
+        &prompt,
+        &params,
+        a.max_tokens,
+        &a.sampling.stop,
+        &mut on_text,
+    )?;
     for w in &out.warnings {
         eprintln!("warning: {w}");
     }
@@ -359,7 +385,10 @@ pub fn generate_cmd(a: &GenerateArgs) -> Result<()> {
 pub fn chat_cmd(a: &ChatArgs) -> Result<()> {
     let (mut engine, tok) = load(&a.model)?;
     if tok.chat_template().is_none() {
-        bail!("'{}' has no chat template; give one with --chat-template", a.model.model.display());
+        bail!(
+            "'{}' has no chat template; give one with --chat-template",
+            a.model.model.display()
+        );
     }
     let params = a.sampling.params();
     let mut session = ChatSession::new(a.system.as_deref());
@@ -390,7 +419,16 @@ pub fn chat_cmd(a: &ChatArgs) -> Result<()> {
             let _ = o.write_all(s.as_bytes());
             let _ = o.flush();
         };
-        match session.turn(&mut lm, &t, &t, line, &params, a.max_tokens, &a.sampling.stop, &mut on_text) {
+        match session.turn(
+            &mut lm,
+            &t,
+            &t,
+            line,
+            &params,
+            a.max_tokens,
+            &a.sampling.stop,
+            &mut on_text,
+        ) {
             Ok(r) => {
                 println!();
                 eprintln!(
@@ -414,11 +452,16 @@ pub fn perplexity_cmd(a: &PerplexityArgs) -> Result<()> {
     let mut margs = a.model.clone();
     margs.ctx = Some(n_ctx);
     let (mut engine, tok) = load(&margs)?;
-    let text = std::fs::read_to_string(&a.file).with_context(|| format!("reading '{}'", a.file.display()))?;
+    let text = std::fs::read_to_string(&a.file)
+        .with_context(|| format!("reading '{}'", a.file.display()))?;
     let t0 = Instant::now();
     // llama.cpp: common_tokenize(text, add_special = true, parse_special = false)
     let tokens = tok.encode_with(&text, true, false)?;
-    eprintln!("perplexity: {} tokens ({:.2} s to tokenize), n_ctx {n_ctx}", tokens.len(), t0.elapsed().as_secs_f64());
+    eprintln!(
+        "perplexity: {} tokens ({:.2} s to tokenize), n_ctx {n_ctx}",
+        tokens.len(),
+        t0.elapsed().as_secs_f64()
+    );
     let bos = if tok.add_bos() { tok.bos() } else { None };
     let t0 = Instant::now();
     let mut lm = Lm(&mut engine);
@@ -439,7 +482,10 @@ pub fn perplexity_cmd(a: &PerplexityArgs) -> Result<()> {
         );
     } else {
         println!("{}", r.final_line());
-        eprintln!("{n_chunks} chunks in {secs:.1} s ({:.1} tokens/s)", (n_chunks * n_ctx) as f64 / secs);
+        eprintln!(
+            "{n_chunks} chunks in {secs:.1} s ({:.1} tokens/s)",
+            (n_chunks * n_ctx) as f64 / secs
+        );
     }
     Ok(())
 }
@@ -473,7 +519,12 @@ pub fn bench_cmd(a: &LlmBenchArgs) -> Result<()> {
     let gen_tokens: Vec<u32> = (0..a.gen).map(|_| next()).collect();
     let mut lm = Lm(&mut engine);
     if a.prompt_len + a.gen > lm.ctx() {
-        bail!("--prompt-len {} + --gen {} exceed the context of {}; raise --ctx", a.prompt_len, a.gen, lm.ctx());
+        bail!(
+            "--prompt-len {} + --gen {} exceed the context of {}; raise --ctx",
+            a.prompt_len,
+            a.gen,
+            lm.ctx()
+        );
     }
     // warm-up (first-touch of weights, thread pool start)
     lm.reset();

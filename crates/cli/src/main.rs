@@ -112,7 +112,28 @@ enum Cmd {
         input_shape: Vec<String>,
         #[arg(long = "dim", value_name = "SYM=N")]
         dim: Vec<String>,
+        /// LLMs (`.gguf`, or `.npuc` with this flag): prompt tokens of the prefill test.
+        #[arg(long)]
+        prompt_len: Option<usize>,
+        /// LLMs: generated tokens of the decode test.
+        #[arg(long, default_value_t = 64)]
+        gen: usize,
+        /// LLMs: context length.
+        #[arg(long)]
+        ctx: Option<usize>,
+        /// LLMs: `fast` or `exact`.
+        #[arg(long, value_enum, default_value = "fast")]
+        precision: npuc_cli::llm_cmd::PrecisionArg,
+        /// LLMs: graph variants, e.g. `ar1,ar32`.
+        #[arg(long)]
+        variants: Option<String>,
     },
+    /// Generate text with an LLM (`.gguf` or LLM `.npuc`): streams to stdout, speeds to stderr.
+    Generate(npuc_cli::llm_cmd::GenerateArgs),
+    /// Interactive chat with an LLM; keeps the KV cache between turns (`/reset`, `/exit`).
+    Chat(npuc_cli::llm_cmd::ChatArgs),
+    /// Perplexity of a text file, llama.cpp's `llama-perplexity` method.
+    Perplexity(npuc_cli::llm_cmd::PerplexityArgs),
     /// List supported ops with their opset ranges.
     Ops {
         #[arg(long)]
@@ -235,10 +256,38 @@ fn main() {
             threads,
             runs,
             json,
+            prompt_len,
+            gen,
+            ctx,
+            precision,
+            variants,
+            ..
+        } if prompt_len.is_some() || model.extension().is_some_and(|e| e == "gguf") => {
+            npuc_cli::llm_cmd::bench_cmd(&npuc_cli::llm_cmd::LlmBenchArgs {
+                model: npuc_cli::llm_cmd::ModelArgs {
+                    model,
+                    threads: Some(threads),
+                    ctx,
+                    precision,
+                    chat_template: None,
+                    variants,
+                },
+                prompt_len: prompt_len.unwrap_or(128),
+                gen,
+                runs: runs.min(10),
+                json,
+            })
+        }
+        Cmd::Bench {
+            model,
+            threads,
+            runs,
+            json,
             graph,
             inputs,
             input_shape,
             dim,
+            ..
         } => npuc_cli::bench::bench(
             &model,
             graph.as_deref(),
@@ -249,6 +298,9 @@ fn main() {
             runs,
             json,
         ),
+        Cmd::Generate(a) => npuc_cli::llm_cmd::generate_cmd(&a),
+        Cmd::Chat(a) => npuc_cli::llm_cmd::chat_cmd(&a),
+        Cmd::Perplexity(a) => npuc_cli::llm_cmd::perplexity_cmd(&a),
         Cmd::Ops { json } => ops(json),
         Cmd::Ocr {
             image,

@@ -7,7 +7,10 @@ use anyhow::{anyhow, bail, Context, Result};
 use npuc_format::{ArtifactWriter, GraphInfo, Target};
 use npuc_ir::{DType, Model, TypeInfo};
 use npuc_quant::qdq::{read_qdq, QEnc};
-use npuc_quant::{encodings, CalibMethod, CalibSource, Granularity, ImagePreprocess, Overrides, QuantOptions, Scheme};
+use npuc_quant::{
+    encodings, CalibMethod, CalibSource, Granularity, ImagePreprocess, Overrides, QuantOptions,
+    Scheme,
+};
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -106,7 +109,11 @@ pub struct QuantSummary {
 fn floats3(s: &str, what: &str) -> Result<[f32; 3]> {
     let v: Vec<f32> = s
         .split(',')
-        .map(|x| x.trim().parse::<f32>().map_err(|_| anyhow!("{what}: '{x}' is not a number")))
+        .map(|x| {
+            x.trim()
+                .parse::<f32>()
+                .map_err(|_| anyhow!("{what}: '{x}' is not a number"))
+        })
         .collect::<Result<_>>()?;
     match v.len() {
         1 => Ok([v[0]; 3]),
@@ -117,24 +124,47 @@ fn floats3(s: &str, what: &str) -> Result<[f32; 3]> {
 
 fn parse_scale(s: &str) -> Result<f32> {
     let v = match s.split_once('/') {
-        Some((a, b)) => a.trim().parse::<f32>().ok().zip(b.trim().parse::<f32>().ok()).map(|(a, b)| a / b),
+        Some((a, b)) => a
+            .trim()
+            .parse::<f32>()
+            .ok()
+            .zip(b.trim().parse::<f32>().ok())
+            .map(|(a, b)| a / b),
         None => s.trim().parse::<f32>().ok(),
     };
-    v.filter(|x| x.is_finite()).ok_or_else(|| anyhow!("--scale: '{s}' is not a number or fraction"))
+    v.filter(|x| x.is_finite())
+        .ok_or_else(|| anyhow!("--scale: '{s}' is not a number or fraction"))
 }
 
 impl QuantizeArgs {
     fn preprocess(&self) -> Result<Option<ImagePreprocess>> {
-        let Some(size) = &self.image_size else { return Ok(None) };
+        let Some(size) = &self.image_size else {
+            return Ok(None);
+        };
         let (h, w) = size
             .split_once([',', 'x'])
-            .and_then(|(h, w)| Some((h.trim().parse::<usize>().ok()?, w.trim().parse::<usize>().ok()?)))
+            .and_then(|(h, w)| {
+                Some((
+                    h.trim().parse::<usize>().ok()?,
+                    w.trim().parse::<usize>().ok()?,
+                ))
+            })
             .filter(|&(h, w)| h > 0 && w > 0)
             .ok_or_else(|| anyhow!("--image-size expects H,W, got '{size}'"))?;
         Ok(Some(ImagePreprocess {
             size: (h, w),
-            mean: self.mean.as_deref().map(|m| floats3(m, "--mean")).transpose()?.unwrap_or([0.0; 3]),
-            std: self.std.as_deref().map(|m| floats3(m, "--std")).transpose()?.unwrap_or([1.0; 3]),
+            mean: self
+                .mean
+                .as_deref()
+                .map(|m| floats3(m, "--mean"))
+                .transpose()?
+                .unwrap_or([0.0; 3]),
+            std: self
+                .std
+                .as_deref()
+                .map(|m| floats3(m, "--std"))
+                .transpose()?
+                .unwrap_or([1.0; 3]),
             scale: parse_scale(&self.scale)?,
             nchw: match self.layout.as_str() {
                 "nchw" => true,
@@ -176,7 +206,11 @@ pub fn prepare(path: &Path, opts: &CompileOptions) -> Result<Model> {
         bail!(
             "'{}' is not a valid graph:\n  {}",
             path.display(),
-            problems.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("\n  ")
+            problems
+                .iter()
+                .map(|e| e.to_string())
+                .collect::<Vec<_>>()
+                .join("\n  ")
         );
     }
     npuc_runtime::Plan::for_model(&m).map_err(|e| anyhow!("'{}': {e}", path.display()))?;
@@ -184,33 +218,56 @@ pub fn prepare(path: &Path, opts: &CompileOptions) -> Result<Model> {
         let mut disable = opts.disable_passes.clone();
         // These may emit npuc-domain ops at old opsets, which onnxruntime cannot load.
         disable.extend(["gelu-fusion".to_string(), "layernorm-fusion".to_string()]);
-        let o = npuc_passes::OptimizeOptions { fuse: false, disable, ..Default::default() };
+        let o = npuc_passes::OptimizeOptions {
+            fuse: false,
+            disable,
+            ..Default::default()
+        };
         npuc_passes::optimize(&mut m, &o)?;
     }
     Ok(m)
 }
 
 /// Quantizes `m` per `q`: returns the QDQ model, the encodings, and the number of samples.
-pub fn quantize_model(m: &Model, q: &QuantizeArgs) -> Result<(Model, npuc_quant::Encodings, usize, String)> {
+pub fn quantize_model(
+    m: &Model,
+    q: &QuantizeArgs,
+) -> Result<(Model, npuc_quant::Encodings, usize, String)> {
     let opts = q.options()?;
     let (enc, samples, method) = if let Some(e) = &q.encodings {
-        (encodings::read(e, m)?, 0, format!("encodings {}", e.display()))
+        (
+            encodings::read(e, m)?,
+            0,
+            format!("encodings {}", e.display()),
+        )
     } else {
         let plan = npuc_quant::plan(m, &opts)?;
         let src_path = q.calib.as_ref().ok_or_else(|| {
             anyhow!("--quantize {} needs calibration data: --calib DIR|input_list.txt (or --encodings ENC.json)", q.scheme.as_deref().unwrap_or(""))
         })?;
         let src = CalibSource::detect(src_path, q.preprocess()?)?;
-        let inits: HashSet<&str> = m.graph.initializers.iter().map(|i| i.name.as_str()).collect();
-        let inputs: Vec<npuc_ir::ValueInfo> =
-            m.graph.inputs.iter().filter(|i| !inits.contains(i.name.as_str())).cloned().collect();
+        let inits: HashSet<&str> = m
+            .graph
+            .initializers
+            .iter()
+            .map(|i| i.name.as_str())
+            .collect();
+        let inputs: Vec<npuc_ir::ValueInfo> = m
+            .graph
+            .inputs
+            .iter()
+            .filter(|i| !inits.contains(i.name.as_str()))
+            .cloned()
+            .collect();
         let files = src.list(&inputs, q.max_samples)?;
         let n = files.len();
         let bar = if !q.no_progress {
             let b = indicatif::ProgressBar::new(n as u64);
             b.set_style(
-                indicatif::ProgressStyle::with_template("calibrating {bar:40} {pos}/{len} samples {elapsed_precise}")
-                    .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+                indicatif::ProgressStyle::with_template(
+                    "calibrating {bar:40} {pos}/{len} samples {elapsed_precise}",
+                )
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
             );
             Some(b)
         } else {
@@ -235,7 +292,11 @@ pub fn quantize_model(m: &Model, q: &QuantizeArgs) -> Result<(Model, npuc_quant:
         if let Some(b) = bar {
             b.finish_and_clear();
         }
-        (npuc_quant::encodings_from_ranges(m, &plan, &obs, opts.method)?, n, opts.method.name())
+        (
+            npuc_quant::encodings_from_ranges(m, &plan, &obs, opts.method)?,
+            n,
+            opts.method.name(),
+        )
     };
     let qm = npuc_quant::apply(m, &enc)?;
     Ok((qm, enc, samples, method))
@@ -269,12 +330,22 @@ pub fn compile_quantized(
             "npuc_scheme": q.scheme.as_deref().unwrap_or(""),
             "npuc_calib_method": method,
         });
-        encodings::write(p, &enc, encodings::EncodingsVersion::parse(&q.encodings_version)?, args)?;
-        log(&format!("wrote encodings {} ({})", p.display(), q.encodings_version));
+        encodings::write(
+            p,
+            &enc,
+            encodings::EncodingsVersion::parse(&q.encodings_version)?,
+            args,
+        )?;
+        log(&format!(
+            "wrote encodings {} ({})",
+            p.display(),
+            q.encodings_version
+        ));
     }
     if let Some(p) = &q.emit_qdq {
         let em = npuc_quant::export::qnn_qdq(&m, &enc)?;
-        npuc_onnx::save_model(&em, p, &Default::default()).with_context(|| format!("writing {}", p.display()))?;
+        npuc_onnx::save_model(&em, p, &Default::default())
+            .with_context(|| format!("writing {}", p.display()))?;
         log(&format!("wrote QDQ ONNX {}", p.display()));
     }
     let options = serde_json::json!({
@@ -286,16 +357,31 @@ pub fn compile_quantized(
     });
     let mut w = ArtifactWriter::new(target, options);
     let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-    w.add_source(&path.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default(), &bytes);
+    w.add_source(
+        &path
+            .file_name()
+            .map(|f| f.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+        &bytes,
+    );
     drop(bytes);
-    let bound: HashMap<String, TypeInfo> =
-        qm.graph.inputs.iter().filter_map(|v| v.ty.clone().map(|t| (v.name.clone(), t))).collect();
+    let bound: HashMap<String, TypeInfo> = qm
+        .graph
+        .inputs
+        .iter()
+        .filter_map(|v| v.ty.clone().map(|t| (v.name.clone(), t)))
+        .collect();
     let inferred = npuc_ir::infer::infer_model(&qm, &bound);
     let (arena_bytes, _) = plan_arena(&qm, &inferred.types);
     w.add_graph(
         name,
         &qm,
-        GraphInfo { nodes_before, nodes_after: qm.graph.nodes.len(), arena_bytes, source: path.display().to_string() },
+        GraphInfo {
+            nodes_before,
+            nodes_after: qm.graph.nodes.len(),
+            arena_bytes,
+            source: path.display().to_string(),
+        },
     )?;
     let file_bytes = w.write(out)?;
     Ok(QuantSummary {
@@ -318,7 +404,11 @@ fn short(e: &QEnc) -> String {
 pub fn quant_report(m: &Model) -> Result<Vec<String>> {
     let mut lines = vec![];
     for (name, is_param, e) in read_qdq(m)? {
-        lines.push(format!("  {:<8} {name}: {}", if is_param { "param" } else { "act" }, short(&e)));
+        lines.push(format!(
+            "  {:<8} {name}: {}",
+            if is_param { "param" } else { "act" },
+            short(&e)
+        ));
     }
     let casts = m
         .graph
@@ -327,7 +417,9 @@ pub fn quant_report(m: &Model) -> Result<Vec<String>> {
         .filter(|n| n.op_type == "Cast" && n.name.ends_with("_CastDown"))
         .count();
     if casts > 0 {
-        lines.push(format!("  {casts} activations rounded through float16/bfloat16 (Cast pairs)"));
+        lines.push(format!(
+            "  {casts} activations rounded through float16/bfloat16 (Cast pairs)"
+        ));
     }
     Ok(lines)
 }
@@ -361,14 +453,26 @@ pub fn compile_cmd(
 ) -> Result<()> {
     let mut list: Vec<(String, PathBuf)> = models
         .iter()
-        .map(|m| (m.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "graph".into()), m.clone()))
+        .map(|m| {
+            (
+                m.file_stem()
+                    .map(|s| s.to_string_lossy().into_owned())
+                    .unwrap_or_else(|| "graph".into()),
+                m.clone(),
+            )
+        })
         .collect();
     for n in named {
-        let (g, p) = n.split_once('=').ok_or_else(|| anyhow!("--name expects GRAPH=MODEL, got '{n}'"))?;
+        let (g, p) = n
+            .split_once('=')
+            .ok_or_else(|| anyhow!("--name expects GRAPH=MODEL, got '{n}'"))?;
         list.push((g.to_string(), PathBuf::from(p)));
     }
     if list.len() != 1 {
-        bail!("--quantize takes exactly one model ({} given); quantize each model separately", list.len());
+        bail!(
+            "--quantize takes exactly one model ({} given); quantize each model separately",
+            list.len()
+        );
     }
     let (input_shapes, dims) = crate::compile::parse_bindings(input_shape, dim)?;
     let opts = CompileOptions {

@@ -28,7 +28,14 @@ pub struct ImagePreprocess {
 
 impl Default for ImagePreprocess {
     fn default() -> Self {
-        ImagePreprocess { size: (224, 224), mean: [0.0; 3], std: [1.0; 3], scale: 1.0 / 255.0, nchw: true, bgr: false }
+        ImagePreprocess {
+            size: (224, 224),
+            mean: [0.0; 3],
+            std: [1.0; 3],
+            scale: 1.0 / 255.0,
+            nchw: true,
+            bgr: false,
+        }
     }
 }
 
@@ -56,7 +63,10 @@ pub struct SampleFiles {
 
 fn is_image(p: &Path) -> bool {
     matches!(
-        p.extension().and_then(|e| e.to_str()).map(|e| e.to_ascii_lowercase()).as_deref(),
+        p.extension()
+            .and_then(|e| e.to_str())
+            .map(|e| e.to_ascii_lowercase())
+            .as_deref(),
         Some("png" | "jpg" | "jpeg")
     )
 }
@@ -72,7 +82,9 @@ impl CalibSource {
             bail!("calibration source {} does not exist", path.display());
         }
         let files = list_dir(path)?;
-        let has_npy = files.iter().any(|f| f.extension().is_some_and(|e| e == "npy"))
+        let has_npy = files
+            .iter()
+            .any(|f| f.extension().is_some_and(|e| e == "npy"))
             || files.iter().any(|f| f.is_dir());
         let has_img = files.iter().any(|f| is_image(f));
         match pre {
@@ -92,17 +104,26 @@ impl CalibSource {
             CalibSource::InputList(f) => list_input_list(f, inputs)?,
             CalibSource::Images(d, _) => {
                 if inputs.len() != 1 {
-                    bail!("image calibration needs a model with one input, this one has {}", inputs.len());
+                    bail!(
+                        "image calibration needs a model with one input, this one has {}",
+                        inputs.len()
+                    );
                 }
                 list_dir(d)?
                     .into_iter()
                     .filter(|p| is_image(p))
-                    .map(|p| SampleFiles { label: p.display().to_string(), files: vec![(inputs[0].name.clone(), p)] })
+                    .map(|p| SampleFiles {
+                        label: p.display().to_string(),
+                        files: vec![(inputs[0].name.clone(), p)],
+                    })
                     .collect()
             }
         };
         if out.is_empty() {
-            bail!("the calibration set is empty: no sample found in {}", self.path().display());
+            bail!(
+                "the calibration set is empty: no sample found in {}",
+                self.path().display()
+            );
         }
         if let Some(m) = max {
             out.truncate(m.max(1));
@@ -121,17 +142,25 @@ impl CalibSource {
     pub fn load(&self, s: &SampleFiles, inputs: &[ValueInfo]) -> Result<Sample> {
         let mut feeds = vec![];
         for (name, file) in &s.files {
-            let vi = inputs.iter().find(|v| &v.name == name).ok_or_else(|| anyhow!("the model has no input '{name}'"))?;
+            let vi = inputs
+                .iter()
+                .find(|v| &v.name == name)
+                .ok_or_else(|| anyhow!("the model has no input '{name}'"))?;
             let t = match self {
-                CalibSource::NpyDir(_) => parse_npy(&std::fs::read(file).with_context(|| format!("reading {}", file.display()))?)
-                    .with_context(|| format!("{} is not a valid .npy file", file.display()))?,
+                CalibSource::NpyDir(_) => parse_npy(
+                    &std::fs::read(file).with_context(|| format!("reading {}", file.display()))?,
+                )
+                .with_context(|| format!("{} is not a valid .npy file", file.display()))?,
                 CalibSource::InputList(_) => read_raw(file, vi)?,
                 CalibSource::Images(_, pre) => load_image(file, pre)?,
             };
             check_type(&t, vi, file)?;
             feeds.push((name.clone(), t));
         }
-        Ok(Sample { label: s.label.clone(), feeds })
+        Ok(Sample {
+            label: s.label.clone(),
+            feeds,
+        })
     }
 }
 
@@ -146,17 +175,24 @@ fn list_dir(d: &Path) -> Result<Vec<PathBuf>> {
 
 fn list_npy(d: &Path, inputs: &[ValueInfo]) -> Result<Vec<SampleFiles>> {
     let entries = list_dir(d)?;
-    let npys: Vec<&PathBuf> = entries.iter().filter(|p| p.is_file() && p.extension().is_some_and(|e| e == "npy")).collect();
+    let npys: Vec<&PathBuf> = entries
+        .iter()
+        .filter(|p| p.is_file() && p.extension().is_some_and(|e| e == "npy"))
+        .collect();
     let mut per: BTreeMap<String, Vec<PathBuf>> = BTreeMap::new();
     for vi in inputs {
         let sub = d.join(&vi.name);
         let mut files: Vec<PathBuf> = if sub.is_dir() {
-            list_dir(&sub)?.into_iter().filter(|p| p.extension().is_some_and(|e| e == "npy")).collect()
+            list_dir(&sub)?
+                .into_iter()
+                .filter(|p| p.extension().is_some_and(|e| e == "npy"))
+                .collect()
         } else {
             npys.iter()
                 .filter(|p| {
                     let f = p.file_name().and_then(|f| f.to_str()).unwrap_or("");
-                    f.starts_with(&format!("{}_", vi.name)) || f.starts_with(&format!("{}.", vi.name))
+                    f.starts_with(&format!("{}_", vi.name))
+                        || f.starts_with(&format!("{}.", vi.name))
                 })
                 .map(|p| p.to_path_buf())
                 .collect()
@@ -178,7 +214,11 @@ fn list_npy(d: &Path, inputs: &[ValueInfo]) -> Result<Vec<SampleFiles>> {
     }
     Ok((0..n)
         .map(|i| SampleFiles {
-            label: per.values().next().map(|v| v[i].display().to_string()).unwrap_or_default(),
+            label: per
+                .values()
+                .next()
+                .map(|v| v[i].display().to_string())
+                .unwrap_or_default(),
             files: per.iter().map(|(k, v)| (k.clone(), v[i].clone())).collect(),
         })
         .collect())
@@ -201,32 +241,64 @@ fn list_input_list(f: &Path, inputs: &[ValueInfo]) -> Result<Vec<SampleFiles>> {
                 Some((n, path)) => (n.to_string(), path),
                 None => (
                     inputs.get(i).map(|v| v.name.clone()).ok_or_else(|| {
-                        anyhow!("{}:{}: {} files given, the model has {} inputs", f.display(), ln + 1, parts.len(), inputs.len())
+                        anyhow!(
+                            "{}:{}: {} files given, the model has {} inputs",
+                            f.display(),
+                            ln + 1,
+                            parts.len(),
+                            inputs.len()
+                        )
                     })?,
                     *p,
                 ),
             };
             if !inputs.iter().any(|v| v.name == name) {
-                bail!("{}:{}: the model has no input '{name}'", f.display(), ln + 1);
+                bail!(
+                    "{}:{}: the model has no input '{name}'",
+                    f.display(),
+                    ln + 1
+                );
             }
             let pb = PathBuf::from(path);
             files.push((name, if pb.is_absolute() { pb } else { base.join(pb) }));
         }
         if files.len() != inputs.len() {
-            bail!("{}:{}: {} inputs given, the model needs {}", f.display(), ln + 1, files.len(), inputs.len());
+            bail!(
+                "{}:{}: {} inputs given, the model needs {}",
+                f.display(),
+                ln + 1,
+                files.len(),
+                inputs.len()
+            );
         }
-        out.push(SampleFiles { label: format!("{}:{} ({})", f.display(), ln + 1, files[0].1.display()), files });
+        out.push(SampleFiles {
+            label: format!("{}:{} ({})", f.display(), ln + 1, files[0].1.display()),
+            files,
+        });
     }
     Ok(out)
 }
 
 fn fixed_shape(vi: &ValueInfo) -> Option<Vec<usize>> {
-    vi.dims()?.iter().map(|d| if let Dim::Fixed(n) = d { Some(*n) } else { None }).collect()
+    vi.dims()?
+        .iter()
+        .map(|d| {
+            if let Dim::Fixed(n) = d {
+                Some(*n)
+            } else {
+                None
+            }
+        })
+        .collect()
 }
 
 fn read_raw(file: &Path, vi: &ValueInfo) -> Result<Tensor> {
     let shape = fixed_shape(vi).ok_or_else(|| {
-        anyhow!("{}: .raw inputs need the static shape of input '{}'; bind it with --input-shape", file.display(), vi.name)
+        anyhow!(
+            "{}: .raw inputs need the static shape of input '{}'; bind it with --input-shape",
+            file.display(),
+            vi.name
+        )
     })?;
     let dt = vi.dtype().unwrap_or(DType::F32);
     let bytes = std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
@@ -250,14 +322,27 @@ fn check_type(t: &Tensor, vi: &ValueInfo, file: &Path) -> Result<()> {
         let expect = vi.ty.as_ref().map(|t| t.describe()).unwrap_or_default();
         if let Some(d) = dtype {
             if *d != t.dtype() {
-                bail!("{}: dtype {} but input '{}' expects {expect}", file.display(), t.dtype(), vi.name);
+                bail!(
+                    "{}: dtype {} but input '{}' expects {expect}",
+                    file.display(),
+                    t.dtype(),
+                    vi.name
+                );
             }
         }
         if let Some(dims) = shape {
             let ok = dims.len() == t.rank()
-                && dims.iter().zip(t.shape()).all(|(d, &n)| !matches!(d, Dim::Fixed(f) if *f != n));
+                && dims
+                    .iter()
+                    .zip(t.shape())
+                    .all(|(d, &n)| !matches!(d, Dim::Fixed(f) if *f != n));
             if !ok {
-                bail!("{}: shape {:?} but input '{}' expects {expect}", file.display(), t.shape(), vi.name);
+                bail!(
+                    "{}: shape {:?} but input '{}' expects {expect}",
+                    file.display(),
+                    t.shape(),
+                    vi.name
+                );
             }
         }
     }
@@ -274,22 +359,38 @@ pub fn parse_npy(b: &[u8]) -> Result<Tensor> {
         2 | 3 if b.len() >= 12 => (u32::from_le_bytes([b[8], b[9], b[10], b[11]]) as usize, 12),
         v => bail!("unsupported .npy version {v}"),
     };
-    let header = b.get(start..start + hlen).ok_or_else(|| anyhow!("truncated header"))?;
+    let header = b
+        .get(start..start + hlen)
+        .ok_or_else(|| anyhow!("truncated header"))?;
     let header = std::str::from_utf8(header).map_err(|_| anyhow!("header is not text"))?;
     let field = |k: &str| -> Option<&str> {
         let i = header.find(&format!("'{k}'"))? + k.len() + 2;
-        Some(header[i..].trim_start().trim_start_matches(':').trim_start())
+        Some(
+            header[i..]
+                .trim_start()
+                .trim_start_matches(':')
+                .trim_start(),
+        )
     };
-    let descr = field("descr").and_then(|s| s.strip_prefix('\'')).and_then(|s| s.split('\'').next()).ok_or_else(|| anyhow!("no descr"))?;
+    let descr = field("descr")
+        .and_then(|s| s.strip_prefix('\''))
+        .and_then(|s| s.split('\'').next())
+        .ok_or_else(|| anyhow!("no descr"))?;
     if field("fortran_order").is_some_and(|s| s.starts_with("True")) {
         bail!("Fortran-order arrays are not supported; save with np.ascontiguousarray");
     }
-    let shape_s = field("shape").and_then(|s| s.strip_prefix('(')).and_then(|s| s.split(')').next()).ok_or_else(|| anyhow!("no shape"))?;
+    let shape_s = field("shape")
+        .and_then(|s| s.strip_prefix('('))
+        .and_then(|s| s.split(')').next())
+        .ok_or_else(|| anyhow!("no shape"))?;
     let shape: Vec<usize> = shape_s
         .split(',')
         .map(|x| x.trim())
         .filter(|x| !x.is_empty())
-        .map(|x| x.parse::<usize>().map_err(|_| anyhow!("bad shape '{shape_s}'")))
+        .map(|x| {
+            x.parse::<usize>()
+                .map_err(|_| anyhow!("bad shape '{shape_s}'"))
+        })
         .collect::<Result<_>>()?;
     if descr.starts_with('>') {
         bail!("big-endian arrays are not supported");
@@ -310,14 +411,20 @@ pub fn parse_npy(b: &[u8]) -> Result<Tensor> {
     let data = &b[start + hlen..];
     let n: usize = shape.iter().product();
     if data.len() < n * dt.size() {
-        bail!("{} data bytes, shape {shape:?} of {dt} needs {}", data.len(), n * dt.size());
+        bail!(
+            "{} data bytes, shape {shape:?} of {dt} needs {}",
+            data.len(),
+            n * dt.size()
+        );
     }
     Tensor::from_le_bytes_copy(dt, shape, &data[..n * dt.size()]).map_err(|e| anyhow!("{e}"))
 }
 
 /// Decodes and preprocesses one image (bilinear resize with half-pixel centres).
 pub fn load_image(file: &Path, pre: &ImagePreprocess) -> Result<Tensor> {
-    let img = image::open(file).with_context(|| format!("decoding image {}", file.display()))?.to_rgb8();
+    let img = image::open(file)
+        .with_context(|| format!("decoding image {}", file.display()))?
+        .to_rgb8();
     let (w, h) = (img.width() as usize, img.height() as usize);
     if w == 0 || h == 0 {
         bail!("{}: empty image", file.display());
@@ -338,14 +445,25 @@ pub fn load_image(file: &Path, pre: &ImagePreprocess) -> Result<Tensor> {
             let wx = fx - x0 as f32;
             for c in 0..3 {
                 let p = |yy: usize, xx: usize| rgb[(yy * w + xx) * 3 + c] as f32;
-                let v = p(y0, x0) * (1.0 - wx) * (1.0 - wy) + p(y0, x1) * wx * (1.0 - wy) + p(y1, x0) * (1.0 - wx) * wy + p(y1, x1) * wx * wy;
+                let v = p(y0, x0) * (1.0 - wx) * (1.0 - wy)
+                    + p(y0, x1) * wx * (1.0 - wy)
+                    + p(y1, x0) * (1.0 - wx) * wy
+                    + p(y1, x1) * wx * wy;
                 let oc = if pre.bgr { 2 - c } else { c };
                 let v = (v * pre.scale - pre.mean[oc]) / pre.std[oc];
-                let idx = if pre.nchw { (oc * oh + oy) * ow + ox } else { (oy * ow + ox) * 3 + oc };
+                let idx = if pre.nchw {
+                    (oc * oh + oy) * ow + ox
+                } else {
+                    (oy * ow + ox) * 3 + oc
+                };
                 out[idx] = v;
             }
         }
     }
-    let shape = if pre.nchw { vec![1, 3, oh, ow] } else { vec![1, oh, ow, 3] };
+    let shape = if pre.nchw {
+        vec![1, 3, oh, ow]
+    } else {
+        vec![1, oh, ow, 3]
+    };
     Ok(Tensor::from_vec(shape, out)?)
 }

@@ -73,11 +73,16 @@ pub fn to_json(enc: &Encodings, version: EncodingsVersion, quantizer_args: J) ->
     let v = match version {
         EncodingsVersion::V0_6_1 => {
             let mut top = Map::new();
-            for (key, map) in [("activation_encodings", &enc.activations), ("param_encodings", &enc.params)] {
+            for (key, map) in [
+                ("activation_encodings", &enc.activations),
+                ("param_encodings", &enc.params),
+            ] {
                 let mut m = Map::new();
                 for (name, te) in map {
                     let list = match te {
-                        TensorEncoding::Float(d) => vec![json!({"bitwidth": float_bits(name, *d)?, "dtype": "float"})],
+                        TensorEncoding::Float(d) => {
+                            vec![json!({"bitwidth": float_bits(name, *d)?, "dtype": "float"})]
+                        }
                         TensorEncoding::Int(e) => {
                             if e.block_size.is_some() {
                                 bail!("'{name}' is block-quantized, which encodings 0.6.1 cannot express; use --encodings-version 1.0.0");
@@ -95,7 +100,10 @@ pub fn to_json(enc: &Encodings, version: EncodingsVersion, quantizer_args: J) ->
         }
         EncodingsVersion::V1_0_0 => {
             let mut top = Map::new();
-            for (key, map) in [("activation_encodings", &enc.activations), ("param_encodings", &enc.params)] {
+            for (key, map) in [
+                ("activation_encodings", &enc.activations),
+                ("param_encodings", &enc.params),
+            ] {
                 let mut list = vec![];
                 for (name, te) in map {
                     list.push(match te {
@@ -134,7 +142,12 @@ pub fn to_json(enc: &Encodings, version: EncodingsVersion, quantizer_args: J) ->
 }
 
 /// Writes encodings atomically (temp file + rename).
-pub fn write(path: &Path, enc: &Encodings, version: EncodingsVersion, quantizer_args: J) -> Result<()> {
+pub fn write(
+    path: &Path,
+    enc: &Encodings,
+    version: EncodingsVersion,
+    quantizer_args: J,
+) -> Result<()> {
     let text = to_json(enc, version, quantizer_args)?;
     let tmp = path.with_extension(format!("tmp{}", std::process::id()));
     std::fs::write(&tmp, text).with_context(|| format!("writing {}", tmp.display()))?;
@@ -170,7 +183,8 @@ fn int_type(bw: u32, sym: bool, offset: i64, what: &str) -> Result<(DType, i64)>
 }
 
 fn get<'a>(o: &'a J, k: &str, what: &str) -> Result<&'a J> {
-    o.get(k).ok_or_else(|| anyhow!("{what}: missing field '{k}'"))
+    o.get(k)
+        .ok_or_else(|| anyhow!("{what}: missing field '{k}'"))
 }
 
 fn as_bool(v: &J) -> bool {
@@ -183,7 +197,14 @@ fn as_bool(v: &J) -> bool {
 
 fn as_f32s(v: &J, what: &str) -> Result<Vec<f32>> {
     match v {
-        J::Array(a) => a.iter().map(|x| x.as_f64().map(|f| f as f32).ok_or_else(|| anyhow!("{what}: scale is not a number"))).collect(),
+        J::Array(a) => a
+            .iter()
+            .map(|x| {
+                x.as_f64()
+                    .map(|f| f as f32)
+                    .ok_or_else(|| anyhow!("{what}: scale is not a number"))
+            })
+            .collect(),
         J::Number(n) => Ok(vec![n.as_f64().unwrap_or(0.0) as f32]),
         _ => bail!("{what}: scale must be a number or a list"),
     }
@@ -191,26 +212,45 @@ fn as_f32s(v: &J, what: &str) -> Result<Vec<f32>> {
 
 fn as_i64s(v: &J, what: &str) -> Result<Vec<i64>> {
     match v {
-        J::Array(a) => a.iter().map(|x| x.as_f64().map(|f| f as i64).ok_or_else(|| anyhow!("{what}: offset is not a number"))).collect(),
+        J::Array(a) => a
+            .iter()
+            .map(|x| {
+                x.as_f64()
+                    .map(|f| f as i64)
+                    .ok_or_else(|| anyhow!("{what}: offset is not a number"))
+            })
+            .collect(),
         J::Number(n) => Ok(vec![n.as_f64().unwrap_or(0.0) as i64]),
         _ => bail!("{what}: offset must be a number or a list"),
     }
 }
 
 /// Picks the axis (and block) of a multi-scale parameter from its consumer op and shape.
-fn layout_for(m: &Model, name: &str, n: usize, block: Option<usize>) -> Result<(Option<usize>, Vec<usize>)> {
+fn layout_for(
+    m: &Model,
+    name: &str,
+    n: usize,
+    block: Option<usize>,
+) -> Result<(Option<usize>, Vec<usize>)> {
     let g = &m.graph;
-    let t = g.initializer(name).ok_or_else(|| anyhow!("'{name}' is not an initializer of the model"))?;
+    let t = g
+        .initializer(name)
+        .ok_or_else(|| anyhow!("'{name}' is not an initializer of the model"))?;
     let shape = t.shape();
     if n == 1 && block.is_none() {
         return Ok((None, vec![]));
     }
     let consumer = g.nodes.iter().find(|nd| nd.input(1) == Some(name));
-    let is_bias = g.nodes.iter().any(|nd| nd.input(2) == Some(name) && nd.op_type != "MatMul");
+    let is_bias = g
+        .nodes
+        .iter()
+        .any(|nd| nd.input(2) == Some(name) && nd.op_type != "MatMul");
     if let Some(b) = block {
         let (_, inp) = consumer
             .and_then(|nd| weight_axes(nd, shape.len()))
-            .ok_or_else(|| anyhow!("'{name}': a per-block encoding needs a Conv/Gemm/MatMul weight"))?;
+            .ok_or_else(|| {
+                anyhow!("'{name}': a per-block encoding needs a Conv/Gemm/MatMul weight")
+            })?;
         let mut ps = shape.to_vec();
         ps[inp] = shape[inp].div_ceil(b);
         if ps.iter().product::<usize>() != n {
@@ -233,10 +273,23 @@ fn layout_for(m: &Model, name: &str, n: usize, block: Option<usize>) -> Result<(
 }
 
 #[allow(clippy::too_many_arguments)]
-fn build(m: &Model, name: &str, is_param: bool, bw: u32, sym: bool, scale: Vec<f32>, offset: Vec<i64>, block: Option<usize>) -> Result<QEnc> {
+fn build(
+    m: &Model,
+    name: &str,
+    is_param: bool,
+    bw: u32,
+    sym: bool,
+    scale: Vec<f32>,
+    offset: Vec<i64>,
+    block: Option<usize>,
+) -> Result<QEnc> {
     let what = format!("encoding of '{name}'");
     if scale.is_empty() || scale.len() != offset.len() {
-        bail!("{what}: {} scales and {} offsets", scale.len(), offset.len());
+        bail!(
+            "{what}: {} scales and {} offsets",
+            scale.len(),
+            offset.len()
+        );
     }
     if let Some(s) = scale.iter().find(|s| !(s.is_finite() && **s > 0.0)) {
         bail!("{what}: scale {s} must be positive and finite");
@@ -258,7 +311,14 @@ fn build(m: &Model, name: &str, is_param: bool, bw: u32, sym: bool, scale: Vec<f
     } else {
         bail!("{what}: activations take one encoding, got {}", scale.len())
     };
-    Ok(QEnc { dtype: dtype.unwrap_or(DType::U8), scale, zero_point: zps, axis, block_size: block, param_shape })
+    Ok(QEnc {
+        dtype: dtype.unwrap_or(DType::U8),
+        scale,
+        zero_point: zps,
+        axis,
+        block_size: block,
+        param_shape,
+    })
 }
 
 fn float_enc(bw: u32, what: &str) -> Result<TensorEncoding> {
@@ -275,14 +335,20 @@ pub fn from_json(text: &str, m: &Model, origin: &str) -> Result<Encodings> {
     let mut enc = Encodings::default();
     let mut missing: Vec<String> = vec![];
     for (key, is_param) in [("activation_encodings", false), ("param_encodings", true)] {
-        let target: &mut BTreeMap<String, TensorEncoding> = if is_param { &mut enc.params } else { &mut enc.activations };
+        let target: &mut BTreeMap<String, TensorEncoding> = if is_param {
+            &mut enc.params
+        } else {
+            &mut enc.activations
+        };
         match v.get(key) {
             None | Some(J::Null) => {}
             Some(J::Object(map)) => {
                 for (name, list) in map {
                     let what = format!("{origin}: {key}['{name}']");
                     // Names that are not in the model are reported all together below.
-                    let list = list.as_array().ok_or_else(|| anyhow!("{what}: expected a list"))?;
+                    let list = list
+                        .as_array()
+                        .ok_or_else(|| anyhow!("{what}: expected a list"))?;
                     let first = list.first().ok_or_else(|| anyhow!("{what}: empty list"))?;
                     let bw = get(first, "bitwidth", &what)?.as_u64().unwrap_or(0) as u32;
                     if !names_exist(m, name, is_param) {
@@ -297,35 +363,65 @@ pub fn from_json(text: &str, m: &Model, origin: &str) -> Result<Encodings> {
                     let mut scale = vec![];
                     let mut offset = vec![];
                     for e in list {
-                        scale.push(get(e, "scale", &what)?.as_f64().ok_or_else(|| anyhow!("{what}: scale is not a number"))? as f32);
-                        offset.push(get(e, "offset", &what)?.as_f64().ok_or_else(|| anyhow!("{what}: offset is not a number"))? as i64);
+                        scale.push(
+                            get(e, "scale", &what)?
+                                .as_f64()
+                                .ok_or_else(|| anyhow!("{what}: scale is not a number"))?
+                                as f32,
+                        );
+                        offset.push(
+                            get(e, "offset", &what)?
+                                .as_f64()
+                                .ok_or_else(|| anyhow!("{what}: offset is not a number"))?
+                                as i64,
+                        );
                     }
-                    target.insert(name.clone(), TensorEncoding::Int(build(m, name, is_param, bw, sym, scale, offset, None).with_context(|| what.clone())?));
+                    target.insert(
+                        name.clone(),
+                        TensorEncoding::Int(
+                            build(m, name, is_param, bw, sym, scale, offset, None)
+                                .with_context(|| what.clone())?,
+                        ),
+                    );
                 }
             }
             Some(J::Array(list)) => {
                 for e in list {
-                    let name = get(e, "name", &format!("{origin}: {key}"))?.as_str().unwrap_or("").to_string();
+                    let name = get(e, "name", &format!("{origin}: {key}"))?
+                        .as_str()
+                        .unwrap_or("")
+                        .to_string();
                     let what = format!("{origin}: {key}['{name}']");
                     let bw = get(e, "bw", &what)?.as_u64().unwrap_or(0) as u32;
                     if !names_exist(m, &name, is_param) {
                         missing.push(name.clone());
                         continue;
                     }
-                    if e.get("dtype").and_then(|d| d.as_str()).is_some_and(|d| d.eq_ignore_ascii_case("FP") || d.eq_ignore_ascii_case("float")) {
+                    if e.get("dtype").and_then(|d| d.as_str()).is_some_and(|d| {
+                        d.eq_ignore_ascii_case("FP") || d.eq_ignore_ascii_case("float")
+                    }) {
                         target.insert(name, float_enc(bw, &what)?);
                         continue;
                     }
                     let sym = e.get("is_sym").map(as_bool).unwrap_or(false);
                     let scale = as_f32s(get(e, "scale", &what)?, &what)?;
                     let offset = as_i64s(get(e, "offset", &what)?, &what)?;
-                    let block = e.get("block_size").and_then(|b| b.as_u64()).map(|b| b as usize);
+                    let block = e
+                        .get("block_size")
+                        .and_then(|b| b.as_u64())
+                        .map(|b| b as usize);
                     if let Some(t) = e.get("enc_type").and_then(|t| t.as_str()) {
                         if t == "LPBQ" {
                             bail!("{what}: LPBQ encodings are not supported");
                         }
                     }
-                    target.insert(name.clone(), TensorEncoding::Int(build(m, &name, is_param, bw, sym, scale, offset, block).with_context(|| what.clone())?));
+                    target.insert(
+                        name.clone(),
+                        TensorEncoding::Int(
+                            build(m, &name, is_param, bw, sym, scale, offset, block)
+                                .with_context(|| what.clone())?,
+                        ),
+                    );
                 }
             }
             Some(_) => bail!("{origin}: '{key}' must be an object (0.6.1) or a list (1.0.0)"),
@@ -347,12 +443,14 @@ fn names_exist(m: &Model, name: &str, is_param: bool) -> bool {
     if is_param {
         g.initializer(name).is_some()
     } else {
-        g.inputs.iter().any(|v| v.name == name) || g.nodes.iter().any(|n| n.outputs.iter().any(|o| o == name))
+        g.inputs.iter().any(|v| v.name == name)
+            || g.nodes.iter().any(|n| n.outputs.iter().any(|o| o == name))
     }
 }
 
 /// Reads an encodings file (either version) for model `m`.
 pub fn read(path: &Path, m: &Model) -> Result<Encodings> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("reading encodings {}", path.display()))?;
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading encodings {}", path.display()))?;
     from_json(&text, m, &path.display().to_string())
 }

@@ -5,7 +5,9 @@
 //! below opset 21, per-axis below 13). The model's default opset is never raised, since that
 //! would silently change the meaning of other ops (e.g. ReduceMean's `axes` at 18).
 
-use crate::qdq::{apply, bias_encoding, weight_encoding, BiasSpec, Encodings, QEnc, TensorEncoding, WeightSpec};
+use crate::qdq::{
+    apply, bias_encoding, weight_encoding, BiasSpec, Encodings, QEnc, TensorEncoding, WeightSpec,
+};
 use anyhow::{anyhow, Result};
 use npuc_ir::{DType, Model, OpsetImport};
 
@@ -33,17 +35,40 @@ pub fn qnn_qdq(m: &Model, enc: &Encodings) -> Result<Model> {
     let mut biases = vec![];
     for n in &g.nodes {
         let Some(w) = n.input(1) else { continue };
-        let Some(TensorEncoding::Int(q)) = e.params.get(w).cloned() else { continue };
-        let wt = g.initializer(w).ok_or_else(|| anyhow!("no initializer '{w}'"))?;
+        let Some(TensorEncoding::Int(q)) = e.params.get(w).cloned() else {
+            continue;
+        };
+        let wt = g
+            .initializer(w)
+            .ok_or_else(|| anyhow!("no initializer '{w}'"))?;
         let conv = n.op_type == "Conv" || n.op_type == "ConvTranspose";
-        let want_axis = if conv { crate::qdq::weight_axes(n, wt.rank()).map(|a| a.0) } else { None };
-        if q.scale.len() > 1 && (q.axis != want_axis || q.block_size.is_some()) || q.scale.len() == 1 && q.block_size.is_some() {
-            let spec = WeightSpec { dtype: q.dtype, axis: want_axis, block: None };
-            e.params.insert(w.to_string(), TensorEncoding::Int(weight_encoding(wt, &spec, w)?));
+        let want_axis = if conv {
+            crate::qdq::weight_axes(n, wt.rank()).map(|a| a.0)
+        } else {
+            None
+        };
+        if q.scale.len() > 1 && (q.axis != want_axis || q.block_size.is_some())
+            || q.scale.len() == 1 && q.block_size.is_some()
+        {
+            let spec = WeightSpec {
+                dtype: q.dtype,
+                axis: want_axis,
+                block: None,
+            };
+            e.params.insert(
+                w.to_string(),
+                TensorEncoding::Int(weight_encoding(wt, &spec, w)?),
+            );
         }
         if let (Some(b), Some(x)) = (n.input(2), n.input(0)) {
             if e.params.contains_key(b) {
-                biases.push((b.to_string(), BiasSpec { input: x.to_string(), weight: w.to_string() }));
+                biases.push((
+                    b.to_string(),
+                    BiasSpec {
+                        input: x.to_string(),
+                        weight: w.to_string(),
+                    },
+                ));
             }
         }
     }
@@ -59,15 +84,24 @@ pub fn qnn_qdq(m: &Model, enc: &Encodings) -> Result<Model> {
     }
     let mut out = apply(m, &e)?;
     let opset = out.opset("").unwrap_or(1);
-    let inits: std::collections::HashMap<String, DType> =
-        out.graph.initializers.iter().map(|i| (i.name.clone(), i.tensor.dtype())).collect();
+    let inits: std::collections::HashMap<String, DType> = out
+        .graph
+        .initializers
+        .iter()
+        .map(|i| (i.name.clone(), i.tensor.dtype()))
+        .collect();
     let mut contrib = false;
     for n in out.graph.nodes.iter_mut() {
         if n.op_type != "QuantizeLinear" && n.op_type != "DequantizeLinear" {
             continue;
         }
-        let d = n.input(2).and_then(|z| inits.get(z)).copied().unwrap_or(DType::U8);
-        let needs21 = matches!(d, DType::I16 | DType::U16 | DType::I4 | DType::U4) || n.attr("block_size").is_some();
+        let d = n
+            .input(2)
+            .and_then(|z| inits.get(z))
+            .copied()
+            .unwrap_or(DType::U8);
+        let needs21 = matches!(d, DType::I16 | DType::U16 | DType::I4 | DType::U4)
+            || n.attr("block_size").is_some();
         let needs13 = n.attr("axis").is_some();
         if (needs21 && opset < 21) || (needs13 && opset < 13) {
             n.domain = "com.microsoft".into();
@@ -75,12 +109,19 @@ pub fn qnn_qdq(m: &Model, enc: &Encodings) -> Result<Model> {
         }
     }
     if contrib && out.opset("com.microsoft").is_none() {
-        out.opset_imports.push(OpsetImport { domain: "com.microsoft".into(), version: 1 });
+        out.opset_imports.push(OpsetImport {
+            domain: "com.microsoft".into(),
+            version: 1,
+        });
     }
     Ok(out)
 }
 
 /// The QNN-EP form of one encoding, for tests and `inspect`.
 pub fn is_qnn_weight(q: &QEnc) -> bool {
-    q.block_size.is_none() && matches!(q.dtype, DType::I8 | DType::U8 | DType::I16 | DType::U16 | DType::I4 | DType::U4 | DType::I32)
+    q.block_size.is_none()
+        && matches!(
+            q.dtype,
+            DType::I8 | DType::U8 | DType::I16 | DType::U16 | DType::I4 | DType::U4 | DType::I32
+        )
 }

@@ -36,7 +36,9 @@ impl CalibMethod {
             }
             "mse" | "enhanced" => CalibMethod::Mse,
             "entropy" | "kl" => CalibMethod::Entropy,
-            _ => bail!("unknown calibration method '{s}'; expected minmax, percentile, mse or entropy"),
+            _ => bail!(
+                "unknown calibration method '{s}'; expected minmax, percentile, mse or entropy"
+            ),
         })
     }
 
@@ -174,12 +176,20 @@ impl Observer {
             cum += c as f64;
             if !lo_set && cum > lo_target {
                 // Linear interpolation inside the bin.
-                let f = if c > 0 { (lo_target - prev) / c as f64 } else { 0.0 };
+                let f = if c > 0 {
+                    (lo_target - prev) / c as f64
+                } else {
+                    0.0
+                };
                 lo = -r + (i as f64 + f) * w;
                 lo_set = true;
             }
             if cum >= hi_target {
-                let f = if c > 0 { (hi_target - prev) / c as f64 } else { 1.0 };
+                let f = if c > 0 {
+                    (hi_target - prev) / c as f64
+                } else {
+                    1.0
+                };
                 hi = -r + (i as f64 + f) * w;
                 break;
             }
@@ -270,11 +280,19 @@ impl Observer {
             let per = i as f64 / nq as f64;
             for k in 0..nq {
                 let s = (k as f64 * per) as usize;
-                let e = if k == nq - 1 { i } else { ((k + 1) as f64 * per) as usize };
+                let e = if k == nq - 1 {
+                    i
+                } else {
+                    ((k + 1) as f64 * per) as usize
+                };
                 let total: f64 = abs[s..e].iter().sum();
                 let nz = abs[s..e].iter().filter(|&&c| c > 0.0).count();
                 for j in s..e {
-                    q[j] = if abs[j] > 0.0 && nz > 0 { total / nz as f64 } else { 0.0 };
+                    q[j] = if abs[j] > 0.0 && nz > 0 {
+                        total / nz as f64
+                    } else {
+                        0.0
+                    };
                 }
             }
             let (sp, sq): (f64, f64) = (p[..i].iter().sum(), q[..i].iter().sum());

@@ -33,12 +33,16 @@ impl Overrides {
     pub fn load(path: &Path) -> Result<Overrides> {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("reading overrides file {}", path.display()))?;
-        let o: Overrides = if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("toml")) {
+        let o: Overrides = if path
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("toml"))
+        {
             toml::from_str(&text).map_err(|e| anyhow!("{}: {e}", path.display()))?
         } else {
             serde_json::from_str(&text).map_err(|e| anyhow!("{}: {e}", path.display()))?
         };
-        o.validate().with_context(|| format!("in {}", path.display()))?;
+        o.validate()
+            .with_context(|| format!("in {}", path.display()))?;
         Ok(o)
     }
 
@@ -62,7 +66,10 @@ impl Overrides {
     }
 
     /// The scheme of the last rule matching any of `names`, if any, with the rule index.
-    pub fn lookup<'a>(&self, names: impl IntoIterator<Item = &'a str> + Clone) -> Option<(usize, Scheme)> {
+    pub fn lookup<'a>(
+        &self,
+        names: impl IntoIterator<Item = &'a str> + Clone,
+    ) -> Option<(usize, Scheme)> {
         self.rules.iter().enumerate().rev().find_map(|(i, r)| {
             names
                 .clone()

@@ -161,8 +161,13 @@ pub fn plan(m: &Model, opts: &QuantOptions) -> Result<QuantPlan> {
     };
     let names = tensor_names(g);
     for r in &rules.rules {
-        let hit = g.nodes.iter().any(|n| crate::overrides::glob_match(&r.pattern, &n.name))
-            || names.iter().any(|t| crate::overrides::glob_match(&r.pattern, t));
+        let hit = g
+            .nodes
+            .iter()
+            .any(|n| crate::overrides::glob_match(&r.pattern, &n.name))
+            || names
+                .iter()
+                .any(|t| crate::overrides::glob_match(&r.pattern, t));
         if !hit {
             bail!(
                 "override pattern '{}' (scheme {}) matches no node or tensor name of the model",
@@ -171,8 +176,11 @@ pub fn plan(m: &Model, opts: &QuantOptions) -> Result<QuantPlan> {
             );
         }
     }
-    let inits: HashMap<&str, &Tensor> =
-        g.initializers.iter().map(|i| (i.name.as_str(), &i.tensor)).collect();
+    let inits: HashMap<&str, &Tensor> = g
+        .initializers
+        .iter()
+        .map(|i| (i.name.as_str(), &i.tensor))
+        .collect();
     let float_init = |name: &str| inits.get(name).filter(|t| t.dtype() == DType::F32).copied();
     let mut p = QuantPlan::default();
     let want_act = |p: &mut QuantPlan, t: &str, d: DType| {
@@ -190,8 +198,16 @@ pub fn plan(m: &Model, opts: &QuantOptions) -> Result<QuantPlan> {
         }
         let mut keys: Vec<&str> = vec![n.name.as_str()];
         keys.extend(n.outputs.iter().map(|s| s.as_str()));
-        keys.extend(n.inputs.iter().map(|s| s.as_str()).filter(|s| inits.contains_key(s)));
-        let scheme = rules.lookup(keys.iter().copied()).map(|(_, s)| s).unwrap_or(default);
+        keys.extend(
+            n.inputs
+                .iter()
+                .map(|s| s.as_str())
+                .filter(|s| inits.contains_key(s)),
+        );
+        let scheme = rules
+            .lookup(keys.iter().copied())
+            .map(|(_, s)| s)
+            .unwrap_or(default);
         p.nodes.push((n.name.clone(), scheme));
         if scheme == Scheme::Float {
             continue;
@@ -217,7 +233,9 @@ pub fn plan(m: &Model, opts: &QuantOptions) -> Result<QuantPlan> {
             want_act(&mut p, x, ad);
             want_act(&mut p, y, ad);
         }
-        let wd = scheme.weight_dtype().expect("integer schemes have a weight type");
+        let wd = scheme
+            .weight_dtype()
+            .expect("integer schemes have a weight type");
         if let Some(wt) = float_init(w) {
             let (axis, block) = match weight_axes(n, wt.rank()) {
                 None => (None, None),
@@ -228,7 +246,11 @@ pub fn plan(m: &Model, opts: &QuantOptions) -> Result<QuantPlan> {
                     crate::Granularity::PerBlock(b) => (Some(inp), Some(b)),
                 },
             };
-            let spec = WeightSpec { dtype: wd, axis, block };
+            let spec = WeightSpec {
+                dtype: wd,
+                axis,
+                block,
+            };
             match p.weights.get(w) {
                 // Shared weight: the wider type wins.
                 Some(old) if crate::bitwidth(old.dtype) >= crate::bitwidth(wd) => {}
@@ -241,7 +263,10 @@ pub fn plan(m: &Model, opts: &QuantOptions) -> Result<QuantPlan> {
                 if n.op_type != "MatMul" && float_init(b).is_some_and(|t| t.rank() == 1) {
                     p.biases.insert(
                         b.to_string(),
-                        BiasSpec { input: x.to_string(), weight: w.to_string() },
+                        BiasSpec {
+                            input: x.to_string(),
+                            weight: w.to_string(),
+                        },
                     );
                 }
             }
@@ -279,11 +304,19 @@ pub fn calibrate(
             probe.graph.outputs.push(ValueInfo::new(t.clone(), None));
         }
     }
-    let sess = Session::new(&probe, SessionOptions { threads: threads.max(1) })
-        .map_err(|e| anyhow!("building the calibration session: {e}"))?;
+    let sess = Session::new(
+        &probe,
+        SessionOptions {
+            threads: threads.max(1),
+        },
+    )
+    .map_err(|e| anyhow!("building the calibration session: {e}"))?;
     let with_hist = method != CalibMethod::MinMax;
-    let mut obs: BTreeMap<String, Observer> =
-        plan.activations.keys().map(|k| (k.clone(), Observer::new(with_hist))).collect();
+    let mut obs: BTreeMap<String, Observer> = plan
+        .activations
+        .keys()
+        .map(|k| (k.clone(), Observer::new(with_hist)))
+        .collect();
     let mut n = 0usize;
     for s in samples {
         let s = s?;
@@ -296,7 +329,11 @@ pub fn calibrate(
                 )
             })?;
         }
-        let feeds = s.feeds.into_iter().map(|(k, t)| (k, Value::tensor(t))).collect();
+        let feeds = s
+            .feeds
+            .into_iter()
+            .map(|(k, t)| (k, Value::tensor(t)))
+            .collect();
         let outs = sess
             .run(feeds)
             .map_err(|e| anyhow!("calibration sample {}: {e}", s.label))?;
@@ -363,7 +400,12 @@ fn param_layout(shape: &[usize], axis: Option<usize>, block: Option<usize>) -> (
 }
 
 #[inline]
-fn param_index(e: usize, shape_split: (usize, usize, usize), axis: Option<usize>, block: Option<usize>) -> usize {
+fn param_index(
+    e: usize,
+    shape_split: (usize, usize, usize),
+    axis: Option<usize>,
+    block: Option<usize>,
+) -> usize {
     let (_, d, inner) = shape_split;
     match (axis, block) {
         (None, _) => 0,
@@ -379,7 +421,9 @@ fn param_index(e: usize, shape_split: (usize, usize, usize), axis: Option<usize>
 
 /// Symmetric weight encoding from the data: scale = absmax / qmax per parameter.
 pub fn weight_encoding(w: &Tensor, spec: &WeightSpec, name: &str) -> Result<QEnc> {
-    let data = w.as_slice::<f32>().map_err(|e| anyhow!("weight '{name}': {e}"))?;
+    let data = w
+        .as_slice::<f32>()
+        .map_err(|e| anyhow!("weight '{name}': {e}"))?;
     let shape = w.shape();
     if let Some(a) = spec.axis {
         if a >= shape.len() {
@@ -399,7 +443,10 @@ pub fn weight_encoding(w: &Tensor, spec: &WeightSpec, name: &str) -> Result<QEnc
     let qmax = qrange(spec.dtype).1 as f32;
     Ok(QEnc {
         dtype: spec.dtype,
-        scale: amax.iter().map(|&a| if a > 0.0 { a / qmax } else { 1.0 }).collect(),
+        scale: amax
+            .iter()
+            .map(|&a| if a > 0.0 { a / qmax } else { 1.0 })
+            .collect(),
         zero_point: vec![0; np],
         axis: spec.axis,
         block_size: spec.block,
@@ -430,15 +477,23 @@ pub fn encodings_from_ranges(
         .collect();
     for (name, d, (lo, hi)) in ranges {
         let (s, zp) = act_scale_zp(lo, hi, d);
-        enc.activations.insert(name, TensorEncoding::Int(QEnc::per_tensor(d, s, zp)));
+        enc.activations
+            .insert(name, TensorEncoding::Int(QEnc::per_tensor(d, s, zp)));
     }
     for (name, &d) in &plan.act_casts {
-        enc.activations.entry(name.clone()).or_insert(TensorEncoding::Float(d));
+        enc.activations
+            .entry(name.clone())
+            .or_insert(TensorEncoding::Float(d));
     }
     let g = &m.graph;
     for (name, spec) in &plan.weights {
-        let w = g.initializer(name).ok_or_else(|| anyhow!("no initializer '{name}'"))?;
-        enc.params.insert(name.clone(), TensorEncoding::Int(weight_encoding(w, spec, name)?));
+        let w = g
+            .initializer(name)
+            .ok_or_else(|| anyhow!("no initializer '{name}'"))?;
+        enc.params.insert(
+            name.clone(),
+            TensorEncoding::Int(weight_encoding(w, spec, name)?),
+        );
     }
     for (name, &d) in &plan.weight_casts {
         enc.params.insert(name.clone(), TensorEncoding::Float(d));
@@ -460,17 +515,24 @@ pub fn bias_encoding(g: &Graph, enc: &Encodings, name: &str, b: &BiasSpec) -> Re
     let Some(TensorEncoding::Int(we)) = enc.params.get(&b.weight) else {
         return Ok(None);
     };
-    let bias = g.initializer(name).ok_or_else(|| anyhow!("no initializer '{name}'"))?;
+    let bias = g
+        .initializer(name)
+        .ok_or_else(|| anyhow!("no initializer '{name}'"))?;
     let n = bias.len();
     if xe.scale.len() != 1 || we.block_size.is_some() {
         return Ok(None);
     }
     let sx = xe.scale[0];
-    let node = g.nodes.iter().find(|nd| nd.input(1) == Some(b.weight.as_str()) && nd.input(2) == Some(name));
+    let node = g
+        .nodes
+        .iter()
+        .find(|nd| nd.input(1) == Some(b.weight.as_str()) && nd.input(2) == Some(name));
     let scales: Vec<f32> = if we.scale.len() == 1 {
         vec![sx * we.scale[0]]
     } else {
-        let w = g.initializer(&b.weight).ok_or_else(|| anyhow!("no initializer '{}'", b.weight))?;
+        let w = g
+            .initializer(&b.weight)
+            .ok_or_else(|| anyhow!("no initializer '{}'", b.weight))?;
         let out_axis = node.and_then(|nd| weight_axes(nd, w.rank())).map(|a| a.0);
         if we.axis != out_axis || we.scale.len() != n {
             return Ok(None);
@@ -479,9 +541,15 @@ pub fn bias_encoding(g: &Graph, enc: &Encodings, name: &str, b: &BiasSpec) -> Re
     };
     // 16-bit inputs times 16-bit weights give scales so small that the bias overflows int32:
     // keep such biases float rather than saturate them.
-    let bv = bias.as_slice::<f32>().map_err(|e| anyhow!("bias '{name}': {e}"))?;
+    let bv = bias
+        .as_slice::<f32>()
+        .map_err(|e| anyhow!("bias '{name}': {e}"))?;
     let fits = bv.iter().enumerate().all(|(i, &b)| {
-        let s = if scales.len() == 1 { scales[0] } else { scales[i] };
+        let s = if scales.len() == 1 {
+            scales[0]
+        } else {
+            scales[i]
+        };
         ((b as f64) / (s as f64)).abs() < i32::MAX as f64
     });
     if !fits {
@@ -500,7 +568,9 @@ pub fn bias_encoding(g: &Graph, enc: &Encodings, name: &str, b: &BiasSpec) -> Re
 
 /// Quantizes float data with an encoding into a tensor of the encoding's dtype.
 pub fn quantize_tensor(w: &Tensor, e: &QEnc, name: &str) -> Result<Tensor> {
-    let data = w.as_slice::<f32>().map_err(|err| anyhow!("initializer '{name}': {err}"))?;
+    let data = w
+        .as_slice::<f32>()
+        .map_err(|err| anyhow!("initializer '{name}': {err}"))?;
     let shape = w.shape().to_vec();
     let (_, np) = param_layout(&shape, e.axis, e.block_size);
     if let Some(a) = e.axis {
@@ -537,7 +607,9 @@ pub fn int_tensor(d: DType, shape: Vec<usize>, v: &[i64]) -> Result<Tensor> {
         DType::U16 => Tensor::from_vec(shape, v.iter().map(|&x| x as u16).collect())?,
         DType::I16 => Tensor::from_vec(shape, v.iter().map(|&x| x as i16).collect())?,
         DType::I32 => Tensor::from_vec(shape, v.iter().map(|&x| x as i32).collect())?,
-        DType::I4 | DType::U4 => Tensor::from_4bit(d, shape, v.iter().map(|&x| (x as u8) & 0xF).collect())?,
+        DType::I4 | DType::U4 => {
+            Tensor::from_4bit(d, shape, v.iter().map(|&x| (x as u8) & 0xF).collect())?
+        }
         _ => bail!("unsupported quantized type {d}"),
     })
 }
@@ -577,7 +649,12 @@ fn onnx_dtype_code(d: DType) -> i64 {
 /// missing names.
 pub fn check_names(m: &Model, enc: &Encodings) -> Result<()> {
     let names = tensor_names(&m.graph);
-    let inits: HashSet<&str> = m.graph.initializers.iter().map(|i| i.name.as_str()).collect();
+    let inits: HashSet<&str> = m
+        .graph
+        .initializers
+        .iter()
+        .map(|i| i.name.as_str())
+        .collect();
     let missing: Vec<&str> = enc
         .activations
         .keys()
@@ -607,32 +684,63 @@ pub fn apply(m: &Model, enc: &Encodings) -> Result<Model> {
     // Parameters.
     let mut drop: HashSet<String> = HashSet::new();
     for (name, te) in &enc.params {
-        let w = g.initializer(name).ok_or_else(|| anyhow!("no initializer '{name}'"))?.clone();
+        let w = g
+            .initializer(name)
+            .ok_or_else(|| anyhow!("no initializer '{name}'"))?
+            .clone();
         if w.dtype() != DType::F32 {
-            bail!("parameter '{name}' is {}, only float32 initializers can be quantized", w.dtype());
+            bail!(
+                "parameter '{name}' is {}, only float32 initializers can be quantized",
+                w.dtype()
+            );
         }
         match te {
             TensorEncoding::Int(e) => {
                 let q = quantize_tensor(&w, e, name)?;
                 let (s, z) = param_tensors(e)?;
-                let (qn, sn, zn) = (format!("{name}_quantized"), format!("{name}_scale"), format!("{name}_zero_point"));
-                new_inits.push(Initializer { name: qn.clone(), tensor: q });
-                new_inits.push(Initializer { name: sn.clone(), tensor: s });
-                new_inits.push(Initializer { name: zn.clone(), tensor: z });
+                let (qn, sn, zn) = (
+                    format!("{name}_quantized"),
+                    format!("{name}_scale"),
+                    format!("{name}_zero_point"),
+                );
+                new_inits.push(Initializer {
+                    name: qn.clone(),
+                    tensor: q,
+                });
+                new_inits.push(Initializer {
+                    name: sn.clone(),
+                    tensor: s,
+                });
+                new_inits.push(Initializer {
+                    name: zn.clone(),
+                    tensor: z,
+                });
                 new_nodes.push(qdq_attrs(
-                    named(Node::new("DequantizeLinear", &[&qn, &sn, &zn], &[name]), format!("{name}_DequantizeLinear")),
+                    named(
+                        Node::new("DequantizeLinear", &[&qn, &sn, &zn], &[name]),
+                        format!("{name}_DequantizeLinear"),
+                    ),
                     e,
                 ));
             }
             TensorEncoding::Float(d) => {
                 let v = w.as_slice::<f32>().map_err(|e| anyhow!("{name}: {e}"))?;
                 let t = match d {
-                    DType::F16 => Tensor::from_vec(w.shape().to_vec(), v.iter().map(|&x| half::f16::from_f32(x)).collect())?,
-                    DType::BF16 => Tensor::from_vec(w.shape().to_vec(), v.iter().map(|&x| half::bf16::from_f32(x)).collect())?,
+                    DType::F16 => Tensor::from_vec(
+                        w.shape().to_vec(),
+                        v.iter().map(|&x| half::f16::from_f32(x)).collect(),
+                    )?,
+                    DType::BF16 => Tensor::from_vec(
+                        w.shape().to_vec(),
+                        v.iter().map(|&x| half::bf16::from_f32(x)).collect(),
+                    )?,
                     _ => bail!("parameter '{name}': float encodings must be 16-bit, got {d}"),
                 };
                 let cn = format!("{name}_{}", if *d == DType::F16 { "fp16" } else { "bf16" });
-                new_inits.push(Initializer { name: cn.clone(), tensor: t });
+                new_inits.push(Initializer {
+                    name: cn.clone(),
+                    tensor: t,
+                });
                 new_nodes.push(named(
                     Node::new("Cast", &[&cn], &[name]).with_attr("to", Attr::Int(1)),
                     format!("{name}_Cast"),
@@ -666,7 +774,9 @@ pub fn apply(m: &Model, enc: &Encodings) -> Result<Model> {
             }
             (name.clone(), dst)
         } else {
-            let &(ni, oi) = producer.get(name).ok_or_else(|| anyhow!("no node produces '{name}'"))?;
+            let &(ni, oi) = producer
+                .get(name)
+                .ok_or_else(|| anyhow!("no node produces '{name}'"))?;
             let src = format!("{name}_prequant");
             g.nodes[ni].outputs[oi] = src.clone();
             (src, name.clone())
@@ -674,15 +784,31 @@ pub fn apply(m: &Model, enc: &Encodings) -> Result<Model> {
         match te {
             TensorEncoding::Int(e) => {
                 let (s, z) = param_tensors(e)?;
-                let (qn, sn, zn) = (format!("{name}_quantized"), format!("{name}_scale"), format!("{name}_zero_point"));
-                g.initializers.push(Initializer { name: sn.clone(), tensor: s });
-                g.initializers.push(Initializer { name: zn.clone(), tensor: z });
+                let (qn, sn, zn) = (
+                    format!("{name}_quantized"),
+                    format!("{name}_scale"),
+                    format!("{name}_zero_point"),
+                );
+                g.initializers.push(Initializer {
+                    name: sn.clone(),
+                    tensor: s,
+                });
+                g.initializers.push(Initializer {
+                    name: zn.clone(),
+                    tensor: z,
+                });
                 new_nodes.push(qdq_attrs(
-                    named(Node::new("QuantizeLinear", &[&src, &sn, &zn], &[&qn]), format!("{name}_QuantizeLinear")),
+                    named(
+                        Node::new("QuantizeLinear", &[&src, &sn, &zn], &[&qn]),
+                        format!("{name}_QuantizeLinear"),
+                    ),
                     e,
                 ));
                 new_nodes.push(qdq_attrs(
-                    named(Node::new("DequantizeLinear", &[&qn, &sn, &zn], &[&dst]), format!("{name}_DequantizeLinear")),
+                    named(
+                        Node::new("DequantizeLinear", &[&qn, &sn, &zn], &[&dst]),
+                        format!("{name}_DequantizeLinear"),
+                    ),
                     e,
                 ));
             }
@@ -726,11 +852,19 @@ pub fn describe(e: &QEnc) -> String {
         _ => "?",
     };
     if e.scale.len() == 1 {
-        format!("{d} per-tensor scale {:.6e} offset {}", e.scale[0], -e.zero_point[0])
+        format!(
+            "{d} per-tensor scale {:.6e} offset {}",
+            e.scale[0], -e.zero_point[0]
+        )
     } else {
-        let (lo, hi) = e.scale.iter().fold((f32::INFINITY, 0f32), |(a, b), &s| (a.min(s), b.max(s)));
+        let (lo, hi) = e
+            .scale
+            .iter()
+            .fold((f32::INFINITY, 0f32), |(a, b), &s| (a.min(s), b.max(s)));
         let kind = match (e.axis, e.block_size) {
-            (Some(a), Some(b)) => format!("per-block(axis {a}, block {b}, {} scales)", e.scale.len()),
+            (Some(a), Some(b)) => {
+                format!("per-block(axis {a}, block {b}, {} scales)", e.scale.len())
+            }
             (Some(a), None) => format!("per-channel(axis {a}, {})", e.scale.len()),
             _ => "per-?".into(),
         };
@@ -744,19 +878,34 @@ pub fn read_qdq(m: &Model) -> Result<Vec<(String, bool, QEnc)>> {
     let g = &m.graph;
     let mut out = vec![];
     for n in g.nodes.iter().filter(|n| n.op_type == "DequantizeLinear") {
-        let (Some(x), Some(s)) = (n.input(0), n.input(1)) else { continue };
+        let (Some(x), Some(s)) = (n.input(0), n.input(1)) else {
+            continue;
+        };
         let Some(st) = g.initializer(s) else { continue };
-        let scale: Vec<f32> = st.to_f64_vec().context("scale")?.into_iter().map(|v| v as f32).collect();
+        let scale: Vec<f32> = st
+            .to_f64_vec()
+            .context("scale")?
+            .into_iter()
+            .map(|v| v as f32)
+            .collect();
         let is_param = g.initializer(x).is_some();
         let dtype = match g.initializer(x) {
             Some(t) => t.dtype(),
-            None => n.input(2).and_then(|z| g.initializer(z)).map(|t| t.dtype()).unwrap_or(DType::U8),
+            None => n
+                .input(2)
+                .and_then(|z| g.initializer(z))
+                .map(|t| t.dtype())
+                .unwrap_or(DType::U8),
         };
         let zero_point = match n.input(2).and_then(|z| g.initializer(z)) {
             Some(z) => z.to_i64_vec().context("zero point")?,
             None => vec![0; scale.len()],
         };
-        let axis = if scale.len() > 1 { Some(n.int_or("axis", 1).unwrap_or(1).max(0) as usize) } else { None };
+        let axis = if scale.len() > 1 {
+            Some(n.int_or("axis", 1).unwrap_or(1).max(0) as usize)
+        } else {
+            None
+        };
         let block = n.int_or("block_size", 0).unwrap_or(0);
         out.push((
             n.outputs.first().cloned().unwrap_or_default(),

@@ -1,7 +1,9 @@
 //! Quantizer tests: observers on known distributions, QDQ insertion on a small Conv/MatMul
 //! network (quantized outputs close to float), bad inputs, and the encodings round trip.
 
-use npuc_ir::{Attr, DType, Graph, Initializer, Model, Node, OpsetImport, Tensor, TypeInfo, ValueInfo};
+use npuc_ir::{
+    Attr, DType, Graph, Initializer, Model, Node, OpsetImport, Tensor, TypeInfo, ValueInfo,
+};
 use npuc_quant::encodings::{from_json, to_json, EncodingsVersion};
 use npuc_quant::observer::Observer;
 use npuc_quant::qdq::Sample;
@@ -22,7 +24,10 @@ fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
 }
 
 fn init(name: &str, shape: Vec<usize>, v: Vec<f32>) -> Initializer {
-    Initializer { name: name.into(), tensor: Tensor::from_vec(shape, v).unwrap() }
+    Initializer {
+        name: name.into(),
+        tensor: Tensor::from_vec(shape, v).unwrap(),
+    }
 }
 
 fn named(mut n: Node, name: &str) -> Node {
@@ -36,28 +41,56 @@ fn small_model() -> Model {
         name: "small".into(),
         nodes: vec![
             named(
-                Node::new("Conv", &["x", "conv.w", "conv.b"], &["c"]).with_attr("pads", Attr::Ints(vec![1, 1, 1, 1])),
+                Node::new("Conv", &["x", "conv.w", "conv.b"], &["c"])
+                    .with_attr("pads", Attr::Ints(vec![1, 1, 1, 1])),
                 "/conv/Conv",
             ),
             named(Node::new("Relu", &["c"], &["r"]), "/relu/Relu"),
-            named(Node::new("Reshape", &["r", "shape"], &["f"]), "/flat/Reshape"),
+            named(
+                Node::new("Reshape", &["r", "shape"], &["f"]),
+                "/flat/Reshape",
+            ),
             named(Node::new("MatMul", &["f", "fc.w"], &["m"]), "/head/MatMul"),
             named(Node::new("Add", &["m", "fc.b"], &["y"]), "/head/Add"),
         ],
-        inputs: vec![ValueInfo::new("x", Some(TypeInfo::tensor(DType::F32, &[1, 3, 8, 8])))],
-        outputs: vec![ValueInfo::new("y", Some(TypeInfo::tensor(DType::F32, &[1, 10])))],
+        inputs: vec![ValueInfo::new(
+            "x",
+            Some(TypeInfo::tensor(DType::F32, &[1, 3, 8, 8])),
+        )],
+        outputs: vec![ValueInfo::new(
+            "y",
+            Some(TypeInfo::tensor(DType::F32, &[1, 10])),
+        )],
         initializers: vec![
-            init("conv.w", vec![4, 3, 3, 3], rand_vec(108, 1).iter().enumerate().map(|(i, v)| v * (1.0 + (i / 27) as f32)).collect()),
+            init(
+                "conv.w",
+                vec![4, 3, 3, 3],
+                rand_vec(108, 1)
+                    .iter()
+                    .enumerate()
+                    .map(|(i, v)| v * (1.0 + (i / 27) as f32))
+                    .collect(),
+            ),
             init("conv.b", vec![4], vec![0.1, -0.2, 0.05, 0.3]),
-            Initializer { name: "shape".into(), tensor: Tensor::from_vec(vec![2], vec![1i64, 256]).unwrap() },
-            init("fc.w", vec![256, 10], rand_vec(2560, 2).iter().map(|v| v * 0.1).collect()),
+            Initializer {
+                name: "shape".into(),
+                tensor: Tensor::from_vec(vec![2], vec![1i64, 256]).unwrap(),
+            },
+            init(
+                "fc.w",
+                vec![256, 10],
+                rand_vec(2560, 2).iter().map(|v| v * 0.1).collect(),
+            ),
             init("fc.b", vec![10], rand_vec(10, 3)),
         ],
         ..Default::default()
     };
     Model {
         ir_version: 8,
-        opset_imports: vec![OpsetImport { domain: "".into(), version: 13 }],
+        opset_imports: vec![OpsetImport {
+            domain: "".into(),
+            version: 13,
+        }],
         graph: g,
         ..Default::default()
     }
@@ -67,7 +100,10 @@ fn samples(n: usize) -> Vec<Sample> {
     (0..n)
         .map(|i| Sample {
             label: format!("sample{i}.npy"),
-            feeds: vec![("x".into(), Tensor::from_vec(vec![1, 3, 8, 8], rand_vec(192, 100 + i as u64)).unwrap())],
+            feeds: vec![(
+                "x".into(),
+                Tensor::from_vec(vec![1, 3, 8, 8], rand_vec(192, 100 + i as u64)).unwrap(),
+            )],
         })
         .collect()
 }
@@ -75,7 +111,13 @@ fn samples(n: usize) -> Vec<Sample> {
 fn run(m: &Model, x: &Tensor) -> Vec<f32> {
     let s = Session::new(m, SessionOptions::default()).unwrap();
     let out = s.run(vec![("x".into(), Value::tensor(x.clone()))]).unwrap();
-    out[0].1.as_tensor().unwrap().as_slice::<f32>().unwrap().to_vec()
+    out[0]
+        .1
+        .as_tensor()
+        .unwrap()
+        .as_slice::<f32>()
+        .unwrap()
+        .to_vec()
 }
 
 fn cosine(a: &[f32], b: &[f32]) -> f64 {
@@ -87,13 +129,25 @@ fn cosine(a: &[f32], b: &[f32]) -> f64 {
 
 fn sqnr(r: &[f32], q: &[f32]) -> f64 {
     let s: f64 = r.iter().map(|x| (*x as f64).powi(2)).sum();
-    let n: f64 = r.iter().zip(q).map(|(x, y)| (*x as f64 - *y as f64).powi(2)).sum();
+    let n: f64 = r
+        .iter()
+        .zip(q)
+        .map(|(x, y)| (*x as f64 - *y as f64).powi(2))
+        .sum();
     10.0 * (s / n).log10()
 }
 
 fn quantize(m: &Model, opts: &QuantOptions) -> (Model, Encodings) {
     let plan = plan(m, opts).unwrap();
-    let obs = calibrate(m, &plan, opts.method, 1, samples(8).into_iter().map(Ok), |_| {}).unwrap();
+    let obs = calibrate(
+        m,
+        &plan,
+        opts.method,
+        1,
+        samples(8).into_iter().map(Ok),
+        |_| {},
+    )
+    .unwrap();
     let enc = encodings_from_ranges(m, &plan, &obs, opts.method).unwrap();
     (apply(m, &enc).unwrap(), enc)
 }
@@ -126,11 +180,17 @@ fn observer_mse_and_entropy_clip_outliers_but_not_uniform_data() {
     let mut o = Observer::new(true);
     o.add(&v);
     // Heavy tail (10*u^5): MSE trades a little clipping for finer steps.
-    let h: Vec<f32> = rand_vec(100_000, 9).iter().map(|u| 10.0 * u.powi(5)).collect();
+    let h: Vec<f32> = rand_vec(100_000, 9)
+        .iter()
+        .map(|u| 10.0 * u.powi(5))
+        .collect();
     let mut oh = Observer::new(true);
     oh.add(&h);
     let (lo, hi) = oh.range(CalibMethod::Mse, 255, false);
-    assert!(hi < oh.max && lo > oh.min, "mse kept the full range {lo}..{hi}");
+    assert!(
+        hi < oh.max && lo > oh.min,
+        "mse kept the full range {lo}..{hi}"
+    );
     let t = o.entropy_threshold(255);
     assert!(t < 5.0 && t > 0.05, "entropy threshold {t}");
     // 16-bit: enough levels that entropy does not clip.
@@ -155,20 +215,40 @@ fn w8a8_per_channel_qdq_is_close_to_float() {
     let m = small_model();
     let (q, enc) = quantize(&m, &QuantOptions::default());
     // Naming convention: DQ output keeps the float name, producer renamed to *_prequant.
-    assert!(q.graph.nodes.iter().any(|n| n.name == "c_QuantizeLinear" && n.inputs[0] == "c_prequant"));
-    assert!(q.graph.nodes.iter().any(|n| n.name == "c_DequantizeLinear" && n.outputs[0] == "c"));
-    assert!(q.graph.nodes.iter().any(|n| n.name == "x_DequantizeLinear" && n.outputs[0] == "x_dequantized"));
+    assert!(q
+        .graph
+        .nodes
+        .iter()
+        .any(|n| n.name == "c_QuantizeLinear" && n.inputs[0] == "c_prequant"));
+    assert!(q
+        .graph
+        .nodes
+        .iter()
+        .any(|n| n.name == "c_DequantizeLinear" && n.outputs[0] == "c"));
+    assert!(q
+        .graph
+        .nodes
+        .iter()
+        .any(|n| n.name == "x_DequantizeLinear" && n.outputs[0] == "x_dequantized"));
     let wq = q.graph.initializer("conv.w_quantized").unwrap();
     assert_eq!(wq.dtype(), DType::I8);
     assert_eq!(q.graph.initializer("conv.w_scale").unwrap().shape(), &[4]);
-    assert_eq!(q.graph.initializer("conv.b_quantized").unwrap().dtype(), DType::I32);
+    assert_eq!(
+        q.graph.initializer("conv.b_quantized").unwrap().dtype(),
+        DType::I32
+    );
     assert_eq!(q.graph.initializer("fc.w_scale").unwrap().shape(), &[10]); // MatMul W[K,N] axis 1
-    assert_eq!(q.graph.initializer("x_zero_point").unwrap().dtype(), DType::U8);
+    assert_eq!(
+        q.graph.initializer("x_zero_point").unwrap().dtype(),
+        DType::U8
+    );
     assert!(q.graph.initializer("conv.w").is_none());
     // Bias scale = s_x * s_w per channel.
-    let (TensorEncoding::Int(b), TensorEncoding::Int(x), TensorEncoding::Int(w)) =
-        (&enc.params["conv.b"], &enc.activations["x"], &enc.params["conv.w"])
-    else {
+    let (TensorEncoding::Int(b), TensorEncoding::Int(x), TensorEncoding::Int(w)) = (
+        &enc.params["conv.b"],
+        &enc.activations["x"],
+        &enc.params["conv.w"],
+    ) else {
         panic!("int encodings expected")
     };
     for c in 0..4 {
@@ -178,7 +258,13 @@ fn w8a8_per_channel_qdq_is_close_to_float() {
     let (rf, rq) = (run(&m, &xin), run(&q, &xin));
     assert!(cosine(&rf, &rq) > 0.999, "cosine {}", cosine(&rf, &rq));
     // w8a16 is more accurate than w8a8.
-    let (q16, _) = quantize(&m, &QuantOptions { scheme: Scheme::W8A16, ..Default::default() });
+    let (q16, _) = quantize(
+        &m,
+        &QuantOptions {
+            scheme: Scheme::W8A16,
+            ..Default::default()
+        },
+    );
     assert!(sqnr(&rf, &run(&q16, &xin)) > sqnr(&rf, &rq));
 }
 
@@ -196,15 +282,35 @@ fn other_schemes_and_granularities_run() {
         (Scheme::W8, Granularity::PerRow, 0.999),
         (Scheme::W4, Granularity::PerBlock(16), 0.98),
     ] {
-        let (q, _) = quantize(&m, &QuantOptions { scheme, granularity: gran, ..Default::default() });
+        let (q, _) = quantize(
+            &m,
+            &QuantOptions {
+                scheme,
+                granularity: gran,
+                ..Default::default()
+            },
+        );
         let c = cosine(&rf, &run(&q, &xin));
         assert!(c > min_cos, "{scheme:?} {gran:?}: cosine {c}");
     }
     // Weights-only keeps activations float; int4 blocked uses block_size on the reduction axis.
-    let (q, _) = quantize(&m, &QuantOptions { scheme: Scheme::W4, granularity: Granularity::PerBlock(16), ..Default::default() });
+    let (q, _) = quantize(
+        &m,
+        &QuantOptions {
+            scheme: Scheme::W4,
+            granularity: Granularity::PerBlock(16),
+            ..Default::default()
+        },
+    );
     assert!(!q.graph.nodes.iter().any(|n| n.op_type == "QuantizeLinear"));
-    assert_eq!(q.graph.initializer("fc.w_scale").unwrap().shape(), &[16, 10]);
-    assert_eq!(q.graph.initializer("fc.w_quantized").unwrap().dtype(), DType::I4);
+    assert_eq!(
+        q.graph.initializer("fc.w_scale").unwrap().shape(),
+        &[16, 10]
+    );
+    assert_eq!(
+        q.graph.initializer("fc.w_quantized").unwrap().dtype(),
+        DType::I4
+    );
 }
 
 #[test]
@@ -212,27 +318,53 @@ fn overrides_and_keep_float() {
     let m = small_model();
     let ov = Overrides {
         default: None,
-        rules: vec![overrides::Rule { pattern: "/head/*".into(), scheme: "w8a16".into() }],
+        rules: vec![overrides::Rule {
+            pattern: "/head/*".into(),
+            scheme: "w8a16".into(),
+        }],
     };
-    let opts = QuantOptions { overrides: Some(ov), keep_float: vec!["conv.*".into()], ..Default::default() };
+    let opts = QuantOptions {
+        overrides: Some(ov),
+        keep_float: vec!["conv.*".into()],
+        ..Default::default()
+    };
     let p = plan(&m, &opts).unwrap();
-    assert_eq!(p.nodes, vec![("/conv/Conv".into(), Scheme::Float), ("/head/MatMul".into(), Scheme::W8A16)]);
+    assert_eq!(
+        p.nodes,
+        vec![
+            ("/conv/Conv".into(), Scheme::Float),
+            ("/head/MatMul".into(), Scheme::W8A16)
+        ]
+    );
     assert_eq!(p.activations.get("f"), Some(&DType::U16));
     assert!(!p.weights.contains_key("conv.w"));
     // A pattern matching nothing names itself.
-    let bad = QuantOptions { keep_float: vec!["/blocks.9/*".into()], ..Default::default() };
+    let bad = QuantOptions {
+        keep_float: vec!["/blocks.9/*".into()],
+        ..Default::default()
+    };
     let e = plan(&m, &bad).unwrap_err().to_string();
-    assert!(e.contains("/blocks.9/*") && e.contains("matches no node"), "{e}");
+    assert!(
+        e.contains("/blocks.9/*") && e.contains("matches no node"),
+        "{e}"
+    );
     // TOML and JSON overrides files load alike.
     let dir = tempfile::tempdir().unwrap();
     let t = dir.path().join("o.toml");
-    std::fs::write(&t, "default = \"w8a8\"\n[[rules]]\npattern = \"*head*\"\nscheme = \"float\"\n").unwrap();
+    std::fs::write(
+        &t,
+        "default = \"w8a8\"\n[[rules]]\npattern = \"*head*\"\nscheme = \"float\"\n",
+    )
+    .unwrap();
     let o = Overrides::load(&t).unwrap();
     let j = dir.path().join("o.json");
     std::fs::write(&j, o.to_json_string()).unwrap();
     assert_eq!(Overrides::load(&j).unwrap(), o);
     std::fs::write(&j, r#"{"rules": [{"pattern": "x", "scheme": "w3a3"}]}"#).unwrap();
-    assert!(Overrides::load(&j).unwrap_err().to_string().contains("o.json"));
+    assert!(Overrides::load(&j)
+        .unwrap_err()
+        .to_string()
+        .contains("o.json"));
 }
 
 #[test]
@@ -240,14 +372,21 @@ fn bad_calibration_inputs() {
     let m = small_model();
     let opts = QuantOptions::default();
     let p = plan(&m, &opts).unwrap();
-    let e = calibrate(&m, &p, opts.method, 1, std::iter::empty(), |_| {}).unwrap_err().to_string();
+    let e = calibrate(&m, &p, opts.method, 1, std::iter::empty(), |_| {})
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("empty"), "{e}");
     let mut s = samples(2);
     let mut v = rand_vec(192, 5);
     v[17] = f32::NAN;
     s[1].feeds[0].1 = Tensor::from_vec(vec![1, 3, 8, 8], v).unwrap();
-    let e = calibrate(&m, &p, opts.method, 1, s.into_iter().map(Ok), |_| {}).unwrap_err().to_string();
-    assert!(e.contains("sample1.npy") && e.contains("'x'") && e.contains("17"), "{e}");
+    let e = calibrate(&m, &p, opts.method, 1, s.into_iter().map(Ok), |_| {})
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("sample1.npy") && e.contains("'x'") && e.contains("17"),
+        "{e}"
+    );
     // .npy directory with a wrong shape names the file and the expected type.
     let dir = tempfile::tempdir().unwrap();
     let mut npy = b"\x93NUMPY\x01\x00".to_vec();
@@ -262,10 +401,21 @@ fn bad_calibration_inputs() {
     std::fs::write(dir.path().join("x_000.npy"), &npy).unwrap();
     let src = CalibSource::detect(dir.path(), None).unwrap();
     let files = src.list(&m.graph.inputs, None).unwrap();
-    let e = src.load(&files[0], &m.graph.inputs).err().unwrap().to_string();
-    assert!(e.contains("x_000.npy") && e.contains("[1, 3, 4, 4]") && e.contains("[1,3,8,8]"), "{e}");
+    let e = src
+        .load(&files[0], &m.graph.inputs)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("x_000.npy") && e.contains("[1, 3, 4, 4]") && e.contains("[1,3,8,8]"),
+        "{e}"
+    );
     let empty = tempfile::tempdir().unwrap();
-    let e = CalibSource::detect(empty.path(), None).unwrap().list(&m.graph.inputs, None).unwrap_err().to_string();
+    let e = CalibSource::detect(empty.path(), None)
+        .unwrap()
+        .list(&m.graph.inputs, None)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("empty"), "{e}");
 }
 
@@ -273,10 +423,33 @@ fn bad_calibration_inputs() {
 fn encodings_round_trip_both_versions() {
     let m = small_model();
     for (opts, versions) in [
-        (QuantOptions::default(), vec![EncodingsVersion::V0_6_1, EncodingsVersion::V1_0_0]),
-        (QuantOptions { scheme: Scheme::W4A16, granularity: Granularity::PerBlock(32), ..Default::default() }, vec![EncodingsVersion::V1_0_0]),
-        (QuantOptions { scheme: Scheme::Fp16, ..Default::default() }, vec![EncodingsVersion::V0_6_1]),
-        (QuantOptions { symmetric_activations: true, granularity: Granularity::PerTensor, ..Default::default() }, vec![EncodingsVersion::V0_6_1]),
+        (
+            QuantOptions::default(),
+            vec![EncodingsVersion::V0_6_1, EncodingsVersion::V1_0_0],
+        ),
+        (
+            QuantOptions {
+                scheme: Scheme::W4A16,
+                granularity: Granularity::PerBlock(32),
+                ..Default::default()
+            },
+            vec![EncodingsVersion::V1_0_0],
+        ),
+        (
+            QuantOptions {
+                scheme: Scheme::Fp16,
+                ..Default::default()
+            },
+            vec![EncodingsVersion::V0_6_1],
+        ),
+        (
+            QuantOptions {
+                symmetric_activations: true,
+                granularity: Granularity::PerTensor,
+                ..Default::default()
+            },
+            vec![EncodingsVersion::V0_6_1],
+        ),
     ] {
         let (q, enc) = quantize(&m, &opts);
         for v in versions {
@@ -288,34 +461,87 @@ fn encodings_round_trip_both_versions() {
     }
     // QNN sign convention: offset = -zero_point; symmetric written in the unsigned container.
     let (_, enc) = quantize(&m, &QuantOptions::default());
-    let j: serde_json::Value = serde_json::from_str(&to_json(&enc, EncodingsVersion::V0_6_1, serde_json::json!({})).unwrap()).unwrap();
-    let TensorEncoding::Int(x) = &enc.activations["x"] else { panic!() };
-    assert_eq!(j["activation_encodings"]["x"][0]["offset"], serde_json::json!(-x.zero_point[0]));
+    let j: serde_json::Value = serde_json::from_str(
+        &to_json(&enc, EncodingsVersion::V0_6_1, serde_json::json!({})).unwrap(),
+    )
+    .unwrap();
+    let TensorEncoding::Int(x) = &enc.activations["x"] else {
+        panic!()
+    };
+    assert_eq!(
+        j["activation_encodings"]["x"][0]["offset"],
+        serde_json::json!(-x.zero_point[0])
+    );
     assert_eq!(j["param_encodings"]["conv.w"].as_array().unwrap().len(), 4);
-    assert_eq!(j["param_encodings"]["conv.w"][0]["offset"], serde_json::json!(-128));
-    assert_eq!(j["param_encodings"]["conv.w"][0]["is_symmetric"], serde_json::json!("True"));
+    assert_eq!(
+        j["param_encodings"]["conv.w"][0]["offset"],
+        serde_json::json!(-128)
+    );
+    assert_eq!(
+        j["param_encodings"]["conv.w"][0]["is_symmetric"],
+        serde_json::json!("True")
+    );
     // Encodings of another model: an error listing missing names.
     let foreign = r#"{"version": "0.6.1", "activation_encodings": {"/blocks.0/attn/Softmax_output_0": [{"bitwidth": 8, "dtype": "int", "is_symmetric": "False", "max": 1.0, "min": 0.0, "offset": 0, "scale": 0.0039}]}, "param_encodings": {"blocks.0.qkv.weight": [{"bitwidth": 8, "dtype": "int", "is_symmetric": "True", "max": 1.0, "min": -1.0, "offset": -128, "scale": 0.0078}]}}"#;
-    let e = from_json(foreign, &m, "other.json").unwrap_err().to_string();
-    assert!(e.contains("other.json") && e.contains("/blocks.0/attn/Softmax_output_0") && e.contains("another model"), "{e}");
+    let e = from_json(foreign, &m, "other.json")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("other.json")
+            && e.contains("/blocks.0/attn/Softmax_output_0")
+            && e.contains("another model"),
+        "{e}"
+    );
 }
 
 #[test]
 fn qnn_export_conventions() {
     let m = small_model();
-    let (_, enc) = quantize(&m, &QuantOptions { symmetric_activations: true, ..Default::default() });
+    let (_, enc) = quantize(
+        &m,
+        &QuantOptions {
+            symmetric_activations: true,
+            ..Default::default()
+        },
+    );
     let e = export::qnn_qdq(&m, &enc).unwrap();
     // Activations unsigned, MatMul weight per tensor, Conv weight per channel, int32 bias.
-    assert_eq!(e.graph.initializer("x_zero_point").unwrap().dtype(), DType::U8);
-    assert_eq!(e.graph.initializer("x_zero_point").unwrap().as_slice::<u8>().unwrap(), &[128]);
-    assert_eq!(e.graph.initializer("fc.w_scale").unwrap().shape(), &[] as &[usize]);
+    assert_eq!(
+        e.graph.initializer("x_zero_point").unwrap().dtype(),
+        DType::U8
+    );
+    assert_eq!(
+        e.graph
+            .initializer("x_zero_point")
+            .unwrap()
+            .as_slice::<u8>()
+            .unwrap(),
+        &[128]
+    );
+    assert_eq!(
+        e.graph.initializer("fc.w_scale").unwrap().shape(),
+        &[] as &[usize]
+    );
     assert_eq!(e.graph.initializer("conv.w_scale").unwrap().shape(), &[4]);
-    assert_eq!(e.graph.initializer("conv.b_quantized").unwrap().dtype(), DType::I32);
+    assert_eq!(
+        e.graph.initializer("conv.b_quantized").unwrap().dtype(),
+        DType::I32
+    );
     assert!(e.graph.nodes.iter().all(|n| n.domain.is_empty()));
     // 16-bit below opset 21: com.microsoft Q/DQ.
-    let (_, enc16) = quantize(&m, &QuantOptions { scheme: Scheme::W8A16, ..Default::default() });
+    let (_, enc16) = quantize(
+        &m,
+        &QuantOptions {
+            scheme: Scheme::W8A16,
+            ..Default::default()
+        },
+    );
     let e16 = export::qnn_qdq(&m, &enc16).unwrap();
-    assert!(e16.graph.nodes.iter().any(|n| n.op_type == "QuantizeLinear" && n.domain == "com.microsoft"));
+    assert!(e16
+        .graph
+        .nodes
+        .iter()
+        .any(|n| n.op_type == "QuantizeLinear" && n.domain == "com.microsoft"));
     assert_eq!(e16.opset("com.microsoft"), Some(1));
     assert_eq!(e16.opset(""), Some(13));
 }
