@@ -23,6 +23,8 @@ struct Cli {
 }
 
 #[derive(Subcommand)]
+// Parsed once per process: the size of the largest variant does not matter.
+#[allow(clippy::large_enum_variant)]
 enum Cmd {
     /// Show a model's inputs/outputs, ops, parameters and which nodes npuc supports.
     Inspect {

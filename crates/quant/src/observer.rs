@@ -263,7 +263,7 @@ impl Observer {
             abs[j] += c as f64;
         }
         let w = self.half_range as f64 / half as f64;
-        let nq = ((levels as usize + 1) / 2).max(2);
+        let nq = (levels as usize).div_ceil(2).max(2);
         if nq >= half {
             // More quantization levels than bins: clipping cannot help.
             return self.half_range;

@@ -391,7 +391,7 @@ fn bad_calibration_inputs() {
     let dir = tempfile::tempdir().unwrap();
     let mut npy = b"\x93NUMPY\x01\x00".to_vec();
     let mut h = "{'descr': '<f4', 'fortran_order': False, 'shape': (1, 3, 4, 4), }".to_string();
-    while (10 + h.len() + 1) % 64 != 0 {
+    while !(10 + h.len() + 1).is_multiple_of(64) {
         h.push(' ');
     }
     h.push('\n');

@@ -268,7 +268,7 @@ mod tests {
             &["y"],
         );
         m.opset_imports[0].version = 14;
-        m.graph.initializers.push(init("s", f32s(&[], &[0.7071])));
+        m.graph.initializers.push(init("s", f32s(&[], &[0.5])));
         let feeds = [
             ("q", data(&[2, 5, 3, 4], 1)),
             ("k", data(&[2, 5, 3, 4], 2)),
