@@ -60,12 +60,13 @@ pub fn bench(
     threads: usize,
     runs: usize,
     json: bool,
+    simulate: bool,
 ) -> Result<()> {
     let t0 = Instant::now();
     let mut m = crate::artifact::load_any(path, graph)?;
     let (shapes, dims) = parse_bindings(input_shape, dim)?;
     bind_inputs(&mut m, &shapes, &dims)?;
-    crate::quantized::prepare(&mut m, false)?;
+    crate::quantized::prepare(&mut m, simulate)?;
     let sess = Session::new(&m, SessionOptions { threads })?;
     let load_ms = t0.elapsed().as_secs_f64() * 1e3;
     let mut feeds = vec![];

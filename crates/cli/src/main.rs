@@ -54,6 +54,10 @@ enum Cmd {
         /// Graph of an artifact to run.
         #[arg(long)]
         graph: Option<String>,
+        /// Quantized models: run the QDQ graph in float with quantize-dequantize at every
+        /// quantized tensor (QuantSim) instead of the integer kernels.
+        #[arg(long)]
+        simulate: bool,
     },
     /// Compile models into one pre-compiled, weight-shared, mmap-able .npuc artifact.
     Compile {
@@ -104,6 +108,10 @@ enum Cmd {
         runs: usize,
         #[arg(long)]
         json: bool,
+        /// Quantized models: QuantSim (float math with quantize-dequantize) instead of the
+        /// integer kernels.
+        #[arg(long)]
+        simulate: bool,
         /// Graph of an artifact to run.
         #[arg(long)]
         graph: Option<String>,
@@ -188,12 +196,14 @@ fn main() {
             output_dir,
             threads,
             graph,
+            simulate,
         } => run(
             &model,
             graph.as_deref(),
             &inputs,
             output_dir.as_deref(),
             threads,
+            simulate,
         ),
         Cmd::Compile {
             models,
@@ -289,6 +299,7 @@ fn main() {
             inputs,
             input_shape,
             dim,
+            simulate,
             ..
         } => npuc_cli::bench::bench(
             &model,
@@ -299,6 +310,7 @@ fn main() {
             threads,
             runs,
             json,
+            simulate,
         ),
         Cmd::Generate(a) => npuc_cli::llm_cmd::generate_cmd(&a),
         Cmd::Chat(a) => npuc_cli::llm_cmd::chat_cmd(&a),
@@ -666,9 +678,10 @@ fn run(
     inputs: &[String],
     out_dir: Option<&Path>,
     threads: usize,
+    simulate: bool,
 ) -> Result<()> {
     let mut m = npuc_cli::artifact::load_any(path, graph)?;
-    npuc_cli::quantized::prepare(&mut m, false)?;
+    npuc_cli::quantized::prepare(&mut m, simulate)?;
     let t0 = Instant::now();
     let sess = Session::new(&m, SessionOptions { threads })?;
     let load_ms = t0.elapsed().as_secs_f64() * 1e3;
