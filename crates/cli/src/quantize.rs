@@ -217,7 +217,7 @@ pub fn prepare(path: &Path, opts: &CompileOptions) -> Result<Model> {
     if opts.optimize {
         let mut disable = opts.disable_passes.clone();
         // These may emit npuc-domain ops at old opsets, which onnxruntime cannot load.
-        disable.extend(["gelu-fusion".to_string(), "layernorm-fusion".to_string()]);
+        disable.extend(["gelu-fusion", "layernorm-fusion", "rmsnorm-fusion"].map(String::from));
         let o = npuc_passes::OptimizeOptions {
             fuse: false,
             disable,

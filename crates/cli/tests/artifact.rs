@@ -214,7 +214,7 @@ fn declared(key: &str) -> Option<Value> {
     Some(match key {
         "kv_cache" => serde_json::json!({"name": "string", "role": "string"}),
         "corrupt_weights" => "uint".into(),
-        "features" | "disable_passes" => "string".into(),
+        "features" | "disable_passes" | "enable_passes" => "string".into(),
         "input_shapes" => serde_json::json!(["uint"]),
         "dims" | "op_histogram" => "uint".into(),
         _ => return None,

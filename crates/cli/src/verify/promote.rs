@@ -486,7 +486,9 @@ pub fn suggest(inp: &SuggestInput, log: &mut dyn FnMut(&str)) -> Result<(Suggest
         }
     }
     let qs = Session::new(
-        &with_outputs(&prepare_quantized(q.clone(), inp.simulate)?, &extra),
+        // Ranking reads every Q/DQ pair's input and output, which the integer lowering fuses
+        // away: rank on the QDQ graph itself (QuantSim), which is what the pairs describe.
+        &with_outputs(q, &extra),
         SessionOptions {
             threads: inp.threads,
         },

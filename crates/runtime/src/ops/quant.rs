@@ -15,6 +15,22 @@ use npuc_ir::{bf16, f16, DType, Tensor};
 pub fn register(r: &mut Registry) {
     r.add("QuantizeLinear", 10, quantize_linear);
     r.add("DequantizeLinear", 10, dequantize_linear);
+    // onnxruntime's contrib versions (what QDQ models for its QNN EP use for 16-bit types
+    // before opset 21): same arithmetic, per tensor or per `axis`.
+    r.add_range(
+        "com.microsoft",
+        "QuantizeLinear",
+        1,
+        crate::kernel::MAX_OPSET,
+        quantize_linear,
+    );
+    r.add_range(
+        "com.microsoft",
+        "DequantizeLinear",
+        1,
+        crate::kernel::MAX_OPSET,
+        dequantize_linear,
+    );
     r.add("DynamicQuantizeLinear", 11, dynamic_quantize_linear);
     r.add("MatMulInteger", 10, matmul_integer);
     r.add("QLinearMatMul", 10, qlinear_matmul);
