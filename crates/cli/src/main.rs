@@ -183,7 +183,8 @@ fn main() {
                 inspect(&model, json, &input_shape, &dim)
             };
             r.and_then(|_| {
-                if json {
+                // Quantized-tensor report: ONNX models and artifacts only.
+                if json || npuc_cli::gguf_inspect::is_gguf(&model) {
                     Ok(())
                 } else {
                     npuc_cli::quantize::print_quant_report(&model)
