@@ -242,7 +242,7 @@ fn vit_s_w8a8() {
 /// no timing assertion. `cargo test --release -p npuc-cli --test quantized -- --ignored
 /// --nocapture bench_vit` (benches/quantized_vit.sh adds onnxruntime).
 #[test]
-#[ignore]
+#[ignore = "timing benchmark (no timing in tests): w8a8 vs float ViT-S latency; run with --ignored --nocapture"]
 fn bench_vit_w8a8_vs_float() {
     use std::time::Instant;
     let dir = fixtures().join("vit_s_w8a8");
