@@ -320,8 +320,11 @@ fn q3_k_q8_k(w: &[u8], x: &[u8]) -> f32 {
     s
 }
 
+/// Q4_K x Q8_K as llama.cpp computes it on AVX2 machines, where it repacks Q4_K weights
+/// (tensors with a multiple of 8 rows, i.e. all real ones) into 8-row interleaved blocks: per
+/// block the exact integer sums, then two f32 FMA chains (scales, mins) subtracted at the end.
 fn q4_k_q8_k(w: &[u8], x: &[u8]) -> f32 {
-    let mut s = 0f32;
+    let (mut acc, mut acc_m) = (0f32, 0f32);
     for (wb, xb) in w.chunks_exact(144).zip(x.chunks_exact(292)) {
         let (yd, q8, bsums) = q8k(xb);
         let sc = &wb[4..16];
@@ -344,9 +347,55 @@ fn q4_k_q8_k(w: &[u8], x: &[u8]) -> f32 {
         }
         let d = f16_at(wb, 0) * yd;
         let dmin = f16_at(wb, 2) * yd;
-        s += d * isum as f32 - dmin * summs as f32;
+        acc = (isum as f32).mul_add(d, acc);
+        acc_m = (summs as f32).mul_add(dmin, acc_m);
     }
-    s
+    acc - acc_m
+}
+
+/// [`q4_k_q8_k`] for activation rows that llama.cpp's repacked Q4_K kernel handles in groups of
+/// four (the first `rows - rows % 4` rows of a batch): there the two FMA chains advance once per
+/// 64-value sub-block instead of once per block.
+fn q4_k_q8_k_grouped(w: &[u8], x: &[u8]) -> f32 {
+    let (mut acc, mut acc_m) = (0f32, 0f32);
+    for (wb, xb) in w.chunks_exact(144).zip(x.chunks_exact(292)) {
+        let (yd, q8, bsums) = q8k(xb);
+        let sc = &wb[4..16];
+        let d = f16_at(wb, 0) * yd;
+        let dmin = f16_at(wb, 2) * yd;
+        for j in 0..4 {
+            let qs = &wb[16 + 32 * j..48 + 32 * j];
+            let mut lo = [0i8; 32];
+            let mut hi = [0i8; 32];
+            for l in 0..32 {
+                lo[l] = (qs[l] & 0x0F) as i8;
+                hi[l] = (qs[l] >> 4) as i8;
+            }
+            let (s1, m1) = scale_min_k4(2 * j, sc);
+            let (s2, m2) = scale_min_k4(2 * j + 1, sc);
+            let isum = s1 as i32 * idot(&lo, &q8[64 * j..64 * j + 32])
+                + s2 as i32 * idot(&hi, &q8[64 * j + 32..64 * j + 64]);
+            let summs = m1 as i32 * (bsums[4 * j] + bsums[4 * j + 1])
+                + m2 as i32 * (bsums[4 * j + 2] + bsums[4 * j + 3]);
+            acc = (isum as f32).mul_add(d, acc);
+            acc_m = (summs as f32).mul_add(dmin, acc_m);
+        }
+    }
+    acc - acc_m
+}
+
+/// The kernel for activation rows inside 4-row groups of a batch, where it differs from the
+/// single-row one ([`best_fn`] / [`scalar_fn`]); `None` when every row uses the same kernel.
+pub(crate) fn grouped_fn(ty: GgmlType, scalar: bool) -> Option<DotFn> {
+    if ty != GgmlType::Q4_K {
+        return None;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if !scalar && crate::has_avx2() {
+        return Some(crate::x86::q4_k_q8_k_grouped);
+    }
+    let _ = scalar;
+    Some(q4_k_q8_k_grouped)
 }
 
 fn q5_k_q8_k(w: &[u8], x: &[u8]) -> f32 {
@@ -379,28 +428,41 @@ fn q5_k_q8_k(w: &[u8], x: &[u8]) -> f32 {
     s
 }
 
+/// Q6_K x Q8_K with the integer lanes and float reduction of ggml's AVX2 kernel (which
+/// llama.cpp runs): unsigned 6-bit quants times q8, scaled per 16 values, summed into 8 i32
+/// lanes (lane = byte / 4 of each 32-byte chunk), minus `32 * scale * bsum` per lane pair of
+/// 16-value groups, then one f32 FMA per lane and block and an 8-lane horizontal sum. The
+/// integer total is the same in any order; matching the lanes makes the f32 rounding equal too.
 fn q6_k_q8_k(w: &[u8], x: &[u8]) -> f32 {
-    let mut s = 0f32;
+    let mut acc = [0f32; 8];
     for (wb, xb) in w.chunks_exact(210).zip(x.chunks_exact(292)) {
-        let (yd, q8, _) = q8k(xb);
-        let mut q = [0i8; QK_K];
+        let (yd, q8, bsums) = q8k(xb);
+        let sc = &wb[192..208];
+        let mut lanes = [0i32; 8];
         for n in 0..2 {
-            let ql = &wb[64 * n..64 * n + 64];
-            let qh = &wb[128 + 32 * n..160 + 32 * n];
-            let o = 128 * n;
-            for l in 0..32 {
-                q[o + l] = ((ql[l] & 0x0F) | ((qh[l] & 3) << 4)) as i8 - 32;
-                q[o + l + 32] = ((ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4)) as i8 - 32;
-                q[o + l + 64] = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i8 - 32;
-                q[o + l + 96] = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i8 - 32;
+            let (b1, b2) = (&wb[64 * n..64 * n + 32], &wb[64 * n + 32..64 * n + 64]);
+            let bh = &wb[128 + 32 * n..160 + 32 * n];
+            for t in 0..4 {
+                let g = 8 * n + 2 * t;
+                let y = &q8[128 * n + 32 * t..128 * n + 32 * t + 32];
+                for e in 0..32 {
+                    let q = match t {
+                        0 => (b1[e] & 0x0F) | ((bh[e] & 3) << 4),
+                        1 => (b2[e] & 0x0F) | (((bh[e] >> 2) & 3) << 4),
+                        2 => (b1[e] >> 4) | (((bh[e] >> 4) & 3) << 4),
+                        _ => (b2[e] >> 4) | (((bh[e] >> 6) & 3) << 4),
+                    };
+                    let scale = sc[g + e / 16] as i8 as i32;
+                    lanes[e / 4] += scale * q as i32 * y[e] as i8 as i32;
+                }
             }
         }
-        let mut isum = 0i32;
-        for g in 0..16 {
-            isum +=
-                wb[192 + g] as i8 as i32 * idot(&q[16 * g..16 * g + 16], &q8[16 * g..16 * g + 16]);
+        let d = yd * f16_at(wb, 208);
+        for (l, a) in acc.iter_mut().enumerate() {
+            let sub = bsums[2 * l] * sc[2 * l] as i8 as i32
+                + bsums[2 * l + 1] * sc[2 * l + 1] as i8 as i32;
+            *a = d.mul_add((lanes[l] - 32 * sub) as f32, *a);
         }
-        s += (f16_at(wb, 208) * yd) * isum as f32;
     }
-    s
+    hsum8(&acc)
 }

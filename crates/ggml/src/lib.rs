@@ -32,7 +32,7 @@ pub use npuc_ir::GgmlType;
 
 pub use dequant::{dequantize_row, dequantize_row_scalar};
 pub use dot::{vec_dot, vec_dot_scalar, vec_dot_type};
-pub use matmul::{gather_rows, matmul, matmul_scalar, MatMulMode};
+pub use matmul::{gather_rows, matmul, matmul_batch, matmul_scalar, MatMulMode};
 pub use quantize::{
     quantize_activations, quantize_row, quantize_row_q8_0, quantize_row_q8_1, quantize_row_q8_K,
 };

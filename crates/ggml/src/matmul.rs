@@ -1,8 +1,8 @@
 //! `Y[m, n] = X[m, k] · Wᵀ` with `W` held as GGML blocks (`n` rows of `k` elements), and row
 //! gathers (embedding lookup).
 
-use crate::dot::{best_fn, scalar_fn, vec_dot_type, DotFn};
-use crate::{bail, dequantize_row, quantize_row, row_bytes, GgmlType, Result};
+use crate::dot::{best_fn, grouped_fn, scalar_fn, vec_dot_type, DotFn};
+use crate::{bail, dequantize_row, quantize_activations, row_bytes, GgmlType, Result};
 use rayon::prelude::*;
 
 /// How [`matmul`] treats activations.
@@ -42,7 +42,38 @@ pub fn matmul(
     mode: MatMulMode,
     threads: usize,
 ) -> Result<()> {
-    matmul_impl(ty, w, n, k, x, m, y, mode, threads, false)
+    matmul_impl(ty, w, n, k, x, m, m, y, mode, threads, false)
+}
+
+/// [`matmul`] where only the first `batch_rows` rows of `x` are real tokens of one batch (the
+/// rest padding of a static-shape graph). llama.cpp's repacked Q4_K kernel rounds rows inside
+/// 4-row groups of a batch differently from the rest; the fast path follows it per row.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_batch(
+    ty: GgmlType,
+    w: &[u8],
+    n: usize,
+    k: usize,
+    x: &[f32],
+    m: usize,
+    batch_rows: usize,
+    y: &mut [f32],
+    mode: MatMulMode,
+    threads: usize,
+) -> Result<()> {
+    matmul_impl(
+        ty,
+        w,
+        n,
+        k,
+        x,
+        m,
+        batch_rows.min(m),
+        y,
+        mode,
+        threads,
+        false,
+    )
 }
 
 /// [`matmul`] with the portable scalar dot kernels (reference for tests and benchmarks).
@@ -58,7 +89,7 @@ pub fn matmul_scalar(
     mode: MatMulMode,
     threads: usize,
 ) -> Result<()> {
-    matmul_impl(ty, w, n, k, x, m, y, mode, threads, true)
+    matmul_impl(ty, w, n, k, x, m, m, y, mode, threads, true)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -69,6 +100,7 @@ fn matmul_impl(
     k: usize,
     x: &[f32],
     m: usize,
+    batch_rows: usize,
     y: &mut [f32],
     mode: MatMulMode,
     threads: usize,
@@ -105,10 +137,13 @@ fn matmul_impl(
             let xrb = row_bytes(vt, k)?;
             let mut xq = vec![0u8; m * xrb];
             for (xr, qr) in x.chunks_exact(k).zip(xq.chunks_exact_mut(xrb)) {
-                quantize_row(vt, xr, qr)?;
+                quantize_activations(vt, xr, qr)?;
             }
             let xq = &xq;
-            let rows = |n0: usize, out: &mut [f32]| quant_rows(f, w, wrb, n0, xq, xrb, m, out);
+            let grouped = batch_rows - batch_rows % 4;
+            let fg = grouped_fn(ty, scalar).unwrap_or(f);
+            let fs = (f, fg, grouped);
+            let rows = |n0: usize, out: &mut [f32]| quant_rows(fs, w, wrb, n0, xq, xrb, m, out);
             run_rows(n, m, y, par, threads, rows);
         }
         _ => {
@@ -164,7 +199,7 @@ where
 /// `[rows][m]`.
 #[allow(clippy::too_many_arguments)]
 fn quant_rows(
-    f: DotFn,
+    (f, fg, grouped): (DotFn, DotFn, usize),
     w: &[u8],
     wrb: usize,
     n0: usize,
@@ -185,7 +220,8 @@ fn quant_rows(
         let i1 = (i0 + M_BLOCK).min(m);
         for (j, wr) in wc.chunks_exact(wrb).enumerate() {
             for i in i0..i1 {
-                out[j * m + i] = f(wr, &xq[i * xrb..(i + 1) * xrb]);
+                let dot = if i < grouped { fg } else { f };
+                out[j * m + i] = dot(wr, &xq[i * xrb..(i + 1) * xrb]);
             }
         }
     }

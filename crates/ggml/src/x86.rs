@@ -169,14 +169,29 @@ unsafe fn q8k_d_bsums(xb: &[u8]) -> (f32, __m256i) {
 
 fn q4_k_q8_k(w: &[u8], x: &[u8]) -> f32 {
     // SAFETY: only reachable when `has_avx2()` confirmed AVX2, FMA and F16C.
-    unsafe { q4_k_q8_k_avx2(w, x) }
+    unsafe { q4_k_q8_k_avx2::<false>(w, x) }
 }
 
+/// Twin of `dot::q4_k_q8_k_grouped` (rows in 4-row groups of a batch).
+pub(crate) fn q4_k_q8_k_grouped(w: &[u8], x: &[u8]) -> f32 {
+    // SAFETY: only handed out by `dot::grouped_fn` after `has_avx2()` confirmed AVX2, FMA, F16C.
+    unsafe { q4_k_q8_k_avx2::<true>(w, x) }
+}
+
+/// Exact integer sum of 8 i32 lanes.
+#[inline(always)]
+unsafe fn hsum_i32(v: __m256i) -> i32 {
+    let s4 = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    let s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0b01_00_11_10));
+    let s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0b10_11_00_01));
+    _mm_cvtsi128_si32(s4)
+}
+
+/// `GROUPED`: FMA per 64-value sub-block (llama.cpp's 4-row repacked kernel) instead of per block.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_k_q8_k_avx2(w: &[u8], x: &[u8]) -> f32 {
+unsafe fn q4_k_q8_k_avx2<const GROUPED: bool>(w: &[u8], x: &[u8]) -> f32 {
     let m4 = _mm256_set1_epi8(0x0F);
-    let mut acc = _mm256_setzero_ps();
-    let mut acc_m = 0f32;
+    let (mut acc, mut acc_m) = (0f32, 0f32);
     for (wb, xb) in w.chunks_exact(144).zip(x.chunks_exact(292)) {
         let (yd, bsums) = q8k_d_bsums(xb);
         let d = f16_at(wb, 0) * yd;
@@ -199,6 +214,11 @@ unsafe fn q4_k_q8_k_avx2(w: &[u8], x: &[u8]) -> f32 {
         let pm = _mm_add_epi32(pm, _mm_shuffle_epi32(pm, 0b01_00_11_10));
         let pm = _mm_add_epi32(pm, _mm_shuffle_epi32(pm, 0b10_11_00_01));
         let summs = _mm_cvtsi128_si32(pm);
+        let mut bs = [0i32; 16];
+        for (j, b) in bs.iter_mut().enumerate() {
+            let at = 4 + QK_K + 2 * j;
+            *b = i16::from_le_bytes([xb[at], xb[at + 1]]) as i32;
+        }
         let mut sumi = _mm256_setzero_si256();
         for j in 0..4 {
             let q4 = load32(wb, 16 + 32 * j);
@@ -208,12 +228,23 @@ unsafe fn q4_k_q8_k_avx2(w: &[u8], x: &[u8]) -> f32 {
             let ph = _mm256_maddubs_epi16(q4h, load32(xb, 4 + 64 * j + 32));
             let pl = _mm256_madd_epi16(_mm256_set1_epi16(sc[2 * j]), pl);
             let ph = _mm256_madd_epi16(_mm256_set1_epi16(sc[2 * j + 1]), ph);
-            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(pl, ph));
+            if GROUPED {
+                let isum = hsum_i32(_mm256_add_epi32(pl, ph));
+                let sm = mn[2 * j] as i32 * (bs[4 * j] + bs[4 * j + 1])
+                    + mn[2 * j + 1] as i32 * (bs[4 * j + 2] + bs[4 * j + 3]);
+                acc = (isum as f32).mul_add(d, acc);
+                acc_m = (sm as f32).mul_add(dmin, acc_m);
+            } else {
+                sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(pl, ph));
+            }
         }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
-        acc_m -= dmin * summs as f32;
+        if !GROUPED {
+            // Exact integer total of the block, then the two FMA chains of the scalar twin.
+            acc = (hsum_i32(sumi) as f32).mul_add(d, acc);
+            acc_m = (summs as f32).mul_add(dmin, acc_m);
+        }
     }
-    hsum(acc) + acc_m
+    acc - acc_m
 }
 
 fn q6_k_q8_k(w: &[u8], x: &[u8]) -> f32 {
@@ -225,11 +256,15 @@ fn q6_k_q8_k(w: &[u8], x: &[u8]) -> f32 {
 unsafe fn q6_k_q8_k_avx2(w: &[u8], x: &[u8]) -> f32 {
     let m4 = _mm256_set1_epi8(0x0F);
     let m3 = _mm256_set1_epi8(0x03);
-    let m32 = _mm256_set1_epi8(32);
     let mut acc = _mm256_setzero_ps();
     for (wb, xb) in w.chunks_exact(210).zip(x.chunks_exact(292)) {
-        let d = f16_at(wb, 208) * f32::from_le_bytes([xb[0], xb[1], xb[2], xb[3]]);
+        let (yd, bsums) = q8k_d_bsums(xb);
+        let d = yd * f16_at(wb, 208);
         let sc = &wb[192..208];
+        // SAFETY: `sc` is 16 readable bytes.
+        let scales = unsafe { _mm_loadu_si128(sc.as_ptr() as *const __m128i) };
+        // 32 * (scale * bsum) summed per pair of 16-value groups: the -32 offset of the quants.
+        let offset = _mm256_slli_epi32(_mm256_madd_epi16(bsums, _mm256_cvtepi8_epi16(scales)), 5);
         let mut sumi = _mm256_setzero_si256();
         for n in 0..2 {
             let b1 = load32(wb, 64 * n);
@@ -246,10 +281,8 @@ unsafe fn q6_k_q8_k_avx2(w: &[u8], x: &[u8]) -> f32 {
                 _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b2, 4), m4), h3),
             ];
             for (t, &qt) in q.iter().enumerate() {
-                let q8 = load32(xb, 4 + 128 * n + 32 * t);
-                // (q - 32)·q8 = q·q8 - 32·q8, both through maddubs (q is unsigned 0..63).
-                let p =
-                    _mm256_sub_epi16(_mm256_maddubs_epi16(qt, q8), _mm256_maddubs_epi16(m32, q8));
+                // Unsigned quants (0..63) times q8: |pair sums| <= 2*63*128, no saturation.
+                let p = _mm256_maddubs_epi16(qt, load32(xb, 4 + 128 * n + 32 * t));
                 let g = 8 * n + 2 * t;
                 let s = _mm256_set_m128i(
                     _mm_set1_epi16(sc[g + 1] as i8 as i16),
@@ -258,6 +291,7 @@ unsafe fn q6_k_q8_k_avx2(w: &[u8], x: &[u8]) -> f32 {
                 sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(s, p));
             }
         }
+        let sumi = _mm256_sub_epi32(sumi, offset);
         acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
     }
     hsum(acc)

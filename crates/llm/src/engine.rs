@@ -297,14 +297,20 @@ impl Engine {
                 .enumerate()
                 .filter(|(_, (v, _, _))| matches!(v, Variant::Ar(_)))
         };
-        if let Some((i, _)) = ars().find(|(_, (_, n, _))| *n <= remaining) {
-            return Ok(i);
-        }
-        // Only variants larger than what is left: pad the smallest that has room.
+        let room = |n: usize| pos + n <= self.ctx();
+        let largest = ars()
+            .filter(|(_, (_, n, _))| room(*n))
+            .max_by_key(|(_, (_, n, _))| *n);
+        // The rest in one call when a variant holds it (the smallest such, padded): llama.cpp
+        // evaluates a prompt as one batch, and padding rows cost little (the weight products
+        // skip them). Longer rests take the largest variant first.
         if let Some((i, _)) = ars()
-            .filter(|(_, (_, n, _))| pos + n <= self.ctx())
+            .filter(|(_, (_, n, _))| *n >= remaining && room(*n))
             .min_by_key(|(_, (_, n, _))| *n)
         {
+            return Ok(i);
+        }
+        if let Some((i, _)) = largest {
             return Ok(i);
         }
         if let Some(i) = self
@@ -361,6 +367,19 @@ impl Engine {
                 Value::tensor(Tensor::from_vec(vec![n, ctx], mask)?),
             ),
         ];
+        // Graphs built since the fast path follows llama.cpp's batching take the count of real
+        // (unpadded) tokens; older artifacts do not have the input.
+        if self.sessions[idx]
+            .2
+            .inputs()
+            .iter()
+            .any(|i| i.name == "token_count")
+        {
+            feeds.push((
+                "token_count".to_string(),
+                Value::tensor(Tensor::from_vec(vec![1], vec![count as i64])?),
+            ));
+        }
         for l in 0..self.shape.n_layers {
             feeds.push((
                 format!("past_key.{l}"),

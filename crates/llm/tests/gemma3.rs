@@ -82,7 +82,7 @@ fn exact_last_logits_match_transformers() {
 }
 
 #[test]
-#[ignore = "known failure: fast-path greedy ids leave llama.cpp's after 11, 23, 4 and 9 of 48 steps (the exact path gives transformers' greedy ids, see crates/cli/tests/llm_cli.rs); under investigation"]
+#[ignore = "known failure: fast-path greedy ids leave llama.cpp's after 11, 45, 4 and 9 of 48 steps (69/192); the first 10 decode steps of the first prompt are bit-identical to llama.cpp, later ones and prompts of 8+ tokens (llama.cpp's tiled K-quant batch kernel) are not yet"]
 fn fast_greedy_matches_llama_cpp() {
     let Some(path) = model() else { return };
     let refs: serde_json::Value = serde_json::from_str(

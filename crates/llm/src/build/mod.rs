@@ -401,6 +401,16 @@ pub fn build_with(g: &GgufFile, hp: &Hparams, opts: &BuildOptions) -> Result<Mod
         ValueInfo::new("positions", Some(TypeInfo::tensor(DType::I64, &[n]))),
         ValueInfo::new("attn_mask", Some(TypeInfo::tensor(DType::F32, &[n, c]))),
     ];
+    if opts.precision == Precision::Fast
+        && b.nodes
+            .iter()
+            .any(|nd| nd.inputs.iter().any(|i| i == "token_count"))
+    {
+        inputs.push(ValueInfo::new(
+            "token_count",
+            Some(TypeInfo::tensor(DType::I64, &[1])),
+        ));
+    }
     let mut outputs = vec![ValueInfo::new(
         "logits",
         Some(TypeInfo::tensor(DType::F32, &[n, hp.vocab])),
@@ -662,6 +672,14 @@ impl Builder<'_> {
         if let Some(b) = &bias {
             ins.push(b);
         }
+        let fast = self.opts.precision == Precision::Fast;
+        if fast && matches!(self.mode, WeightMode::Ggml) {
+            // Real-token count: padding rows are skipped and llama.cpp's batch grouping kept.
+            if bias.is_none() {
+                ins.push("");
+            }
+            ins.push("token_count");
+        }
         let out = self.fresh("linear");
         Ok(match self.mode {
             WeightMode::Ggml => {
@@ -789,11 +807,13 @@ impl Builder<'_> {
             } else {
                 freqs.clone().or(linear.clone())
             };
+            let ggml_rope = i64::from(self.opts.precision == Precision::Fast);
             let rope_attrs = || {
                 vec![
                     ("mode", Attr::String(mode.into())),
                     ("base", Attr::Float(base)),
                     ("dims", Attr::Int(hp.rope_dims as i64)),
+                    ("ggml", Attr::Int(ggml_rope)),
                 ]
             };
             let mut rin = vec![q.as_str(), "positions"];
@@ -831,6 +851,16 @@ impl Builder<'_> {
                 vec![
                     ("scale", Attr::Float(hp.attn_scale)),
                     ("window", Attr::Int(window)),
+                    (
+                        "ggml",
+                        Attr::Int(i64::from(self.opts.precision == Precision::Fast)),
+                    ),
+                    (
+                        "prescale",
+                        Attr::Int(i64::from(
+                            self.opts.precision == Precision::Fast && hp.arch == "gemma3",
+                        )),
+                    ),
                 ],
             );
             let mut o = self.linear(&a, &p("attn_output.weight"), None, e, h * d)?;
@@ -848,16 +878,9 @@ impl Builder<'_> {
                 }
                 Act::GeluTanh if self.opts.precision == Precision::Fast => {
                     // ggml's CPU GELU is a table over f16 inputs holding f16 outputs
-                    // (GGML_GELU_FP16): round the input and the output through f16 like it.
-                    let a = self.op("Cast", &[&gate], vec![("to", Attr::Int(10))]);
-                    let a = self.op("Cast", &[&a], vec![("to", Attr::Int(1))]);
-                    let a = self.op(
-                        "Gelu",
-                        &[&a],
-                        vec![("approximate", Attr::String("tanh".into()))],
-                    );
-                    let a = self.op("Cast", &[&a], vec![("to", Attr::Int(10))]);
-                    self.op("Cast", &[&a], vec![("to", Attr::Int(1))])
+                    // (GGML_GELU_FP16); npuc.GeluF16 evaluates it the same way.
+                    let out = self.fresh("gelu_f16");
+                    self.push("GeluF16", "npuc", &[&gate], &out, vec![])
                 }
                 Act::GeluTanh => self.op(
                     "Gelu",

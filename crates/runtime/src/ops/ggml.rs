@@ -1,6 +1,8 @@
 //! GGML block-quantized weights (domain `npuc`, backed by `npuc-ggml`):
 //!
-//! - `GgmlMatMul(X f32 [..., K], W[, bias f32 [N]]) -> Y f32 [..., N]`, `Y = X · Wᵀ`. `W` holds
+//! - `GgmlMatMul(X f32 [..., K], W[, bias f32 [N]][, token_count i64 [1]]) -> Y f32 [..., N]`,
+//!   `Y = X · Wᵀ`; with `token_count` only that many leading rows are computed (the rest, the
+//!   padding of a static-shape AR-n graph, are zero) and they round as one llama.cpp batch. `W` holds
 //!   N rows of K elements: a u8 `[N, row_bytes]` tensor of raw GGUF blocks, or (for the plain
 //!   types) an f32/f16/bf16 `[N, K]` tensor. Attributes: `ggml_type` (GgmlType name), `k`
 //!   (logical row length), `act_quant` (1, the default: activations quantized like llama.cpp
@@ -97,9 +99,32 @@ fn ggml_matmul(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     }
     let xv = x.as_slice::<f32>()?;
     let m = xv.len() / k;
+    // Optional input 3: how many leading rows are real tokens; the rest (static-shape padding)
+    // are left zero, and the real ones keep llama.cpp's batch rounding.
+    let rows = match ins.opt_tensor(3) {
+        Some(t) => {
+            let v = t.to_i64_vec()?;
+            match v.as_slice() {
+                [c] if *c >= 0 && *c as usize <= m => *c as usize,
+                _ => bail!("token_count must be one integer in 0..={m}, got {v:?}"),
+            }
+        }
+        None => m,
+    };
     let mut y = vec![0f32; m * n];
-    npuc_ggml::matmul(ty, w, n, k, xv, m, &mut y, mode, ctx.threads)
-        .map_err(|e| crate::RtError::msg(e.to_string()))?;
+    npuc_ggml::matmul_batch(
+        ty,
+        w,
+        n,
+        k,
+        &xv[..rows * k],
+        rows,
+        rows,
+        &mut y[..rows * n],
+        mode,
+        ctx.threads,
+    )
+    .map_err(|e| crate::RtError::msg(e.to_string()))?;
     if let Some(b) = ins.opt_tensor(2) {
         if b.dtype() != DType::F32 || b.len() != n {
             bail!(

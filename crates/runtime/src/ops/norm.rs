@@ -514,7 +514,10 @@ fn rms_norm(ctx: &OpCtx, mut ins: Inputs) -> Result<Vec<Value>> {
         let eps = F::of(eps);
         let data = x.as_mut_slice::<F>()?;
         for_rows(data, cols, threads, |_, row| {
-            let ms = sum_sq_dev(row, F::zero()) / F::of(row.len() as f64);
+            // Squares summed in f64, the mean rounded once to F, as ggml's CPU RMS norm
+            // does: llama.cpp-parity of GGUF models depends on matching it bit for bit.
+            let ss: f64 = row.iter().map(|&v| (v * v).f64()).sum();
+            let ms = F::of(ss / row.len() as f64);
             let inv = F::one() / (ms + eps).sqrt();
             for (v, &wi) in row.iter_mut().zip(w.iter()) {
                 *v = *v * inv * wi;
