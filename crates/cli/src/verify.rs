@@ -618,6 +618,10 @@ pub struct VerifyArgs {
     /// sample).
     #[arg(long = "prune-evals", default_value_t = 24)]
     pub prune_evals: usize,
+    /// `--suggest`: how many of the worst-ranked tensors get a sensitivity run each (the model
+    /// with only that tensor at 16 bits); the search adds them most-helpful first.
+    #[arg(long = "sensitivity-evals", default_value_t = 64)]
+    pub sensitivity_evals: usize,
     /// With --suggest: write the overrides file (JSON) here.
     #[arg(long, requires = "suggest")]
     pub apply: Option<std::path::PathBuf>,
@@ -666,6 +670,7 @@ pub fn cmd(a: &VerifyArgs) -> Result<()> {
             threads: a.threads,
             simulate: a.simulate,
             prune_evals: a.prune_evals,
+            sensitivity_evals: a.sensitivity_evals,
         };
         let (s, promoted) = promote::suggest(&inp, &mut |m| eprintln!("{m}"))?;
         if let Some(p) = &a.apply {

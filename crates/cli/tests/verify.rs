@@ -239,7 +239,14 @@ fn suggest_apply_reaches_target_on_reverification() {
     let sg = &j["suggest"];
     assert_eq!(sg["reached"], true, "{sg}");
     let chosen = sg["tensors"].as_array().unwrap();
-    assert!(!chosen.is_empty() && chosen.len() < sg["candidates"].as_u64().unwrap() as usize);
+    // A small set, found greedily by per-layer sensitivity: the prefix-bisection search it
+    // replaced kept 665 of 737 tensors here; the greedy search keeps 2 (15.46 dB).
+    let n_cand = sg["candidates"].as_u64().unwrap() as usize;
+    assert!(
+        !chosen.is_empty() && chosen.len() * 10 <= n_cand,
+        "{} of {n_cand} tensors chosen",
+        chosen.len()
+    );
     let ov: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&overrides).unwrap()).unwrap();
     assert_eq!(ov["default"], "w8a8");

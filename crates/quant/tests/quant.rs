@@ -167,7 +167,6 @@ fn observer_minmax_and_percentile_on_linspace() {
 }
 
 #[test]
-#[ignore = "known failure: on 10*u^5 data the mse observer keeps the full range (search or premise not yet investigated)"]
 fn observer_mse_and_entropy_clip_outliers_but_not_uniform_data() {
     // Uniform data: clipping only adds error, MSE keeps (almost) the full range.
     let u: Vec<f32> = rand_vec(100_000, 7);
@@ -269,16 +268,83 @@ fn w8a8_per_channel_qdq_is_close_to_float() {
     assert!(sqnr(&rf, &run(&q16, &xin)) > sqnr(&rf, &rq));
 }
 
+/// The float model with every integer-encoded activation clamped to its encoding's real range
+/// (a Clip node after its producer): what a quantized model computes, minus the rounding.
+fn clipped_float(m: &Model, enc: &Encodings) -> Model {
+    let mut c = m.clone();
+    let g = &mut c.graph;
+    let mut extra = vec![];
+    for (name, te) in &enc.activations {
+        let TensorEncoding::Int(q) = te else { continue };
+        let (lo, hi) = q.real_range(0);
+        let (ln, hn) = (format!("{name}_lo"), format!("{name}_hi"));
+        g.initializers.push(init(&ln, vec![], vec![lo]));
+        g.initializers.push(init(&hn, vec![], vec![hi]));
+        let clipped = format!("{name}_clipped");
+        match g
+            .nodes
+            .iter_mut()
+            .find(|n| n.outputs.iter().any(|o| o == name))
+        {
+            // A node output: the producer writes `T_raw`, the Clip writes `T`.
+            Some(n) => {
+                let raw = format!("{name}_raw");
+                for o in n.outputs.iter_mut().filter(|o| *o == name) {
+                    *o = raw.clone();
+                }
+                extra.push(Node::new("Clip", &[&raw, &ln, &hn], &[name]));
+            }
+            // A graph input: its readers read the clipped copy.
+            None => {
+                for n in g.nodes.iter_mut() {
+                    for i in n.inputs.iter_mut().filter(|i| *i == name) {
+                        *i = clipped.clone();
+                    }
+                }
+                extra.push(Node::new("Clip", &[name, &ln, &hn], &[&clipped]));
+            }
+        }
+    }
+    g.nodes.extend(extra);
+    let order = g.topo_order(&Default::default()).unwrap();
+    let mut nodes: Vec<Option<Node>> = std::mem::take(&mut g.nodes).into_iter().map(Some).collect();
+    g.nodes = order.into_iter().filter_map(|i| nodes[i].take()).collect();
+    c
+}
+
 #[test]
-#[ignore = "known failure: W16A16 per-tensor reaches cosine 0.99953, below the 0.9999 this test asks of 16-bit; under investigation"]
 fn other_schemes_and_granularities_run() {
     let m = small_model();
     let xin = Tensor::from_vec(vec![1, 3, 8, 8], rand_vec(192, 999)).unwrap();
     let rf = run(&m, &xin);
+    // W16A16: the held-out input drives the conv output to 22.99 where the 8 calibration
+    // samples reached 21.12, so the quantized model clips there (cosine 0.99953 against float,
+    // whatever the bit width). Its rounding error alone is measured against the float model
+    // with the same clipping (Clip nodes at the calibrated ranges, no rounding), and on a
+    // calibration sample (nothing clipped) against the float model itself.
+    let (q16, enc16) = quantize(
+        &m,
+        &QuantOptions {
+            scheme: Scheme::W16A16,
+            granularity: Granularity::PerTensor,
+            ..Default::default()
+        },
+    );
+    let q16_out = run(&q16, &xin);
+    let clipped = run(&clipped_float(&m, &enc16), &xin);
+    let c = cosine(&clipped, &q16_out);
+    assert!(c > 0.999999, "W16A16 vs float clipped alike: cosine {c}");
+    assert!(sqnr(&clipped, &q16_out) > 60.0);
+    let x_cal = &samples(1)[0].feeds[0].1;
+    let c = cosine(&run(&m, x_cal), &run(&q16, x_cal));
+    assert!(c > 0.999999, "W16A16 on a calibration sample: cosine {c}");
+    // The held-out loss is the clipping: 16 bits cannot do better than the clipped float.
+    let (cf, cq) = (cosine(&rf, &clipped), cosine(&rf, &q16_out));
+    assert!((cf - cq).abs() < 1e-5, "clipped float {cf} vs W16A16 {cq}");
     for (scheme, gran, min_cos) in [
         (Scheme::W4A16, Granularity::PerChannel, 0.98),
         (Scheme::W4A8, Granularity::PerBlock(32), 0.98),
-        (Scheme::W16A16, Granularity::PerTensor, 0.9999),
+        (Scheme::W16A16, Granularity::PerTensor, 0.999),
         (Scheme::Fp16, Granularity::PerChannel, 0.9999),
         (Scheme::Bf16, Granularity::PerChannel, 0.999),
         (Scheme::W8, Granularity::PerRow, 0.999),

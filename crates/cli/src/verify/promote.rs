@@ -8,9 +8,13 @@
 //! model's weight to int16, symmetric, per the same axis (requantizing the dequantized 8-bit
 //! weight would keep its error). Candidates are ranked by their local
 //! quantization SQNR (the Q input against the DQ output inside the quantized model, over the
-//! samples), lowest first; the shortest prefix of that ranking that reaches the target is found by
-//! bisection, then chosen tensors whose removal keeps the target are dropped (pruning, last-ranked
-//! first, within an evaluation budget). The result is a small set, not a proven minimum.
+//! samples), lowest first; the worst `sensitivity_evals` of them are then measured one at a time
+//! (output SQNR with only that tensor promoted: per-layer sensitivity) and moved to the front,
+//! most helpful first, and added greedily in that order (kept only when the output SQNR rises)
+//! until the target is reached. When they do not reach it, the shortest prefix of the whole
+//! order that does is found by bisection, then chosen tensors whose removal keeps the target
+//! are dropped (pruning, last-ranked first, within an evaluation budget). The result is a small
+//! set, not a proven minimum.
 
 use super::{canonical_name, prepare_quantized, run_named, with_outputs, Acc, Sample};
 use anyhow::{anyhow, bail, Context, Result};
@@ -470,6 +474,9 @@ pub struct SuggestInput<'a> {
     pub simulate: bool,
     /// Most model evaluations spent pruning the chosen set.
     pub prune_evals: usize,
+    /// Candidates (the worst by local SQNR) measured one at a time for their effect on the
+    /// output SQNR.
+    pub sensitivity_evals: usize,
 }
 
 /// Runs the search; returns the suggestion and the promoted model.
@@ -554,8 +561,57 @@ pub fn suggest(inp: &SuggestInput, log: &mut dyn FnMut(&str)) -> Result<(Suggest
         super::fmt_db(all_db)
     ));
     let target = inp.target_db;
+    // Per-layer sensitivity: the output SQNR with only that tensor at 16 bits, for the worst
+    // `sensitivity_evals` by local SQNR (local noise says little about how much of it reaches
+    // the output). Those go first, most helpful first; the rest keep their local ranking. The
+    // prefix search below then adds tensors greedily in this order.
+    let mut greedy: Option<(Vec<usize>, f64, f64)> = None;
+    if base_db < target && all_db >= target {
+        let k = inp.sensitivity_evals.min(order.len());
+        let mut sens = Vec::with_capacity(k);
+        for &c in &order[..k] {
+            let (d, _) = ev.eval(&build(&[c])?)?;
+            sens.push((if d.is_nan() { f64::NEG_INFINITY } else { d }, c));
+        }
+        // Stable: ties keep the local ranking.
+        sens.sort_by(|a, b| b.0.total_cmp(&a.0));
+        if let Some((d, c)) = sens.first() {
+            log(&format!(
+                "suggest: sensitivity of {k} tensors measured; best alone: {} ({} dB)",
+                cands[*c].tensor,
+                super::fmt_db(*d)
+            ));
+        }
+        let rest: Vec<usize> = order[k..].to_vec();
+        order = sens.into_iter().map(|(_, c)| c).chain(rest).collect();
+        // Greedy forward selection in that order: keep a tensor only when it raises the output
+        // SQNR, stop at the target. Promotions interact (a wider range here changes what the
+        // next layer sees), so the prefix of a ranking is not monotonic in SQNR; this is.
+        let (mut set, mut cur) = (vec![], (base_db, base_cos));
+        for &c in &order[..k] {
+            let mut trial = set.clone();
+            trial.push(c);
+            let (d, cs) = ev.eval(&build(&trial)?)?;
+            if d > cur.0 {
+                set = trial;
+                cur = (d, cs);
+                log(&format!(
+                    "suggest: + {} -> {} dB",
+                    cands[c].tensor,
+                    super::fmt_db(d)
+                ));
+            }
+            if cur.0 >= target {
+                greedy = Some((set, cur.0, cur.1));
+                break;
+            }
+        }
+    }
     let (chosen, db, cos, model) = if base_db >= target {
         (vec![], base_db, base_cos, q.clone())
+    } else if let Some((set, d, c)) = greedy {
+        let model = build(&set)?;
+        (set, d, c, model)
     } else if all_db < target {
         (order.clone(), all_db, all_cos, all_model)
     } else {
