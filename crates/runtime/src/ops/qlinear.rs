@@ -436,11 +436,11 @@ fn pack_batch_b(
     let packed = match b.dtype() {
         DType::U8 => {
             let s = &b.as_slice::<u8>()?[off..off + k * n];
-            PackedB::pack(k, n, |r, c| (s[r * n + c] as i32 - zb) as i16)
+            PackedB::pack_rows(k, n, s, |v| (v as i32 - zb) as i16)
         }
         DType::I8 => {
             let s = &b.as_slice::<i8>()?[off..off + k * n];
-            PackedB::pack(k, n, |r, c| (s[r * n + c] as i32 - zb) as i16)
+            PackedB::pack_rows(k, n, s, |v| (v as i32 - zb) as i16)
         }
         other => {
             return Err(RtError::msg(format!(
