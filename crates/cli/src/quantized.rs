@@ -28,5 +28,27 @@ pub fn prepare(model: &mut Model, simulate: bool) -> Result<Prepared> {
     }
     let lowered = npuc_passes::lower_quantized(model)
         .context("lowering the quantized graph to integer kernels")?;
+    cleanup(model).context("simplifying the lowered quantized graph")?;
     Ok(Prepared { quantized, lowered })
+}
+
+/// Runs the value-preserving part of the optimizer on a lowered graph: constant folding (the
+/// shape arithmetic of exported graphs, and the DequantizeLinear of constant weights that stay
+/// in float, e.g. Conv/ConvTranspose, so they dequantize once instead of every run), identity
+/// and layout folding, CSE and dead-code removal. The float fusions stay off: Q/DQ pairs sit
+/// between their ops and the lowered graph must compute what the QDQ graph does.
+fn cleanup(model: &mut Model) -> Result<()> {
+    use npuc_passes::passes::{const_fold, cse, dce, identity, reshape};
+    let mut pm = npuc_passes::PassManager::new(8);
+    // Folded float weights are 4x their 8-bit source: allow them (a ViT decoder's are ~1 MB
+    // each); shape arithmetic is tiny.
+    pm.add(Box::new(const_fold::ConstFold {
+        max_bytes: 64 << 20,
+    }));
+    pm.add(Box::new(identity::IdentityElim));
+    pm.add(Box::new(reshape::ReshapeFold));
+    pm.add(Box::new(cse::Cse));
+    pm.add(Box::new(dce::Dce));
+    pm.run(model)?;
+    Ok(())
 }

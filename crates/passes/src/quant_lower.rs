@@ -172,8 +172,31 @@ impl QuantLower {
                 switch.push((i, q));
             }
         }
+        let squares: Vec<usize> = g
+            .nodes
+            .iter()
+            .enumerate()
+            .filter(|(_, n)| {
+                is_op(n, "Pow")
+                    && n.inputs.len() == 2
+                    && n.input(1).and_then(|e| ix.constant(g, e)).is_some_and(|t| {
+                        t.dtype() == DType::F32
+                            && t.len() == 1
+                            && t.to_f64_vec().is_ok_and(|v| v[0] == 2.0)
+                    })
+            })
+            .map(|(i, _)| i)
+            .collect();
         if !switch.is_empty() {
             import_npuc(m);
+        }
+        // `Pow(x, 2)` (decomposed LayerNorm's variance, between Q/DQ pairs that keep the
+        // layernorm fusion from matching) becomes `Mul(x, x)`: the correctly rounded square,
+        // without a libm `powf` per element.
+        for &i in &squares {
+            let n = &mut m.graph.nodes[i];
+            n.op_type = "Mul".into();
+            n.inputs[1] = n.inputs[0].clone();
         }
         for &(i, q) in &switch {
             let n = &mut m.graph.nodes[i];
@@ -181,7 +204,7 @@ impl QuantLower {
             n.op_type = if q { "Quantize" } else { "Dequantize" }.into();
             n.attrs.retain(|(a, _)| a != "axis" && a != "saturate");
         }
-        Ok((products, switch.len()))
+        Ok((products, switch.len() + squares.len()))
     }
 
     fn lower_products(&self, m: &mut Model) -> Result<usize, PassError> {

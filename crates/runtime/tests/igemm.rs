@@ -29,6 +29,10 @@ fn check(m: usize, n: usize, k: usize, a: Vec<i16>, b: Vec<i16>, threads: usize)
     let mut c2 = vec![0i32; m * n];
     igemm_with(Isa::Scalar, &pa2, &pb, &mut c2, threads).unwrap();
     assert_eq!(c2, cs, "pack_rows and pack disagree");
+    let pb2 = PackedB::pack_rows(k, n, &b, |v| v);
+    let mut c3 = vec![0i32; m * n];
+    igemm_with(Isa::Scalar, &pa, &pb2, &mut c3, threads).unwrap();
+    assert_eq!(c3, cs, "PackedB::pack_rows and pack disagree");
     if Isa::detect() == Isa::Avx2 {
         let mut cv = vec![0i32; m * n];
         igemm_with(Isa::Avx2, &pa, &pb, &mut cv, threads).unwrap();

@@ -69,6 +69,38 @@ impl PackedB {
             data,
         }
     }
+    /// Packs a contiguous row-major `k x n` slice through a per-element conversion: the fast
+    /// path of [`PackedB::pack`] for per-run (activation) operands, reading rows contiguously
+    /// and writing each k pair's interleaved panel rows in order.
+    pub fn pack_rows<T: Copy>(k: usize, n: usize, src: &[T], f: impl Fn(T) -> i16) -> PackedB {
+        let pairs = k.div_ceil(2);
+        let panels = n.div_ceil(NR);
+        let mut data = vec![0i16; panels * pairs * 2 * NR];
+        assert!(src.len() >= k * n, "packed operand source too short");
+        for p in 0..pairs {
+            for h in 0..2 {
+                let r = 2 * p + h;
+                if r >= k {
+                    break;
+                }
+                let row = &src[r * n..(r + 1) * n];
+                for (pn, chunk) in row.chunks(NR).enumerate() {
+                    let base = pn * pairs * 2 * NR + p * 2 * NR;
+                    let dst = &mut data[base..base + 2 * NR];
+                    for (j, &v) in chunk.iter().enumerate() {
+                        dst[2 * j + h] = f(v);
+                    }
+                }
+            }
+        }
+        PackedB {
+            k,
+            n,
+            pairs,
+            panels,
+            data,
+        }
+    }
     /// Reduction length.
     pub fn k(&self) -> usize {
         self.k

@@ -2,3 +2,4 @@
 //! twins, selected at run time by CPU feature detection.
 
 pub mod igemm;
+pub mod qconvert;

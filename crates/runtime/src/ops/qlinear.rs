@@ -26,6 +26,7 @@ use crate::bail;
 use crate::error::{Result, RtError};
 use crate::kernel::{Inputs, OpCtx, Registry};
 use crate::kernels::igemm::{igemm, PackedA, PackedB, MAX_K};
+use crate::kernels::qconvert::{self, Isa, QInt};
 use crate::ops::matmul::MatMulPlan;
 use crate::value::Value;
 use npuc_ir::{DType, Tensor};
@@ -191,58 +192,42 @@ enum OutMode {
     Float { lo: f32, hi: f32 },
 }
 
-/// Rounds half to even for |v| < 2^22 with plain float adds (vectorizes on SSE2, unlike a
-/// libm call): adding 1.5 * 2^23 leaves no fraction bits, and the FPU rounds ties to even.
-#[inline(always)]
-fn round_even_small(v: f32) -> f32 {
-    const MAGIC: f32 = 12_582_912.0;
-    (v + MAGIC) - MAGIC
-}
-
-/// Converts the integer sums of `rows` output rows into the output values.
+/// Converts the integer sums of `rows` output rows into the output values (vectorized in
+/// [`qconvert`]).
 #[allow(clippy::too_many_arguments)]
-fn epilogue_rows<T: Copy + Send>(
+fn epilogue_rows<T: Copy + Send + Default + 'static>(
     acc: &[i32],
     acc_lo: Option<&[i32]>,
     n: usize,
-    mult: &[f32],
-    bias: &[f32],
-    mode: OutMode,
     out: &mut [T],
-    conv: impl Fn(f32) -> T + Sync,
+    row: impl Fn(&[i32], Option<&[i32]>, &mut [T]) + Sync,
     threads: usize,
 ) {
     let body = |(ri, orow): (usize, &mut [T])| {
         let arow = &acc[ri * n..(ri + 1) * n];
         let lrow = acc_lo.map(|l| &l[ri * n..(ri + 1) * n]);
-        match mode {
-            OutMode::Quant { inv_ys, zp, lo, hi } => {
-                let (flo, fhi) = ((lo - zp) as f32, (hi - zp) as f32);
-                for j in 0..n {
-                    let s = match lrow {
-                        None => arow[j] as f32,
-                        Some(l) => arow[j] as f32 * 256.0 + l[j] as f32,
-                    };
-                    let v = (s * mult[j] + bias[j]) * inv_ys;
-                    let q = round_even_small(v.max(flo).min(fhi)) + zp as f32;
-                    orow[j] = conv(q);
-                }
-            }
-            OutMode::Float { lo, hi } => {
-                for j in 0..n {
-                    let s = match lrow {
-                        None => arow[j] as f32,
-                        Some(l) => arow[j] as f32 * 256.0 + l[j] as f32,
-                    };
-                    orow[j] = conv((s * mult[j] + bias[j]).max(lo).min(hi));
-                }
-            }
-        }
+        row(arow, lrow, orow);
     };
     if threads > 1 && out.len() >= PAR_EPILOGUE {
         out.par_chunks_mut(n).enumerate().for_each(body);
     } else {
         out.chunks_mut(n).enumerate().for_each(body);
+    }
+}
+
+/// The per-row output stage for quantized output type `T`.
+fn quant_row<'a, T: QInt>(
+    mult: &'a [f32],
+    bias: &'a [f32],
+    mode: OutMode,
+) -> impl Fn(&[i32], Option<&[i32]>, &mut [T]) + Sync + 'a {
+    let isa = Isa::detect();
+    move |a, l, o| match mode {
+        OutMode::Quant { inv_ys, zp, lo, hi } => {
+            qconvert::requant_row(isa, a, l, mult, bias, inv_ys, zp, (lo, hi), o)
+        }
+        // Float mode has f32 output only (see `qmatmul`).
+        OutMode::Float { .. } => unreachable!("float epilogue with an integer output"),
     }
 }
 
@@ -397,61 +382,33 @@ fn qmatmul(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         let o = gi * rows_per * n..(gi + 1) * rows_per * n;
         let t = ctx.threads;
         match out_dt {
-            DType::F32 => epilogue_rows(
-                &acc,
-                lo_part,
-                n,
-                &mult,
-                &bias,
-                mode,
-                &mut out_f32[o],
-                |v| v,
-                t,
-            ),
-            DType::U8 => epilogue_rows(
-                &acc,
-                lo_part,
-                n,
-                &mult,
-                &bias,
-                mode,
-                &mut out_u8[o],
-                |v| v as u8,
-                t,
-            ),
-            DType::I8 => epilogue_rows(
-                &acc,
-                lo_part,
-                n,
-                &mult,
-                &bias,
-                mode,
-                &mut out_i8[o],
-                |v| v as i8,
-                t,
-            ),
-            DType::U16 => epilogue_rows(
-                &acc,
-                lo_part,
-                n,
-                &mult,
-                &bias,
-                mode,
-                &mut out_u16[o],
-                |v| v as u16,
-                t,
-            ),
-            _ => epilogue_rows(
-                &acc,
-                lo_part,
-                n,
-                &mult,
-                &bias,
-                mode,
-                &mut out_i16[o],
-                |v| v as i16,
-                t,
-            ),
+            DType::F32 => {
+                let isa = Isa::detect();
+                let (lo, hi) = match mode {
+                    OutMode::Float { lo, hi } => (lo, hi),
+                    OutMode::Quant { .. } => bail!("internal: f32 output with requantization"),
+                };
+                let row = |a: &[i32], l: Option<&[i32]>, o: &mut [f32]| {
+                    qconvert::requant_row_f32(isa, a, l, &mult, &bias, lo, hi, o)
+                };
+                epilogue_rows(&acc, lo_part, n, &mut out_f32[o], row, t)
+            }
+            DType::U8 => {
+                let row = quant_row::<u8>(&mult, &bias, mode);
+                epilogue_rows(&acc, lo_part, n, &mut out_u8[o], row, t)
+            }
+            DType::I8 => {
+                let row = quant_row::<i8>(&mult, &bias, mode);
+                epilogue_rows(&acc, lo_part, n, &mut out_i8[o], row, t)
+            }
+            DType::U16 => {
+                let row = quant_row::<u16>(&mult, &bias, mode);
+                epilogue_rows(&acc, lo_part, n, &mut out_u16[o], row, t)
+            }
+            _ => {
+                let row = quant_row::<i16>(&mult, &bias, mode);
+                epilogue_rows(&acc, lo_part, n, &mut out_i16[o], row, t)
+            }
         }
     }
     let shape = plan.out_shape.clone();
@@ -479,11 +436,11 @@ fn pack_batch_b(
     let packed = match b.dtype() {
         DType::U8 => {
             let s = &b.as_slice::<u8>()?[off..off + k * n];
-            PackedB::pack(k, n, |r, c| (s[r * n + c] as i32 - zb) as i16)
+            PackedB::pack_rows(k, n, s, |v| (v as i32 - zb) as i16)
         }
         DType::I8 => {
             let s = &b.as_slice::<i8>()?[off..off + k * n];
-            PackedB::pack(k, n, |r, c| (s[r * n + c] as i32 - zb) as i16)
+            PackedB::pack_rows(k, n, s, |v| (v as i32 - zb) as i16)
         }
         other => {
             return Err(RtError::msg(format!(
@@ -505,7 +462,8 @@ fn quantize_f32(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     let scale = f32_scalar(ins.tensor(1)?, "y_scale")?;
     let zt = ins.tensor(2)?;
     let zp = zp_scalar(Some(zt), "y_zero_point")?;
-    let (lo, hi) = qrange(zt.dtype())?;
+    // Validates the output type (u8, i8, u16, i16).
+    qrange(zt.dtype())?;
     let out_dt = zt.dtype();
     let x = ins.tensor(0)?;
     if x.dtype() != DType::F32 {
@@ -513,31 +471,24 @@ fn quantize_f32(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     }
     let shape = x.shape().to_vec();
     let xs = x.as_slice::<f32>()?;
-    let (flo, fhi) = ((lo - zp) as f32, (hi - zp) as f32);
-    let zf = zp as f32;
-    // Divide (not multiply by the reciprocal) so results match QuantizeLinear bit for bit.
-    let q = |v: f32| round_even_small((v / scale).max(flo).min(fhi)) + zf;
-    fn fill<T: Copy + Send + Default>(
-        xs: &[f32],
-        threads: usize,
-        f: impl Fn(f32) -> T + Sync,
-    ) -> Vec<T> {
+    fn fill<T: QInt>(xs: &[f32], threads: usize, scale: f32, zp: i32) -> Vec<T> {
+        let isa = Isa::detect();
         let mut out = vec![T::default(); xs.len()];
         if threads > 1 && xs.len() >= PAR_EPILOGUE {
             out.par_chunks_mut(1 << 13)
                 .zip(xs.par_chunks(1 << 13))
-                .for_each(|(o, x)| o.iter_mut().zip(x).for_each(|(o, &x)| *o = f(x)));
+                .for_each(|(o, x)| qconvert::quantize(isa, x, scale, zp, o));
         } else {
-            out.iter_mut().zip(xs).for_each(|(o, &x)| *o = f(x));
+            qconvert::quantize(isa, xs, scale, zp, &mut out);
         }
         out
     }
     let t = ctx.threads;
     let out = match out_dt {
-        DType::U8 => Tensor::from_vec(shape, fill(xs, t, |v| q(v) as u8))?,
-        DType::I8 => Tensor::from_vec(shape, fill(xs, t, |v| q(v) as i8))?,
-        DType::U16 => Tensor::from_vec(shape, fill(xs, t, |v| q(v) as u16))?,
-        _ => Tensor::from_vec(shape, fill(xs, t, |v| q(v) as i16))?,
+        DType::U8 => Tensor::from_vec(shape, fill::<u8>(xs, t, scale, zp))?,
+        DType::I8 => Tensor::from_vec(shape, fill::<i8>(xs, t, scale, zp))?,
+        DType::U16 => Tensor::from_vec(shape, fill::<u16>(xs, t, scale, zp))?,
+        _ => Tensor::from_vec(shape, fill::<i16>(xs, t, scale, zp))?,
     };
     Ok(vec![Value::tensor(out)])
 }
@@ -549,28 +500,30 @@ fn dequantize_f32(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     let x = ins.tensor(0)?;
     let scale = f32_scalar(ins.tensor(1)?, "x_scale")?;
     let zp = zp_scalar(ins.opt_tensor(2), "x_zero_point")?;
-    fn conv<T: Copy + Sync + npuc_ir::Elem>(
+    fn conv<T: QInt + npuc_ir::Elem>(
         x: &Tensor,
         threads: usize,
-        f: impl Fn(T) -> f32 + Sync,
+        scale: f32,
+        zp: i32,
     ) -> Result<Vec<f32>> {
+        let isa = Isa::detect();
         let xs = x.as_slice::<T>()?;
         let mut out = vec![0f32; xs.len()];
         if threads > 1 && xs.len() >= PAR_EPILOGUE {
             out.par_chunks_mut(1 << 13)
                 .zip(xs.par_chunks(1 << 13))
-                .for_each(|(o, x)| o.iter_mut().zip(x).for_each(|(o, &x)| *o = f(x)));
+                .for_each(|(o, x)| qconvert::dequantize(isa, x, scale, zp, o));
         } else {
-            out.iter_mut().zip(xs).for_each(|(o, &x)| *o = f(x));
+            qconvert::dequantize(isa, xs, scale, zp, &mut out);
         }
         Ok(out)
     }
     let t = ctx.threads;
     let out = match x.dtype() {
-        DType::U8 => conv::<u8>(x, t, |v| (v as i32 - zp) as f32 * scale)?,
-        DType::I8 => conv::<i8>(x, t, |v| (v as i32 - zp) as f32 * scale)?,
-        DType::U16 => conv::<u16>(x, t, |v| (v as i32 - zp) as f32 * scale)?,
-        DType::I16 => conv::<i16>(x, t, |v| (v as i32 - zp) as f32 * scale)?,
+        DType::U8 => conv::<u8>(x, t, scale, zp)?,
+        DType::I8 => conv::<i8>(x, t, scale, zp)?,
+        DType::U16 => conv::<u16>(x, t, scale, zp)?,
+        DType::I16 => conv::<i16>(x, t, scale, zp)?,
         other => bail!("npuc.Dequantize takes u8, i8, u16 or i16, found {other}"),
     };
     Ok(vec![Value::tensor(Tensor::from_vec(

@@ -1,0 +1,516 @@
+//! Vectorized conversions between f32 and 8/16-bit quantized integers: per-tensor
+//! QuantizeLinear / DequantizeLinear and the requantizing epilogue of the integer matrix
+//! product. Every AVX2 routine has a scalar twin computing bit-identical results (same f32
+//! operations in the same order, no FMA contraction), compared by proptests.
+//!
+//! Rounding is half to even in both paths: the scalar path adds and subtracts 1.5 * 2^23
+//! (exact for |v| < 2^22, which the clamp to the 16-bit range guarantees), the AVX2 path uses
+//! `vroundps` with round-to-nearest-even. Values are clamped in f32 before rounding, at
+//! integer bounds, so clamping before or after rounding gives the same integer.
+
+/// Which implementation runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Isa {
+    /// Portable Rust; always available.
+    Scalar,
+    /// AVX2 (+ no FMA: results must match the scalar twin bit for bit).
+    Avx2,
+}
+
+impl Isa {
+    /// The best implementation this CPU supports.
+    pub fn detect() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx2") {
+                return Isa::Avx2;
+            }
+        }
+        Isa::Scalar
+    }
+}
+
+/// The quantized integer types: u8, i8, u16, i16.
+pub trait QInt: Copy + Send + Sync + Default + 'static {
+    /// Smallest value.
+    const LO: i32;
+    /// Largest value.
+    const HI: i32;
+    /// Converts an integer already within `[LO, HI]`.
+    fn from_i32(v: i32) -> Self;
+    /// Widens to i32.
+    fn to_i32(self) -> i32;
+    /// Which packing the AVX2 stores/loads use.
+    #[doc(hidden)]
+    const KIND: Kind;
+}
+
+/// Element kinds of [`QInt`] (selects the AVX2 pack/unpack instructions).
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    U8,
+    I8,
+    U16,
+    I16,
+}
+
+macro_rules! qint {
+    ($t:ty, $k:ident) => {
+        impl QInt for $t {
+            const LO: i32 = <$t>::MIN as i32;
+            const HI: i32 = <$t>::MAX as i32;
+            const KIND: Kind = Kind::$k;
+            #[inline(always)]
+            fn from_i32(v: i32) -> Self {
+                v as $t
+            }
+            #[inline(always)]
+            fn to_i32(self) -> i32 {
+                self as i32
+            }
+        }
+    };
+}
+qint!(u8, U8);
+qint!(i8, I8);
+qint!(u16, U16);
+qint!(i16, I16);
+
+/// Round half to even of a value with |v| < 2^22 using two f32 adds (ties go to even because
+/// the sum's rounding does).
+#[inline(always)]
+fn round_even_small(v: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0;
+    (v + MAGIC) - MAGIC
+}
+
+/// `out[i] = clamp(round_half_even(x[i] / scale) + zp)` (ONNX QuantizeLinear, per tensor). The
+/// division (not a reciprocal multiply) keeps results identical to QuantizeLinear; a NaN input
+/// maps to the lower bound as in the scalar `f32::max`.
+pub fn quantize<T: QInt>(isa: Isa, x: &[f32], scale: f32, zp: i32, out: &mut [T]) {
+    let n = x.len().min(out.len());
+    let (x, out) = (&x[..n], &mut out[..n]);
+    let (flo, fhi) = ((T::LO - zp) as f32, (T::HI - zp) as f32);
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 && Isa::detect() == Isa::Avx2 {
+        // SAFETY: avx2 is available (checked); the kernel reads/writes only `x[..n]`,
+        // `out[..n]` in whole groups of 8 and returns how many it processed.
+        done = unsafe { avx2::quantize(x, scale, zp, flo, fhi, out) };
+    }
+    let _ = isa;
+    let zf = zp as f32;
+    for (o, &v) in out[done..].iter_mut().zip(&x[done..]) {
+        *o = T::from_i32((round_even_small((v / scale).max(flo).min(fhi)) + zf) as i32);
+    }
+}
+
+/// `out[i] = (x[i] - zp) as f32 * scale` (ONNX DequantizeLinear, per tensor, f32 output).
+pub fn dequantize<T: QInt>(isa: Isa, x: &[T], scale: f32, zp: i32, out: &mut [f32]) {
+    let n = x.len().min(out.len());
+    let (x, out) = (&x[..n], &mut out[..n]);
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 && Isa::detect() == Isa::Avx2 {
+        // SAFETY: as in `quantize`.
+        done = unsafe { avx2::dequantize(x, scale, zp, out) };
+    }
+    let _ = isa;
+    for (o, &v) in out[done..].iter_mut().zip(&x[done..]) {
+        *o = (v.to_i32() - zp) as f32 * scale;
+    }
+}
+
+/// The output stage of an integer product row: `s = acc[j]` (or `256 * acc[j] + acc_lo[j]`
+/// for split 16-bit operands), `v = (s * mult[j] + bias[j])`, then either requantized
+/// (`Some(inv_ys, zp, lo, hi)`: `clamp(round_half_even(v * inv_ys) + zp, lo, hi)`) or, for
+/// [`requant_row_f32`], clamped to the fused activation's range.
+#[allow(clippy::too_many_arguments)]
+pub fn requant_row<T: QInt>(
+    isa: Isa,
+    acc: &[i32],
+    acc_lo: Option<&[i32]>,
+    mult: &[f32],
+    bias: &[f32],
+    inv_ys: f32,
+    zp: i32,
+    (lo, hi): (i32, i32),
+    out: &mut [T],
+) {
+    let n = out.len();
+    assert!(acc.len() >= n && mult.len() >= n && bias.len() >= n);
+    assert!(acc_lo.is_none_or(|l| l.len() >= n));
+    let (flo, fhi) = ((lo - zp) as f32, (hi - zp) as f32);
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 && Isa::detect() == Isa::Avx2 {
+        // SAFETY: avx2 checked; all slices hold at least `n` values (asserted above).
+        done = unsafe { avx2::requant(acc, acc_lo, mult, bias, inv_ys, zp, flo, fhi, out) };
+    }
+    let _ = isa;
+    let zf = zp as f32;
+    for j in done..n {
+        let s = match acc_lo {
+            None => acc[j] as f32,
+            Some(l) => acc[j] as f32 * 256.0 + l[j] as f32,
+        };
+        let v = (s * mult[j] + bias[j]) * inv_ys;
+        out[j] = T::from_i32((round_even_small(v.max(flo).min(fhi)) + zf) as i32);
+    }
+}
+
+/// [`requant_row`] with f32 output: `out[j] = clamp(s * mult[j] + bias[j], lo, hi)`.
+#[allow(clippy::too_many_arguments)]
+pub fn requant_row_f32(
+    isa: Isa,
+    acc: &[i32],
+    acc_lo: Option<&[i32]>,
+    mult: &[f32],
+    bias: &[f32],
+    lo: f32,
+    hi: f32,
+    out: &mut [f32],
+) {
+    let n = out.len();
+    assert!(acc.len() >= n && mult.len() >= n && bias.len() >= n);
+    assert!(acc_lo.is_none_or(|l| l.len() >= n));
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 && Isa::detect() == Isa::Avx2 {
+        // SAFETY: avx2 checked; all slices hold at least `n` values (asserted above).
+        done = unsafe { avx2::requant_f32(acc, acc_lo, mult, bias, lo, hi, out) };
+    }
+    let _ = isa;
+    for j in done..n {
+        let s = match acc_lo {
+            None => acc[j] as f32,
+            Some(l) => acc[j] as f32 * 256.0 + l[j] as f32,
+        };
+        out[j] = (s * mult[j] + bias[j]).max(lo).min(hi);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::{Kind, QInt};
+    use std::arch::x86_64::*;
+
+    /// Stores 8 i32 lanes (each within `T`'s range) as 8 `T` at `p`.
+    ///
+    /// # Safety
+    /// avx2; `p` valid for 8 writes of `T`.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn store8<T: QInt>(p: *mut T, v: __m256i) {
+        // SAFETY: caller contract (8 writable `T` at `p`); unaligned stores.
+        unsafe {
+            match T::KIND {
+                Kind::U8 | Kind::I8 => {
+                    // i32 -> i16 -> 8-bit within each 128-bit lane (values are in range, so
+                    // the saturating packs are exact), then gather lane 0's and lane 1's
+                    // four bytes into the low 64 bits.
+                    let w = if T::KIND == Kind::U8 {
+                        _mm256_packus_epi16(_mm256_packs_epi32(v, v), _mm256_setzero_si256())
+                    } else {
+                        _mm256_packs_epi16(_mm256_packs_epi32(v, v), _mm256_setzero_si256())
+                    };
+                    let g =
+                        _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0));
+                    _mm_storel_epi64(p as *mut __m128i, _mm256_castsi256_si128(g));
+                }
+                Kind::U16 | Kind::I16 => {
+                    let w = if T::KIND == Kind::U16 {
+                        _mm256_packus_epi32(v, v)
+                    } else {
+                        _mm256_packs_epi32(v, v)
+                    };
+                    // 64-bit blocks [lo4, lo4, hi4, hi4] -> [lo4, hi4, ..].
+                    let g = _mm256_permute4x64_epi64::<0b1000>(w);
+                    _mm_storeu_si128(p as *mut __m128i, _mm256_castsi256_si128(g));
+                }
+            }
+        }
+    }
+
+    /// Loads 8 `T` at `p` widened to i32 lanes.
+    ///
+    /// # Safety
+    /// avx2; `p` valid for 8 reads of `T`.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn load8<T: QInt>(p: *const T) -> __m256i {
+        // SAFETY: caller contract (8 readable `T` at `p`); unaligned loads of exactly 8 or 16
+        // bytes.
+        unsafe {
+            match T::KIND {
+                Kind::U8 => _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i)),
+                Kind::I8 => _mm256_cvtepi8_epi32(_mm_loadl_epi64(p as *const __m128i)),
+                Kind::U16 => _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i)),
+                Kind::I16 => _mm256_cvtepi16_epi32(_mm_loadu_si128(p as *const __m128i)),
+            }
+        }
+    }
+
+    /// Rounds half to even, clamps to `[flo, fhi]` first (max with the value first, so a NaN
+    /// becomes `flo` like the scalar `f32::max`), adds `zp` and converts to i32 (exact).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn finish(v: __m256, flo: __m256, fhi: __m256, zf: __m256) -> __m256i {
+        // `maxps(a, b)` returns b when a is NaN.
+        let c = _mm256_min_ps(_mm256_max_ps(v, flo), fhi);
+        let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(c);
+        _mm256_cvtps_epi32(_mm256_add_ps(r, zf))
+    }
+
+    /// # Safety
+    /// avx2; `out.len() >= x.len()`. Returns the number of elements done (a multiple of 8).
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn quantize<T: QInt>(
+        x: &[f32],
+        scale: f32,
+        zp: i32,
+        flo: f32,
+        fhi: f32,
+        out: &mut [T],
+    ) -> usize {
+        let n = x.len() / 8 * 8;
+        let (vs, vlo, vhi, vz) = (
+            _mm256_set1_ps(scale),
+            _mm256_set1_ps(flo),
+            _mm256_set1_ps(fhi),
+            _mm256_set1_ps(zp as f32),
+        );
+        let (xp, op) = (x.as_ptr(), out.as_mut_ptr());
+        for i in (0..n).step_by(8) {
+            // SAFETY: i + 8 <= n <= x.len() <= out.len().
+            unsafe {
+                let v = _mm256_div_ps(_mm256_loadu_ps(xp.add(i)), vs);
+                store8(op.add(i), finish(v, vlo, vhi, vz));
+            }
+        }
+        n
+    }
+
+    /// # Safety
+    /// avx2; `out.len() >= x.len()`. Returns the number of elements done (a multiple of 8).
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn dequantize<T: QInt>(x: &[T], scale: f32, zp: i32, out: &mut [f32]) -> usize {
+        let n = x.len() / 8 * 8;
+        let (vs, vz) = (_mm256_set1_ps(scale), _mm256_set1_epi32(zp));
+        let (xp, op) = (x.as_ptr(), out.as_mut_ptr());
+        for i in (0..n).step_by(8) {
+            // SAFETY: i + 8 <= n <= x.len() <= out.len().
+            unsafe {
+                let v = _mm256_sub_epi32(load8(xp.add(i)), vz);
+                _mm256_storeu_ps(op.add(i), _mm256_mul_ps(_mm256_cvtepi32_ps(v), vs));
+            }
+        }
+        n
+    }
+
+    /// `s * mult + bias` for 8 lanes at `j` (the split form when `lo` is given).
+    ///
+    /// # Safety
+    /// avx2; every slice holds at least `j + 8` values.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn affine(
+        acc: &[i32],
+        lo: Option<&[i32]>,
+        mult: &[f32],
+        bias: &[f32],
+        j: usize,
+    ) -> __m256 {
+        // SAFETY: caller contract.
+        unsafe {
+            let a = _mm256_cvtepi32_ps(_mm256_loadu_si256(acc.as_ptr().add(j) as *const __m256i));
+            let s = match lo {
+                None => a,
+                Some(l) => _mm256_add_ps(
+                    _mm256_mul_ps(a, _mm256_set1_ps(256.0)),
+                    _mm256_cvtepi32_ps(_mm256_loadu_si256(l.as_ptr().add(j) as *const __m256i)),
+                ),
+            };
+            _mm256_add_ps(
+                _mm256_mul_ps(s, _mm256_loadu_ps(mult.as_ptr().add(j))),
+                _mm256_loadu_ps(bias.as_ptr().add(j)),
+            )
+        }
+    }
+
+    /// # Safety
+    /// avx2; `acc`, `acc_lo`, `mult`, `bias` hold at least `out.len()` values. Returns the
+    /// number done (a multiple of 8).
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn requant<T: QInt>(
+        acc: &[i32],
+        acc_lo: Option<&[i32]>,
+        mult: &[f32],
+        bias: &[f32],
+        inv_ys: f32,
+        zp: i32,
+        flo: f32,
+        fhi: f32,
+        out: &mut [T],
+    ) -> usize {
+        let n = out.len() / 8 * 8;
+        let (vi, vlo, vhi, vz) = (
+            _mm256_set1_ps(inv_ys),
+            _mm256_set1_ps(flo),
+            _mm256_set1_ps(fhi),
+            _mm256_set1_ps(zp as f32),
+        );
+        let op = out.as_mut_ptr();
+        for j in (0..n).step_by(8) {
+            // SAFETY: j + 8 <= n <= every slice's length (caller contract).
+            unsafe {
+                let v = _mm256_mul_ps(affine(acc, acc_lo, mult, bias, j), vi);
+                store8(op.add(j), finish(v, vlo, vhi, vz));
+            }
+        }
+        n
+    }
+
+    /// # Safety
+    /// As [`requant`].
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn requant_f32(
+        acc: &[i32],
+        acc_lo: Option<&[i32]>,
+        mult: &[f32],
+        bias: &[f32],
+        lo: f32,
+        hi: f32,
+        out: &mut [f32],
+    ) -> usize {
+        let n = out.len() / 8 * 8;
+        let (vlo, vhi) = (_mm256_set1_ps(lo), _mm256_set1_ps(hi));
+        let op = out.as_mut_ptr();
+        for j in (0..n).step_by(8) {
+            // SAFETY: j + 8 <= n <= every slice's length (caller contract).
+            unsafe {
+                let v = affine(acc, acc_lo, mult, bias, j);
+                // Same operand order as the scalar `v.max(lo).min(hi)`.
+                _mm256_storeu_ps(op.add(j), _mm256_min_ps(_mm256_max_ps(v, vlo), vhi));
+            }
+        }
+        n
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn both_quantize<T: QInt + PartialEq + std::fmt::Debug>(x: &[f32], scale: f32, zp: i32) {
+        let mut a = vec![T::default(); x.len()];
+        let mut b = vec![T::default(); x.len()];
+        quantize(Isa::Scalar, x, scale, zp, &mut a);
+        quantize(Isa::detect(), x, scale, zp, &mut b);
+        assert_eq!(a, b);
+        // The scalar twin is QuantizeLinear: round half to even of the quotient, saturated.
+        for (q, &v) in a.iter().zip(x) {
+            let r = if v.is_nan() {
+                T::LO
+            } else {
+                ((v / scale).round_ties_even() as f64 + zp as f64).clamp(T::LO as f64, T::HI as f64)
+                    as i32
+            };
+            assert_eq!(q.to_i32(), r, "x {v} scale {scale} zp {zp}");
+        }
+    }
+
+    fn both_dequantize<T: QInt>(x: &[T], scale: f32, zp: i32) {
+        let mut a = vec![0f32; x.len()];
+        let mut b = vec![0f32; x.len()];
+        dequantize(Isa::Scalar, x, scale, zp, &mut a);
+        dequantize(Isa::detect(), x, scale, zp, &mut b);
+        assert_eq!(
+            a.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            b.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        );
+        for (o, q) in a.iter().zip(x) {
+            assert_eq!(*o, ((q.to_i32() - zp) as f64 * scale as f64) as f32);
+        }
+    }
+
+    fn values() -> impl Strategy<Value = Vec<f32>> {
+        prop::collection::vec(
+            prop_oneof![
+                -300.0f32..300.0,
+                // Exact ties of the quotient (x = (k + 0.5) * scale with scale 0.5).
+                (-200i32..200).prop_map(|k| k as f32 * 0.5 + 0.25),
+                Just(f32::NAN),
+                Just(f32::INFINITY),
+                Just(f32::NEG_INFINITY),
+                -1e6f32..1e6,
+            ],
+            0..70,
+        )
+    }
+
+    proptest! {
+        #[test]
+        fn quantize_matches_scalar(x in values(), scale in prop_oneof![Just(0.5f32), 0.001f32..3.0], zp8 in 0i32..256, zps in -128i32..128, zp16 in 0i32..65536) {
+            both_quantize::<u8>(&x, scale, zp8);
+            both_quantize::<i8>(&x, scale, zps);
+            both_quantize::<u16>(&x, scale, zp16);
+            both_quantize::<i16>(&x, scale, zp16 - 32768);
+        }
+
+        #[test]
+        fn dequantize_matches_scalar(x in prop::collection::vec(any::<u16>(), 0..70), scale in 0.0001f32..10.0, zp8 in 0i32..256, zp16 in 0i32..65536) {
+            let u8s: Vec<u8> = x.iter().map(|&v| v as u8).collect();
+            let i8s: Vec<i8> = x.iter().map(|&v| v as i8).collect();
+            let i16s: Vec<i16> = x.iter().map(|&v| v as i16).collect();
+            both_dequantize(&u8s, scale, zp8);
+            both_dequantize(&i8s, scale, zp8 - 128);
+            both_dequantize(&x, scale, zp16);
+            both_dequantize(&i16s, scale, zp16 - 32768);
+        }
+
+        #[test]
+        fn requant_matches_scalar(
+            acc in prop::collection::vec(-5_000_000i32..5_000_000, 0..50),
+            split in any::<bool>(),
+            ys in 0.001f32..10.0,
+            zp in 0i32..256,
+            clip in any::<bool>(),
+        ) {
+            let n = acc.len();
+            let lo_part: Vec<i32> = acc.iter().map(|v| v.rem_euclid(256)).collect();
+            let hi_part: Vec<i32> = acc.iter().map(|v| v / 4096).collect();
+            let mult: Vec<f32> = (0..n).map(|j| 1e-4 * (j as f32 + 1.0)).collect();
+            let bias: Vec<f32> = (0..n).map(|j| j as f32 * 0.37 - 3.0).collect();
+            let (a, l) = if split { (&hi_part[..], Some(&lo_part[..])) } else { (&acc[..], None) };
+            let range = if clip { (zp.min(200), 250) } else { (0, 255) };
+            let mut q1 = vec![0u8; n];
+            let mut q2 = vec![0u8; n];
+            requant_row(Isa::Scalar, a, l, &mult, &bias, 1.0 / ys, zp, range, &mut q1);
+            requant_row(Isa::detect(), a, l, &mult, &bias, 1.0 / ys, zp, range, &mut q2);
+            prop_assert_eq!(&q1, &q2);
+            let mut i1 = vec![0i16; n];
+            let mut i2 = vec![0i16; n];
+            requant_row(Isa::Scalar, a, l, &mult, &bias, 1.0 / ys, zp - 128, (-32768, 32767), &mut i1);
+            requant_row(Isa::detect(), a, l, &mult, &bias, 1.0 / ys, zp - 128, (-32768, 32767), &mut i2);
+            prop_assert_eq!(&i1, &i2);
+            let (flo, fhi) = if clip { (0.0, 6.0) } else { (f32::NEG_INFINITY, f32::INFINITY) };
+            let mut f1 = vec![0f32; n];
+            let mut f2 = vec![0f32; n];
+            requant_row_f32(Isa::Scalar, a, l, &mult, &bias, flo, fhi, &mut f1);
+            requant_row_f32(Isa::detect(), a, l, &mult, &bias, flo, fhi, &mut f2);
+            prop_assert_eq!(f1.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), f2.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+            // Against an independent f64 formula (within the f32 rounding of the epilogue).
+            for j in 0..n {
+                let s = match l { None => a[j] as f64, Some(l) => a[j] as f64 * 256.0 + l[j] as f64 };
+                let v = s * mult[j] as f64 + bias[j] as f64;
+                let want = (v / ys as f64).round() + zp as f64;
+                let want = want.clamp(range.0 as f64, range.1 as f64);
+                prop_assert!((q1[j] as f64 - want).abs() <= 1.0, "j {} got {} want {}", j, q1[j], want);
+            }
+        }
+    }
+}
