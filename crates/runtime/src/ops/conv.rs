@@ -318,7 +318,7 @@ fn conv_run<T: GemmFloat>(
     let (c_g, m_g) = (a.c / a.group, a.m / a.group);
     let (pin, p, ks) = (g.in_size(), g.out_size(), g.k_size());
     let k = c_g * ks;
-    let mut out = vec![T::zero(); a.n * a.m * p];
+    let mut out = crate::buffers::filled(a.n * a.m * p, T::zero());
     if out.is_empty() {
         return Ok(out);
     }
@@ -350,7 +350,7 @@ fn conv_run<T: GemmFloat>(
     let mut col = if pointwise {
         vec![]
     } else {
-        vec![T::zero(); k * p]
+        crate::buffers::filled(k * p, T::zero())
     };
     for ni in 0..a.n {
         for gi in 0..a.group {
@@ -376,6 +376,7 @@ fn conv_run<T: GemmFloat>(
             )?;
         }
     }
+    crate::buffers::release(col);
     Ok(out)
 }
 
