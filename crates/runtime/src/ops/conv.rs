@@ -601,14 +601,14 @@ fn conv_transpose(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         if xv.len() != n * c * pin || wv.len() != c * rows {
             bail!("ConvTranspose operand sizes do not match their shapes");
         }
-        let mut out = vec![T::zero(); n * m * pout];
+        let mut out = crate::buffers::filled(n * m * pout, T::zero());
         if let Some(b) = b {
             let bv = T::load(b)?;
             for (ch, plane) in out.chunks_mut(pout.max(1)).enumerate() {
                 plane.fill(bv[ch % m]);
             }
         }
-        let mut col = vec![T::zero(); rows * pin];
+        let mut col = crate::buffers::filled(rows * pin, T::zero());
         for ni in 0..n {
             for gi in 0..group {
                 let xg = &xv[(ni * c + gi * c_g) * pin..][..c_g * pin];
@@ -629,6 +629,7 @@ fn conv_transpose(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
                 col2im_add(&col, g, m_g, dst);
             }
         }
+        crate::buffers::release(col);
         Ok(out)
     }
     let t = float_dispatch!(x.dtype(), T => {
