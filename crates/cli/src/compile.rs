@@ -22,15 +22,21 @@ pub struct CompileOptions {
     pub enable_passes: Vec<String>,
 }
 
+/// What compiling one graph did.
 #[derive(Debug)]
 pub struct GraphSummary {
     pub name: String,
     pub nodes_before: usize,
     pub nodes_after: usize,
     pub arena_bytes: u64,
+    /// (pass, total changes) per pass that changed something, in first-run order.
     pub pass_log: Vec<(String, usize)>,
+    /// Every pass run that changed something, with node counts and op-type deltas
+    /// (what `--print-passes` prints).
+    pub pass_records: Vec<npuc_passes::PassRecord>,
 }
 
+/// What [`compile`] did.
 #[derive(Debug)]
 pub struct CompileSummary {
     pub graphs: Vec<GraphSummary>,
@@ -38,6 +44,134 @@ pub struct CompileSummary {
     pub weight_bytes_referenced: u64,
     pub file_bytes: u64,
     pub seconds: f64,
+}
+
+impl CompileSummary {
+    /// The one-line summary `npuc compile` ends with: graphs, nodes before/after optimization,
+    /// weight bytes (unique vs referenced), arena size (largest graph), file size, time taken.
+    pub fn line(&self, out: &Path) -> String {
+        let before: usize = self.graphs.iter().map(|g| g.nodes_before).sum();
+        let after: usize = self.graphs.iter().map(|g| g.nodes_after).sum();
+        let arena = self.graphs.iter().map(|g| g.arena_bytes).max().unwrap_or(0);
+        format!(
+            "compiled {} graph{} into {} ({:.2} MB): nodes {before} -> {after}, weights {:.2} MB unique / {:.2} MB referenced, arena {:.2} MB, {:.2} s",
+            self.graphs.len(),
+            if self.graphs.len() == 1 { "" } else { "s" },
+            out.display(),
+            self.file_bytes as f64 / 1e6,
+            self.weight_bytes_unique as f64 / 1e6,
+            self.weight_bytes_referenced as f64 / 1e6,
+            arena as f64 / 1e6,
+            self.seconds
+        )
+    }
+}
+
+/// Progress of the compile steps: an indicatif spinner per step when stderr is a terminal,
+/// otherwise nothing live; either way one plain line per finished step goes to `log`.
+struct Progress<'a> {
+    bar: Option<indicatif::ProgressBar>,
+    tty: bool,
+    step_start: Instant,
+    log: &'a mut dyn FnMut(&str),
+}
+
+impl<'a> Progress<'a> {
+    fn new(log: &'a mut dyn FnMut(&str)) -> Progress<'a> {
+        use std::io::IsTerminal;
+        Progress {
+            bar: None,
+            tty: std::io::stderr().is_terminal(),
+            step_start: Instant::now(),
+            log,
+        }
+    }
+
+    /// Starts a step; `msg` says what it does.
+    fn start(&mut self, msg: &str) {
+        self.step_start = Instant::now();
+        if let Some(b) = self.bar.take() {
+            b.finish_and_clear();
+        }
+        if self.tty {
+            let b = indicatif::ProgressBar::new_spinner();
+            b.set_style(
+                indicatif::ProgressStyle::with_template("{spinner} {msg} {elapsed}")
+                    .unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner()),
+            );
+            b.enable_steady_tick(std::time::Duration::from_millis(100));
+            b.set_message(msg.to_string());
+            self.bar = Some(b);
+        }
+    }
+
+    /// Updates the live message of the current step (terminal only).
+    fn update(&self, msg: impl FnOnce() -> String) {
+        if let Some(b) = &self.bar {
+            b.set_message(msg());
+        }
+    }
+
+    /// Ends the current step with a plain line (its duration appended).
+    fn done(&mut self, msg: &str) {
+        if let Some(b) = self.bar.take() {
+            b.finish_and_clear();
+        }
+        let ms = self.step_start.elapsed().as_secs_f64() * 1e3;
+        (self.log)(&format!("{msg} ({ms:.0} ms)"));
+    }
+
+    /// A message outside the step lines (warnings).
+    fn note(&mut self, msg: &str) {
+        match &self.bar {
+            Some(b) => b.suspend(|| (self.log)(msg)),
+            None => (self.log)(msg),
+        }
+    }
+}
+
+impl Drop for Progress<'_> {
+    fn drop(&mut self) {
+        if let Some(b) = self.bar.take() {
+            b.finish_and_clear();
+        }
+    }
+}
+
+/// Runs the standard pass pipeline (with `disable`/`enable`), reporting each pass to
+/// `observe`.
+pub fn optimize_observed(
+    m: &mut Model,
+    disable: &[String],
+    enable: &[String],
+    observe: &mut dyn FnMut(npuc_passes::PassEvent),
+) -> Result<npuc_passes::OptimizeReport> {
+    if let Some(e) = enable
+        .iter()
+        .find(|e| !npuc_passes::OPT_IN_PASSES.contains(&e.as_str()))
+    {
+        bail!(
+            "--enable-pass {e}: not an opt-in pass (opt-in passes: {})",
+            npuc_passes::OPT_IN_PASSES.join(", ")
+        );
+    }
+    let opts = npuc_passes::OptimizeOptions {
+        disable: disable.to_vec(),
+        enable: enable.to_vec(),
+        ..Default::default()
+    };
+    let known = npuc_passes::PassManager::standard(&Default::default()).pass_names();
+    if let Some(d) = disable
+        .iter()
+        .find(|d| !known.contains(&d.as_str()) && !npuc_passes::OPT_IN_PASSES.contains(&d.as_str()))
+    {
+        bail!(
+            "--disable-pass {d}: no such pass (passes: {})",
+            known.join(", ")
+        );
+    }
+    let pm = npuc_passes::PassManager::standard(&opts);
+    Ok(pm.run_observed(m, observe)?)
 }
 
 /// Input-shape bindings (`name -> shape`) and symbolic-dimension bindings (`sym -> size`).
@@ -123,12 +257,12 @@ pub fn bind_inputs(
 }
 
 /// Peak bytes of intermediate tensors alive at once, executing nodes in order and freeing each
-/// value after its last reader (the executor's policy). Values of unknown size count as 0 and
-/// are reported by the caller.
-pub fn plan_arena(m: &Model, types: &HashMap<String, TypeInfo>) -> (u64, usize) {
+/// value after its last reader (the executor's policy). Values of unknown size count as 0;
+/// their names are returned for the caller to report.
+pub fn plan_arena(m: &Model, types: &HashMap<String, TypeInfo>) -> (u64, Vec<String>) {
     let g = &m.graph;
     let Ok(order) = g.topo_order(&HashSet::new()) else {
-        return (0, 0);
+        return (0, vec![]);
     };
     let keep: HashSet<&str> = g
         .inputs
@@ -161,7 +295,7 @@ pub fn plan_arena(m: &Model, types: &HashMap<String, TypeInfo>) -> (u64, usize) 
             _ => None,
         }
     };
-    let (mut live, mut peak, mut unknown) = (0u64, 0u64, 0usize);
+    let (mut live, mut peak, mut unknown) = (0u64, 0u64, vec![]);
     let mut frees: HashMap<usize, Vec<u64>> = HashMap::new();
     for (step, &ni) in order.iter().enumerate() {
         for o in g.nodes[ni].outputs.iter().filter(|o| !o.is_empty()) {
@@ -175,7 +309,7 @@ pub fn plan_arena(m: &Model, types: &HashMap<String, TypeInfo>) -> (u64, usize) 
                     };
                     frees.entry(end).or_default().push(b);
                 }
-                None => unknown += 1,
+                None => unknown.push(o.clone()),
             }
         }
         peak = peak.max(live);
@@ -187,11 +321,17 @@ pub fn plan_arena(m: &Model, types: &HashMap<String, TypeInfo>) -> (u64, usize) 
     (peak, unknown)
 }
 
+/// Whether a type is a tensor of known dtype and fully fixed shape.
+fn is_static(t: &TypeInfo) -> bool {
+    matches!(t, TypeInfo::Tensor { dtype: Some(_), shape: Some(s) } if s.iter().all(|d| matches!(d, Dim::Fixed(_))))
+}
+
 fn count_nodes(m: &Model) -> usize {
     m.graph.nodes.len()
 }
 
-/// Compiles models into one artifact at `out` (written atomically).
+/// Compiles models into one artifact at `out` (written atomically). Step lines (and
+/// warnings) go to `log`; when stderr is a terminal each step also shows a live spinner.
 pub fn compile(
     models: &[(String, PathBuf)],
     opts: &CompileOptions,
@@ -199,6 +339,7 @@ pub fn compile(
     mut log: impl FnMut(&str),
 ) -> Result<CompileSummary> {
     let t0 = Instant::now();
+    let mut progress = Progress::new(&mut log);
     let target = match &opts.target {
         Some(t) => Target::parse(t)?,
         None => Target::host(),
@@ -215,7 +356,7 @@ pub fn compile(
     let mut graphs = vec![];
     let mut referenced = 0u64;
     for (name, path) in models {
-        log(&format!("[{name}] importing {}", path.display()));
+        progress.start(&format!("[{name}] importing {}", path.display()));
         let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
         w.add_source(
             &path
@@ -224,6 +365,7 @@ pub fn compile(
                 .unwrap_or_default(),
             &bytes,
         );
+        let size = bytes.len();
         drop(bytes);
         let mut m = npuc_onnx::load_model(path)?;
         bind_inputs(&mut m, &opts.input_shapes, &opts.dims)?;
@@ -244,31 +386,93 @@ pub fn compile(
         // Refuse unsupported ops now, with every offending node named, rather than at run time.
         npuc_runtime::Plan::for_model(&m).map_err(|e| anyhow!("'{}': {e}", path.display()))?;
         let nodes_before = count_nodes(&m);
-        let pass_log = if opts.optimize {
-            log(&format!("[{name}] optimizing {nodes_before} nodes"));
-            crate::optimize_hook(&mut m, &opts.disable_passes, &opts.enable_passes)?
-        } else {
-            vec![]
-        };
-        let nodes_after = count_nodes(&m);
+        progress.done(&format!(
+            "[{name}] imported {} ({:.2} MB, {nodes_before} nodes, verified)",
+            path.display(),
+            size as f64 / 1e6
+        ));
         let bound: HashMap<String, TypeInfo> = m
             .graph
             .inputs
             .iter()
             .filter_map(|v| v.ty.clone().map(|t| (v.name.clone(), t)))
             .collect();
-        let inferred = npuc_ir::infer::infer_model(&m, &bound);
-        let (arena_bytes, unknown) = plan_arena(&m, &inferred.types);
-        if unknown > 0 {
-            log(&format!("[{name}] {unknown} intermediate values have dynamic shapes; bind inputs with --input-shape/--dim for a static arena"));
+        // Types of the graph as imported: fused `npuc` ops have no shape inference, but a
+        // fusion's output keeps the name (and type) of the pattern's last output.
+        let mut types = npuc_ir::infer::infer_model(&m, &bound).types;
+        let (pass_log, pass_records) = if opts.optimize {
+            progress.start(&format!("[{name}] optimizing {nodes_before} nodes"));
+            let report = {
+                let p = &progress;
+                let mut nodes = nodes_before;
+                optimize_observed(
+                    &mut m,
+                    &opts.disable_passes,
+                    &opts.enable_passes,
+                    &mut |ev| {
+                        match ev {
+                        npuc_passes::PassEvent::Start {
+                            pass,
+                            iteration,
+                            index,
+                            count,
+                        } => p.update(|| {
+                            format!(
+                                "[{name}] optimizing: iteration {iteration}, pass {}/{count} {pass}, {nodes_before} -> {nodes} nodes",
+                                (index + 1).min(count)
+                            )
+                        }),
+                        npuc_passes::PassEvent::Changed(r) => nodes = r.nodes_after,
+                    }
+                    },
+                )?
+            };
+            progress.done(&format!(
+                "[{name}] optimized: {} -> {} nodes, {} pass runs changed the graph, {} iteration{}",
+                report.nodes_before,
+                report.nodes_after,
+                report.records.len(),
+                report.iterations,
+                if report.iterations == 1 { "" } else { "s" }
+            ));
+            (report.totals(), report.records)
+        } else {
+            (vec![], vec![])
+        };
+        let nodes_after = count_nodes(&m);
+        progress.start(&format!("[{name}] planning memory"));
+        if opts.optimize {
+            for (k, t) in npuc_ir::infer::infer_model(&m, &bound).types {
+                if is_static(&t) || !types.get(&k).is_some_and(is_static) {
+                    types.insert(k, t);
+                }
+            }
         }
-        referenced += m
+        let (arena_bytes, unknown) = plan_arena(&m, &types);
+        if !unknown.is_empty() {
+            progress.note(&format!(
+                "[{name}] {} intermediate values have dynamic or unknown shapes (e.g. {}); bind inputs with --input-shape/--dim for a static arena",
+                unknown.len(),
+                unknown.iter().take(3).map(|u| format!("'{u}'")).collect::<Vec<_>>().join(", ")
+            ));
+        }
+        progress.done(&format!(
+            "[{name}] planned memory: arena {:.2} MB",
+            arena_bytes as f64 / 1e6
+        ));
+        let graph_referenced = m
             .graph
             .initializers
             .iter()
             .map(|i| (i.tensor.len() * i.tensor.dtype().size()) as u64)
             .sum::<u64>();
-        log(&format!("[{name}] serializing"));
+        referenced += graph_referenced;
+        progress.start(&format!(
+            "[{name}] serializing {} weights ({:.2} MB), de-duplicating",
+            m.graph.initializers.len(),
+            graph_referenced as f64 / 1e6
+        ));
+        let unique_before: u64 = w.meta().weights.iter().map(|wd| wd.len).sum();
         w.add_graph(
             name,
             &m,
@@ -279,16 +483,30 @@ pub fn compile(
                 source: path.display().to_string(),
             },
         )?;
+        let unique_after: u64 = w.meta().weights.iter().map(|wd| wd.len).sum();
+        progress.done(&format!(
+            "[{name}] serialized: {:.2} MB of weights new, {:.2} MB shared with earlier graphs",
+            (unique_after - unique_before) as f64 / 1e6,
+            graph_referenced.saturating_sub(unique_after - unique_before) as f64 / 1e6
+        ));
         graphs.push(GraphSummary {
             name: name.clone(),
             nodes_before,
             nodes_after,
             arena_bytes,
             pass_log,
+            pass_records,
         });
     }
     let unique: u64 = w.meta().weights.iter().map(|wd| wd.len).sum();
+    progress.start(&format!("writing {}", out.display()));
     let file_bytes = w.write(out)?;
+    progress.done(&format!(
+        "wrote {} ({:.2} MB)",
+        out.display(),
+        file_bytes as f64 / 1e6
+    ));
+    drop(progress);
     Ok(CompileSummary {
         graphs,
         weight_bytes_unique: unique,

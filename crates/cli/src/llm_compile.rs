@@ -31,6 +31,7 @@ pub fn compile_gguf(
                 nodes_after: nodes,
                 arena_bytes: 0,
                 pass_log: vec![],
+                pass_records: vec![],
             })
             .collect(),
         weight_bytes_unique: s.weight_bytes_unique,

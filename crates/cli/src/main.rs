@@ -407,8 +407,9 @@ fn compile_cmd(
     let s = npuc_cli::compile::compile(&list, &opts, output, |msg| eprintln!("{msg}"))?;
     for g in &s.graphs {
         if print_passes {
-            for (p, n) in &g.pass_log {
-                println!("  [{}] pass {p}: {n} changes", g.name);
+            println!("[{}] passes:", g.name);
+            for r in &g.pass_records {
+                println!("  {r}");
             }
         }
         println!(
@@ -419,16 +420,7 @@ fn compile_cmd(
             g.arena_bytes as f64 / 1e6
         );
     }
-    println!(
-        "compiled {} graph{} into {} ({:.2} MB): weights {:.2} MB unique / {:.2} MB referenced, {:.2} s",
-        s.graphs.len(),
-        if s.graphs.len() == 1 { "" } else { "s" },
-        output.display(),
-        s.file_bytes as f64 / 1e6,
-        s.weight_bytes_unique as f64 / 1e6,
-        s.weight_bytes_referenced as f64 / 1e6,
-        s.seconds
-    );
+    println!("{}", s.line(output));
     Ok(())
 }
 

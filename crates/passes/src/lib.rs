@@ -87,11 +87,102 @@ impl Default for OptimizeOptions {
     }
 }
 
+/// One pass run that changed something: what it did to the graph.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PassRecord {
+    /// The pass name (as `--disable-pass` takes it).
+    pub pass: String,
+    /// Pipeline iteration (1-based) it ran in.
+    pub iteration: usize,
+    /// Rewrites the pass reported.
+    pub changes: usize,
+    /// Node count before and after the pass.
+    pub nodes_before: usize,
+    pub nodes_after: usize,
+    /// Per op type (`domain::Op` for non-default domains): how many nodes of it the pass
+    /// added (positive) or removed (negative); ops whose count did not change are left out.
+    pub ops_delta: Vec<(String, i64)>,
+}
+
+impl std::fmt::Display for PassRecord {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} (iteration {}): {} change{}, nodes {} -> {}",
+            self.pass,
+            self.iteration,
+            self.changes,
+            if self.changes == 1 { "" } else { "s" },
+            self.nodes_before,
+            self.nodes_after
+        )?;
+        if !self.ops_delta.is_empty() {
+            let parts: Vec<String> = self
+                .ops_delta
+                .iter()
+                .map(|(op, d)| format!("{d:+} {op}"))
+                .collect();
+            write!(f, " [{}]", parts.join(", "))?;
+        }
+        Ok(())
+    }
+}
+
+/// What the pass manager is doing, for progress display.
+#[derive(Clone, Copy, Debug)]
+pub enum PassEvent<'a> {
+    /// `pass` starts in pipeline iteration `iteration` (1-based); `index` of `count` passes.
+    Start {
+        pass: &'a str,
+        iteration: usize,
+        index: usize,
+        count: usize,
+    },
+    /// A pass run changed the graph.
+    Changed(&'a PassRecord),
+}
+
+/// Op-type histogram of the top-level graph (what `--print-passes` reports deltas of).
+fn op_histogram(model: &Model) -> std::collections::BTreeMap<String, i64> {
+    let mut h = std::collections::BTreeMap::new();
+    for n in &model.graph.nodes {
+        let key = if n.domain.is_empty() {
+            n.op_type.clone()
+        } else {
+            format!("{}::{}", n.domain, n.op_type)
+        };
+        *h.entry(key).or_insert(0) += 1;
+    }
+    h
+}
+
+fn ops_delta(
+    before: &std::collections::BTreeMap<String, i64>,
+    after: &std::collections::BTreeMap<String, i64>,
+) -> Vec<(String, i64)> {
+    let mut out = vec![];
+    for k in before
+        .keys()
+        .chain(after.keys().filter(|k| !before.contains_key(*k)))
+    {
+        let d = after.get(k).copied().unwrap_or(0) - before.get(k).copied().unwrap_or(0);
+        if d != 0 {
+            out.push((k.clone(), d));
+        }
+    }
+    // Removals first, then additions, each by size: the pattern a fusion consumed reads
+    // before what it produced.
+    out.sort_by_key(|(k, d)| (d.signum(), -d.abs(), k.clone()));
+    out
+}
+
 /// What [`optimize`] did.
 #[derive(Clone, Debug, Default)]
 pub struct OptimizeReport {
     /// (pass name, changes) for every pass run that changed something, in order.
     pub passes: Vec<(String, usize)>,
+    /// The same runs with their effect on the graph (node counts, op-type deltas).
+    pub records: Vec<PassRecord>,
     pub nodes_before: usize,
     pub nodes_after: usize,
     pub iterations: usize,
@@ -176,32 +267,75 @@ impl PassManager {
         pm
     }
 
+    /// Names of the passes in pipeline order.
+    pub fn pass_names(&self) -> Vec<&'static str> {
+        self.passes.iter().map(|p| p.name()).collect()
+    }
+
     /// Runs the pipeline until no pass changes anything (or the iteration bound is hit),
     /// then a final dead-code sweep.
     pub fn run(&self, model: &mut Model) -> Result<OptimizeReport, PassError> {
+        self.run_observed(model, &mut |_| {})
+    }
+
+    /// [`PassManager::run`], telling `observe` when each pass starts and what each pass run
+    /// that changed something did (for progress bars and `--print-passes`).
+    pub fn run_observed(
+        &self,
+        model: &mut Model,
+        observe: &mut dyn FnMut(PassEvent),
+    ) -> Result<OptimizeReport, PassError> {
         let t0 = Instant::now();
         let mut report = OptimizeReport {
             nodes_before: model.graph.nodes.len(),
             ..Default::default()
         };
+        let dce = passes::dce::Dce;
+        let count = self.passes.len();
+        let mut hist = op_histogram(model);
+        let mut run_one = |p: &dyn Pass,
+                           it: usize,
+                           index: usize,
+                           model: &mut Model,
+                           report: &mut OptimizeReport|
+         -> Result<usize, PassError> {
+            observe(PassEvent::Start {
+                pass: p.name(),
+                iteration: it,
+                index,
+                count,
+            });
+            let nodes_before = model.graph.nodes.len();
+            let st = p.run(model)?;
+            if st.changes > 0 {
+                let after = op_histogram(model);
+                let rec = PassRecord {
+                    pass: p.name().to_string(),
+                    iteration: it,
+                    changes: st.changes,
+                    nodes_before,
+                    nodes_after: model.graph.nodes.len(),
+                    ops_delta: ops_delta(&hist, &after),
+                };
+                hist = after;
+                observe(PassEvent::Changed(&rec));
+                report.passes.push((rec.pass.clone(), rec.changes));
+                report.records.push(rec);
+            }
+            Ok(st.changes)
+        };
         for it in 0..self.max_iterations {
             report.iterations = it + 1;
             let mut changed = 0;
-            for p in &self.passes {
-                let st = p.run(model)?;
-                if st.changes > 0 {
-                    report.passes.push((p.name().to_string(), st.changes));
-                    changed += st.changes;
-                }
+            for (i, p) in self.passes.iter().enumerate() {
+                changed += run_one(p.as_ref(), it + 1, i, model, &mut report)?;
             }
             if changed == 0 {
                 break;
             }
         }
-        let st = passes::dce::Dce.run(model)?;
-        if st.changes > 0 {
-            report.passes.push(("dce".into(), st.changes));
-        }
+        let last = report.iterations;
+        run_one(&dce, last, count, model, &mut report)?;
         report.nodes_after = model.graph.nodes.len();
         report.millis = t0.elapsed().as_millis();
         Ok(report)

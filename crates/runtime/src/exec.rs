@@ -1,12 +1,14 @@
 //! Plans (a graph lowered to slots and kernel calls) and their execution.
 
+use crate::buffers::{Pool, PoolGuard};
 use crate::error::{Result, RtError};
 use crate::kernel::{registry, Inputs, KernelFn, OpCtx};
 use crate::value::Value;
 use npuc_ir::{subgraphs, Attr, DType, Dim, Function, Graph, Model, Node, TypeInfo, ValueInfo};
 use std::any::Any;
 use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, OnceLock};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 
 struct Step {
     node: Node,
@@ -38,6 +40,12 @@ pub struct Plan {
     consts: Vec<(usize, Value)>,
     outer_refs: Vec<(String, usize)>,
     steps: Vec<Step>,
+    /// Intermediate buffers freed by earlier runs, reused by kernels of later ones (see
+    /// [`crate::buffers`]).
+    pool: Mutex<Pool>,
+    /// Whether runs reuse pooled buffers (on unless `NPUC_BUFFER_POOL=0` or
+    /// [`Session::set_buffer_reuse`] turned it off; for comparisons).
+    reuse: AtomicBool,
 }
 
 /// The values of a running graph, visible to subgraphs run by its nodes.
@@ -279,7 +287,16 @@ impl Plan {
             consts,
             outer_refs,
             steps,
+            pool: Mutex::new(Pool::default()),
+            reuse: AtomicBool::new(std::env::var("NPUC_BUFFER_POOL").map_or(true, |v| v != "0")),
         })
+    }
+
+    /// Buffers and bytes held by this plan's pool of intermediate buffers (what steady-state
+    /// runs reuse instead of allocating).
+    pub fn pool_stats(&self) -> (usize, usize) {
+        let p = self.pool.lock().unwrap_or_else(|e| e.into_inner());
+        (p.len(), p.bytes())
     }
 
     pub fn input_count(&self) -> usize {
@@ -325,6 +342,7 @@ impl Plan {
         outer: Option<&Frame>,
         threads: usize,
     ) -> Result<Vec<Value>> {
+        let _pool = PoolGuard::install(&self.pool, self.reuse.load(Ordering::Relaxed));
         let mut slots: Vec<Option<Value>> = vec![None; self.n_slots];
         for (s, v) in &self.consts {
             slots[*s] = Some(v.clone());
@@ -363,7 +381,9 @@ impl Plan {
                 (st.kernel)(&ctx, Inputs::new(vals)).map_err(|e| with_node(e, &st.node))?
             };
             for &s in &st.free_after {
-                slots[s] = None;
+                if let Some(v) = slots[s].take() {
+                    crate::buffers::recycle(v);
+                }
             }
             if out.len() < st.outputs.iter().filter(|o| o.is_some()).count() {
                 return Err(with_node(
@@ -381,7 +401,8 @@ impl Plan {
                 }
             }
         }
-        self.outputs
+        let outs = self
+            .outputs
             .iter()
             .map(|(name, s)| {
                 slots[*s].clone().ok_or_else(|| {
@@ -391,7 +412,13 @@ impl Plan {
                     ))
                 })
             })
-            .collect()
+            .collect();
+        // Values nobody read (unused optional outputs, graph inputs) go back to the pool;
+        // outputs and constants are still held elsewhere and are not.
+        for v in slots.into_iter().flatten() {
+            crate::buffers::recycle(v);
+        }
+        outs
     }
 }
 
@@ -538,6 +565,18 @@ impl Session {
     /// Graph inputs the caller must feed (initializer-backed inputs excluded).
     pub fn inputs(&self) -> &[ValueInfo] {
         &self.inputs
+    }
+    /// Buffers and bytes the session keeps for reuse by later runs.
+    pub fn pool_stats(&self) -> (usize, usize) {
+        self.plan.pool_stats()
+    }
+    /// Turns reuse of intermediate buffers across runs on (the default) or off (every kernel
+    /// output is a fresh allocation; for comparisons). Turning it off empties the pool.
+    pub fn set_buffer_reuse(&self, on: bool) {
+        self.plan.reuse.store(on, Ordering::Relaxed);
+        if !on {
+            *self.plan.pool.lock().unwrap_or_else(|e| e.into_inner()) = Pool::default();
+        }
     }
     pub fn outputs(&self) -> &[ValueInfo] {
         &self.outputs

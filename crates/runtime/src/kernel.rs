@@ -15,6 +15,16 @@ pub struct Inputs {
     pub(crate) vals: Vec<Option<Value>>,
 }
 
+impl Drop for Inputs {
+    /// Inputs the kernel neither took nor shares with a live slot were freed by the executor
+    /// before the kernel ran (their last reader): their buffers go back to the plan's pool.
+    fn drop(&mut self) {
+        for v in self.vals.drain(..).flatten() {
+            crate::buffers::recycle(v);
+        }
+    }
+}
+
 impl Inputs {
     pub fn new(vals: Vec<Option<Value>>) -> Inputs {
         Inputs { vals }
@@ -49,7 +59,9 @@ impl Inputs {
     /// Takes tensor input `i` by value; copies only when another reader still holds it.
     pub fn take_tensor(&mut self, i: usize) -> Result<Tensor> {
         match self.take_value(i) {
-            Some(Value::Tensor(t)) => Ok(Arc::try_unwrap(t).unwrap_or_else(|t| (*t).clone())),
+            Some(Value::Tensor(t)) => {
+                Ok(Arc::try_unwrap(t).unwrap_or_else(|t| crate::buffers::copy_tensor(&t)))
+            }
             Some(v) => Err(RtError::msg(format!(
                 "input {i} should be a tensor, found a {}",
                 v.kind()

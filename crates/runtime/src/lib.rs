@@ -1,5 +1,6 @@
 //! npuc's CPU runtime: op kernels behind a registry, plans and an executor.
 
+pub mod buffers;
 pub mod error;
 pub mod exec;
 pub mod kernel;

@@ -318,7 +318,7 @@ fn conv_run<T: GemmFloat>(
     let (c_g, m_g) = (a.c / a.group, a.m / a.group);
     let (pin, p, ks) = (g.in_size(), g.out_size(), g.k_size());
     let k = c_g * ks;
-    let mut out = vec![T::zero(); a.n * a.m * p];
+    let mut out = crate::buffers::filled(a.n * a.m * p, T::zero());
     if out.is_empty() {
         return Ok(out);
     }
@@ -350,7 +350,7 @@ fn conv_run<T: GemmFloat>(
     let mut col = if pointwise {
         vec![]
     } else {
-        vec![T::zero(); k * p]
+        crate::buffers::filled(k * p, T::zero())
     };
     for ni in 0..a.n {
         for gi in 0..a.group {
@@ -376,6 +376,7 @@ fn conv_run<T: GemmFloat>(
             )?;
         }
     }
+    crate::buffers::release(col);
     Ok(out)
 }
 
@@ -600,14 +601,14 @@ fn conv_transpose(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         if xv.len() != n * c * pin || wv.len() != c * rows {
             bail!("ConvTranspose operand sizes do not match their shapes");
         }
-        let mut out = vec![T::zero(); n * m * pout];
+        let mut out = crate::buffers::filled(n * m * pout, T::zero());
         if let Some(b) = b {
             let bv = T::load(b)?;
             for (ch, plane) in out.chunks_mut(pout.max(1)).enumerate() {
                 plane.fill(bv[ch % m]);
             }
         }
-        let mut col = vec![T::zero(); rows * pin];
+        let mut col = crate::buffers::filled(rows * pin, T::zero());
         for ni in 0..n {
             for gi in 0..group {
                 let xg = &xv[(ni * c + gi * c_g) * pin..][..c_g * pin];
@@ -628,6 +629,7 @@ fn conv_transpose(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
                 col2im_add(&col, g, m_g, dst);
             }
         }
+        crate::buffers::release(col);
         Ok(out)
     }
     let t = float_dispatch!(x.dtype(), T => {

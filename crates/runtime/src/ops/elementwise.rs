@@ -172,9 +172,11 @@ pub fn binary_map<A: Elem, B: Elem, O: Elem>(
     let plan = Bcast::new(&[a.shape(), b.shape()])?;
     let (xa, xb) = (a.as_slice::<A>()?, b.as_slice::<B>()?);
     let out: Vec<O> = if a.shape() == b.shape() {
-        xa.iter().zip(xb).map(|(&x, &y)| f(x, y)).collect()
+        let mut out = crate::buffers::take(xa.len());
+        out.extend(xa.iter().zip(xb).map(|(&x, &y)| f(x, y)));
+        out
     } else {
-        let mut out = vec![O::default(); plan.len()];
+        let mut out = crate::buffers::filled(plan.len(), O::default());
         binary_into(&plan, xa, xb, &mut out, f);
         out
     };
@@ -282,7 +284,8 @@ pub fn binary_same<T: Elem>(
     let (a, b) = (ins.tensor(0)?, ins.tensor(1)?);
     let (xa, xb) = (a.as_slice::<T>()?, b.as_slice::<T>()?);
     if sa == sb && threads > 1 && xa.len() >= PAR_MIN {
-        let mut out = xa.to_vec();
+        let mut out = crate::buffers::take(xa.len());
+        out.extend_from_slice(xa);
         apply_zip(&mut out, xb, threads, f);
         return Ok(Tensor::from_vec(plan.out_shape, out)?);
     }

@@ -121,7 +121,7 @@ fn gather_typed<T: Movable>(
     shape: Vec<usize>,
 ) -> Result<Tensor> {
     let src = T::view(t)?;
-    let mut out: Vec<T> = Vec::with_capacity(outer * idx.len() * inner);
+    let mut out: Vec<T> = crate::buffers::take(outer * idx.len() * inner);
     for o in 0..outer {
         for &i in idx {
             let b = (o * dim + i) * inner;

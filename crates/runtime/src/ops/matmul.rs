@@ -318,7 +318,7 @@ pub fn matmul_float<T: GemmFloat>(
 ) -> Result<Vec<T>> {
     let (m, n, k) = (p.m, p.n, p.k);
     let total: usize = p.out_shape.iter().product();
-    let mut out = vec![T::zero(); total];
+    let mut out = crate::buffers::filled(total, T::zero());
     if total == 0 {
         return Ok(out);
     }
@@ -373,7 +373,7 @@ fn matmul_int<T: IntElem>(p: &MatMulPlan, a: &Tensor, b: &Tensor) -> Result<Tens
     let (a, b) = (a.as_slice::<T>()?, b.as_slice::<T>()?);
     let (m, n, k) = (p.m, p.n, p.k);
     let total: usize = p.out_shape.iter().product();
-    let mut out = vec![T::default(); total];
+    let mut out = crate::buffers::filled(total, T::default());
     if total > 0 {
         if p.fold_batch {
             let rows = p.batches() * m;
@@ -475,7 +475,7 @@ fn gemm_op(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     ) -> Result<Tensor> {
         let av = T::load(a)?;
         let bv = T::load(b)?;
-        let mut out = vec![T::zero(); m * n];
+        let mut out = crate::buffers::filled(m * n, T::zero());
         let mut acc = None;
         if let Some(c) = c {
             let cs = c.shape();

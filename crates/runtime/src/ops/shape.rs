@@ -272,7 +272,7 @@ pub fn strided_copy_mt<T: Movable>(
             src.len()
         );
     }
-    let mut out = vec![T::default(); total];
+    let mut out = crate::buffers::filled(total, T::default());
     let Some(&(n0, s0)) = dims.first() else {
         out[0] = src[base].clone();
         return Ok(out);
@@ -644,7 +644,7 @@ fn concat_typed<T: Movable>(ts: &[&Tensor], axis: usize, shape: Vec<usize>) -> R
         .iter()
         .map(|t| Ok((T::view(t)?, t.shape()[axis] * inner)))
         .collect::<Result<_>>()?;
-    let mut out: Vec<T> = Vec::with_capacity(shape.iter().product());
+    let mut out: Vec<T> = crate::buffers::take(shape.iter().product());
     for o in 0..outer {
         for &(s, chunk) in &srcs {
             out.extend_from_slice(&s[o * chunk..(o + 1) * chunk]);

@@ -41,11 +41,14 @@ pub fn unary_same<T: Elem>(
     let x = ins.tensor(0)?;
     let src = x.as_slice::<T>()?;
     let out: Vec<T> = if threads > 1 && src.len() >= PAR_MIN {
-        let mut out = src.to_vec();
+        let mut out = crate::buffers::take(src.len());
+        out.extend_from_slice(src);
         map_in_place(&mut out, threads, f);
         out
     } else {
-        src.iter().map(|&v| f(v)).collect()
+        let mut out = crate::buffers::take(src.len());
+        out.extend(src.iter().map(|&v| f(v)));
+        out
     };
     Ok(Tensor::from_vec(x.shape().to_vec(), out)?)
 }

