@@ -253,8 +253,10 @@ mod tests {
         let _g = PoolGuard::install(&home, true);
         {
             let _h = PoolGuard::install(&inner, true);
-            assert!(take::<f32>(4096).as_ptr() != ptr);
+            let other = take::<f32>(4096);
+            assert!(other.as_ptr() != ptr);
         }
-        assert_eq!(take::<f32>(4096).as_ptr(), ptr);
+        let again = take::<f32>(4096);
+        assert_eq!(again.as_ptr(), ptr);
     }
 }
