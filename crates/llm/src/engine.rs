@@ -166,6 +166,10 @@ impl Engine {
                     threads: threads.max(1),
                 },
             )?;
+            // The run-time buffer pool would keep each variant's large one-shot buffers (an
+            // ar128 call's [128, vocab] logits alone are ~134 MB for Gemma) alive between calls:
+            // +730 MB peak RSS in `npuc bench` for nothing, as the KV caches are already reused.
+            sess.set_buffer_reuse(false);
             sessions.push((v, n, sess));
         }
         let Some(shape) = shape else {
