@@ -6,7 +6,8 @@
 #   cargo run --release -p npuc-llm --example forced_logits MODEL.gguf fast 2,818 506 ours.f32
 #   python3 scripts/llamacpp/compare_logits.py out.f32 ours.f32
 # capture.py dumps llama.cpp's intermediate tensors (layer names like attn_norm-0) through the
-# eval callback. Nothing in npuc or its tests depends on this.
+# eval callback. Both run llama.cpp's defaults as the references did: flash attention on (its CPU
+# default, 'auto'), tiled K-quant batch kernel on. Nothing in npuc or its tests depends on this.
 set -euo pipefail
 CACHE="${NPUC_CACHE:-$HOME/.cache/npuc}/llamacpp"
 mkdir -p "$CACHE" && cd "$CACHE"
@@ -16,6 +17,10 @@ if [ ! -d llama_cpp_python-0.3.36 ]; then
   tar xzf llama_cpp_python-0.3.36.tar.gz
 fi
 cd llama_cpp_python-0.3.36/vendor/llama.cpp
-cmake -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF >/dev/null
+# AVX2 + FMA + F16C only, never AVX-512: the references were produced on an AVX2 machine, and a
+# -march=native build on an AVX-512 host takes other kernels (softmax, f16 dots, the tiled
+# K-quant VNNI microkernel) that round differently.
+cmake -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON \
+  -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF >/dev/null
 cmake --build build -j"$(nproc)" --target llama
 echo "libraries in $PWD/build/bin; python package in $CACHE/llama_cpp_python-0.3.36"

@@ -33,7 +33,7 @@ _orig=LL.llama_context_default_params
 def _p():
     p=_orig(); p.cb_eval=cb; p.cb_eval_user_data=None; return p
 LL.llama_context_default_params=_p
-llm=Llama(model, n_ctx=512, n_threads=2, n_threads_batch=2, verbose=False)
+llm=Llama(model, n_ctx=512, n_threads=2, n_threads_batch=2, verbose=False, flash_attn=True)
 p=[int(x) for x in sys.argv[3].split(',')]
 forced=[int(x) for x in sys.argv[5].split(',')] if len(sys.argv)>5 and sys.argv[5] else []
 if forced:

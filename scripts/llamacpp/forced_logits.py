@@ -5,7 +5,8 @@ os.environ.setdefault('LLAMA_CPP_LIB_PATH', os.path.join(os.environ.get('NPUC_CA
 import llama_cpp
 from llama_cpp import Llama
 model, prompt, forced, out = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
-fa = len(sys.argv) > 5 and sys.argv[5] == 'fa'
+# llama.cpp's CLI default (flash_attn 'auto') is flash attention on the CPU; 'nofa' turns it off.
+fa = not (len(sys.argv) > 5 and sys.argv[5] == 'nofa')
 llm = Llama(model, n_ctx=512, n_threads=2, n_threads_batch=2, logits_all=False, verbose=False, flash_attn=fa)
 p = [int(x) for x in prompt.split(',')]
 f = [int(x) for x in forced.split(',') if x]

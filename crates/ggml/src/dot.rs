@@ -386,7 +386,51 @@ fn q4_k_q8_k_grouped(w: &[u8], x: &[u8]) -> f32 {
 
 /// The kernel for activation rows inside 4-row groups of a batch, where it differs from the
 /// single-row one ([`best_fn`] / [`scalar_fn`]); `None` when every row uses the same kernel.
-pub(crate) fn grouped_fn(ty: GgmlType, scalar: bool) -> Option<DotFn> {
+/// The dot kernel llama.cpp uses for the real rows of a batch of `batch_rows` rows when that
+/// differs from its single-row kernel, with how many leading rows it covers: the repacked Q4_K
+/// kernel rounds rows inside 4-row groups per 64-value sub-block; Q6_K goes through the tiled
+/// K-quant kernel (ggml-cpu/tiled) from 8 rows on.
+pub(crate) fn batch_fn(ty: GgmlType, batch_rows: usize, scalar: bool) -> Option<(DotFn, usize)> {
+    match ty {
+        GgmlType::Q4_K => grouped_fn(ty, scalar).map(|f| (f, batch_rows - batch_rows % 4)),
+        GgmlType::Q6_K if batch_rows >= 8 => Some((q6_k_q8_k_tiled as DotFn, batch_rows)),
+        _ => None,
+    }
+}
+
+/// Q6_K x Q8_K as llama.cpp's tiled batch kernel rounds it: per 256-value block the exact
+/// integer dot product (sub-block scales applied in integers), times the weight block's scale
+/// in f32, then FMA-accumulated with the activation block's scale, blocks in order.
+fn q6_k_q8_k_tiled(w: &[u8], x: &[u8]) -> f32 {
+    let mut acc = 0f32;
+    for (wb, xb) in w.chunks_exact(210).zip(x.chunks_exact(292)) {
+        let (yd, q8, _) = q8k(xb);
+        let sc = &wb[192..208];
+        let mut isum = 0i32;
+        for n in 0..2 {
+            let (b1, b2) = (&wb[64 * n..64 * n + 32], &wb[64 * n + 32..64 * n + 64]);
+            let bh = &wb[128 + 32 * n..160 + 32 * n];
+            for t in 0..4 {
+                let g = 8 * n + 2 * t;
+                let y = &q8[128 * n + 32 * t..128 * n + 32 * t + 32];
+                for e in 0..32 {
+                    let q = match t {
+                        0 => (b1[e] & 0x0F) | ((bh[e] & 3) << 4),
+                        1 => (b2[e] & 0x0F) | (((bh[e] >> 2) & 3) << 4),
+                        2 => (b1[e] >> 4) | (((bh[e] >> 4) & 3) << 4),
+                        _ => (b2[e] >> 4) | (((bh[e] >> 6) & 3) << 4),
+                    };
+                    let scale = sc[g + e / 16] as i8 as i32;
+                    isum += scale * (q as i32 - 32) * y[e] as i8 as i32;
+                }
+            }
+        }
+        acc = (f16_at(wb, 208) * isum as f32).mul_add(yd, acc);
+    }
+    acc
+}
+
+fn grouped_fn(ty: GgmlType, scalar: bool) -> Option<DotFn> {
     if ty != GgmlType::Q4_K {
         return None;
     }

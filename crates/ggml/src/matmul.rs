@@ -1,7 +1,7 @@
 //! `Y[m, n] = X[m, k] · Wᵀ` with `W` held as GGML blocks (`n` rows of `k` elements), and row
 //! gathers (embedding lookup).
 
-use crate::dot::{best_fn, grouped_fn, scalar_fn, vec_dot_type, DotFn};
+use crate::dot::{batch_fn, best_fn, scalar_fn, vec_dot_type, DotFn};
 use crate::{bail, dequantize_row, quantize_activations, row_bytes, GgmlType, Result};
 use rayon::prelude::*;
 
@@ -45,9 +45,11 @@ pub fn matmul(
     matmul_impl(ty, w, n, k, x, m, m, y, mode, threads, false)
 }
 
-/// [`matmul`] where only the first `batch_rows` rows of `x` are real tokens of one batch (the
-/// rest padding of a static-shape graph). llama.cpp's repacked Q4_K kernel rounds rows inside
-/// 4-row groups of a batch differently from the rest; the fast path follows it per row.
+/// [`matmul`] where the first `batch_rows` rows of `x` are the real tokens of one llama.cpp
+/// batch (0: every row rounds as a product of its own, like the output head llama.cpp runs
+/// only for the rows whose logits it returns). llama.cpp's batch kernels round differently
+/// from its single-row ones (repacked Q4_K inside 4-row groups, tiled Q6_K from 8 rows); the
+/// fast path follows them per row.
 #[allow(clippy::too_many_arguments)]
 pub fn matmul_batch(
     ty: GgmlType,
@@ -140,8 +142,7 @@ fn matmul_impl(
                 quantize_activations(vt, xr, qr)?;
             }
             let xq = &xq;
-            let grouped = batch_rows - batch_rows % 4;
-            let fg = grouped_fn(ty, scalar).unwrap_or(f);
+            let (fg, grouped) = batch_fn(ty, batch_rows, scalar).unwrap_or((f, 0));
             let fs = (f, fg, grouped);
             let rows = |n0: usize, out: &mut [f32]| quant_rows(fs, w, wrb, n0, xq, xrb, m, out);
             run_rows(n, m, y, par, threads, rows);

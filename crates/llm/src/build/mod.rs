@@ -912,6 +912,13 @@ impl Builder<'_> {
                 .into());
         }
         let logits = self.linear(&xn, head, None, vocab, e)?;
+        // llama.cpp runs the output head only for the rows whose logits it returns (one row
+        // when generating), so each row rounds like a single-token product.
+        if let Some(nd) = self.nodes.iter_mut().rev().find(|nd| nd.name == logits) {
+            if nd.op_type == "GgmlMatMul" {
+                nd.attrs.push(("batch".to_string(), Attr::Int(0)));
+            }
+        }
         self.push("Identity", "", &[&logits], "logits", vec![]);
         Ok(())
     }

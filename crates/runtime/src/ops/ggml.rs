@@ -6,7 +6,8 @@
 //!   N rows of K elements: a u8 `[N, row_bytes]` tensor of raw GGUF blocks, or (for the plain
 //!   types) an f32/f16/bf16 `[N, K]` tensor. Attributes: `ggml_type` (GgmlType name), `k`
 //!   (logical row length), `act_quant` (1, the default: activations quantized like llama.cpp
-//!   and integer dot products; 0: exact, dequantized weights and f32 math).
+//!   and integer dot products; 0: exact, dequantized weights and f32 math), `batch` (1, the
+//!   default: the real rows round as one llama.cpp batch; 0: each row as a product of its own).
 //! - `GgmlGather(W, ids i64/i32 [...]) -> f32 [..., K]`: rows of `W` dequantized exactly
 //!   (embedding lookup). Attributes `ggml_type`, `k`.
 
@@ -111,6 +112,12 @@ fn ggml_matmul(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         }
         None => m,
     };
+    // `batch=0`: every row rounds as a product of its own (llama.cpp's output head).
+    let batch_rows = match node.int_or("batch", 1)? {
+        0 => 0,
+        1 => rows,
+        v => bail!("attribute batch must be 0 or 1, got {v}"),
+    };
     let mut y = vec![0f32; m * n];
     npuc_ggml::matmul_batch(
         ty,
@@ -119,7 +126,7 @@ fn ggml_matmul(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         k,
         &xv[..rows * k],
         rows,
-        rows,
+        batch_rows,
         &mut y[..rows * n],
         mode,
         ctx.threads,

@@ -13,8 +13,10 @@
 //!   K/V into its cache after the run. `mask` is additive (0 / -inf); attr `window` (0 = none)
 //!   additionally hides slots p with `positions[i] - p >= window` (sliding-window layers), attr
 //!   `scale` multiplies q·k. Query head h reads KV head `h / (H / KVH)` (GQA). With f16 caches
-//!   the op mirrors ggml's CPU path: q and the new keys/values are rounded to f16, the softmax
-//!   probabilities are rounded to f16 before the product with V, sums are f32.
+//!   q and the new keys/values are rounded to f16 and the softmax probabilities are rounded to
+//!   f16 before the product with V. With `ggml=1` the op computes what ggml's AVX2 CPU flash
+//!   attention computes (llama.cpp's default): an online softmax over the slots in order with
+//!   an f16 value accumulator; `prescale=1` means q was already multiplied by the scale.
 //!
 //! Decode calls (N = 1) only visit the slots the mask leaves visible up to the last visible
 //! one, so their cost grows with the filled part of the cache, not with C; the cache is read in
@@ -243,74 +245,30 @@ fn axpy(out: &mut [f32], w: f32, v: &[f32]) {
     }
 }
 
-/// `exp(x)` as ggml's AVX2 softmax evaluates it (its vectorised `ggml_v_expf`): a rounding
-/// to the nearest multiple of ln 2 (`n`), a two-part Cody-Waite reduction and a degree-5
-/// polynomial, scaled by `2^n` built in the exponent bits; large `|n|` are split into two
-/// factors so that the result underflows/overflows like the C code. Every step is one f32
-/// operation or FMA in the same order, so the result is bit-identical.
-fn ggml_expf(x: f32) -> f32 {
-    let shifter = f32::from_bits(0x4b40_0000); // 1.5 * 2^23
-    let log2e = f32::from_bits(0x3fb8_aa3b);
-    let ln2_hi = f32::from_bits(0x3f31_7200);
-    let ln2_lo = f32::from_bits(0x35bf_be8e);
-    let c = [
-        f32::from_bits(0x3f7f_fff6), // ~1
-        f32::from_bits(0x3eff_fedb), // ~1/2
-        f32::from_bits(0x3e2a_af33), // ~1/6
-        f32::from_bits(0x3d2b_9f17), // ~1/24
-        f32::from_bits(0x3c07_2010), // ~1/120
-    ];
-    let z = x.mul_add(log2e, shifter);
-    let n = z - shifter;
-    let b = (-n).mul_add(ln2_lo, (-n).mul_add(ln2_hi, x));
-    let e = z.to_bits() << 23;
-    let k = f32::from_bits(e.wrapping_add(1f32.to_bits()));
-    let u = b * b;
-    let j = c[4]
-        .mul_add(b, c[3])
-        .mul_add(u, c[2].mul_add(b, c[1]))
-        .mul_add(u, c[0] * b);
-    // A NaN `n` compares false in C and takes this branch too.
-    if n.abs().partial_cmp(&126.0) != Some(std::cmp::Ordering::Greater) {
-        return j.mul_add(k, k);
-    }
-    let g: u32 = if n <= 0.0 { 0x8200_0000 } else { 0 };
-    let s1 = f32::from_bits(g.wrapping_add(0x7f00_0000));
-    let s2 = f32::from_bits(e.wrapping_sub(g));
-    if n.abs() > 192.0 {
-        s1 * s1
-    } else {
-        s2.mul_add(j, s2) * s1
-    }
-}
-
-/// Sums 64 lane accumulators (8 vectors of 8, vector j holding elements `8j..8j+8` of every
-/// 64-element step) like ggml's AVX2 `ggml_vec_dot_f16`: vectors pairwise (j + 4, j + 2,
-/// j + 1), then the 8 lanes.
+/// `a · b` in the order of ggml's AVX2 `ggml_vec_dot_f16` / `ggml_vec_dot_f32` (the dot
+/// product of its flash-attention loop): four 8-lane FMA accumulators over 32-element steps
+/// (element `i` goes to accumulator `(i % 32) / 8`, lane `i % 8`), reduced as its
+/// `GGML_F32x8_REDUCE` does (accumulators pairwise, then the two 128-bit halves, then two
+/// horizontal adds), the remainder added in f64.
 #[inline]
-fn reduce64(acc: &mut [f32; 64]) -> f32 {
-    for half in [32, 16, 8] {
-        for i in 0..half {
-            acc[i] += acc[i + half];
+fn dot_ggml(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [[0f32; 8]; 4];
+    let n = a.len() / 32 * 32;
+    for (x, y) in a[..n].chunks_exact(32).zip(b[..n].chunks_exact(32)) {
+        for (j, acc) in acc.iter_mut().enumerate() {
+            for (l, s) in acc.iter_mut().enumerate() {
+                *s = x[8 * j + l].mul_add(y[8 * j + l], *s);
+            }
         }
     }
-    let mut l = [0f32; 8];
-    l.copy_from_slice(&acc[..8]);
-    hsum8(&l)
-}
-
-/// `a · b` in the order of ggml's AVX2 `ggml_vec_dot_f16` (what a single-token f16 product
-/// runs): 64 FMA accumulators over 64-element steps, the remainder summed in f64.
-#[inline]
-fn dot_vd(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 64];
-    let n = a.len() / 64 * 64;
-    for (x, y) in a[..n].chunks_exact(64).zip(b[..n].chunks_exact(64)) {
-        for ((s, &xv), &yv) in acc.iter_mut().zip(x).zip(y) {
-            *s = xv.mul_add(yv, *s);
-        }
+    let mut x0 = [0f32; 8];
+    for l in 0..8 {
+        let x02 = acc[0][l] + acc[2][l];
+        let x13 = acc[1][l] + acc[3][l];
+        x0[l] = x02 + x13;
     }
-    let mut sum = reduce64(&mut acc) as f64;
+    let t0 = [x0[0] + x0[4], x0[1] + x0[5], x0[2] + x0[6], x0[3] + x0[7]];
+    let mut sum = ((t0[0] + t0[1]) + (t0[2] + t0[3])) as f64;
     for (x, y) in a[n..].iter().zip(&b[n..]) {
         sum += (x * y) as f64;
     }
@@ -323,9 +281,9 @@ fn r16(v: f32) -> f32 {
     f16::from_f32(v).to_f32()
 }
 
-/// Per-task buffers of [`cached_attention`]: scores, the f16-rounded query, one converted key
-/// row, and the lane accumulators of the f16 value product.
-type Scratch = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<[f32; 64]>);
+/// Per-task buffers of [`cached_attention`]: scores (or, in ggml mode, one converted value
+/// row), the f16-rounded query, and one converted key row.
+type Scratch = (Vec<f32>, Vec<f32>, Vec<f32>);
 
 fn cached_attention(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     let q = ins.tensor(0)?;
@@ -337,7 +295,8 @@ fn cached_attention(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     let mask_t = ins.tensor(6)?;
     let scale = ctx.node.float_or("scale", 0.0)?;
     let window = ctx.node.int_or("window", 0)?;
-    // `ggml=1`: softmax exps and sums as ggml's AVX2 code computes them (llama.cpp parity);
+    // `ggml=1`: ggml's CPU flash attention on AVX2 (llama.cpp's default; exact parity for the
+    // rows it runs through its one-row path, i.e. calls of fewer than 64 tokens);
     // `prescale=1`: q is multiplied by `scale` before the dot products (and rounded to f16
     // after it), as llama.cpp's gemma3 graph scales Q instead of the scores.
     let ggml = ctx.node.int_or("ggml", 0)? != 0;
@@ -404,7 +363,7 @@ fn cached_attention(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     let task = |(idx, o): (usize, &mut [f32]), scratch: &mut Scratch| {
         let (i, hh) = (idx / h, idx % h);
         let g = hh / group;
-        let (scores, qrow, row, lanes) = scratch;
+        let (scores, qrow, row) = scratch;
         let mrow = &mask[i * c..(i + 1) * c];
         // Slots past the last visible one are never read.
         let end = mrow
@@ -420,6 +379,72 @@ fn cached_attention(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
             qrow.iter_mut().for_each(|v| *v = r16(*v));
         }
         row.resize(d, 0.0);
+        if ggml {
+            // ggml's CPU flash attention (what llama.cpp runs by default), one query row at a
+            // time: slots in order, masked ones skipped; an online softmax with libm `expf`
+            // (Rust's f32::exp calls the same function); the value accumulator rescaled when
+            // the maximum grows and kept in the cache's precision (f16: rounded after every
+            // FMA), the sum updated with one FMA; one f32 reciprocal at the end.
+            let key = |p: usize, row: &mut Vec<f32>| {
+                if src[p] != u32::MAX {
+                    let j = src[p] as usize;
+                    let k = &kns[(j * kvh + g) * d..(j * kvh + g + 1) * d];
+                    row.clear();
+                    row.extend(k.iter().map(|&v| if half { r16(v) } else { v }));
+                } else {
+                    let off = (g * c + p) * d;
+                    row.clear();
+                    match pk {
+                        Cache::F32(s) => row.extend_from_slice(&s[off..off + d]),
+                        Cache::F16(s) => row.extend(s[off..off + d].iter().map(|v| v.to_f32())),
+                    }
+                }
+            };
+            let round = |v: f32| if half { r16(v) } else { v };
+            let mut vrow = std::mem::take(scores);
+            let (mut big_s, mut big_m) = (0f32, f32::NEG_INFINITY);
+            o.iter_mut().for_each(|v| *v = 0.0);
+            for (p, &m) in mrow[..end].iter().enumerate() {
+                if m == f32::NEG_INFINITY || (window > 0 && positions[i] - p as i64 >= window) {
+                    continue;
+                }
+                key(p, row);
+                let mut sc = dot_ggml(row, qrow);
+                if !prescale {
+                    sc *= scale;
+                }
+                sc += m;
+                let (mut ms, mut vs) = (1f32, 1f32);
+                if sc > big_m {
+                    let old = big_m;
+                    big_m = sc;
+                    ms = (old - big_m).exp();
+                    o.iter_mut().for_each(|v| *v = round(*v * ms));
+                } else {
+                    vs = (sc - big_m).exp();
+                }
+                vrow.clear();
+                if src[p] != u32::MAX {
+                    let j = src[p] as usize;
+                    let v = &vns[(j * kvh + g) * d..(j * kvh + g + 1) * d];
+                    vrow.extend(v.iter().map(|&x| round(x)));
+                } else {
+                    let off = (g * c + p) * d;
+                    match pv {
+                        Cache::F32(s) => vrow.extend_from_slice(&s[off..off + d]),
+                        Cache::F16(s) => vrow.extend(s[off..off + d].iter().map(|v| v.to_f32())),
+                    }
+                }
+                for (acc, &x) in o.iter_mut().zip(vrow.iter()) {
+                    *acc = round(x.mul_add(vs, *acc));
+                }
+                big_s = big_s.mul_add(ms, vs);
+            }
+            let inv = if big_s == 0.0 { 0.0 } else { 1.0 / big_s };
+            o.iter_mut().for_each(|v| *v *= inv);
+            *scores = vrow;
+            return;
+        }
         scores.clear();
         scores.resize(end, f32::NEG_INFINITY);
         let pi = positions[i];
@@ -449,12 +474,7 @@ fn cached_attention(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
                     }
                 }
             };
-            // ggml multiplies a single token with its vec_dot, a batch with tinyBLAS.
-            let qk = if half && n == 1 {
-                dot_vd(qrow, kr)
-            } else {
-                dot(qrow, kr)
-            };
+            let qk = dot(qrow, kr);
             let sc = if prescale { qk + m } else { qk * scale + m };
             scores[p] = sc;
             maxv = maxv.max(sc);
@@ -463,71 +483,18 @@ fn cached_attention(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         if maxv == f32::NEG_INFINITY {
             return; // nothing visible (cannot happen with a well-formed mask)
         }
-        // Sum in f64 and one f32 reciprocal, as ggml's soft_max does; in ggml mode also its
-        // exp and its per-8-slot f32 partial sums.
+        // Sum in f64 and one f32 reciprocal.
         let mut sum = 0f64;
-        if ggml {
-            for chunk in scores.chunks_mut(8) {
-                let mut part = [0f32; 8];
-                for (s, p) in chunk.iter_mut().zip(part.iter_mut()) {
-                    *s = if *s == f32::NEG_INFINITY {
-                        0.0
-                    } else {
-                        ggml_expf(*s - maxv)
-                    };
-                    *p = *s;
-                }
-                sum += hsum8(&part) as f64;
-            }
-        } else {
-            for s in scores.iter_mut() {
-                let e = if *s == f32::NEG_INFINITY {
-                    0.0
-                } else {
-                    (*s - maxv).exp()
-                };
-                *s = e;
-                sum += e as f64;
-            }
+        for s in scores.iter_mut() {
+            let e = if *s == f32::NEG_INFINITY {
+                0.0
+            } else {
+                (*s - maxv).exp()
+            };
+            *s = e;
+            sum += e as f64;
         }
         let inv = (1.0 / sum) as f32;
-        if half {
-            // ggml multiplies f16 probabilities with the (transposed) f16 value cache with one
-            // 8-lane FMA accumulator per output, lane = slot % 8, then a horizontal sum.
-            // A single token goes through ggml's vec_dot instead: 64 lanes, lane = slot % 64.
-            let width = if n == 1 { 64 } else { 8 };
-            lanes.clear();
-            lanes.resize(d, [0f32; 64]);
-            for (p, &e) in scores.iter().enumerate() {
-                if e == 0.0 {
-                    continue;
-                }
-                let w = r16(e * inv);
-                let lane = p % width;
-                if src[p] != u32::MAX {
-                    let j = src[p] as usize;
-                    let v = &vns[(j * kvh + g) * d..(j * kvh + g + 1) * d];
-                    for (acc, &x) in lanes.iter_mut().zip(v) {
-                        acc[lane] = w.mul_add(r16(x), acc[lane]);
-                    }
-                } else if let Cache::F16(s) = pv {
-                    let off = (g * c + p) * d;
-                    for (acc, x) in lanes.iter_mut().zip(&s[off..off + d]) {
-                        acc[lane] = w.mul_add(x.to_f32(), acc[lane]);
-                    }
-                }
-            }
-            for (ov, acc) in o.iter_mut().zip(lanes.iter_mut()) {
-                *ov = if width == 64 {
-                    reduce64(acc)
-                } else {
-                    let mut l = [0f32; 8];
-                    l.copy_from_slice(&acc[..8]);
-                    hsum8(&l)
-                };
-            }
-            return;
-        }
         for (p, &e) in scores.iter().enumerate() {
             if e == 0.0 {
                 continue;
@@ -591,20 +558,6 @@ mod tests {
             }
         }
         o
-    }
-
-    #[test]
-    fn ggml_expf_is_close_to_exp() {
-        for i in -2000..=200 {
-            let x = i as f32 * 0.05;
-            let (got, want) = (ggml_expf(x), (x as f64).exp());
-            assert!(
-                ((got as f64 - want) / want).abs() < 4e-7 || (want < 1e-37 && got < 1e-37),
-                "exp({x}) = {got}, want {want}"
-            );
-        }
-        assert_eq!(ggml_expf(f32::NEG_INFINITY), 0.0);
-        assert_eq!(ggml_expf(0.0), 1.0);
     }
 
     #[test]
