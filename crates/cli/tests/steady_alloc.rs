@@ -14,18 +14,48 @@ use std::sync::atomic::{AtomicU64, Ordering};
 struct Counting;
 static ALLOCS: AtomicU64 = AtomicU64::new(0);
 static BYTES: AtomicU64 = AtomicU64::new(0);
+/// With `NPUC_ALLOC_TRACE=1`, the last measured run records a backtrace of every allocation
+/// of at least 4 KiB (to find what still allocates; printed per call site).
+static TRACE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+static TRACED: std::sync::Mutex<Vec<(u64, String)>> = std::sync::Mutex::new(Vec::new());
+thread_local! {
+    static IN_TRACE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+fn trace(size: usize) {
+    if size < 4096 || !TRACE.load(Ordering::Relaxed) {
+        return;
+    }
+    if IN_TRACE.with(|t| t.replace(true)) {
+        return;
+    }
+    let bt = std::backtrace::Backtrace::force_capture().to_string();
+    // Keep the first frames inside npuc (or the gemm crate) as the call site.
+    let site: Vec<&str> = bt
+        .lines()
+        .filter(|l| l.contains("npuc_") || l.contains("gemm"))
+        .filter(|l| !l.contains("steady_alloc") && !l.contains("at "))
+        .take(3)
+        .collect();
+    if let Ok(mut v) = TRACED.lock() {
+        v.push((size as u64, site.join(" <- ")));
+    }
+    IN_TRACE.with(|t| t.set(false));
+}
 
 // SAFETY: forwards every call to the system allocator unchanged; only counts.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, l: Layout) -> *mut u8 {
         ALLOCS.fetch_add(1, Ordering::Relaxed);
         BYTES.fetch_add(l.size() as u64, Ordering::Relaxed);
+        trace(l.size());
         // SAFETY: same contract as the caller's.
         unsafe { System.alloc(l) }
     }
     unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
         ALLOCS.fetch_add(1, Ordering::Relaxed);
         BYTES.fetch_add(l.size() as u64, Ordering::Relaxed);
+        trace(l.size());
         // SAFETY: same contract as the caller's.
         unsafe { System.alloc_zeroed(l) }
     }
@@ -36,6 +66,7 @@ unsafe impl GlobalAlloc for Counting {
     unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
         ALLOCS.fetch_add(1, Ordering::Relaxed);
         BYTES.fetch_add(n as u64, Ordering::Relaxed);
+        trace(n);
         // SAFETY: same contract as the caller's.
         unsafe { System.realloc(p, l, n) }
     }
@@ -106,7 +137,25 @@ fn check(dir: &str, file: &str, in_name: &str, shape: &[usize]) {
         s.set_buffer_reuse(false);
         let (off, ref_out) = measure(&s, &feed, 3);
         s.set_buffer_reuse(true);
-        let (on, out) = measure(&s, &feed, 4);
+        let (mut on, out) = measure(&s, &feed, 3);
+        let tracing = std::env::var("NPUC_ALLOC_TRACE").is_ok_and(|v| v == "1");
+        TRACE.store(tracing, Ordering::SeqCst);
+        let (last, _) = measure(&s, &feed, 1);
+        TRACE.store(false, Ordering::SeqCst);
+        on.extend(last);
+        if tracing {
+            let mut by_site: std::collections::BTreeMap<String, (u64, u64)> = Default::default();
+            for (size, site) in TRACED.lock().unwrap().drain(..) {
+                let e = by_site.entry(site).or_default();
+                e.0 += 1;
+                e.1 += size;
+            }
+            let mut v: Vec<_> = by_site.into_iter().collect();
+            v.sort_by_key(|(_, (_, b))| std::cmp::Reverse(*b));
+            for (site, (n, b)) in v.iter().take(25) {
+                println!("  {b:>10} bytes in {n:>4} allocations: {site}");
+            }
+        }
         let (pool_n, pool_bytes) = s.pool_stats();
         println!(
             "{dir}/{file} threads {threads}: allocations/bytes per run, reuse off: {:?}; on: {:?}; pool {pool_n} buffers {:.2} MB; outputs {:.2} MB",
