@@ -22,7 +22,13 @@ thread_local! {
     static IN_TRACE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
-fn trace(size: usize) {
+/// Counts an allocation (unless the tracer itself makes it) and traces it when asked.
+fn count(size: usize) {
+    if IN_TRACE.try_with(|t| t.get()).unwrap_or(false) {
+        return;
+    }
+    ALLOCS.fetch_add(1, Ordering::Relaxed);
+    BYTES.fetch_add(size as u64, Ordering::Relaxed);
     if size < 4096 || !TRACE.load(Ordering::Relaxed) {
         return;
     }
@@ -30,12 +36,26 @@ fn trace(size: usize) {
         return;
     }
     let bt = std::backtrace::Backtrace::force_capture().to_string();
-    // Keep the first frames inside npuc (or the gemm crate) as the call site.
+    // The call site: the first frames past the allocator, `Vec`/`RawVec` and this file.
+    let skip = [
+        "alloc::",
+        "raw_vec",
+        "with_capacity",
+        "from_elem",
+        "steady_alloc",
+        "backtrace",
+        "__rust",
+        "__rdl",
+        "reserve",
+        "grow",
+        "trace",
+    ];
     let site: Vec<&str> = bt
         .lines()
-        .filter(|l| l.contains("npuc_") || l.contains("gemm"))
-        .filter(|l| !l.contains("steady_alloc") && !l.contains("at "))
-        .take(3)
+        .map(str::trim)
+        .filter(|l| !l.starts_with("at "))
+        .filter(|l| !skip.iter().any(|k| l.contains(k)))
+        .take(4)
         .collect();
     if let Ok(mut v) = TRACED.lock() {
         v.push((size as u64, site.join(" <- ")));
@@ -46,16 +66,12 @@ fn trace(size: usize) {
 // SAFETY: forwards every call to the system allocator unchanged; only counts.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        ALLOCS.fetch_add(1, Ordering::Relaxed);
-        BYTES.fetch_add(l.size() as u64, Ordering::Relaxed);
-        trace(l.size());
+        count(l.size());
         // SAFETY: same contract as the caller's.
         unsafe { System.alloc(l) }
     }
     unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
-        ALLOCS.fetch_add(1, Ordering::Relaxed);
-        BYTES.fetch_add(l.size() as u64, Ordering::Relaxed);
-        trace(l.size());
+        count(l.size());
         // SAFETY: same contract as the caller's.
         unsafe { System.alloc_zeroed(l) }
     }
@@ -64,9 +80,7 @@ unsafe impl GlobalAlloc for Counting {
         unsafe { System.dealloc(p, l) }
     }
     unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
-        ALLOCS.fetch_add(1, Ordering::Relaxed);
-        BYTES.fetch_add(n as u64, Ordering::Relaxed);
-        trace(n);
+        count(n);
         // SAFETY: same contract as the caller's.
         unsafe { System.realloc(p, l, n) }
     }
@@ -107,6 +121,7 @@ fn measure(s: &Session, feed: &(String, Value), runs: usize) -> (Vec<(u64, u64)>
         let out = s.run(vec![feed.clone()]).unwrap();
         let (a1, b1) = (ALLOCS.load(Ordering::SeqCst), BYTES.load(Ordering::SeqCst));
         per.push((a1 - a0, b1 - b0));
+        // Copied after the measured window: the copy is this test's, not the run's.
         last = out
             .iter()
             .map(|(_, v)| v.as_tensor().unwrap().as_slice::<f32>().unwrap().to_vec())
