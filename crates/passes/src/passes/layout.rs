@@ -346,8 +346,8 @@ fn convert(m: &mut Model) -> usize {
         }
     }
     let mut comps: HashMap<usize, Vec<usize>> = HashMap::new();
-    for i in 0..g.nodes.len() {
-        if member[i] {
+    for (i, &is_member) in member.iter().enumerate() {
+        if is_member {
             let r = find(&mut parent, i);
             comps.entry(r).or_default().push(i);
         }
