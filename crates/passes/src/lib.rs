@@ -219,6 +219,9 @@ impl std::fmt::Display for OptimizeReport {
 /// Runs a pipeline of passes to a fixed point.
 pub struct PassManager {
     passes: Vec<Box<dyn Pass>>,
+    /// Passes run once after the fixed point (lowerings the other passes cannot see through,
+    /// e.g. `layout-nhwc`).
+    late: Vec<Box<dyn Pass>>,
     max_iterations: usize,
 }
 
@@ -226,12 +229,18 @@ impl PassManager {
     pub fn new(max_iterations: usize) -> PassManager {
         PassManager {
             passes: vec![],
+            late: vec![],
             max_iterations: max_iterations.max(1),
         }
     }
 
     pub fn add(&mut self, p: Box<dyn Pass>) {
         self.passes.push(p);
+    }
+
+    /// Adds a pass that runs once after the fixed point of the others.
+    pub fn add_late(&mut self, p: Box<dyn Pass>) {
+        self.late.push(p);
     }
 
     /// The standard pipeline for `opts`.
@@ -264,12 +273,21 @@ impl PassManager {
                 pm.add(p);
             }
         }
+        let layout_on = !OPT_IN_PASSES.contains(&"layout-nhwc")
+            || opts.enable.iter().any(|e| e == "layout-nhwc");
+        if opts.fuse && layout_on && !opts.disable.iter().any(|d| d == "layout-nhwc") {
+            pm.add_late(Box::new(layout::LayoutNhwc));
+        }
         pm
     }
 
     /// Names of the passes in pipeline order.
     pub fn pass_names(&self) -> Vec<&'static str> {
-        self.passes.iter().map(|p| p.name()).collect()
+        self.passes
+            .iter()
+            .chain(&self.late)
+            .map(|p| p.name())
+            .collect()
     }
 
     /// Runs the pipeline until no pass changes anything (or the iteration bound is hit),
@@ -335,6 +353,9 @@ impl PassManager {
             }
         }
         let last = report.iterations;
+        for (i, p) in self.late.iter().enumerate() {
+            run_one(p.as_ref(), last, count + i, model, &mut report)?;
+        }
         run_one(&dce, last, count, model, &mut report)?;
         report.nodes_after = model.graph.nodes.len();
         report.millis = t0.elapsed().as_millis();

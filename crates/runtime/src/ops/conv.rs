@@ -7,6 +7,7 @@
 //! per group) directly.
 
 mod detect;
+mod nhwc;
 mod pool;
 
 use crate::bail;
@@ -22,6 +23,7 @@ pub fn register(r: &mut Registry) {
     r.add("ConvTranspose", 1, conv_transpose);
     pool::register(r);
     detect::register(r);
+    nhwc::register(r);
 }
 
 /// `auto_pad = SAME_UPPER/SAME_LOWER` along one axis (Conv and pooling share it): the output

@@ -212,7 +212,7 @@ pub fn gelu(x: f64) -> f64 {
 
 /// Applies `act` to every element. The match is outside the loops so each arm is a tight loop
 /// the compiler vectorizes (a per-element match on the enum costs 30% of a whole model).
-fn apply_f32(act: Act, v: &mut [f32]) {
+pub(crate) fn apply_f32(act: Act, v: &mut [f32]) {
     use crate::ops::norm::exp_f32;
     match act {
         Act::None => {}

@@ -1,0 +1,653 @@
+//! `layout-nhwc`: runs chains of convolutions channels-last.
+//!
+//! The CPU conv kernels prefer NHWC (`npuc.ConvNhwc`, see the runtime's `ops/conv/nhwc.rs`):
+//! depthwise convs vectorise over contiguous channels, KxK im2col copies channel runs, and
+//! bias + activation run on rows still in cache. This pass finds maximal connected chains of
+//! layout-convertible nodes over 4-D activations and rewrites each chain that pays to NHWC,
+//! inserting ONE `Transpose` per value entering the chain (NCHW to NHWC, shared by all its
+//! readers) and one per value leaving it (back to NCHW, under the value's original name, so
+//! readers outside the chain and graph outputs are unchanged).
+//!
+//! Convertible nodes:
+//! - `Conv` / `npuc.FusedConv` (2-D, constant f32 weight, `group` 1 or depthwise) become
+//!   `npuc.ConvNhwc` (same attributes, weight unchanged: the kernel packs it once per plan);
+//! - elementwise ops (unary activations, `Add`/`Sub`/`Mul`/`Div`/`Pow`/`Max`/`Min`/`PRelu`,
+//!   `Clip`, ...) whose operands are chain values or constants: numpy broadcasting commutes with
+//!   permuting every operand the same way, so a constant operand of rank <= 4 is left-padded to
+//!   rank 4 and permuted (scalars and all-ones shapes stay as they are);
+//! - `GlobalAveragePool` (of a chain value) becomes `npuc.GlobalAveragePoolNhwc`;
+//! - `Concat` of chain values, with its axis remapped.
+//!
+//! Rank 4 is established without shape inference (fused ops have none): a 2-D conv's input and
+//! output are 4-D, elementwise ops of 4-D values (and constants of rank <= 4) are 4-D, and so
+//! on, to a fixed point. A chain is converted only when it pays: at least [`MIN_CONVS`] convs
+//! and no more boundary transposes than convs. Afterwards `Transpose` pairs cancel: an entry
+//! transpose of a value that is itself `Transpose(y, [0, 3, 1, 2])` reads `y` directly, and the
+//! pass manager's layout folding and identity elimination run again on the result.
+//!
+//! It runs once, after the fixed point of the other passes (the fusions it builds on need
+//! shape inference, which `npuc.ConvNhwc` does not have).
+
+use crate::util::{fresh_name, import_npuc, is_op, Index};
+use crate::{Pass, PassError, PassStats};
+use npuc_ir::{Attr, DType, Model, Node, Tensor, TypeInfo};
+use std::collections::{HashMap, HashSet};
+
+/// A chain needs at least this many convs to be converted.
+pub const MIN_CONVS: usize = 2;
+
+/// NCHW -> NHWC.
+const TO_NHWC: [i64; 4] = [0, 2, 3, 1];
+/// NHWC -> NCHW.
+const TO_NCHW: [i64; 4] = [0, 3, 1, 2];
+
+/// Elementwise ops (default domain) whose every input broadcasts numpy-style (or is a
+/// constant scalar parameter, like Clip's bounds).
+const ELEMENTWISE: &[&str] = &[
+    "Add",
+    "Sub",
+    "Mul",
+    "Div",
+    "Pow",
+    "Max",
+    "Min",
+    "Sum",
+    "Mean",
+    "PRelu",
+    "Relu",
+    "Sigmoid",
+    "HardSigmoid",
+    "HardSwish",
+    "LeakyRelu",
+    "Tanh",
+    "Erf",
+    "Elu",
+    "Selu",
+    "Celu",
+    "Softplus",
+    "Softsign",
+    "Abs",
+    "Neg",
+    "Sqrt",
+    "Exp",
+    "Log",
+    "Reciprocal",
+    "Floor",
+    "Ceil",
+    "Round",
+    "Clip",
+    "Identity",
+    "Gelu",
+    "Mish",
+];
+
+/// What a node becomes in NHWC.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Kind {
+    Conv,
+    Elementwise,
+    Gap,
+    Concat,
+}
+
+pub struct LayoutNhwc;
+
+/// Whether a conv node can run as `npuc.ConvNhwc`.
+fn conv_ok(g: &npuc_ir::Graph, ix: &Index, n: &Node) -> bool {
+    let is_conv = is_op(n, "Conv") || (n.domain == "npuc" && n.op_type == "FusedConv");
+    if !is_conv || n.outputs.len() != 1 || n.input(0).is_none() {
+        return false;
+    }
+    let Some(w) = n.input(1).and_then(|w| ix.constant(g, w)) else {
+        return false;
+    };
+    if w.rank() != 4 || w.dtype() != DType::F32 || w.shape().contains(&0) {
+        return false;
+    }
+    if let Some(b) = n.input(2) {
+        match ix.constant(g, b) {
+            Some(b) if b.dtype() == DType::F32 && b.len() == w.shape()[0] => {}
+            _ => return false,
+        }
+    }
+    if n.inputs.len() > 3 {
+        return false;
+    }
+    let group = match n.attr_int("group") {
+        Ok(g) => g.unwrap_or(1),
+        Err(_) => return false,
+    };
+    let (m, cg) = (w.shape()[0], w.shape()[1]);
+    group == 1 || (group > 1 && cg == 1 && m as i64 == group)
+}
+
+fn classify(g: &npuc_ir::Graph, ix: &Index, n: &Node) -> Option<Kind> {
+    if n.outputs.len() != 1 || n.outputs[0].is_empty() {
+        return None;
+    }
+    if conv_ok(g, ix, n) {
+        return Some(Kind::Conv);
+    }
+    let elementwise = (n.domain.is_empty() && ELEMENTWISE.contains(&n.op_type.as_str()))
+        || (n.domain == "npuc" && n.op_type == "Gelu");
+    if elementwise {
+        return Some(Kind::Elementwise);
+    }
+    if is_op(n, "GlobalAveragePool") && n.inputs.len() == 1 {
+        return Some(Kind::Gap);
+    }
+    if is_op(n, "Concat") {
+        return Some(Kind::Concat);
+    }
+    None
+}
+
+/// A constant operand's shape left-padded to rank 4, when it broadcasts against a 4-D value.
+fn padded4(t: &Tensor) -> Option<[usize; 4]> {
+    if t.rank() > 4 {
+        return None;
+    }
+    let mut s = [1usize; 4];
+    s[4 - t.rank()..].copy_from_slice(t.shape());
+    Some(s)
+}
+
+/// An f32 constant of padded NCHW shape `s` permuted to NHWC (`None` for other dtypes).
+fn permute_const(t: &Tensor, s: [usize; 4]) -> Option<Tensor> {
+    let v = t.as_slice::<f32>().ok()?;
+    let [n, c, h, w] = s;
+    let mut out = Vec::with_capacity(v.len());
+    for ni in 0..n {
+        for y in 0..h {
+            for x in 0..w {
+                for ci in 0..c {
+                    out.push(v[((ni * c + ci) * h + y) * w + x]);
+                }
+            }
+        }
+    }
+    Tensor::from_vec(vec![n, h, w, c], out).ok()
+}
+
+/// How a constant operand of an elementwise member is rewritten.
+enum ConstUse {
+    /// Used as it is (scalar or all-ones shape, or a non-broadcast parameter).
+    Keep,
+    /// Replaced by this NHWC tensor.
+    Permuted(Tensor),
+}
+
+/// The constant rewrite for input `i` of elementwise node `n`, `None` when it is not
+/// layout-safe.
+fn const_use(n: &Node, i: usize, t: &Tensor) -> Option<ConstUse> {
+    // Clip's bounds are scalars by definition.
+    if is_op(n, "Clip") && i > 0 {
+        return (t.len() == 1).then_some(ConstUse::Keep);
+    }
+    let s = padded4(t)?;
+    if s.iter().filter(|&&d| d != 1).count() == 0 {
+        return Some(ConstUse::Keep);
+    }
+    permute_const(t, s).map(ConstUse::Permuted)
+}
+
+impl Pass for LayoutNhwc {
+    fn name(&self) -> &'static str {
+        "layout-nhwc"
+    }
+
+    fn run(&self, m: &mut Model) -> Result<PassStats, PassError> {
+        let changes = convert(m);
+        if changes > 0 {
+            import_npuc(m);
+            // Transpose pairs the rewrite created around existing transposes cancel here.
+            for _ in 0..4 {
+                let a = super::reshape::ReshapeFold.run(m)?.changes;
+                let b = super::identity::IdentityElim.run(m)?.changes;
+                let c = super::dce::Dce.run(m)?.changes;
+                if a + b + c == 0 {
+                    break;
+                }
+            }
+        }
+        Ok(PassStats::new(changes))
+    }
+}
+
+/// Finds and rewrites the chains; returns the number of nodes converted.
+fn convert(m: &mut Model) -> usize {
+    let g = &m.graph;
+    if !g.nodes.iter().any(|n| {
+        (is_op(n, "Conv") || (n.domain == "npuc" && n.op_type == "FusedConv"))
+            && n.inputs.len() >= 2
+    }) {
+        return 0;
+    }
+    let ix = Index::new(g);
+    let kinds: Vec<Option<Kind>> = g.nodes.iter().map(|n| classify(g, &ix, n)).collect();
+    let is_const = |name: &str| ix.is_const(g, name);
+    // Values known to be 4-D.
+    let mut r4: HashSet<String> = HashSet::new();
+    for vi in &g.inputs {
+        if let Some(TypeInfo::Tensor { shape: Some(s), .. }) = &vi.ty {
+            if s.len() == 4 && !ix.inits.contains_key(&vi.name) {
+                r4.insert(vi.name.clone());
+            }
+        }
+    }
+    for (n, k) in g.nodes.iter().zip(&kinds) {
+        if *k == Some(Kind::Conv) {
+            r4.insert(n.inputs[0].clone());
+            r4.insert(n.outputs[0].clone());
+        }
+    }
+    // Data inputs (non-constant) of a node.
+    let data = |n: &Node| -> Vec<String> {
+        n.inputs
+            .iter()
+            .filter(|s| !s.is_empty() && !is_const(s))
+            .cloned()
+            .collect()
+    };
+    loop {
+        let before = r4.len();
+        for (n, k) in g.nodes.iter().zip(&kinds) {
+            let Some(k) = k else { continue };
+            let d = data(n);
+            if d.is_empty() {
+                continue;
+            }
+            let out = &n.outputs[0];
+            match k {
+                Kind::Conv => {}
+                Kind::Elementwise | Kind::Concat => {
+                    if d.iter().all(|v| r4.contains(v)) {
+                        r4.insert(out.clone());
+                    }
+                    // Backwards: a 4-D result whose only non-constant operand broadcasts with
+                    // constants of lower rank is 4-D itself.
+                    if r4.contains(out) && d.len() == 1 && !r4.contains(&d[0]) {
+                        let consts_low = n
+                            .inputs
+                            .iter()
+                            .filter(|s| is_const(s))
+                            .all(|s| ix.constant(g, s).is_some_and(|t| t.rank() < 4));
+                        if consts_low || *k == Kind::Concat {
+                            r4.insert(d[0].clone());
+                        }
+                    }
+                }
+                Kind::Gap => {
+                    if r4.contains(&d[0]) {
+                        r4.insert(out.clone());
+                    }
+                }
+            }
+        }
+        if r4.len() == before {
+            break;
+        }
+    }
+    // Members: every non-constant operand and the output are 4-D, constants are layout-safe.
+    let mut member = vec![false; g.nodes.len()];
+    for (i, (n, k)) in g.nodes.iter().zip(&kinds).enumerate() {
+        let Some(k) = k else { continue };
+        let d = data(n);
+        if d.is_empty() || !d.iter().all(|v| r4.contains(v)) || !r4.contains(&n.outputs[0]) {
+            continue;
+        }
+        let ok = match k {
+            Kind::Conv => true,
+            Kind::Elementwise => n.inputs.iter().enumerate().all(|(j, s)| {
+                s.is_empty()
+                    || !is_const(s)
+                    || ix
+                        .constant(g, s)
+                        .is_some_and(|t| const_use(n, j, &t).is_some())
+            }),
+            // The NHWC pool kernel is f32: its input must come from the chain itself.
+            Kind::Gap => ix.producer.contains_key(&d[0]),
+            Kind::Concat => {
+                d.len() == n.inputs.iter().filter(|s| !s.is_empty()).count()
+                    && matches!(n.attr_int("axis"), Ok(Some(a)) if (-4..4).contains(&a))
+            }
+        };
+        member[i] = ok;
+    }
+    // The GAP rule needs its input produced by a member; settle that after membership.
+    for (i, n) in g.nodes.iter().enumerate() {
+        if member[i] && kinds[i] == Some(Kind::Gap) {
+            let p = ix.producer.get(&n.inputs[0]).copied();
+            if !p.is_some_and(|p| member[p]) {
+                member[i] = false;
+            }
+        }
+    }
+    // Connected components over member -> member edges.
+    let mut parent: Vec<usize> = (0..g.nodes.len()).collect();
+    fn find(p: &mut [usize], mut i: usize) -> usize {
+        while p[i] != i {
+            p[i] = p[p[i]];
+            i = p[i];
+        }
+        i
+    }
+    for (i, n) in g.nodes.iter().enumerate() {
+        if !member[i] {
+            continue;
+        }
+        for s in &n.inputs {
+            if let Some(&p) = ix.producer.get(s) {
+                if member[p] {
+                    let (a, b) = (find(&mut parent, p), find(&mut parent, i));
+                    parent[a] = b;
+                }
+            }
+        }
+    }
+    let mut comps: HashMap<usize, Vec<usize>> = HashMap::new();
+    for (i, &is_member) in member.iter().enumerate() {
+        if is_member {
+            let r = find(&mut parent, i);
+            comps.entry(r).or_default().push(i);
+        }
+    }
+    let mut chosen: HashSet<usize> = HashSet::new();
+    for nodes in comps.values() {
+        let convs = nodes
+            .iter()
+            .filter(|&&i| kinds[i] == Some(Kind::Conv))
+            .count();
+        let set: HashSet<usize> = nodes.iter().copied().collect();
+        // Values entering the chain (one transpose each) and leaving it (one each).
+        let mut entries: HashSet<String> = HashSet::new();
+        let mut exits = 0usize;
+        for &i in nodes {
+            let n = &g.nodes[i];
+            for s in data(n) {
+                if !ix.producer.get(&s).is_some_and(|p| set.contains(p)) {
+                    entries.insert(s);
+                }
+            }
+            let o = &n.outputs[0];
+            if ix.graph_outputs.contains(o)
+                || ix.captured.contains(o)
+                || ix.users(o).iter().any(|u| !set.contains(u))
+            {
+                exits += 1;
+            }
+        }
+        if convs >= MIN_CONVS && entries.len() + exits <= convs {
+            chosen.extend(nodes);
+        }
+    }
+    if chosen.is_empty() {
+        return 0;
+    }
+    rewrite(m, &chosen)
+}
+
+/// Rewrites the chosen member nodes to NHWC with boundary transposes.
+fn rewrite(m: &mut Model, chosen: &HashSet<usize>) -> usize {
+    let g = &m.graph;
+    let ix = Index::new(g);
+    let mut taken = HashSet::new();
+    // NHWC names of the values produced inside the chains.
+    let mut nhwc: HashMap<String, String> = HashMap::new();
+    let fresh = |g: &npuc_ir::Graph, taken: &mut HashSet<String>, base: &str| {
+        fresh_name(g, taken, &format!("{base}_nhwc"))
+    };
+    for &i in chosen {
+        let o = &g.nodes[i].outputs[0];
+        let name = fresh(g, &mut taken, o);
+        nhwc.insert(o.clone(), name);
+    }
+    let mut new_inits: Vec<(String, Tensor)> = vec![];
+    let mut out_nodes: Vec<Node> = Vec::with_capacity(g.nodes.len() + 8);
+    // Entry transposes already emitted: NCHW name -> NHWC name.
+    let mut entered: HashMap<String, String> = HashMap::new();
+    let mut const_names: HashMap<String, String> = HashMap::new();
+    let mut converted = 0;
+    for (i, n) in g.nodes.iter().enumerate() {
+        if !chosen.contains(&i) {
+            out_nodes.push(n.clone());
+            continue;
+        }
+        converted += 1;
+        let mut t = n.clone();
+        for (j, s) in n.inputs.iter().enumerate() {
+            if s.is_empty() {
+                continue;
+            }
+            if let Some(v) = nhwc.get(s) {
+                t.inputs[j] = v.clone();
+                continue;
+            }
+            if ix.is_const(g, s) {
+                // Conv weights and biases stay; elementwise constants are permuted.
+                if t.op_type == "Conv" || t.op_type == "FusedConv" {
+                    continue;
+                }
+                let Some(c) = ix.constant(g, s) else { continue };
+                if let Some(ConstUse::Permuted(p)) = const_use(n, j, &c) {
+                    let name = match const_names.get(s) {
+                        Some(nm) => nm.clone(),
+                        None => {
+                            let nm = fresh(g, &mut taken, s);
+                            new_inits.push((nm.clone(), p));
+                            const_names.insert(s.clone(), nm.clone());
+                            nm
+                        }
+                    };
+                    t.inputs[j] = name;
+                }
+                continue;
+            }
+            // A value entering the chain: one transpose, shared by all its chain readers.
+            let name = match entered.get(s) {
+                Some(nm) => nm.clone(),
+                None => {
+                    // Transpose(y, TO_NCHW) entering: read y itself.
+                    let src = ix.prod(g, s).and_then(|(_, p)| {
+                        (is_op(p, "Transpose")
+                            && p.attr_ints("perm").ok().flatten() == Some(&TO_NCHW[..]))
+                        .then(|| p.inputs[0].clone())
+                    });
+                    let nm = match src {
+                        Some(y) => y,
+                        None => {
+                            let nm = fresh(g, &mut taken, s);
+                            out_nodes.push(
+                                Node::new("Transpose", &[s], &[&nm])
+                                    .with_attr("perm", Attr::Ints(TO_NHWC.to_vec())),
+                            );
+                            nm
+                        }
+                    };
+                    entered.insert(s.clone(), nm.clone());
+                    nm
+                }
+            };
+            t.inputs[j] = name;
+        }
+        let o = n.outputs[0].clone();
+        t.outputs[0] = nhwc[&o].clone();
+        match (t.domain.as_str(), t.op_type.as_str()) {
+            ("", "Conv") | ("npuc", "FusedConv") => {
+                t.domain = "npuc".into();
+                t.op_type = "ConvNhwc".into();
+            }
+            ("", "GlobalAveragePool") => {
+                t.domain = "npuc".into();
+                t.op_type = "GlobalAveragePoolNhwc".into();
+            }
+            ("", "Concat") => {
+                let a = n.attr_int("axis").ok().flatten().unwrap_or(1).rem_euclid(4);
+                let na = TO_NHWC.iter().position(|&p| p == a).unwrap_or(3) as i64;
+                for (k, v) in &mut t.attrs {
+                    if k == "axis" {
+                        *v = Attr::Int(na);
+                    }
+                }
+            }
+            _ => {}
+        }
+        out_nodes.push(t);
+        // A value leaving the chain keeps its name, in NCHW.
+        let leaves = ix.graph_outputs.contains(&o)
+            || ix.captured.contains(&o)
+            || ix.users(&o).iter().any(|u| !chosen.contains(u));
+        if leaves {
+            out_nodes.push(
+                Node::new("Transpose", &[&nhwc[&o]], &[&o])
+                    .with_attr("perm", Attr::Ints(TO_NCHW.to_vec())),
+            );
+        }
+    }
+    let g = &mut m.graph;
+    g.nodes = out_nodes;
+    for (name, t) in new_inits {
+        g.initializers
+            .push(npuc_ir::Initializer { name, tensor: t });
+    }
+    converted
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::passes::testutil::{data, init, model, run};
+
+    fn conv(x: &str, w: &str, b: &str, y: &str, group: i64) -> Node {
+        Node::new("Conv", &[x, w, b], &[y])
+            .with_attr("pads", Attr::Ints(vec![1, 1, 1, 1]))
+            .with_attr("group", Attr::Int(group))
+    }
+
+    /// Conv -> HardSwish-ish elementwise -> depthwise conv -> SE (GAP, conv, sigmoid, Mul)
+    /// -> Add residual -> MaxPool (outside): one chain, two boundary transposes, outputs equal.
+    #[test]
+    fn chain_is_converted_and_preserves_outputs() {
+        let nodes = vec![
+            conv("x", "w1", "b1", "c1", 1),
+            Node::new("Mul", &["c1", "s"], &["m1"]),
+            Node::new("Relu", &["m1"], &["r1"]),
+            conv("r1", "w2", "b2", "c2", 8),
+            Node::new("GlobalAveragePool", &["c2"], &["gp"]),
+            Node::new("Conv", &["gp", "w3"], &["c3"]),
+            Node::new("Sigmoid", &["c3"], &["sg"]),
+            Node::new("Mul", &["c2", "sg"], &["se"]),
+            Node::new("Add", &["se", "r1"], &["res"]),
+            Node::new("Add", &["res", "cb"], &["y0"]),
+            Node::new("MaxPool", &["y0"], &["y"]).with_attr("kernel_shape", Attr::Ints(vec![2, 2])),
+        ];
+        let mut m = model(nodes, &[("x", &[1, 3, 10, 12])], &["y", "r1"]);
+        m.graph.initializers = vec![
+            init("w1", data(&[8, 3, 3, 3], 1)),
+            init("b1", data(&[8], 2)),
+            init("s", data(&[1], 3)),
+            init("w2", data(&[8, 1, 3, 3], 4)),
+            init("b2", data(&[8], 5)),
+            init("w3", data(&[8, 8, 1, 1], 6)),
+            init("cb", data(&[8, 1, 1], 7)),
+        ];
+        let x = data(&[1, 3, 10, 12], 9);
+        let want = run(&m, &[("x", x.clone())]);
+        let st = LayoutNhwc.run(&mut m).unwrap();
+        assert_eq!(st.changes, 10, "every node but MaxPool converts");
+        let count = |op: &str| m.graph.nodes.iter().filter(|n| n.op_type == op).count();
+        assert_eq!(count("ConvNhwc"), 3);
+        assert_eq!(count("GlobalAveragePoolNhwc"), 1);
+        // x enters once; y0 (MaxPool) and r1 (graph output) leave once each.
+        assert_eq!(count("Transpose"), 3);
+        let got = run(&m, &[("x", x)]);
+        for (a, b) in got.iter().zip(&want) {
+            assert_eq!(a.shape(), b.shape());
+            for (p, q) in a
+                .as_slice::<f32>()
+                .unwrap()
+                .iter()
+                .zip(b.as_slice::<f32>().unwrap())
+            {
+                assert!((p - q).abs() <= 1e-4 * (1.0 + q.abs()), "{p} vs {q}");
+            }
+        }
+        // Idempotent: nothing left to convert.
+        assert_eq!(LayoutNhwc.run(&mut m).unwrap().changes, 0);
+    }
+
+    /// A lone conv does not pay for two transposes.
+    #[test]
+    fn single_conv_is_left_alone() {
+        let nodes = vec![
+            conv("x", "w1", "b1", "c1", 1),
+            Node::new("Relu", &["c1"], &["y"]),
+        ];
+        let mut m = model(nodes, &[("x", &[1, 3, 8, 8])], &["y"]);
+        m.graph.initializers = vec![
+            init("w1", data(&[4, 3, 3, 3], 1)),
+            init("b1", data(&[4], 2)),
+        ];
+        assert_eq!(LayoutNhwc.run(&mut m).unwrap().changes, 0);
+    }
+
+    /// Grouped (non-depthwise) convs and non-constant weights break chains.
+    #[test]
+    fn unsupported_convs_are_boundaries() {
+        let nodes = vec![
+            conv("x", "w1", "b1", "c1", 1),
+            conv("c1", "w2", "b2", "c2", 2),
+            conv("c2", "wx", "b3", "y", 1),
+        ];
+        let mut m = model(
+            nodes,
+            &[("x", &[1, 4, 6, 6]), ("wx", &[4, 4, 3, 3])],
+            &["y"],
+        );
+        m.graph.initializers = vec![
+            init("w1", data(&[4, 4, 3, 3], 1)),
+            init("b1", data(&[4], 2)),
+            init("w2", data(&[4, 2, 3, 3], 3)),
+            init("b2", data(&[4], 4)),
+            init("b3", data(&[4], 5)),
+        ];
+        assert_eq!(LayoutNhwc.run(&mut m).unwrap().changes, 0);
+    }
+
+    /// Concat along channels remaps its axis; a Transpose(.., [0,3,1,2]) entering cancels.
+    #[test]
+    fn concat_axis_and_transpose_cancel() {
+        let nodes = vec![
+            Node::new("Transpose", &["xh"], &["x"]).with_attr("perm", Attr::Ints(TO_NCHW.to_vec())),
+            conv("x", "w1", "b1", "c1", 1),
+            conv("x", "w2", "b2", "c2", 1),
+            Node::new("Concat", &["c1", "c2"], &["y"]).with_attr("axis", Attr::Int(1)),
+        ];
+        let mut m = model(nodes, &[("xh", &[1, 5, 7, 4])], &["y"]);
+        m.graph.initializers = vec![
+            init("w1", data(&[3, 4, 3, 3], 1)),
+            init("b1", data(&[3], 2)),
+            init("w2", data(&[2, 4, 3, 3], 3)),
+            init("b2", data(&[2], 4)),
+        ];
+        let x = data(&[1, 5, 7, 4], 9);
+        let want = run(&m, &[("xh", x.clone())]);
+        assert!(LayoutNhwc.run(&mut m).unwrap().changes > 0);
+        let tr: Vec<&Node> = m
+            .graph
+            .nodes
+            .iter()
+            .filter(|n| n.op_type == "Transpose")
+            .collect();
+        assert_eq!(tr.len(), 1, "only the exit transpose remains");
+        let got = run(&m, &[("xh", x)]);
+        for (p, q) in got[0]
+            .as_slice::<f32>()
+            .unwrap()
+            .iter()
+            .zip(want[0].as_slice::<f32>().unwrap())
+        {
+            assert!((p - q).abs() <= 1e-4 * (1.0 + q.abs()), "{p} vs {q}");
+        }
+    }
+}

@@ -1,0 +1,469 @@
+//! Channels-last (NHWC) convolutions, produced by the `layout-nhwc` pass of `npuc-passes`:
+//!
+//! - `npuc.ConvNhwc(X, W[, B])`: ONNX Conv (2-D; `group` 1 or depthwise) with `X` and `Y` in
+//!   NHWC (`[N, H, W, C]` in, `[N, OH, OW, M]` out); `W` stays in the ONNX layout
+//!   `[M, C/group, KH, KW]` and is re-packed once per plan (cached) into the layout the kernels
+//!   read. Conv's attributes plus the fused-activation attributes of `npuc.FusedConv`
+//!   (`activation`, `activation_params`); bias and activation are applied while the output
+//!   rows are still in cache.
+//! - `npuc.GlobalAveragePoolNhwc(X)`: GlobalAveragePool of an NHWC tensor (`[N, 1, 1, C]`).
+//!
+//! Why NHWC pays on a CPU: a 1x1 conv is a plain GEMM `[N*H*W, C] x [C, M]` (as in NCHW), a
+//! KxK conv's im2col copies contiguous runs of `C` channels instead of single pixels, and a
+//! depthwise conv vectorises over channels with contiguous loads (see
+//! [`crate::kernels::conv_nhwc`]) instead of walking short spatial rows per channel.
+
+use super::{conv_geom, Geom, PAR_MIN};
+use crate::bail;
+use crate::error::Result;
+use crate::kernel::{Inputs, OpCtx, Registry};
+use crate::kernels::conv_nhwc::{dw_pixel, MAX_TAPS};
+use crate::ops::fused::{apply_f32, Act};
+use crate::ops::matmul::{gemm_into, Mat};
+use crate::value::Value;
+use npuc_ir::{DType, Tensor};
+use rayon::prelude::*;
+
+pub fn register(r: &mut Registry) {
+    r.add_range("npuc", "ConvNhwc", 1, 1, conv_nhwc);
+    r.add_range("npuc", "GlobalAveragePoolNhwc", 1, 1, gap_nhwc);
+}
+
+/// A weight re-packed for the NHWC kernels: `[KH*KW, M]` (depthwise) or `[KH*KW*C, M]` with
+/// rows ordered (tap, input channel), the order the NHWC im2col writes its columns in.
+struct Packed(Vec<f32>);
+
+/// Re-packs an ONNX conv weight `[m, cg, kh*kw]` into `[(tap, c), m]` (`cg` = 1 for
+/// depthwise gives `[tap, m]`) into `out` (cleared first).
+fn pack_weight(w: &[f32], m: usize, cg: usize, taps: usize, out: &mut Vec<f32>) {
+    out.clear();
+    out.resize(taps * cg * m, 0.0);
+    for oc in 0..m {
+        for c in 0..cg {
+            let src = &w[(oc * cg + c) * taps..][..taps];
+            for (t, &v) in src.iter().enumerate() {
+                out[(t * cg + c) * m + oc] = v;
+            }
+        }
+    }
+}
+
+/// Adds the bias to every row of `m` values and applies the activation.
+fn bias_act(out: &mut [f32], bias: Option<&[f32]>, m: usize, act: Act) {
+    if let Some(b) = bias {
+        for row in out.chunks_exact_mut(m) {
+            for (o, &bv) in row.iter_mut().zip(b) {
+                *o += bv;
+            }
+        }
+    }
+    apply_f32(act, out);
+}
+
+/// `npuc.ConvNhwc`: see the module docs.
+fn conv_nhwc(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
+    let x = ins.tensor(0)?;
+    let w = ins.tensor(1)?;
+    let b = ins.opt_tensor(2);
+    let (xs, ws) = (x.shape(), w.shape());
+    if xs.len() != 4 || ws.len() != 4 {
+        bail!("ConvNhwc needs X [N, H, W, C] and W [M, C/group, KH, KW], got {xs:?} and {ws:?}");
+    }
+    if x.dtype() != DType::F32
+        || w.dtype() != DType::F32
+        || b.is_some_and(|b| b.dtype() != DType::F32)
+    {
+        bail!("ConvNhwc supports f32 operands only");
+    }
+    let group = ctx.node.int_or("group", 1)?;
+    let (n, h, wd, c) = (xs[0], xs[1], xs[2], xs[3]);
+    let (m, cg, kh, kw) = (ws[0], ws[1], ws[2], ws[3]);
+    let depthwise = group > 1 && group as usize == c && m == c && cg == 1;
+    if !(group == 1 && cg == c || depthwise) {
+        bail!(
+            "ConvNhwc supports group 1 and depthwise (group = C = M) convs, got X {xs:?}, W {ws:?}, group {group}"
+        );
+    }
+    if kh == 0 || kw == 0 {
+        bail!("ConvNhwc kernel has an empty dimension: {ws:?}");
+    }
+    let bias = match b {
+        Some(b) if b.len() != m => bail!("ConvNhwc bias has {} values, expected {m}", b.len()),
+        Some(b) => Some(b.as_slice::<f32>()?),
+        None => None,
+    };
+    let act = Act::from_node(ctx.node)?;
+    let g = conv_geom(ctx.node, &[h, wd], &[kh, kw])?;
+    let (oh, ow) = (g.out[1], g.out[2]);
+    let xv = x.as_slice::<f32>()?;
+    let wv = w.as_slice::<f32>()?;
+    if xv.len() != n * h * wd * c || wv.len() != m * cg * kh * kw {
+        bail!("ConvNhwc operand sizes do not match their shapes");
+    }
+    let taps = kh * kw;
+    // Constant weights are packed once per plan; a fed weight is packed per call into scratch.
+    let cached;
+    let mut scratch = vec![];
+    let wp: &[f32] = if ctx.input_is_const(1) {
+        cached = ctx.cached(|| {
+            let mut v = vec![];
+            pack_weight(wv, m, cg, taps, &mut v);
+            Ok(Packed(v))
+        })?;
+        &cached.0
+    } else {
+        scratch = crate::buffers::take::<f32>(taps * cg * m);
+        pack_weight(wv, m, cg, taps, &mut scratch);
+        &scratch
+    };
+    if wp.len() != taps * cg * m {
+        bail!("ConvNhwc packed weight does not match W {ws:?} (node cache of another shape)");
+    }
+    let mut out = crate::buffers::zeroed::<f32>(n * oh * ow * m);
+    if !out.is_empty() {
+        if depthwise {
+            depthwise_run(xv, wp, bias, &g, (n, c), act, &mut out, ctx.threads)?;
+        } else {
+            gemm_run(xv, wp, bias, &g, (n, c, m), act, &mut out, ctx.threads)?;
+        }
+    }
+    crate::buffers::release(scratch);
+    Ok(vec![Value::tensor(Tensor::from_vec(
+        vec![n, oh, ow, m],
+        out,
+    )?)])
+}
+
+/// Depthwise conv, one output row (`ow * c` values) at a time; rows run in parallel.
+#[allow(clippy::too_many_arguments)]
+fn depthwise_run(
+    xv: &[f32],
+    wp: &[f32],
+    bias: Option<&[f32]>,
+    g: &Geom,
+    (n, c): (usize, usize),
+    act: Act,
+    out: &mut [f32],
+    threads: usize,
+) -> Result<()> {
+    let [_, h, wd] = g.inp;
+    let [_, oh, ow] = g.out;
+    let [_, kh, kw] = g.k;
+    let img = h * wd * c;
+    let row = |(r, orow): (usize, &mut [f32])| -> bool {
+        let (ni, oy) = (r / oh, r % oh);
+        let ximg = &xv[ni * img..][..img];
+        let mut taps = [(0usize, 0usize); MAX_TAPS];
+        let mut ok = true;
+        for (ox, acc) in orow.chunks_exact_mut(c).enumerate() {
+            match bias {
+                Some(b) => acc.copy_from_slice(b),
+                None => acc.fill(0.0),
+            }
+            let mut nt = 0;
+            for a in 0..kh {
+                let iy = (oy * g.s[1] + a * g.d[1]) as isize - g.pb[1] as isize;
+                if iy < 0 || iy >= h as isize {
+                    continue;
+                }
+                for bb in 0..kw {
+                    let ix = (ox * g.s[2] + bb * g.d[2]) as isize - g.pb[2] as isize;
+                    if ix < 0 || ix >= wd as isize {
+                        continue;
+                    }
+                    taps[nt] = ((iy as usize * wd + ix as usize) * c, (a * kw + bb) * c);
+                    nt += 1;
+                    if nt == MAX_TAPS {
+                        ok &= dw_pixel(acc, &taps, ximg, wp);
+                        nt = 0;
+                    }
+                }
+            }
+            if nt > 0 {
+                ok &= dw_pixel(acc, &taps[..nt], ximg, wp);
+            }
+        }
+        apply_f32(act, orow);
+        ok
+    };
+    let row_len = ow * c;
+    let ok = if threads > 1 && out.len() * kh * kw >= PAR_MIN && n * oh > 1 {
+        out.par_chunks_mut(row_len)
+            .enumerate()
+            .map(row)
+            .reduce(|| true, |a, b| a && b)
+    } else {
+        // Every row runs (no short-circuit): a failed row only marks the result.
+        out.chunks_mut(row_len)
+            .enumerate()
+            .map(row)
+            .filter(|ok| !ok)
+            .count()
+            == 0
+    };
+    if !ok {
+        bail!("ConvNhwc depthwise tap outside its operands (geometry inconsistent with shapes)");
+    }
+    Ok(())
+}
+
+/// Pointwise and KxK convs (group 1): NHWC im2col (contiguous runs of `c` channels per tap)
+/// in chunks of output pixels, each chunk one GEMM `[rows, K] x [K, M]` straight into the
+/// output rows, then bias and activation on the chunk while it is in cache. A 1x1 stride-1
+/// unpadded conv reads the input rows directly (no im2col).
+#[allow(clippy::too_many_arguments)]
+fn gemm_run(
+    xv: &[f32],
+    wp: &[f32],
+    bias: Option<&[f32]>,
+    g: &Geom,
+    (n, c, m): (usize, usize, usize),
+    act: Act,
+    out: &mut [f32],
+    threads: usize,
+) -> Result<()> {
+    let [_, h, wd] = g.inp;
+    let [_, oh, ow] = g.out;
+    let [_, kh, kw] = g.k;
+    let k = kh * kw * c;
+    let total = n * oh * ow;
+    let pointwise = kh * kw == 1 && g.s == [1; 3] && g.pb == [0; 3] && g.pe == [0; 3];
+    // About 1 MB of columns per chunk: large enough for efficient (and threaded) GEMMs,
+    // small enough that the chunk's output is still in cache for the epilogue.
+    let chunk = ((1usize << 18) / k.max(1)).clamp(16, total.max(16));
+    let mut col = if pointwise {
+        vec![]
+    } else {
+        crate::buffers::zeroed::<f32>(chunk.min(total) * k)
+    };
+    let mut r0 = 0;
+    while r0 < total {
+        let rows = chunk.min(total - r0);
+        let lhs: &[f32] = if pointwise {
+            &xv[r0 * c..][..rows * c]
+        } else {
+            for (i, dst) in col[..rows * k].chunks_exact_mut(k).enumerate() {
+                let p = r0 + i;
+                let (ni, rem) = (p / (oh * ow), p % (oh * ow));
+                let (oy, ox) = (rem / ow, rem % ow);
+                for a in 0..kh {
+                    let iy = (oy * g.s[1] + a * g.d[1]) as isize - g.pb[1] as isize;
+                    for bb in 0..kw {
+                        let d = &mut dst[(a * kw + bb) * c..][..c];
+                        let ix = (ox * g.s[2] + bb * g.d[2]) as isize - g.pb[2] as isize;
+                        if iy < 0 || iy >= h as isize || ix < 0 || ix >= wd as isize {
+                            d.fill(0.0);
+                        } else {
+                            let src = ((ni * h + iy as usize) * wd + ix as usize) * c;
+                            d.copy_from_slice(&xv[src..][..c]);
+                        }
+                    }
+                }
+            }
+            &col[..rows * k]
+        };
+        let dst = &mut out[r0 * m..][..rows * m];
+        gemm_into(
+            rows,
+            m,
+            k,
+            1.0,
+            Mat::rows(lhs, k),
+            Mat::rows(wp, m),
+            None,
+            dst,
+            m,
+            threads,
+        )?;
+        bias_act(dst, bias, m, act);
+        r0 += rows;
+    }
+    crate::buffers::release(col);
+    Ok(())
+}
+
+/// `npuc.GlobalAveragePoolNhwc`: `[N, H, W, C]` to `[N, 1, 1, C]` (channel vectors summed
+/// pixel by pixel: contiguous adds).
+fn gap_nhwc(_ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
+    let x = ins.tensor(0)?;
+    let xs = x.shape();
+    if xs.len() != 4 || x.dtype() != DType::F32 {
+        bail!(
+            "GlobalAveragePoolNhwc needs an f32 X [N, H, W, C], got {} {xs:?}",
+            x.dtype()
+        );
+    }
+    let (n, hw, c) = (xs[0], xs[1] * xs[2], xs[3]);
+    let xv = x.as_slice::<f32>()?;
+    let mut out = crate::buffers::zeroed::<f32>(n * c);
+    if c > 0 && hw > 0 {
+        for (img, o) in xv.chunks_exact(hw * c).zip(out.chunks_exact_mut(c)) {
+            for px in img.chunks_exact(c) {
+                for (a, &v) in o.iter_mut().zip(px) {
+                    *a += v;
+                }
+            }
+            let inv = 1.0 / hw as f32;
+            o.iter_mut().for_each(|a| *a *= inv);
+        }
+    }
+    Ok(vec![Value::tensor(Tensor::from_vec(
+        vec![n, 1, 1, c],
+        out,
+    )?)])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Session, SessionOptions};
+    use npuc_ir::{Attr, Graph, Initializer, Model, Node, OpsetImport, ValueInfo};
+
+    fn npuc(mut n: Node) -> Node {
+        n.domain = "npuc".into();
+        n
+    }
+
+    fn rnd(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+            })
+            .collect()
+    }
+
+    fn nchw_to_nhwc(v: &[f32], [n, c, h, w]: [usize; 4]) -> Vec<f32> {
+        let mut o = vec![0.0; v.len()];
+        for ni in 0..n {
+            for ci in 0..c {
+                for y in 0..h {
+                    for x in 0..w {
+                        o[((ni * h + y) * w + x) * c + ci] = v[((ni * c + ci) * h + y) * w + x];
+                    }
+                }
+            }
+        }
+        o
+    }
+
+    /// A model (opsets: default 17, npuc 1) of `nodes` with input `x`, output `y` and
+    /// the given initializers.
+    fn model(nodes: Vec<Node>, inits: Vec<(&str, Tensor)>) -> Model {
+        Model {
+            ir_version: 8,
+            opset_imports: vec![
+                OpsetImport {
+                    domain: String::new(),
+                    version: 17,
+                },
+                OpsetImport {
+                    domain: "npuc".into(),
+                    version: 1,
+                },
+            ],
+            graph: Graph {
+                name: "g".into(),
+                nodes,
+                inputs: vec![ValueInfo::new("x", None)],
+                outputs: vec![ValueInfo::new("y", None)],
+                initializers: inits
+                    .into_iter()
+                    .map(|(n, t)| Initializer {
+                        name: n.into(),
+                        tensor: t,
+                    })
+                    .collect(),
+                ..Default::default()
+            },
+            ..Default::default()
+        }
+    }
+
+    /// Runs one node on `x` with constant `w`/`b` and returns its output tensor.
+    fn run_node(node: Node, x: Tensor, w: Tensor, b: Tensor, threads: usize) -> Tensor {
+        let m = model(vec![node], vec![("w", w), ("b", b)]);
+        let s = Session::new(&m, SessionOptions { threads }).unwrap();
+        let out = s.run(vec![("x".into(), Value::tensor(x))]).unwrap();
+        out[0].1.as_tensor().unwrap().clone()
+    }
+
+    /// ConvNhwc (pointwise, strided 1x1, KxK padded/dilated, depthwise; with bias and an
+    /// activation) equals ONNX Conv + Relu computed by the NCHW kernel, transposed.
+    #[test]
+    fn matches_nchw_conv() {
+        // (c, m, group, k, stride, dilation, pads)
+        let cases = [
+            (16, 24, 1, 1, 1, 1, [0, 0, 0, 0]),
+            (16, 24, 1, 1, 2, 1, [0, 0, 0, 0]),
+            (5, 7, 1, 3, 1, 1, [1, 1, 1, 1]),
+            (3, 16, 1, 3, 2, 1, [1, 0, 0, 1]),
+            (8, 4, 1, 3, 1, 2, [2, 2, 2, 2]),
+            (40, 40, 40, 3, 1, 1, [1, 1, 1, 1]),
+            (37, 37, 37, 5, 2, 1, [2, 2, 2, 2]),
+            (64, 64, 64, 3, 2, 2, [0, 1, 2, 0]),
+        ];
+        for (ci, &(c, m, group, k, s, d, p)) in cases.iter().enumerate() {
+            let (n, h, wd) = (2, 11, 9);
+            let x = rnd(n * c * h * wd, 3 + ci as u64);
+            let w = rnd(m * (c / group) * k * k, 5 + ci as u64);
+            let b = rnd(m, 7 + ci as u64);
+            let attrs = |node: Node| {
+                node.with_attr("group", Attr::Int(group as i64))
+                    .with_attr("strides", Attr::Ints(vec![s as i64; 2]))
+                    .with_attr("dilations", Attr::Ints(vec![d as i64; 2]))
+                    .with_attr("pads", Attr::Ints(p.iter().map(|&v| v as i64).collect()))
+                    .with_attr("activation", Attr::String("Relu".into()))
+            };
+            let wt = Tensor::from_vec(vec![m, c / group, k, k], w).unwrap();
+            let bt = Tensor::from_vec(vec![m], b).unwrap();
+            let conv = attrs(npuc(Node::new("FusedConv", &["x", "w", "b"], &["y"])));
+            let want = run_node(
+                conv,
+                Tensor::from_vec(vec![n, c, h, wd], x.clone()).unwrap(),
+                wt.clone(),
+                bt.clone(),
+                1,
+            );
+            let ws = want.shape().to_vec();
+            let want = nchw_to_nhwc(
+                want.as_slice::<f32>().unwrap(),
+                [ws[0], ws[1], ws[2], ws[3]],
+            );
+            for threads in [1, 2] {
+                let node = attrs(npuc(Node::new("ConvNhwc", &["x", "w", "b"], &["y"])));
+                let xn = nchw_to_nhwc(&x, [n, c, h, wd]);
+                let got = run_node(
+                    node,
+                    Tensor::from_vec(vec![n, h, wd, c], xn).unwrap(),
+                    wt.clone(),
+                    bt.clone(),
+                    threads,
+                );
+                assert_eq!(got.shape(), &[ws[0], ws[2], ws[3], ws[1]], "case {ci}");
+                for (i, (a, b)) in got.as_slice::<f32>().unwrap().iter().zip(&want).enumerate() {
+                    assert!(
+                        (a - b).abs() <= 1e-4 * (1.0 + b.abs()),
+                        "case {ci} threads {threads} at {i}: {a} vs {b}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn bad_operands_are_errors() {
+        let x = Tensor::from_vec(vec![1, 4, 4, 6], vec![0f32; 96]).unwrap();
+        // Grouped (not depthwise) convs are not supported in NHWC.
+        let w = Tensor::from_vec(vec![6, 3, 1, 1], vec![0f32; 18]).unwrap();
+        let node =
+            npuc(Node::new("ConvNhwc", &["x", "w"], &["y"])).with_attr("group", Attr::Int(2));
+        let m = model(vec![node], vec![("w", w)]);
+        let s = Session::new(&m, SessionOptions { threads: 1 }).unwrap();
+        let e = s.run(vec![("x".into(), Value::tensor(x))]).unwrap_err();
+        assert!(e.to_string().contains("depthwise"), "{e}");
+    }
+}
