@@ -356,7 +356,7 @@ impl Observer {
 
 /// Min and max of `xs`, or `None` if it holds a NaN or an infinity. Eight independent lanes
 /// with compare-select updates (what `minps`/`maxps` do) let the compiler vectorize the loop;
-/// `x - x` is NaN exactly for NaN/Inf, so one more lane sum detects them without a branch.
+/// `x * 0` is NaN exactly for NaN/Inf, so one more lane sum detects them without a branch.
 pub fn min_max_finite(xs: &[f32]) -> Option<(f32, f32)> {
     const L: usize = 8;
     let mut lo = [f32::INFINITY; L];
@@ -368,13 +368,13 @@ pub fn min_max_finite(xs: &[f32]) -> Option<(f32, f32)> {
             let x = c[j];
             lo[j] = if x < lo[j] { x } else { lo[j] };
             hi[j] = if x > hi[j] { x } else { hi[j] };
-            bad[j] += x - x;
+            bad[j] += x * 0.0;
         }
     }
     for &x in chunks.remainder() {
         lo[0] = if x < lo[0] { x } else { lo[0] };
         hi[0] = if x > hi[0] { x } else { hi[0] };
-        bad[0] += x - x;
+        bad[0] += x * 0.0;
     }
     if bad.iter().any(|b| b.is_nan()) {
         return None;

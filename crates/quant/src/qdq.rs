@@ -358,13 +358,19 @@ fn prune_to_planned(g: &mut Graph, plan: &QuantPlan) {
 /// A calibration worker's failure: the sample index it happened on and the error.
 type SampleError = (usize, anyhow::Error);
 
+/// A sample's label and copies of its observed activations (observer index, values).
+type Observed = (String, Vec<(usize, Vec<f32>)>);
+
+/// Receives one observed activation: observer index, tensor name, values.
+type Sink<'a> = &'a mut dyn FnMut(usize, &str, &[f32]) -> Result<()>;
+
 /// What a worker tells the calibrating thread after each sample.
 enum Done {
     /// Min/max mode: the sample was observed by the worker's own observers.
     Observed,
     /// Histogram mode: copies of the sample's observed activations (observer index, values),
     /// to be fed in sample order.
-    Values(usize, String, Vec<(usize, Vec<f32>)>),
+    Values(usize, Observed),
 }
 
 /// Runs the float model over `samples` and returns one observer per planned activation.
@@ -421,7 +427,7 @@ pub fn calibrate(
                         Ok(())
                     })
                     .map_err(|e| (i, e))?;
-                    Done::Values(i, label, vals)
+                    Done::Values(i, (label, vals))
                 } else {
                     observe_sample(&sess, &index, s, &mut |k, name, xs| {
                         obs[k].add(xs).map_err(|j| non_finite(&label, name, xs, j))
@@ -452,15 +458,15 @@ pub fn calibrate(
             })
             .collect();
         drop(tx);
-        let mut pending: BTreeMap<usize, (String, Vec<(usize, Vec<f32>)>)> = BTreeMap::new();
+        let mut pending: BTreeMap<usize, Observed> = BTreeMap::new();
         while let Ok(msg) = rx.recv() {
             match msg {
                 Done::Observed => {
                     n += 1;
                     progress(n);
                 }
-                Done::Values(i, label, vals) => {
-                    pending.insert(i, (label, vals));
+                Done::Values(i, observed) => {
+                    pending.insert(i, observed);
                     // Feed the histograms in sample order.
                     while let Some((label, vals)) = pending.remove(&n) {
                         for (k, xs) in &vals {
@@ -524,7 +530,7 @@ fn observe_sample(
     sess: &Session,
     index: &HashMap<&str, usize>,
     s: Sample,
-    sink: &mut dyn FnMut(usize, &str, &[f32]) -> Result<()>,
+    sink: Sink,
 ) -> Result<()> {
     let label = &s.label;
     let mut err: Option<anyhow::Error> = None;

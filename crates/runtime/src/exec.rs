@@ -30,6 +30,9 @@ struct Step {
     cache: OnceLock<Arc<dyn Any + Send + Sync>>,
 }
 
+/// A callback seeing each value a step produces, by name (see [`Session::run_observed`]).
+type Observe<'a> = &'a mut dyn FnMut(&str, &Value);
+
 /// A graph ready to run: values mapped to slots, kernels resolved, lifetimes computed.
 pub struct Plan {
     name: String,
@@ -343,7 +346,7 @@ impl Plan {
         inputs: Vec<Option<Value>>,
         outer: Option<&Frame>,
         threads: usize,
-        mut observe: Option<&mut dyn FnMut(&str, &Value)>,
+        mut observe: Option<Observe>,
     ) -> Result<Vec<Value>> {
         let _pool = PoolGuard::install(&self.pool, self.reuse.load(Ordering::Relaxed));
         let mut slots: Vec<Option<Value>> = vec![None; self.n_slots];
@@ -614,7 +617,7 @@ impl Session {
     fn run_inner(
         &self,
         feeds: Vec<(String, Value)>,
-        observe: Option<&mut dyn FnMut(&str, &Value)>,
+        observe: Option<Observe>,
     ) -> Result<Vec<(String, Value)>> {
         let mut by_name: HashMap<String, Value> = HashMap::new();
         for (n, v) in feeds {
