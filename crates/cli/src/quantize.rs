@@ -229,11 +229,14 @@ pub fn prepare(path: &Path, opts: &CompileOptions) -> Result<Model> {
 }
 
 /// Quantizes `m` per `q`: returns the QDQ model, the encodings, and the number of samples.
+/// Appends the wall time of each step (`calibration`, `encodings`, `qdq`) to `timings`.
 pub fn quantize_model(
     m: &Model,
     q: &QuantizeArgs,
+    timings: &mut Vec<(&'static str, f64)>,
 ) -> Result<(Model, npuc_quant::Encodings, usize, String)> {
     let opts = q.options()?;
+    let mut t = Instant::now();
     let (enc, samples, method) = if let Some(e) = &q.encodings {
         (
             encodings::read(e, m)?,
@@ -292,13 +295,18 @@ pub fn quantize_model(
         if let Some(b) = bar {
             b.finish_and_clear();
         }
+        timings.push(("calibration", t.elapsed().as_secs_f64()));
+        t = Instant::now();
         (
             npuc_quant::encodings_from_ranges(m, &plan, &obs, opts.method)?,
             n,
             opts.method.name(),
         )
     };
+    timings.push(("encodings", t.elapsed().as_secs_f64()));
+    t = Instant::now();
     let qm = npuc_quant::apply(m, &enc)?;
+    timings.push(("qdq", t.elapsed().as_secs_f64()));
     Ok((qm, enc, samples, method))
 }
 
@@ -317,8 +325,10 @@ pub fn compile_quantized(
         None => Target::host(),
     };
     let m = prepare(path, opts)?;
+    let mut timings = vec![("load+prepare", t0.elapsed().as_secs_f64())];
     let nodes_before = m.graph.nodes.len();
-    let (qm, enc, samples, method) = quantize_model(&m, q)?;
+    let (qm, enc, samples, method) = quantize_model(&m, q, &mut timings)?;
+    let mut t = Instant::now();
     if let Some(p) = &q.emit_encodings {
         let args = serde_json::json!({
             "activation_bitwidth": enc.activations.values().find_map(|e| match e { npuc_quant::TensorEncoding::Int(q) => Some(npuc_quant::bitwidth(q.dtype)), _ => None }).unwrap_or(32),
@@ -347,6 +357,10 @@ pub fn compile_quantized(
         npuc_onnx::save_model(&em, p, &Default::default())
             .with_context(|| format!("writing {}", p.display()))?;
         log(&format!("wrote QDQ ONNX {}", p.display()));
+    }
+    if q.emit_qdq.is_some() || q.emit_encodings.is_some() {
+        timings.push(("exports", t.elapsed().as_secs_f64()));
+        t = Instant::now();
     }
     let options = serde_json::json!({
         "input_shapes": opts.input_shapes.iter().collect::<std::collections::BTreeMap<_, _>>(),
@@ -384,6 +398,15 @@ pub fn compile_quantized(
         },
     )?;
     let file_bytes = w.write(out)?;
+    timings.push(("compile+write", t.elapsed().as_secs_f64()));
+    log(&format!(
+        "timings: {}",
+        timings
+            .iter()
+            .map(|(k, v)| format!("{k} {v:.2} s"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    ));
     Ok(QuantSummary {
         activations: enc.activations.len(),
         params: enc.params.len(),

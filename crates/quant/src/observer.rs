@@ -3,6 +3,9 @@
 //! One [`Observer`] per calibrated tensor keeps the exact min/max plus a signed histogram over
 //! `[-R, R]` whose half range `R` doubles (merging bin pairs) whenever a sample exceeds it, so
 //! memory is constant whatever the number of samples and no second pass over the data is needed.
+//! The histogram depends on the order samples arrive in (the first one fixes the resolution), so
+//! calibration feeds histogram observers in sample order; min/max-only observers of disjoint
+//! sample sets combine exactly with [`Observer::merge`].
 
 use anyhow::{bail, Result};
 
@@ -81,29 +84,29 @@ impl Observer {
         }
     }
 
-    /// Adds a batch of finite values (callers reject NaN/Inf first).
-    pub fn add(&mut self, xs: &[f32]) {
+    /// Adds a batch of values. Returns the flat index of the first NaN/Inf instead (nothing
+    /// is recorded then), so callers can name the offending tensor.
+    pub fn add(&mut self, xs: &[f32]) -> Result<(), usize> {
         if xs.is_empty() {
-            return;
+            return Ok(());
         }
-        let (mut lo, mut hi) = (f32::INFINITY, f32::NEG_INFINITY);
-        for &x in xs {
-            lo = lo.min(x);
-            hi = hi.max(x);
-        }
+        let Some((lo, hi)) = min_max_finite(xs) else {
+            return Err(xs.iter().position(|x| !x.is_finite()).unwrap_or(0));
+        };
         self.min = self.min.min(lo);
         self.max = self.max.max(hi);
         self.count += xs.len() as u64;
         if !self.with_hist {
-            return;
+            return Ok(());
         }
         let amax = lo.abs().max(hi.abs());
         if self.half_range == 0.0 {
-            // First non-zero batch fixes the initial resolution to its own range.
             if amax == 0.0 {
+                // All zeros: the middle bin whatever R will be.
                 self.hist[BINS / 2] += xs.len() as u64;
-                return;
+                return Ok(());
             }
+            // First non-zero batch fixes the initial resolution to its own range.
             // Values seen so far were all zero: they sit in the middle bin whatever R is.
             self.half_range = amax;
         }
@@ -116,6 +119,22 @@ impl Observer {
             let i = ((x + r) * k) as usize;
             self.hist[i.min(BINS - 1)] += 1;
         }
+        Ok(())
+    }
+
+    /// Folds the min/max and count of `other` (the same tensor observed on other samples) into
+    /// `self`; exact whatever the order. Histograms are not merged: they depend on the order of
+    /// the samples, so histogram observers must see every sample themselves.
+    pub fn merge(&mut self, other: &Observer) {
+        debug_assert!(!self.with_hist && !other.with_hist);
+        self.min = self.min.min(other.min);
+        self.max = self.max.max(other.max);
+        self.count += other.count;
+    }
+
+    /// Whether this observer keeps a histogram (see [`Observer::merge`]).
+    pub fn has_histogram(&self) -> bool {
+        self.with_hist
     }
 
     /// Doubles the histogram's half range: old bins `2j, 2j+1` merge into new bin `BINS/4 + j`.
@@ -333,4 +352,34 @@ impl Observer {
         }
         ((best.1 as f64 + 0.5) * w).min(self.half_range as f64) as f32
     }
+}
+
+/// Min and max of `xs`, or `None` if it holds a NaN or an infinity. Eight independent lanes
+/// with compare-select updates (what `minps`/`maxps` do) let the compiler vectorize the loop;
+/// `x * 0` is NaN exactly for NaN/Inf, so one more lane sum detects them without a branch.
+pub fn min_max_finite(xs: &[f32]) -> Option<(f32, f32)> {
+    const L: usize = 8;
+    let mut lo = [f32::INFINITY; L];
+    let mut hi = [f32::NEG_INFINITY; L];
+    let mut bad = [0f32; L];
+    let mut chunks = xs.chunks_exact(L);
+    for c in &mut chunks {
+        for j in 0..L {
+            let x = c[j];
+            lo[j] = if x < lo[j] { x } else { lo[j] };
+            hi[j] = if x > hi[j] { x } else { hi[j] };
+            bad[j] += x * 0.0;
+        }
+    }
+    for &x in chunks.remainder() {
+        lo[0] = if x < lo[0] { x } else { lo[0] };
+        hi[0] = if x > hi[0] { x } else { hi[0] };
+        bad[0] += x * 0.0;
+    }
+    if bad.iter().any(|b| b.is_nan()) {
+        return None;
+    }
+    let lo = lo.iter().fold(f32::INFINITY, |a, &b| a.min(b));
+    let hi = hi.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    Some((lo, hi))
 }

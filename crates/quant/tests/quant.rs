@@ -157,8 +157,8 @@ fn observer_minmax_and_percentile_on_linspace() {
     // 0, 0.0001, ..., 1.0: numpy.percentile(x, [0.01*100-ish]) = 0.01 and 0.99 for p=99.
     let xs: Vec<f32> = (0..=10000).map(|i| i as f32 / 10000.0).collect();
     let mut o = Observer::new(true);
-    o.add(&xs[..5000]);
-    o.add(&xs[5000..]); // grows the histogram range mid-stream
+    o.add(&xs[..5000]).unwrap();
+    o.add(&xs[5000..]).unwrap(); // grows the histogram range mid-stream
     assert_eq!((o.min, o.max, o.count), (0.0, 1.0, 10001));
     assert_eq!(o.range(CalibMethod::MinMax, 255, false), (0.0, 1.0));
     let (lo, hi) = o.range(CalibMethod::Percentile(99.0), 255, false);
@@ -171,21 +171,21 @@ fn observer_mse_and_entropy_clip_outliers_but_not_uniform_data() {
     // Uniform data: clipping only adds error, MSE keeps (almost) the full range.
     let u: Vec<f32> = rand_vec(100_000, 7);
     let mut o = Observer::new(true);
-    o.add(&u);
+    o.add(&u).unwrap();
     let (lo, hi) = o.range(CalibMethod::Mse, 255, false);
     assert!(lo < -0.95 && hi > 0.95, "uniform mse range {lo}..{hi}");
     // Narrow bulk plus one huge outlier: both MSE and entropy clip far below it.
     let mut v: Vec<f32> = rand_vec(100_000, 8).iter().map(|x| x * 0.1).collect();
     v.push(50.0);
     let mut o = Observer::new(true);
-    o.add(&v);
+    o.add(&v).unwrap();
     // Heavy tail (10*u^5): MSE trades a little clipping for finer steps.
     let h: Vec<f32> = rand_vec(100_000, 9)
         .iter()
         .map(|u| 10.0 * u.powi(5))
         .collect();
     let mut oh = Observer::new(true);
-    oh.add(&h);
+    oh.add(&h).unwrap();
     let (lo, hi) = oh.range(CalibMethod::Mse, 255, false);
     assert!(
         hi < oh.max && lo > oh.min,
@@ -612,4 +612,97 @@ fn qnn_export_conventions() {
         .any(|n| n.op_type == "QuantizeLinear" && n.domain == "com.microsoft"));
     assert_eq!(e16.opset("com.microsoft"), Some(1));
     assert_eq!(e16.opset(""), Some(13));
+}
+
+#[test]
+fn calibration_matches_float_run_and_not_the_worker_count() {
+    // Reference: the plain float model with the planned tensors exposed, min/max over samples.
+    let m = small_model();
+    let opts = QuantOptions::default();
+    let p = plan(&m, &opts).unwrap();
+    let mut probe = m.clone();
+    for t in p.activations.keys() {
+        probe.graph.outputs.push(ValueInfo::new(t.clone(), None));
+    }
+    let sess = Session::new(&probe, SessionOptions::default()).unwrap();
+    let mut want: std::collections::BTreeMap<String, (f32, f32)> = Default::default();
+    for s in samples(7) {
+        let feeds = s
+            .feeds
+            .into_iter()
+            .map(|(k, t)| (k, Value::tensor(t)))
+            .collect();
+        for (name, v) in sess.run(feeds).unwrap() {
+            if !p.activations.contains_key(&name) {
+                continue;
+            }
+            let xs = v.as_tensor().unwrap().as_slice::<f32>().unwrap().to_vec();
+            let e = want
+                .entry(name)
+                .or_insert((f32::INFINITY, f32::NEG_INFINITY));
+            for x in xs {
+                e.0 = e.0.min(x);
+                e.1 = e.1.max(x);
+            }
+        }
+    }
+    assert_eq!(want.len(), p.activations.len());
+    for method in [
+        CalibMethod::MinMax,
+        CalibMethod::Mse,
+        CalibMethod::Percentile(99.0),
+    ] {
+        let runs: Vec<_> = [1, 2, 3]
+            .iter()
+            .map(|&w| calibrate(&m, &p, method, w, samples(7).into_iter().map(Ok), |_| {}).unwrap())
+            .collect();
+        for (name, &(lo, hi)) in &want {
+            let o = &runs[0][name];
+            assert!(
+                (o.min - lo).abs() <= 1e-6 * lo.abs().max(1.0)
+                    && (o.max - hi).abs() <= 1e-6 * hi.abs().max(1.0),
+                "{name}: observed {}..{}, float run {lo}..{hi}",
+                o.min,
+                o.max
+            );
+            for r in &runs[1..] {
+                let q = &r[name];
+                assert_eq!((q.min, q.max, q.count), (o.min, o.max, o.count), "{name}");
+                assert_eq!(
+                    q.range(method, 255, false),
+                    o.range(method, 255, false),
+                    "{name}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn observer_min_max_and_non_finite_detection_match_a_scalar_scan() {
+    for n in 0..70usize {
+        let xs: Vec<f32> = rand_vec(n, 900 + n as u64)
+            .iter()
+            .map(|v| v * 7.0)
+            .collect();
+        let mut o = Observer::new(false);
+        o.add(&xs).unwrap();
+        if n > 0 {
+            let lo = xs.iter().copied().fold(f32::INFINITY, f32::min);
+            let hi = xs.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            assert_eq!((o.min, o.max, o.count), (lo, hi, n as u64));
+        }
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            for at in [0, n / 2, n.saturating_sub(1)]
+                .into_iter()
+                .filter(|&i| i < n)
+            {
+                let mut ys = xs.clone();
+                ys[at] = bad;
+                let mut o = Observer::new(true);
+                assert_eq!(o.add(&ys), Err(at), "n {n}, {bad} at {at}");
+                assert_eq!(o.count, 0);
+            }
+        }
+    }
 }

@@ -30,6 +30,9 @@ struct Step {
     cache: OnceLock<Arc<dyn Any + Send + Sync>>,
 }
 
+/// A callback seeing each value a step produces, by name (see [`Session::run_observed`]).
+type Observe<'a> = &'a mut dyn FnMut(&str, &Value);
+
 /// A graph ready to run: values mapped to slots, kernels resolved, lifetimes computed.
 pub struct Plan {
     name: String,
@@ -333,14 +336,17 @@ impl Plan {
         outer: Option<&Frame>,
         threads: usize,
     ) -> Result<Vec<Value>> {
-        self.run_slots(inputs.into_iter().map(Some).collect(), outer, threads)
+        self.run_slots(inputs.into_iter().map(Some).collect(), outer, threads, None)
     }
 
+    /// Runs the steps; `observe` (if any) sees every value a step produces, named, right after
+    /// the step, before a later step can take its buffer.
     fn run_slots(
         &self,
         inputs: Vec<Option<Value>>,
         outer: Option<&Frame>,
         threads: usize,
+        mut observe: Option<Observe>,
     ) -> Result<Vec<Value>> {
         let _pool = PoolGuard::install(&self.pool, self.reuse.load(Ordering::Relaxed));
         let mut slots: Vec<Option<Value>> = vec![None; self.n_slots];
@@ -394,6 +400,13 @@ impl Plan {
                     )),
                     &st.node,
                 ));
+            }
+            if let Some(f) = observe.as_mut() {
+                for (name, v) in st.node.outputs.iter().zip(&out) {
+                    if !name.is_empty() {
+                        f(name, v);
+                    }
+                }
             }
             for (o, v) in st.outputs.iter().zip(out) {
                 if let Some(o) = o {
@@ -585,6 +598,27 @@ impl Session {
     /// Runs with named feeds; returns outputs in graph order. Checks feeds against the declared
     /// input types (dtype, rank, fixed dims, consistent symbolic dims).
     pub fn run(&self, feeds: Vec<(String, Value)>) -> Result<Vec<(String, Value)>> {
+        self.run_inner(feeds, None)
+    }
+
+    /// Like [`Session::run`], and calls `observe(name, value)` for every value a node produces,
+    /// in execution order, as soon as it is produced (graph inputs and initializers are not
+    /// reported). Intermediate values need not be graph outputs, so their buffers are still
+    /// freed and reused: this is how calibration watches every activation at the cost of a
+    /// plain run.
+    pub fn run_observed(
+        &self,
+        feeds: Vec<(String, Value)>,
+        observe: &mut dyn FnMut(&str, &Value),
+    ) -> Result<Vec<(String, Value)>> {
+        self.run_inner(feeds, Some(observe))
+    }
+
+    fn run_inner(
+        &self,
+        feeds: Vec<(String, Value)>,
+        observe: Option<Observe>,
+    ) -> Result<Vec<(String, Value)>> {
         let mut by_name: HashMap<String, Value> = HashMap::new();
         for (n, v) in feeds {
             if !self.plan.inputs.iter().any(|(vi, _)| vi.name == n) {
@@ -630,7 +664,9 @@ impl Session {
                 }
             }
         }
-        let outs = self.plan.run_slots(ordered, None, self.opts.threads)?;
+        let outs = self
+            .plan
+            .run_slots(ordered, None, self.opts.threads, observe)?;
         Ok(self
             .outputs
             .iter()
