@@ -234,7 +234,8 @@ fn real(name: &str, want_lowered: usize) {
 
 #[test]
 fn vit_s_w8a8() {
-    real("vit_s_w8a8", 96);
+    // 96 matrix products and the decoder's 3 ConvTranspose.
+    real("vit_s_w8a8", 99);
 }
 
 /// Steady-state latency, float ViT-S (optimized as `npuc compile` does) vs the w8a8 QDQ ViT-S
@@ -279,4 +280,151 @@ fn bench_vit_w8a8_vs_float() {
             qm / f
         );
     }
+}
+
+/// A deterministic pseudo-random sequence in [0, 1) (no test data file needed).
+fn lcg(seed: &mut u64) -> f64 {
+    *seed = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (*seed >> 11) as f64 / (1u64 << 53) as f64
+}
+
+/// `DQ(x) , DQ(w per output channel) , bias -> ConvTranspose (stride 2, asymmetric pads,
+/// output_padding) -> Q`, then `DQ -> BatchNormalization -> Q -> DQ`: the integer
+/// `npuc.QConvTranspose` and the BatchNormalization lookup table (`npuc.QLut`, per channel on
+/// axis 1) against the QDQ graph run in float. The convolution output may differ by one step
+/// (float vs exact integer sums); the table is exact on equal inputs, so the BN output differs
+/// by at most what one input step moves it (its gain) plus one rounding step.
+#[test]
+fn conv_transpose_bn_w8a8_synthetic() {
+    use npuc_ir::{Attr, Graph, Initializer, Node, OpsetImport, ValueInfo};
+    let (c, m, h, w, k) = (16usize, 8usize, 5usize, 7usize, 4usize);
+    let mut seed = 7u64;
+    let init = |name: &str, t: Tensor| Initializer {
+        name: name.into(),
+        tensor: t,
+    };
+    let sc = |v: f32| Tensor::from_vec(vec![], vec![v]).unwrap();
+    let wq: Vec<i8> = (0..c * m * k * k)
+        .map(|_| (lcg(&mut seed) * 254.0 - 127.0).round() as i8)
+        .collect();
+    let sw: Vec<f32> = (0..m).map(|i| 0.002 + 0.001 * i as f32).collect();
+    let bias: Vec<f32> = (0..m).map(|i| 0.05 * i as f32 - 0.2).collect();
+    let bn_scale: Vec<f32> = (0..m).map(|i| 0.5 + 0.05 * i as f32).collect();
+    let bn_b: Vec<f32> = (0..m).map(|i| 0.1 - 0.03 * i as f32).collect();
+    let bn_mean: Vec<f32> = (0..m).map(|i| 0.01 * i as f32).collect();
+    let bn_var: Vec<f32> = (0..m).map(|i| 0.8 + 0.1 * i as f32).collect();
+    let (s1, s2) = (0.02f32, 0.015f32);
+    let inits = vec![
+        init("sx", sc(0.03)),
+        init("zx", Tensor::from_vec(vec![], vec![128u8]).unwrap()),
+        init("wq", Tensor::from_vec(vec![c, m, k, k], wq).unwrap()),
+        init("sw", Tensor::from_vec(vec![m], sw).unwrap()),
+        init("zw", Tensor::from_vec(vec![m], vec![0i8; m]).unwrap()),
+        init("bias", Tensor::from_vec(vec![m], bias).unwrap()),
+        init("s1", sc(s1)),
+        init("z1", Tensor::from_vec(vec![], vec![120u8]).unwrap()),
+        init("bn_s", Tensor::from_vec(vec![m], bn_scale.clone()).unwrap()),
+        init("bn_b", Tensor::from_vec(vec![m], bn_b).unwrap()),
+        init("bn_m", Tensor::from_vec(vec![m], bn_mean).unwrap()),
+        init("bn_v", Tensor::from_vec(vec![m], bn_var.clone()).unwrap()),
+        init("s2", sc(s2)),
+        init("z2", Tensor::from_vec(vec![], vec![0u8]).unwrap()),
+    ];
+    let nodes = vec![
+        Node::new("DequantizeLinear", &["xq", "sx", "zx"], &["x"]),
+        Node::new("DequantizeLinear", &["wq", "sw", "zw"], &["wf"]).with_attr("axis", Attr::Int(1)),
+        Node::new("ConvTranspose", &["x", "wf", "bias"], &["ct"])
+            .with_attr("strides", Attr::Ints(vec![2, 2]))
+            .with_attr("pads", Attr::Ints(vec![1, 0, 2, 1]))
+            .with_attr("output_padding", Attr::Ints(vec![1, 0])),
+        Node::new("QuantizeLinear", &["ct", "s1", "z1"], &["ct_q"]),
+        Node::new("DequantizeLinear", &["ct_q", "s1", "z1"], &["y1"]),
+        Node::new("DequantizeLinear", &["ct_q", "s1", "z1"], &["ct_dq"]),
+        Node::new(
+            "BatchNormalization",
+            &["ct_dq", "bn_s", "bn_b", "bn_m", "bn_v"],
+            &["bn"],
+        ),
+        Node::new("QuantizeLinear", &["bn", "s2", "z2"], &["bn_q"]),
+        Node::new("DequantizeLinear", &["bn_q", "s2", "z2"], &["y2"]),
+    ];
+    let model = Model {
+        ir_version: 9,
+        opset_imports: vec![OpsetImport {
+            domain: String::new(),
+            version: 19,
+        }],
+        graph: Graph {
+            name: "ct".into(),
+            nodes,
+            inputs: vec![ValueInfo::new("xq", None)],
+            outputs: vec![ValueInfo::new("y1", None), ValueInfo::new("y2", None)],
+            initializers: inits,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let mut low = model.clone();
+    let p = npuc_cli::quantized::prepare(&mut low, false).expect("lowering");
+    assert_eq!(p.lowered, 1, "the ConvTranspose is lowered");
+    let ops: Vec<&str> = low.graph.nodes.iter().map(|n| n.op_type.as_str()).collect();
+    assert!(
+        ops.contains(&"QConvTranspose") && ops.contains(&"QLut"),
+        "{ops:?}"
+    );
+    let xq: Vec<u8> = (0..2 * c * h * w)
+        .map(|_| (lcg(&mut seed) * 255.0).round() as u8)
+        .collect();
+    let x = Tensor::from_vec(vec![2, c, h, w], xq).unwrap();
+    let go = |m: &Model, threads: usize| -> Vec<Tensor> {
+        let s = Session::new(m, SessionOptions { threads }).expect("session");
+        s.run(vec![("xq".into(), Value::tensor(x.clone()))])
+            .expect("run")
+            .into_iter()
+            .map(|(_, v)| v.as_tensor().unwrap().clone())
+            .collect()
+    };
+    let sim = go(&model, 1);
+    let lo1 = go(&low, 1);
+    let lo2 = go(&low, 2);
+    // Output size: s * (in - 1) + output_padding + k - pads.
+    assert_eq!(
+        sim[0].shape(),
+        &[2, m, 2 * (h - 1) + 1 + k - 3, 2 * (w - 1) + k - 1]
+    );
+    assert_eq!(lo1[0].shape(), sim[0].shape());
+    for i in 0..2 {
+        assert_eq!(lo1[i].to_f64_vec().unwrap(), lo2[i].to_f64_vec().unwrap());
+    }
+    let d1 = diff(&lo1[0], &sim[0], s1 as f64);
+    assert!(
+        d1.max_steps <= 1.0 + 1e-3,
+        "ConvTranspose: {} steps",
+        d1.max_steps
+    );
+    // Largest BN gain scale / sqrt(var + eps), in output steps per input step.
+    let gain = bn_scale
+        .iter()
+        .zip(&bn_var)
+        .map(|(s, v)| s / (v + 1e-5).sqrt())
+        .fold(0f32, f32::max) as f64
+        * s1 as f64
+        / s2 as f64;
+    let d2 = diff(&lo1[1], &sim[1], s2 as f64);
+    assert!(
+        d2.max_steps <= gain + 1.0 + 1e-3,
+        "BN: {} steps (gain {gain})",
+        d2.max_steps
+    );
+    // Not vacuous: the outputs vary.
+    let v = lo1[1].to_f64_vec().unwrap();
+    assert!(v.iter().any(|&a| a != v[0]));
+    eprintln!(
+        "conv_transpose_bn: ConvTranspose max {:.3} steps ({:.3}% > 1), BN max {:.3} steps",
+        d1.max_steps,
+        d1.frac_over * 100.0,
+        d2.max_steps
+    );
 }

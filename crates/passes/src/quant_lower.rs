@@ -136,7 +136,16 @@ impl QuantLower {
         if !has_qdq(m) {
             return Ok((0, 0));
         }
-        let products = self.lower_products(m)?;
+        let products = self.lower_products(m)? + self.lower_conv_transpose(m)?;
+        // Lookup regions need their constants as constants: the DQ of a constant bias or
+        // scale (and Q -> DQ of constant operands) fold first. The weights of lowered
+        // products are dead by now and removed before folding, so they never expand to f32.
+        Dce.run(m)?;
+        crate::passes::const_fold::ConstFold {
+            max_bytes: 64 << 20,
+        }
+        .run(m)?;
+        let luts = self.lower_luts(m)?;
         let g = &m.graph;
         let ix = Index::new(g);
         let mut switch = vec![];
@@ -204,7 +213,7 @@ impl QuantLower {
             n.op_type = if q { "Quantize" } else { "Dequantize" }.into();
             n.attrs.retain(|(a, _)| a != "axis" && a != "saturate");
         }
-        Ok((products, switch.len() + squares.len()))
+        Ok((products, luts + switch.len() + squares.len()))
     }
 
     fn lower_products(&self, m: &mut Model) -> Result<usize, PassError> {
@@ -382,6 +391,650 @@ impl QuantLower {
             return Ok(0);
         }
         let n = edits.len();
+        import_npuc(m);
+        let g = &mut m.graph;
+        let mut dead = HashSet::new();
+        for e in edits {
+            g.nodes[e.product] = e.node;
+            dead.extend(e.remove);
+        }
+        crate::util::remove_nodes(g, &dead);
+        Ok(n)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Lookup regions: elementwise float math between a DequantizeLinear and a QuantizeLinear.
+//
+// QDQ graphs (ORT's `quantize_static`) wrap every float op in Q/DQ pairs: a bias Add, a layer
+// scale Mul, the ops of an Erf-GELU, BatchNormalization after a convolution, each reads the
+// dequantized 8-bit output of its producer and is quantized again. When a connected set of
+// elementwise ops reads only one 8-bit tensor `t` (through one DQ) and constants, and leaves
+// through one 8-bit QuantizeLinear, its output is a function of each element of `t` and (for
+// per-channel constants) its channel: at most 256 values per channel. The region is evaluated
+// once, at load, on all 256 inputs with the runtime's own kernels (so the table holds exactly
+// what the QDQ graph computes), and becomes one `npuc.QLut(t, table)`: a byte lookup per
+// element instead of a dequantize, float ops and a quantize, each a pass over memory.
+//
+// Layout-only ops (Reshape, Transpose, Squeeze, Unsqueeze, Flatten) commute with elementwise
+// math, so `DQ -> Reshape -> Q` is first rewritten to `Reshape(t) -> DQ -> Q`, which a region
+// then absorbs (an identity table when both sides use the same parameters disappears).
+
+/// Ops a lookup region may hold: elementwise in their region input (other inputs constant).
+const LUT_OPS: &[&str] = &[
+    "Add",
+    "Sub",
+    "Mul",
+    "Div",
+    "Erf",
+    "Sqrt",
+    "Relu",
+    "Sigmoid",
+    "Tanh",
+    "Neg",
+    "Abs",
+    "Exp",
+    "Log",
+    "Reciprocal",
+    "Pow",
+    "Clip",
+    "LeakyRelu",
+    "HardSigmoid",
+    "HardSwish",
+    "Gelu",
+    "Softplus",
+    "Identity",
+    "Floor",
+    "Ceil",
+    "Round",
+    "Max",
+    "Min",
+    "Elu",
+    "Selu",
+    "QuantizeLinear",
+    "DequantizeLinear",
+    "BatchNormalization",
+];
+
+/// Layout ops a DequantizeLinear is moved past (they move bytes, not values).
+const LAYOUT_OPS: &[&str] = &["Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten"];
+
+/// Name of the synthetic input a region is evaluated on.
+const LUT_X: &str = "__npuc_lut_x";
+
+/// A per-tensor, 8-bit Q/DQ with constant parameters: (scale, zero point, 8-bit dtype).
+fn qdq_8bit(g: &Graph, ix: &Index, n: &Node) -> Option<DType> {
+    if n.outputs.len() != 1
+        || n.attrs
+            .iter()
+            .any(|(a, _)| a == "block_size" || a == "output_dtype")
+    {
+        return None;
+    }
+    let s = ix.constant(g, n.input(1)?)?;
+    if s.len() != 1 || s.dtype() != DType::F32 {
+        return None;
+    }
+    let z = ix.constant(g, n.input(2)?)?;
+    if z.len() != 1 || !matches!(z.dtype(), DType::U8 | DType::I8) {
+        return None;
+    }
+    Some(z.dtype())
+}
+
+/// A found region: its nodes (graph indices), the 8-bit source, the exit value, the table.
+struct LutRegion {
+    nodes: Vec<usize>,
+    start: usize,
+    source: String,
+    exit: String,
+    /// `[C, 256]` (or `[256]`) table of the exit's dtype, and the channel axis when C > 1.
+    table: npuc_ir::Tensor,
+    axis: Option<i64>,
+    identity: bool,
+}
+
+/// The channel layout of a region's constants: none, per-channel along axis `-ae` of the
+/// broadcast (constants shaped `[C, 1, ..]` of rank `ae`), or BatchNormalization's axis 1.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Chan {
+    None,
+    FromEnd(usize, usize),
+    Axis1(usize),
+}
+
+fn merge_chan(a: Chan, b: Chan) -> Option<Chan> {
+    match (a, b) {
+        (Chan::None, x) | (x, Chan::None) => Some(x),
+        (x, y) if x == y => Some(x),
+        _ => None,
+    }
+}
+
+impl QuantLower {
+    /// Grows the lookup region starting at DequantizeLinear `di` and evaluates its table.
+    fn lut_region(
+        &self,
+        m: &Model,
+        ix: &Index,
+        di: usize,
+        used: &HashSet<usize>,
+    ) -> Option<LutRegion> {
+        let g = &m.graph;
+        let d = &g.nodes[di];
+        if !is_op(d, "DequantizeLinear") {
+            return None;
+        }
+        let src_dt = qdq_8bit(g, ix, d)?;
+        let source = d.input(0)?.to_string();
+        if ix.is_const(g, &source) || ix.captured.contains(&source) {
+            return None;
+        }
+        let mut nodes: HashSet<usize> = HashSet::from([di]);
+        let mut vals: HashSet<String> = HashSet::from([d.outputs[0].clone()]);
+        let mut chan = Chan::None;
+        let mut changed = true;
+        while changed {
+            changed = false;
+            let cur: Vec<String> = vals.iter().cloned().collect();
+            for v in cur {
+                for &ui in ix.users(&v) {
+                    if nodes.contains(&ui) || used.contains(&ui) {
+                        continue;
+                    }
+                    let u = &g.nodes[ui];
+                    if !u.domain.is_empty()
+                        || !LUT_OPS.contains(&u.op_type.as_str())
+                        || u.outputs.len() != 1
+                        || u.outputs[0].is_empty()
+                    {
+                        continue;
+                    }
+                    let Some(c) = self.lut_node_ok(g, ix, u, &vals) else {
+                        continue;
+                    };
+                    let Some(c) = merge_chan(chan, c) else {
+                        continue;
+                    };
+                    chan = c;
+                    nodes.insert(ui);
+                    vals.insert(u.outputs[0].clone());
+                    changed = true;
+                }
+            }
+        }
+        // Exactly one value leaves the region, made by an 8-bit QuantizeLinear. A region that
+        // grew past its last Q (e.g. into the DQ feeding a LayerNorm) gives those nodes back:
+        // a node whose float output escapes leaves the region with everything after it.
+        let exit = loop {
+            let exits: Vec<String> = vals
+                .iter()
+                .filter(|v| !ix.is_internal(v) || ix.users(v).iter().any(|u| !nodes.contains(u)))
+                .cloned()
+                .collect();
+            let bad: Vec<usize> = exits
+                .iter()
+                .filter_map(|v| ix.prod(g, v).map(|(i, _)| i))
+                .filter(|&i| !is_op(&g.nodes[i], "QuantizeLinear"))
+                .collect();
+            if bad.is_empty() {
+                let [exit] = exits.as_slice() else {
+                    return None;
+                };
+                break exit.clone();
+            }
+            if bad.contains(&di) {
+                return None;
+            }
+            let mut drop: HashSet<usize> = bad.into_iter().collect();
+            loop {
+                let gone: HashSet<&str> = drop
+                    .iter()
+                    .flat_map(|&i| g.nodes[i].outputs.iter().map(|o| o.as_str()))
+                    .collect();
+                let more: Vec<usize> = nodes
+                    .iter()
+                    .copied()
+                    .filter(|i| {
+                        !drop.contains(i)
+                            && g.nodes[*i].inputs.iter().any(|x| gone.contains(x.as_str()))
+                    })
+                    .collect();
+                if more.is_empty() {
+                    break;
+                }
+                drop.extend(more);
+            }
+            if drop.contains(&di) {
+                return None;
+            }
+            nodes.retain(|i| !drop.contains(i));
+            vals = nodes
+                .iter()
+                .map(|&i| g.nodes[i].outputs[0].clone())
+                .collect();
+        };
+        // The channel layout of what is left.
+        let mut chan = Chan::None;
+        for &i in &nodes {
+            if i != di {
+                chan = merge_chan(chan, self.lut_node_ok(g, ix, &g.nodes[i], &vals)?)?;
+            }
+        }
+        let exit = &exit;
+        let (qi, q) = ix.prod(g, exit)?;
+        if !nodes.contains(&qi) || !is_op(q, "QuantizeLinear") {
+            return None;
+        }
+        let out_dt = qdq_8bit(g, ix, q)?;
+        // Evaluate on every 8-bit value (per channel).
+        let (c, shape, axis) = match chan {
+            Chan::None => (1, vec![256], None),
+            Chan::FromEnd(ae, c) => {
+                let mut s = vec![256, c];
+                s.extend(std::iter::repeat(1).take(ae - 1));
+                (c, s, Some(-(ae as i64)))
+            }
+            Chan::Axis1(c) => (c, vec![256, c], Some(1)),
+        };
+        let vals_of = |i: usize| i / c;
+        let x = match src_dt {
+            DType::U8 => npuc_ir::Tensor::from_vec(
+                shape,
+                (0..256 * c).map(|i| vals_of(i) as u8).collect::<Vec<u8>>(),
+            ),
+            _ => npuc_ir::Tensor::from_vec(
+                shape,
+                (0..256 * c)
+                    .map(|i| (vals_of(i) as i32 - 128) as i8)
+                    .collect::<Vec<i8>>(),
+            ),
+        }
+        .ok()?;
+        let mut order: Vec<usize> = nodes.iter().copied().collect();
+        order.sort_unstable();
+        let mut mini_nodes = vec![];
+        let mut inits = vec![npuc_ir::Initializer {
+            name: LUT_X.into(),
+            tensor: x,
+        }];
+        let mut seen = HashSet::new();
+        for &i in &order {
+            let mut n = g.nodes[i].clone();
+            for inp in n.inputs.iter_mut() {
+                if inp.is_empty() || vals.contains(inp.as_str()) {
+                    continue;
+                }
+                if i == di && *inp == source {
+                    *inp = LUT_X.into();
+                    continue;
+                }
+                if seen.insert(inp.clone()) {
+                    inits.push(npuc_ir::Initializer {
+                        name: inp.clone(),
+                        tensor: ix.constant(g, inp)?.into_owned(),
+                    });
+                }
+            }
+            mini_nodes.push(n);
+        }
+        let mini = Model {
+            ir_version: m.ir_version,
+            opset_imports: m.opset_imports.clone(),
+            graph: Graph {
+                name: "lut".into(),
+                nodes: mini_nodes,
+                initializers: inits,
+                outputs: vec![npuc_ir::ValueInfo::new(exit.to_string(), None)],
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let s =
+            npuc_runtime::Session::new(&mini, npuc_runtime::SessionOptions { threads: 1 }).ok()?;
+        let out = s.run(vec![]).ok()?;
+        let npuc_runtime::Value::Tensor(t) = &out.first()?.1 else {
+            return None;
+        };
+        if t.dtype() != out_dt || t.len() != 256 * c {
+            return None;
+        }
+        // out[v * C + ch] -> table[ch * 256 + v]
+        let raw: Vec<i64> = t.to_i64_vec().ok()?;
+        let tab: Vec<i64> = (0..256 * c).map(|i| raw[(i % 256) * c + i / 256]).collect();
+        let identity = c == 1
+            && out_dt == src_dt
+            && tab.iter().enumerate().all(|(v, &y)| {
+                y == if src_dt == DType::U8 {
+                    v as i64
+                } else {
+                    v as i64 - 128
+                }
+            });
+        let tshape = if c == 1 { vec![256] } else { vec![c, 256] };
+        let table = match out_dt {
+            DType::U8 => {
+                npuc_ir::Tensor::from_vec(tshape, tab.iter().map(|&v| v as u8).collect::<Vec<u8>>())
+            }
+            _ => {
+                npuc_ir::Tensor::from_vec(tshape, tab.iter().map(|&v| v as i8).collect::<Vec<i8>>())
+            }
+        }
+        .ok()?;
+        Some(LutRegion {
+            nodes: order,
+            start: di,
+            source,
+            exit: exit.to_string(),
+            table,
+            axis,
+            identity,
+        })
+    }
+
+    /// Whether `u` may join a region whose values are `vals`: every other input constant and
+    /// of a supported shape. Returns the channel layout its constants imply.
+    fn lut_node_ok(&self, g: &Graph, ix: &Index, u: &Node, vals: &HashSet<String>) -> Option<Chan> {
+        let in_region = |s: &str| vals.contains(s);
+        let op = u.op_type.as_str();
+        if !u.inputs.iter().any(|i| in_region(i)) {
+            return None;
+        }
+        match op {
+            "QuantizeLinear" | "DequantizeLinear" => {
+                qdq_8bit(g, ix, u)?;
+                return (in_region(u.input(0)?)
+                    && !in_region(u.input(1)?)
+                    && !in_region(u.input(2)?))
+                .then_some(Chan::None);
+            }
+            "BatchNormalization" => {
+                if !in_region(u.input(0)?) || u.inputs.len() != 5 {
+                    return None;
+                }
+                if let Some(Attr::Int(t)) = u.attr("training_mode") {
+                    if *t != 0 {
+                        return None;
+                    }
+                }
+                let mut c = None;
+                for p in &u.inputs[1..] {
+                    let t = ix.constant(g, p)?;
+                    if t.rank() != 1 || c.is_some_and(|c| c != t.len()) {
+                        return None;
+                    }
+                    c = Some(t.len());
+                }
+                return Some(Chan::Axis1(c?));
+            }
+            "Pow" if !in_region(u.input(0)?) => return None,
+            _ => {}
+        }
+        let mut chan = Chan::None;
+        for inp in u.inputs.iter().filter(|i| !i.is_empty() && !in_region(i)) {
+            let t = ix.constant(g, inp)?;
+            let c = if t.len() == 1 {
+                if t.rank() > 1 {
+                    return None;
+                }
+                Chan::None
+            } else {
+                // [C, 1, .., 1]: per-channel along axis -rank of the broadcast.
+                let s = t.shape();
+                if s[1..].iter().any(|&d| d != 1) {
+                    return None;
+                }
+                Chan::FromEnd(s.len(), s[0])
+            };
+            chan = merge_chan(chan, c)?;
+        }
+        Some(chan)
+    }
+
+    /// Moves per-tensor 8-bit DequantizeLinear nodes below the layout op that is their only
+    /// reader. Returns how many moved.
+    fn sink_dq(&self, m: &mut Model) -> usize {
+        let g = &m.graph;
+        let ix = Index::new(g);
+        let mut swaps = vec![];
+        for (di, d) in g.nodes.iter().enumerate() {
+            if !is_op(d, "DequantizeLinear") || qdq_8bit(g, &ix, d).is_none() {
+                continue;
+            }
+            let Some(li) = ix.sole_user(&d.outputs[0]) else {
+                continue;
+            };
+            let l = &g.nodes[li];
+            if !l.domain.is_empty()
+                || !LAYOUT_OPS.contains(&l.op_type.as_str())
+                || l.outputs.len() != 1
+                || l.input(0) != Some(d.outputs[0].as_str())
+                || l.inputs[1..].iter().any(|i| i == &d.outputs[0])
+            {
+                continue;
+            }
+            swaps.push((di, li));
+        }
+        let mut taken = HashSet::new();
+        let n = swaps.len();
+        for (di, li) in swaps {
+            let t = m.graph.nodes[di].inputs[0].clone();
+            let y = m.graph.nodes[li].outputs[0].clone();
+            let mid = crate::util::fresh_name(&m.graph, &mut taken, &format!("{t}_layout"));
+            let g = &mut m.graph;
+            g.nodes[li].inputs[0] = t;
+            g.nodes[li].outputs[0] = mid.clone();
+            g.nodes[di].inputs[0] = mid;
+            g.nodes[di].outputs[0] = y;
+            // The DQ now reads the layout op's output: put it after it.
+            g.nodes.swap(di, li);
+        }
+        n
+    }
+
+    /// Sinks DequantizeLinear nodes past layout ops and replaces lookup regions with
+    /// `npuc.QLut` (identity regions disappear). Returns the number of regions replaced.
+    fn lower_luts(&self, m: &mut Model) -> Result<usize, PassError> {
+        let mut total = 0;
+        for _ in 0..8 {
+            let sunk = self.sink_dq(m);
+            let g = &m.graph;
+            let ix = Index::new(g);
+            let mut used = HashSet::new();
+            let mut regions = vec![];
+            for (di, d) in g.nodes.iter().enumerate() {
+                if used.contains(&di) || !is_op(d, "DequantizeLinear") {
+                    continue;
+                }
+                if let Some(r) = self.lut_region(m, &ix, di, &used) {
+                    used.extend(r.nodes.iter().copied());
+                    regions.push(r);
+                }
+            }
+            if regions.is_empty() && sunk == 0 {
+                break;
+            }
+            total += regions.len();
+            if regions.is_empty() {
+                continue;
+            }
+            import_npuc(m);
+            let mut taken = HashSet::new();
+            let mut dead = HashSet::new();
+            let mut renames: Vec<(String, String)> = vec![];
+            for r in regions {
+                dead.extend(r.nodes.iter().copied().filter(|&i| i != r.start));
+                if r.identity && !ix.graph_outputs.contains(&r.exit) {
+                    dead.insert(r.start);
+                    renames.push((r.exit, r.source));
+                    continue;
+                }
+                let tname = crate::util::add_init(&mut m.graph, &mut taken, "lut_table", r.table);
+                let mut node = Node::new("QLut", &[&r.source, &tname], &[&r.exit]);
+                node.domain = "npuc".into();
+                node.name = format!("{}_lut", m.graph.nodes[r.start].name);
+                if let Some(a) = r.axis {
+                    node = node.with_attr("axis", Attr::Int(a));
+                }
+                m.graph.nodes[r.start] = node;
+            }
+            crate::util::remove_nodes(&mut m.graph, &dead);
+            let map: std::collections::HashMap<String, String> = renames.into_iter().collect();
+            for (old, new) in &map {
+                let mut to = new.clone();
+                let mut hops = 0;
+                while let Some(next) = map.get(&to) {
+                    to = next.clone();
+                    hops += 1;
+                    if hops > map.len() {
+                        break;
+                    }
+                }
+                crate::util::replace_uses(&mut m.graph, old, &to);
+            }
+        }
+        // A table right after an integer product with 8-bit output, per output column (the
+        // last axis) or for all values, runs in the product's epilogue (input 9).
+        {
+            let g = &m.graph;
+            let ix = Index::new(g);
+            let mut fuse = vec![];
+            for (li, l) in g.nodes.iter().enumerate() {
+                if !(l.domain == "npuc" && l.op_type == "QLut") {
+                    continue;
+                }
+                let per_col = l.attr("axis").is_some();
+                if per_col && attr_int(l, "axis", 0) != -1 {
+                    continue;
+                }
+                let (Some(x), Some(tab)) = (l.input(0), l.input(1)) else {
+                    continue;
+                };
+                let Some((pi, p)) = ix.prod(g, x) else {
+                    continue;
+                };
+                if !(p.domain == "npuc" && p.op_type == "QMatMul")
+                    || p.inputs.len() != 9
+                    || ix.sole_user(x) != Some(li)
+                {
+                    continue;
+                }
+                let (Some(zt), Some(tt)) = (ix.constant(g, &p.inputs[8]), ix.constant(g, tab))
+                else {
+                    continue;
+                };
+                if zt.dtype() != tt.dtype() {
+                    continue;
+                }
+                if per_col {
+                    // One table row per output column of a constant [K, N] (or [N, K]) weight.
+                    let Some(w) = ix.constant(g, &p.inputs[3]) else {
+                        continue;
+                    };
+                    let cols = if attr_int(p, "trans_b", 0) != 0 { 0 } else { 1 };
+                    if w.rank() != 2 || tt.rank() != 2 || tt.shape()[0] != w.shape()[cols] {
+                        continue;
+                    }
+                }
+                fuse.push((pi, li, tab.to_string(), l.outputs[0].clone()));
+            }
+            let mut dead = HashSet::new();
+            for (pi, li, tab, out) in fuse {
+                let p = &mut m.graph.nodes[pi];
+                p.inputs.push(tab);
+                p.outputs[0] = out;
+                dead.insert(li);
+            }
+            crate::util::remove_nodes(&mut m.graph, &dead);
+        }
+        // Sinking swapped node positions; keep the list topologically ordered.
+        if let Ok(order) = m.graph.topo_order(&HashSet::new()) {
+            let mut nodes: Vec<Option<Node>> = std::mem::take(&mut m.graph.nodes)
+                .into_iter()
+                .map(Some)
+                .collect();
+            m.graph.nodes = order.into_iter().filter_map(|i| nodes[i].take()).collect();
+        }
+        Ok(total)
+    }
+}
+
+impl QuantLower {
+    /// `DQ(x), DQ(w) [, bias] -> ConvTranspose -> Q` (2-D, group 1, dilations 1, explicit
+    /// pads) into `npuc.QConvTranspose`. Returns the number lowered.
+    fn lower_conv_transpose(&self, m: &mut Model) -> Result<usize, PassError> {
+        let g = &m.graph;
+        let ix = Index::new(g);
+        let mut edits: Vec<Edit> = vec![];
+        for (pi, p) in g.nodes.iter().enumerate() {
+            if !is_op(p, "ConvTranspose") || p.outputs.len() != 1 {
+                continue;
+            }
+            let ints = |a: &str| match p.attr(a) {
+                Some(Attr::Ints(v)) => Some(v.clone()),
+                _ => None,
+            };
+            if attr_int(p, "group", 1) != 1
+                || ints("dilations").is_some_and(|d| d.iter().any(|&v| v != 1))
+                || p.attr("output_shape").is_some()
+                || matches!(p.attr("auto_pad"), Some(Attr::String(s)) if s != "NOTSET")
+            {
+                continue;
+            }
+            let (Some(xn), Some(wn)) = (p.input(0), p.input(1)) else {
+                continue;
+            };
+            let Some(x) = self.dq(g, &ix, xn, None) else {
+                continue;
+            };
+            if !matches!(self.qtype(g, &ix, &x), Some(DType::U8 | DType::I8)) {
+                continue;
+            }
+            let Some(w) = self.dq(g, &ix, wn, Some((4, 1))) else {
+                continue;
+            };
+            let Some(wq) = ix.constant(g, &w.q) else {
+                continue;
+            };
+            if wq.rank() != 4 || !matches!(wq.dtype(), DType::U8 | DType::I8) {
+                continue;
+            }
+            if ints("kernel_shape").is_some_and(|k| k.len() != 2) {
+                continue;
+            }
+            let bias = p.input(2).unwrap_or("").to_string();
+            let Some(qi) = ix.sole_user(&p.outputs[0]) else {
+                continue;
+            };
+            let q = &g.nodes[qi];
+            if !is_op(q, "QuantizeLinear") || qdq_8bit(g, &ix, q).is_none() {
+                continue;
+            }
+            let (ys, yz) = (q.inputs[1].clone(), q.inputs[2].clone());
+            let mut node = Node::new(
+                "QConvTranspose",
+                &[
+                    &x.q, &x.scale, &x.zp, &w.q, &w.scale, &w.zp, &bias, &ys, &yz,
+                ],
+                &[&q.outputs[0]],
+            );
+            node.domain = "npuc".into();
+            node.name = format!("{}_quant", p.name);
+            for a in ["strides", "pads", "output_padding"] {
+                if let Some(v) = p.attr(a) {
+                    node = node.with_attr(a, v.clone());
+                }
+            }
+            edits.push(Edit {
+                product: pi,
+                remove: vec![qi],
+                node,
+            });
+        }
+        let n = edits.len();
+        if n == 0 {
+            return Ok(0);
+        }
         import_npuc(m);
         let g = &mut m.graph;
         let mut dead = HashSet::new();

@@ -88,3 +88,19 @@ fn mismatched_shapes_are_errors() {
     let mut small = vec![0; 3];
     assert!(igemm(&pa, &pb, &mut small, 1).is_err());
 }
+
+#[test]
+fn many_row_chunks_match_reference() {
+    // Packed A of 300 x 1000 i16 spans several L2-sized row chunks (the chunked loop order),
+    // with 1 and 2 threads (thread groups split mid-chunk).
+    let (m, n, k) = (300, 40, 1000);
+    let mut s = 1u32;
+    let mut next = || {
+        s = s.wrapping_mul(1_103_515_245).wrapping_add(12_345);
+        ((s >> 16) % 512) as i16 - 256
+    };
+    let a: Vec<i16> = (0..m * k).map(|_| next()).collect();
+    let b: Vec<i16> = (0..k * n).map(|_| next()).collect();
+    check(m, n, k, a.clone(), b.clone(), 1);
+    check(m, n, k, a, b, 2);
+}

@@ -31,6 +31,8 @@ pub const NR: usize = 16;
 pub const MAX_K: usize = 32896;
 /// Products with at least this many multiply-adds are split across threads.
 const PAR_WORK: usize = 1 << 17;
+/// Packed-A bytes per row-block chunk (a part of L2 on current x86 cores).
+const A_CHUNK_BYTES: usize = 192 << 10;
 
 /// A packed, zero-point-corrected right-hand operand (`k x n`), built once per constant weight.
 #[derive(Debug, Clone)]
@@ -137,9 +139,21 @@ impl PackedA {
     /// Packs a contiguous row-major `m x k` slice through a per-element conversion; the fast
     /// path of [`PackedA::pack`] for the common activation layout.
     pub fn pack_rows<T: Copy>(m: usize, k: usize, src: &[T], f: impl Fn(T) -> i16) -> PackedA {
+        Self::pack_rows_in(Vec::new(), m, k, src, f)
+    }
+    /// [`PackedA::pack_rows`] into a recycled buffer (its capacity is reused, so per-run
+    /// packing does not allocate and fault in fresh pages; see [`PackedA::into_buffer`]).
+    pub fn pack_rows_in<T: Copy>(
+        mut data: Vec<i16>,
+        m: usize,
+        k: usize,
+        src: &[T],
+        f: impl Fn(T) -> i16,
+    ) -> PackedA {
         let kp2 = k.div_ceil(2) * 2;
         let rows = m.div_ceil(MR) * MR;
-        let mut data = vec![0i16; rows * kp2];
+        data.clear();
+        data.resize(rows * kp2, 0);
         if k == 0 {
             return PackedA { m, k, kp2, data };
         }
@@ -153,6 +167,10 @@ impl PackedA {
             }
         }
         PackedA { m, k, kp2, data }
+    }
+    /// The packed buffer, for reuse by a later [`PackedA::pack_rows_in`].
+    pub fn into_buffer(self) -> Vec<i16> {
+        self.data
     }
     /// Number of rows.
     pub fn m(&self) -> usize {
@@ -219,38 +237,50 @@ pub fn igemm_with(isa: Isa, a: &PackedA, b: &PackedB, c: &mut [i32], threads: us
         1
     };
     let blocks_per = blocks.div_ceil(groups);
+    let run_chunk =
+        |cb0: usize, cb1: usize, b0: usize, cgrp: &mut [i32], tile: &mut [i32; MR * NR]| {
+            for pn in 0..b.panels {
+                let bpan = &b.data[pn * b.pairs * 2 * NR..(pn + 1) * b.pairs * 2 * NR];
+                let c0 = pn * NR;
+                let cols = NR.min(n - c0);
+                for bi in cb0..cb1 {
+                    let rows = MR.min(m - bi * MR);
+                    let ablk = &a.data[bi * MR * a.kp2..(bi + 1) * MR * a.kp2];
+                    match isa {
+                        Isa::Scalar => tile_scalar(b.pairs, ablk, a.kp2, bpan, tile),
+                        Isa::Avx2 => {
+                            #[cfg(target_arch = "x86_64")]
+                            // SAFETY: avx2 support was checked above (`Isa::detect`); `ablk` holds
+                            // MR rows of `kp2 = 2 * pairs` values and `bpan` holds
+                            // `pairs * 2 * NR` values, exactly what the kernel reads; `tile` has
+                            // MR * NR slots.
+                            unsafe {
+                                tile_avx2(b.pairs, ablk, a.kp2, bpan, tile)
+                            }
+                            #[cfg(not(target_arch = "x86_64"))]
+                            tile_scalar(b.pairs, ablk, a.kp2, bpan, tile)
+                        }
+                    }
+                    let r0 = (bi - b0) * MR;
+                    for r in 0..rows {
+                        let dst = &mut cgrp[(r0 + r) * n + c0..(r0 + r) * n + c0 + cols];
+                        dst.copy_from_slice(&tile[r * NR..r * NR + cols]);
+                    }
+                }
+            }
+        };
     let run_group = |gi: usize, cgrp: &mut [i32]| {
         let b0 = gi * blocks_per;
         let b1 = ((gi + 1) * blocks_per).min(blocks);
         let mut tile = [0i32; MR * NR];
-        for pn in 0..b.panels {
-            let bpan = &b.data[pn * b.pairs * 2 * NR..(pn + 1) * b.pairs * 2 * NR];
-            let c0 = pn * NR;
-            let cols = NR.min(n - c0);
-            for bi in b0..b1 {
-                let rows = MR.min(m - bi * MR);
-                let ablk = &a.data[bi * MR * a.kp2..(bi + 1) * MR * a.kp2];
-                match isa {
-                    Isa::Scalar => tile_scalar(b.pairs, ablk, a.kp2, bpan, &mut tile),
-                    Isa::Avx2 => {
-                        #[cfg(target_arch = "x86_64")]
-                        // SAFETY: avx2 support was checked above (`Isa::detect`); `ablk` holds
-                        // MR rows of `kp2 = 2 * pairs` values and `bpan` holds
-                        // `pairs * 2 * NR` values, exactly what the kernel reads; `tile` has
-                        // MR * NR slots.
-                        unsafe {
-                            tile_avx2(b.pairs, ablk, a.kp2, bpan, &mut tile)
-                        }
-                        #[cfg(not(target_arch = "x86_64"))]
-                        tile_scalar(b.pairs, ablk, a.kp2, bpan, &mut tile)
-                    }
-                }
-                let r0 = (bi - b0) * MR;
-                for r in 0..rows {
-                    let dst = &mut cgrp[(r0 + r) * n + c0..(r0 + r) * n + c0 + cols];
-                    dst.copy_from_slice(&tile[r * NR..r * NR + cols]);
-                }
-            }
+        // Row blocks go in chunks whose packed A (about `A_CHUNK_BYTES`) stays in L2 while
+        // every B panel passes: B streams once per chunk instead of A once per panel.
+        let chunk = (A_CHUNK_BYTES / (MR * a.kp2 * 2).max(1)).max(1);
+        let mut cb0 = b0;
+        while cb0 < b1 {
+            let cb1 = (cb0 + chunk).min(b1);
+            run_chunk(cb0, cb1, b0, cgrp, &mut tile);
+            cb0 = cb1;
         }
     };
     if groups > 1 {

@@ -38,6 +38,39 @@ pub fn register(r: &mut Registry) {
     r.add_range("npuc", "QMatMul", 1, 1, qmatmul);
     r.add_range("npuc", "Quantize", 1, 1, quantize_f32);
     r.add_range("npuc", "Dequantize", 1, 1, dequantize_f32);
+    r.add_range("npuc", "QLut", 1, 1, qlut);
+    r.add_range("npuc", "QConvTranspose", 1, 1, qconv_transpose);
+}
+
+/// Per-thread scratch of [`qmatmul`] (i32 sums, packed activations), kept across nodes and
+/// runs: fresh multi-megabyte buffers per call cost more in page faults than the product.
+#[derive(Default)]
+struct Scratch {
+    acc: Vec<i32>,
+    acc_lo: Vec<i32>,
+    a16: Vec<i16>,
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
+}
+
+fn take_scratch() -> Scratch {
+    SCRATCH
+        .try_with(|s| {
+            s.try_borrow_mut()
+                .map(|mut s| std::mem::take(&mut *s))
+                .unwrap_or_default()
+        })
+        .unwrap_or_default()
+}
+
+fn give_scratch(v: Scratch) {
+    let _ = SCRATCH.try_with(|s| {
+        if let Ok(mut s) = s.try_borrow_mut() {
+            *s = v;
+        }
+    });
 }
 
 /// Elements of output at which the epilogue is split across threads.
@@ -146,16 +179,27 @@ enum PackedAct {
     Split(PackedA, PackedA),
 }
 
-fn pack_act(a: &Tensor, off: usize, m: usize, k: usize, za: i32) -> Result<PackedAct> {
+fn pack_act(
+    buf: Vec<i16>,
+    a: &Tensor,
+    off: usize,
+    m: usize,
+    k: usize,
+    za: i32,
+) -> Result<PackedAct> {
     let len = m * k;
     Ok(match a.dtype() {
         DType::U8 => {
             let s = &a.as_slice::<u8>()?[off..off + len];
-            PackedAct::Single(PackedA::pack_rows(m, k, s, |v| (v as i32 - za) as i16))
+            PackedAct::Single(PackedA::pack_rows_in(buf, m, k, s, |v| {
+                (v as i32 - za) as i16
+            }))
         }
         DType::I8 => {
             let s = &a.as_slice::<i8>()?[off..off + len];
-            PackedAct::Single(PackedA::pack_rows(m, k, s, |v| (v as i32 - za) as i16))
+            PackedAct::Single(PackedA::pack_rows_in(buf, m, k, s, |v| {
+                (v as i32 - za) as i16
+            }))
         }
         DType::U16 | DType::I16 => {
             let wide: Vec<i32> = if a.dtype() == DType::U16 {
@@ -215,19 +259,36 @@ fn epilogue_rows<T: Copy + Send + Default + 'static>(
     }
 }
 
-/// The per-row output stage for quantized output type `T`.
+/// The per-row output stage for quantized output type `T`; `lut` (a fused `npuc.QLut`, only
+/// for 8-bit `T`) maps each requantized value through its column's 256-entry table (one table
+/// for all columns when it holds 256 values).
 fn quant_row<'a, T: QInt>(
     mult: &'a [f32],
     bias: &'a [f32],
     mode: OutMode,
+    lut: Option<&'a [T]>,
 ) -> impl Fn(&[i32], Option<&[i32]>, &mut [T]) + Sync + 'a {
     let isa = Isa::detect();
-    move |a, l, o| match mode {
-        OutMode::Quant { inv_ys, zp, lo, hi } => {
-            qconvert::requant_row(isa, a, l, mult, bias, inv_ys, zp, (lo, hi), o)
+    move |a, l, o| {
+        match mode {
+            OutMode::Quant { inv_ys, zp, lo, hi } => {
+                qconvert::requant_row(isa, a, l, mult, bias, inv_ys, zp, (lo, hi), o)
+            }
+            // Float mode has f32 output only (see `qmatmul`).
+            OutMode::Float { .. } => unreachable!("float epilogue with an integer output"),
         }
-        // Float mode has f32 output only (see `qmatmul`).
-        OutMode::Float { .. } => unreachable!("float epilogue with an integer output"),
+        if let Some(tab) = lut {
+            // Index = value - T::LO, within [0, 256) for the 8-bit types checked by `qmatmul`.
+            if tab.len() == 256 {
+                for v in o.iter_mut() {
+                    *v = tab[(v.to_i32() - T::LO) as usize & 0xff];
+                }
+            } else {
+                for (v, row) in o.iter_mut().zip(tab.chunks_exact(256)) {
+                    *v = row[(v.to_i32() - T::LO) as usize & 0xff];
+                }
+            }
+        }
     }
 }
 
@@ -321,6 +382,23 @@ fn qmatmul(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         ),
         _ => bail!("y_scale and y_zero_point must both be given or both be absent"),
     };
+    // A fused lookup table (input 9): same 8-bit dtype as the requantized output, 256 values
+    // or 256 per output column.
+    let lut = ins.opt_tensor(9);
+    if let Some(l) = lut {
+        if l.dtype() != out_dt || !matches!(out_dt, DType::U8 | DType::I8) {
+            bail!(
+                "the fused table must have the 8-bit output's dtype {out_dt}, found {}",
+                l.dtype()
+            );
+        }
+        if l.len() != 256 && l.len() != 256 * n {
+            bail!(
+                "the fused table holds {} values; 256 or 256 x {n} expected",
+                l.len()
+            );
+        }
+    }
     let batches = plan.out_shape.iter().product::<usize>() / (m * n).max(1);
     let const_b =
         ctx.input_is_const(3) && ctx.input_is_const(4) && (b_zp.is_none() || ctx.input_is_const(5));
@@ -340,8 +418,13 @@ fn qmatmul(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         (plan.offsets.clone(), m)
     };
     let total = plan.out_shape.iter().product::<usize>();
-    let mut acc = vec![0i32; rows_per * n];
-    let mut acc_lo = vec![];
+    let mut scratch = take_scratch();
+    let mut acc = std::mem::take(&mut scratch.acc);
+    acc.clear();
+    acc.resize(rows_per * n, 0);
+    let mut acc_lo = std::mem::take(&mut scratch.acc_lo);
+    acc_lo.clear();
+    let mut a16 = std::mem::take(&mut scratch.a16);
     let out_len = total;
     let mut out_f32: Vec<f32> = vec![];
     let mut out_u8: Vec<u8> = vec![];
@@ -349,7 +432,7 @@ fn qmatmul(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     let mut out_u16: Vec<u16> = vec![];
     let mut out_i16: Vec<i16> = vec![];
     match out_dt {
-        DType::F32 => out_f32 = vec![0.0; out_len],
+        DType::F32 => out_f32 = crate::buffers::zeroed(out_len),
         DType::U8 => out_u8 = vec![0; out_len],
         DType::I8 => out_i8 = vec![0; out_len],
         DType::U16 => out_u16 = vec![0; out_len],
@@ -366,7 +449,7 @@ fn qmatmul(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
             }
         };
         let mult: Vec<f32> = w.scale.iter().map(|&s| a_scale * s).collect();
-        let packed_a = pack_act(a, oa, rows_per, k, za)?;
+        let packed_a = pack_act(std::mem::take(&mut a16), a, oa, rows_per, k, za)?;
         let lo_part = match &packed_a {
             PackedAct::Single(pa) => {
                 igemm(pa, &w.packed, &mut acc, ctx.threads)?;
@@ -394,23 +477,29 @@ fn qmatmul(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
                 epilogue_rows(&acc, lo_part, n, &mut out_f32[o], row, t)
             }
             DType::U8 => {
-                let row = quant_row::<u8>(&mult, &bias, mode);
+                let tab = lut.map(|l| l.as_slice::<u8>()).transpose()?;
+                let row = quant_row::<u8>(&mult, &bias, mode, tab);
                 epilogue_rows(&acc, lo_part, n, &mut out_u8[o], row, t)
             }
             DType::I8 => {
-                let row = quant_row::<i8>(&mult, &bias, mode);
+                let tab = lut.map(|l| l.as_slice::<i8>()).transpose()?;
+                let row = quant_row::<i8>(&mult, &bias, mode, tab);
                 epilogue_rows(&acc, lo_part, n, &mut out_i8[o], row, t)
             }
             DType::U16 => {
-                let row = quant_row::<u16>(&mult, &bias, mode);
+                let row = quant_row::<u16>(&mult, &bias, mode, None);
                 epilogue_rows(&acc, lo_part, n, &mut out_u16[o], row, t)
             }
             _ => {
-                let row = quant_row::<i16>(&mult, &bias, mode);
+                let row = quant_row::<i16>(&mult, &bias, mode, None);
                 epilogue_rows(&acc, lo_part, n, &mut out_i16[o], row, t)
             }
         }
+        if let PackedAct::Single(pa) = packed_a {
+            a16 = pa.into_buffer();
+        }
     }
+    give_scratch(Scratch { acc, acc_lo, a16 });
     let shape = plan.out_shape.clone();
     let t = match out_dt {
         DType::F32 => Tensor::from_vec(shape, out_f32)?,
@@ -508,7 +597,7 @@ fn dequantize_f32(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     ) -> Result<Vec<f32>> {
         let isa = Isa::detect();
         let xs = x.as_slice::<T>()?;
-        let mut out = vec![0f32; xs.len()];
+        let mut out = crate::buffers::zeroed::<f32>(xs.len());
         if threads > 1 && xs.len() >= PAR_EPILOGUE {
             out.par_chunks_mut(1 << 13)
                 .zip(xs.par_chunks(1 << 13))
@@ -530,4 +619,322 @@ fn dequantize_f32(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         x.shape().to_vec(),
         out,
     )?)])
+}
+
+/// `npuc.QLut(x: u8|i8, table: u8|i8 [256] or [C, 256])`, attribute `axis` (channel axis of
+/// `x` when the table has C rows; may be negative): `y[i] = table[c(i)][x[i] - min(x's type)]`.
+/// Written by `quant_lower` for elementwise float math between a DequantizeLinear and a
+/// QuantizeLinear, tabulated at load time; the output has the table's dtype and `x`'s shape.
+fn qlut(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
+    let x = ins.tensor(0)?;
+    let table = ins.tensor(1)?;
+    let c = match table.rank() {
+        1 => 1,
+        2 => table.shape()[0],
+        r => bail!("QLut table must be [256] or [C, 256], found rank {r}"),
+    };
+    if c == 0 || table.len() != c * 256 {
+        bail!(
+            "QLut table must hold 256 values per channel, found shape {:?}",
+            table.shape()
+        );
+    }
+    let shape = x.shape().to_vec();
+    let inner = if c > 1 {
+        let rank = shape.len() as i64;
+        let axis = ctx.node.int_or("axis", 1)?;
+        let a = if axis < 0 { axis + rank } else { axis };
+        if !(0..rank).contains(&a) || shape[a as usize] != c {
+            bail!(
+                "QLut table has {c} channels but axis {axis} of input shape {shape:?} does not match"
+            );
+        }
+        shape[a as usize + 1..].iter().product::<usize>()
+    } else {
+        x.len().max(1)
+    };
+    fn map<I: Copy, O: Copy + Default>(
+        xs: &[I],
+        tab: &[O],
+        c: usize,
+        inner: usize,
+        idx: impl Fn(I) -> u8,
+    ) -> Vec<O> {
+        let mut out = vec![O::default(); xs.len()];
+        if c == 1 {
+            let row: &[O; 256] = tab[..256].try_into().expect("256-entry table");
+            for (o, &v) in out.iter_mut().zip(xs) {
+                *o = row[idx(v) as usize];
+            }
+        } else if inner == 1 {
+            // Channels are the last axis: element j of each row of C uses table row j.
+            for (orow, xrow) in out.chunks_mut(c).zip(xs.chunks(c)) {
+                for ((o, &v), row) in orow.iter_mut().zip(xrow).zip(tab.chunks_exact(256)) {
+                    *o = row[idx(v) as usize];
+                }
+            }
+        } else {
+            for (bi, (ob, xb)) in out.chunks_mut(inner).zip(xs.chunks(inner)).enumerate() {
+                let ch = bi % c;
+                let row: &[O; 256] = tab[ch * 256..(ch + 1) * 256]
+                    .try_into()
+                    .expect("256-entry table");
+                for (o, &v) in ob.iter_mut().zip(xb) {
+                    *o = row[idx(v) as usize];
+                }
+            }
+        }
+        out
+    }
+    fn run<O: Copy + Default + npuc_ir::Elem>(
+        x: &Tensor,
+        tab: &[O],
+        c: usize,
+        inner: usize,
+    ) -> Result<Vec<O>> {
+        Ok(match x.dtype() {
+            DType::U8 => map(x.as_slice::<u8>()?, tab, c, inner, |v| v),
+            DType::I8 => map(x.as_slice::<i8>()?, tab, c, inner, |v| (v as u8) ^ 0x80),
+            other => bail!("QLut input must be u8 or i8, found {other}"),
+        })
+    }
+    let t = match table.dtype() {
+        DType::U8 => Tensor::from_vec(shape, run(x, table.as_slice::<u8>()?, c, inner)?)?,
+        DType::I8 => Tensor::from_vec(shape, run(x, table.as_slice::<i8>()?, c, inner)?)?,
+        other => bail!("QLut table must be u8 or i8, found {other}"),
+    };
+    Ok(vec![Value::tensor(t)])
+}
+
+/// A constant ConvTranspose weight `[C, M, kh, kw]`, zero-point corrected and packed once as
+/// the left operand `W^T [M*kh*kw, C]` of the column product.
+struct PackedConvWeight {
+    a: PackedA,
+    /// Per output channel weight scale (length M).
+    scale: Vec<f32>,
+}
+
+/// `npuc.QConvTranspose(x, x_scale, x_zero_point, w, w_scale, w_zero_point, bias?, y_scale,
+/// y_zero_point)`: a 2-D ConvTranspose (group 1, dilations 1, explicit `pads`, `strides`,
+/// `output_padding`) of 8-bit activations (per-tensor) and a constant 8-bit weight
+/// (per-tensor or per output channel, axis 1), requantized to `y_zero_point`'s dtype. Written
+/// by `quant_lower` for `DQ(x), DQ(w) [, bias] -> ConvTranspose -> Q`.
+///
+/// Columns `W^T (x - zx)` are one exact integer product ([`igemm`]), scattered into the output
+/// grid in i32 (col2im, exact), then `y = sx * sw[m] * acc + bias[m]` is requantized.
+fn qconv_transpose(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
+    use crate::ops::conv::{pads_attr, spatial_attr};
+    let x = ins.tensor(0)?;
+    let sx = f32_scalar(ins.tensor(1)?, "x_scale")?;
+    let zx = zp_scalar(ins.opt_tensor(2), "x_zero_point")?;
+    let w = ins.tensor(3)?;
+    let w_scale = ins.tensor(4)?;
+    let w_zp = ins.opt_tensor(5);
+    let bias = ins.opt_tensor(6);
+    let ys_t = ins.tensor(7)?;
+    let yz_t = ins.tensor(8)?;
+    if !matches!(x.dtype(), DType::U8 | DType::I8) {
+        bail!("x must be u8 or i8, found {}", x.dtype());
+    }
+    if !(-128..=255).contains(&zx) {
+        bail!("x_zero_point {zx} is out of the 8-bit range");
+    }
+    let (xs, ws) = (x.shape(), w.shape());
+    if xs.len() != 4 || ws.len() != 4 || ws[0] != xs[1] {
+        bail!("QConvTranspose needs X [N, C, H, W] and W [C, M, kh, kw], got {xs:?} and {ws:?}");
+    }
+    if ctx.node.int_or("group", 1)? != 1 {
+        bail!("QConvTranspose supports group 1 only");
+    }
+    let node = ctx.node;
+    let s = spatial_attr(node, "strides", 2, 1)?;
+    let d = spatial_attr(node, "dilations", 2, 1)?;
+    let op = spatial_attr(node, "output_padding", 2, 0)?;
+    let (pb, pe) = pads_attr(node, 2)?;
+    if s.contains(&0) || d.iter().any(|&v| v != 1) {
+        bail!("QConvTranspose needs positive strides and dilations 1");
+    }
+    let (n, c, ih, iw) = (xs[0], xs[1], xs[2], xs[3]);
+    let (m, kh, kw) = (ws[1], ws[2], ws[3]);
+    let out_dim = |i: usize, inp: usize, k: usize| -> Result<usize> {
+        (s[i] * (inp.max(1) - 1) + op[i] + k)
+            .checked_sub(pb[i] + pe[i])
+            .ok_or_else(|| RtError::msg("QConvTranspose pads exceed the output size"))
+    };
+    let (oh, ow) = (out_dim(0, ih, kh)?, out_dim(1, iw, kw)?);
+    let ks = kh * kw;
+    let rows = m * ks;
+    let (pin, pout) = (ih * iw, oh * ow);
+    // Every output sums at most c * kh * kw products: keep that within the exact i32 bound.
+    if c * ks > MAX_K {
+        bail!("{c} input channels x {ks} taps exceed {MAX_K}, the longest exact i32 reduction");
+    }
+    let const_w =
+        ctx.input_is_const(3) && ctx.input_is_const(4) && (w_zp.is_none() || ctx.input_is_const(5));
+    if !const_w {
+        bail!("QConvTranspose needs a constant weight");
+    }
+    let packed = ctx.cached(|| {
+        if !is_8bit(w.dtype()) {
+            bail!("the weight must be 8- or 4-bit, found {}", w.dtype());
+        }
+        let wv = w.to_i64_vec()?;
+        let sc: Vec<f32> = w_scale.to_f64_vec()?.iter().map(|&v| v as f32).collect();
+        let zs: Vec<i64> = match w_zp {
+            Some(z) => z.to_i64_vec()?,
+            None => vec![0],
+        };
+        if (sc.len() != 1 && sc.len() != m) || (zs.len() != 1 && zs.len() != m) {
+            bail!("weight scale/zero point must be per-tensor or per output channel ({m})");
+        }
+        if zs.iter().any(|z| !(-128..=255).contains(z)) {
+            bail!("weight zero point is out of the 8-bit range");
+        }
+        let zp = |co: usize| if zs.len() == 1 { zs[0] } else { zs[co] };
+        // W^T[r, ci] = w[ci, r] with r = (co, ky, kx).
+        let a = PackedA::pack(rows, c, |r, ci| (wv[ci * rows + r] - zp(r / ks)) as i16);
+        let scale = if sc.len() == 1 { vec![sc[0]; m] } else { sc };
+        Ok(PackedConvWeight { a, scale })
+    })?;
+    let bias: Vec<f32> = match bias {
+        Some(t) => {
+            let v: Vec<f32> = t.to_f64_vec()?.iter().map(|&b| b as f32).collect();
+            if v.len() != m {
+                bail!("bias has {} values, {m} expected", v.len());
+            }
+            v
+        }
+        None => vec![0.0; m],
+    };
+    let ys = f32_scalar(ys_t, "y_scale")?;
+    if !(ys > 0.0 && ys.is_finite()) {
+        bail!("y_scale must be positive and finite, found {ys}");
+    }
+    let yz = zp_scalar(Some(yz_t), "y_zero_point")?;
+    let (lo, hi) = qrange(yz_t.dtype())?;
+    let isa = Isa::detect();
+    let mut scratch = take_scratch();
+    let mut col = std::mem::take(&mut scratch.acc);
+    let mut acc = std::mem::take(&mut scratch.acc_lo);
+    let total = n * m * pout;
+    let mut out_u8: Vec<u8> = vec![];
+    let mut out_i8: Vec<i8> = vec![];
+    match yz_t.dtype() {
+        DType::U8 => out_u8 = vec![0; total],
+        DType::I8 => out_i8 = vec![0; total],
+        other => bail!("QConvTranspose output must be u8 or i8, found {other}"),
+    }
+    let mut mult_row = vec![0f32; pout];
+    let mut bias_row = vec![0f32; pout];
+    for ni in 0..n {
+        let xb_range = ni * c * pin..(ni + 1) * c * pin;
+        let xb = match x.dtype() {
+            DType::U8 => PackedB::pack_rows(c, pin, &x.as_slice::<u8>()?[xb_range], |v| {
+                (v as i32 - zx) as i16
+            }),
+            _ => PackedB::pack_rows(c, pin, &x.as_slice::<i8>()?[xb_range], |v| {
+                (v as i32 - zx) as i16
+            }),
+        };
+        col.clear();
+        col.resize(rows * pin, 0);
+        igemm(&packed.a, &xb, &mut col, ctx.threads)?;
+        acc.clear();
+        acc.resize(m * pout, 0);
+        col2im_i32(
+            &col,
+            (m, kh, kw),
+            (ih, iw),
+            (oh, ow),
+            (s[0], s[1]),
+            (pb[0], pb[1]),
+            &mut acc,
+        );
+        for co in 0..m {
+            mult_row.fill(sx * packed.scale[co]);
+            bias_row.fill(bias[co]);
+            let a = &acc[co * pout..(co + 1) * pout];
+            let o = (ni * m + co) * pout..(ni * m + co + 1) * pout;
+            let args = (&mult_row[..], &bias_row[..], 1.0 / ys, yz, (lo, hi));
+            match yz_t.dtype() {
+                DType::U8 => qconvert::requant_row(
+                    isa,
+                    a,
+                    None,
+                    args.0,
+                    args.1,
+                    args.2,
+                    args.3,
+                    args.4,
+                    &mut out_u8[o],
+                ),
+                _ => qconvert::requant_row(
+                    isa,
+                    a,
+                    None,
+                    args.0,
+                    args.1,
+                    args.2,
+                    args.3,
+                    args.4,
+                    &mut out_i8[o],
+                ),
+            }
+        }
+    }
+    give_scratch(Scratch {
+        acc: col,
+        acc_lo: acc,
+        a16: scratch.a16,
+    });
+    let shape = vec![n, m, oh, ow];
+    let t = match yz_t.dtype() {
+        DType::U8 => Tensor::from_vec(shape, out_u8)?,
+        _ => Tensor::from_vec(shape, out_i8)?,
+    };
+    Ok(vec![Value::tensor(t)])
+}
+
+/// Scatters columns `col[(co, ky, kx), (iy, ix)]` into `acc[co, oy, ox]` (i32, exact) where
+/// `oy = iy * sh + ky - ph`, `ox = ix * sw + kx - pw` (the adjoint of im2col).
+fn col2im_i32(
+    col: &[i32],
+    (m, kh, kw): (usize, usize, usize),
+    (ih, iw): (usize, usize),
+    (oh, ow): (usize, usize),
+    (sh, sw): (usize, usize),
+    (ph, pw): (usize, usize),
+    acc: &mut [i32],
+) {
+    let pin = ih * iw;
+    let pout = oh * ow;
+    // Input indices i with 0 <= i * s + k - p < o.
+    let range = |k: usize, s: usize, p: usize, inp: usize, o: usize| -> (usize, usize) {
+        let lo = if k >= p { 0 } else { (p - k).div_ceil(s) };
+        let hi = if o + p > k {
+            (o + p - k).div_ceil(s).min(inp)
+        } else {
+            0
+        };
+        (lo, hi.max(lo))
+    };
+    for co in 0..m {
+        let plane = &mut acc[co * pout..(co + 1) * pout];
+        for ky in 0..kh {
+            let (y0, y1) = range(ky, sh, ph, ih, oh);
+            for kx in 0..kw {
+                let (x0, x1) = range(kx, sw, pw, iw, ow);
+                let r = (co * kh + ky) * kw + kx;
+                let src = &col[r * pin..(r + 1) * pin];
+                for iy in y0..y1 {
+                    let oy = iy * sh + ky - ph;
+                    let dst = &mut plane[oy * ow..(oy + 1) * ow];
+                    let srow = &src[iy * iw..(iy + 1) * iw];
+                    for ix in x0..x1 {
+                        dst[ix * sw + kx - pw] += srow[ix];
+                    }
+                }
+            }
+        }
+    }
 }
