@@ -632,7 +632,7 @@ impl QuantLower {
             Chan::None => (1, vec![256], None),
             Chan::FromEnd(ae, c) => {
                 let mut s = vec![256, c];
-                s.extend(std::iter::repeat(1).take(ae - 1));
+                s.extend(std::iter::repeat_n(1, ae - 1));
                 (c, s, Some(-(ae as i64)))
             }
             Chan::Axis1(c) => (c, vec![256, c], Some(1)),
