@@ -19,6 +19,23 @@ pub struct Prepared {
 /// without Q/DQ nodes is left untouched. Lowering happens at load time: artifacts and exports
 /// keep the QDQ graph.
 pub fn prepare(model: &mut Model, simulate: bool) -> Result<Prepared> {
+    prepare_with(model, simulate, npuc_passes::lower_quantized)
+}
+
+/// [`prepare`] keeping every layer's output tensor (no lookup-table regions), for `npuc verify`.
+pub fn prepare_keep_layers(model: &mut Model, simulate: bool) -> Result<Prepared> {
+    prepare_with(
+        model,
+        simulate,
+        npuc_passes::quant_lower::lower_quantized_keep_layers,
+    )
+}
+
+fn prepare_with(
+    model: &mut Model,
+    simulate: bool,
+    lower: fn(&mut Model) -> std::result::Result<usize, npuc_passes::PassError>,
+) -> Result<Prepared> {
     let quantized = npuc_passes::quant_lower::has_qdq(model);
     if !quantized || simulate {
         return Ok(Prepared {
@@ -26,8 +43,7 @@ pub fn prepare(model: &mut Model, simulate: bool) -> Result<Prepared> {
             lowered: 0,
         });
     }
-    let lowered = npuc_passes::lower_quantized(model)
-        .context("lowering the quantized graph to integer kernels")?;
+    let lowered = lower(model).context("lowering the quantized graph to integer kernels")?;
     cleanup(model).context("simplifying the lowered quantized graph")?;
     Ok(Prepared { quantized, lowered })
 }

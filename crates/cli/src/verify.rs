@@ -34,9 +34,10 @@ pub fn canonical_name(name: &str) -> &str {
 }
 
 /// Prepares a quantized model for execution: lowered to integer kernels
-/// (`quantized::prepare`), or run as is (QuantSim: quantize-dequantize in float) with `simulate`.
+/// keeping every layer output (`quantized::prepare_keep_layers`), or run as is (QuantSim:
+/// quantize-dequantize in float) with `simulate`.
 pub fn prepare_quantized(mut m: Model, simulate: bool) -> Result<Model> {
-    crate::quantized::prepare(&mut m, simulate)?;
+    crate::quantized::prepare_keep_layers(&mut m, simulate)?;
     Ok(m)
 }
 

@@ -33,7 +33,18 @@ pub struct QuantLower;
 /// Lowers every matching quantized product of `model`'s main graph to `npuc.QMatMul` and
 /// removes the Q/DQ nodes nothing reads any more. Returns the number of products lowered.
 pub fn lower_quantized(model: &mut Model) -> Result<usize, PassError> {
-    let (products, qdq) = QuantLower.lower(model)?;
+    lower_with(model, true)
+}
+
+/// [`lower_quantized`] without the lookup-table regions: every float op between a
+/// DequantizeLinear and a QuantizeLinear stays, so each layer's output still exists under its
+/// name (what `npuc verify` compares layer by layer).
+pub fn lower_quantized_keep_layers(model: &mut Model) -> Result<usize, PassError> {
+    lower_with(model, false)
+}
+
+fn lower_with(model: &mut Model, luts: bool) -> Result<usize, PassError> {
+    let (products, qdq) = QuantLower.lower(model, luts)?;
     if products + qdq > 0 {
         Dce.run(model)?;
     }
@@ -123,7 +134,7 @@ impl Pass for QuantLower {
     }
 
     fn run(&self, m: &mut Model) -> Result<PassStats, PassError> {
-        let (products, qdq) = self.lower(m)?;
+        let (products, qdq) = self.lower(m, true)?;
         Ok(PassStats::new(products + qdq))
     }
 }
@@ -132,7 +143,7 @@ impl QuantLower {
     /// Lowers products, then switches the remaining per-tensor f32 Q/DQ nodes to the
     /// runtime's direct f32 kernels (`npuc.Quantize`/`npuc.Dequantize`, same results).
     /// Returns (products lowered, Q/DQ nodes switched).
-    fn lower(&self, m: &mut Model) -> Result<(usize, usize), PassError> {
+    fn lower(&self, m: &mut Model, luts: bool) -> Result<(usize, usize), PassError> {
         if !has_qdq(m) {
             return Ok((0, 0));
         }
@@ -145,7 +156,7 @@ impl QuantLower {
             max_bytes: 64 << 20,
         }
         .run(m)?;
-        let luts = self.lower_luts(m)?;
+        let luts = if luts { self.lower_luts(m)? } else { 0 };
         let g = &m.graph;
         let ix = Index::new(g);
         let mut switch = vec![];
