@@ -61,6 +61,7 @@ pub fn bench(
     runs: usize,
     json: bool,
     simulate: bool,
+    profile: bool,
 ) -> Result<()> {
     let t0 = Instant::now();
     let mut m = crate::artifact::load_any(path, graph)?;
@@ -101,12 +102,18 @@ pub fn bench(
     let median = times[times.len() / 2];
     let (min, max) = (times[0], times[times.len() - 1]);
     let rss = peak_rss_bytes();
+    let profile = if profile {
+        Some(profile_runs(&sess, &feeds, runs.max(1))?)
+    } else {
+        None
+    };
     if json {
         println!(
             "{}",
             serde_json::json!({
                 "load_ms": load_ms, "first_run_ms": first_run_ms, "median_ms": median,
                 "min_ms": min, "max_ms": max, "peak_rss_bytes": rss, "threads": threads, "runs": times.len(),
+                "profile": profile.as_ref().map(Profile::to_json),
             })
         );
     } else {
@@ -117,6 +124,94 @@ pub fn bench(
         if let Some(r) = rss {
             println!("peak RSS     {:.1} MB", r as f64 / 1e6);
         }
+        if let Some(p) = &profile {
+            p.print();
+        }
     }
     Ok(())
+}
+
+/// Per-node wall time over profiled runs (separate from the timed runs, whose figures stay
+/// free of the timer overhead).
+pub struct Profile {
+    runs: usize,
+    /// (node name, op type, total nanoseconds over all runs), in execution order.
+    nodes: Vec<(String, String, u64)>,
+}
+
+fn profile_runs(sess: &Session, feeds: &[(String, Value)], runs: usize) -> Result<Profile> {
+    let mut nanos = vec![0u64; sess.steps().count()];
+    for _ in 0..runs {
+        sess.run_profiled(feeds.to_vec(), &mut nanos)?;
+    }
+    Ok(Profile {
+        runs,
+        nodes: sess
+            .steps()
+            .zip(nanos)
+            .map(|(n, t)| (n.display_name(), n.op_type.clone(), t))
+            .collect(),
+    })
+}
+
+impl Profile {
+    /// (op type, nodes, total ns) sorted by time, largest first.
+    fn by_op(&self) -> Vec<(String, usize, u64)> {
+        let mut m: std::collections::BTreeMap<&str, (usize, u64)> = Default::default();
+        for (_, op, t) in &self.nodes {
+            let e = m.entry(op).or_default();
+            e.0 += 1;
+            e.1 += t;
+        }
+        let mut v: Vec<_> = m
+            .into_iter()
+            .map(|(k, (n, t))| (k.to_string(), n, t))
+            .collect();
+        v.sort_by(|a, b| b.2.cmp(&a.2).then_with(|| a.0.cmp(&b.0)));
+        v
+    }
+
+    fn total(&self) -> u64 {
+        self.nodes.iter().map(|n| n.2).sum()
+    }
+
+    fn per_run_ms(&self, ns: u64) -> f64 {
+        ns as f64 / 1e6 / self.runs as f64
+    }
+
+    fn print(&self) {
+        let total = self.total().max(1);
+        println!(
+            "profile      {:.2} ms per run in kernels ({} runs)",
+            self.per_run_ms(total),
+            self.runs
+        );
+        println!("  {:<28} {:>6} {:>10} {:>6}", "op", "nodes", "ms/run", "%");
+        for (op, n, t) in self.by_op() {
+            println!(
+                "  {op:<28} {n:>6} {:>10.3} {:>5.1}%",
+                self.per_run_ms(t),
+                100.0 * t as f64 / total as f64
+            );
+        }
+        let mut top: Vec<_> = self.nodes.iter().collect();
+        top.sort_by_key(|n| std::cmp::Reverse(n.2));
+        println!("  slowest nodes:");
+        for (name, op, t) in top.into_iter().take(10) {
+            println!("    {:>9.3} ms  {op:<20} {name}", self.per_run_ms(*t));
+        }
+    }
+
+    fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "runs": self.runs,
+            "kernel_ms": self.per_run_ms(self.total()),
+            "ops": self.by_op().iter().map(|(op, n, t)| serde_json::json!({
+                "op": op, "nodes": n, "ms": self.per_run_ms(*t),
+            })).collect::<Vec<_>>(),
+            "nodes": self.nodes.iter().map(|(name, op, t)| serde_json::json!({
+                "name": name, "op": op, "ms": self.per_run_ms(*t),
+            })).collect::<Vec<_>>(),
+        })
+    }
 }

@@ -112,6 +112,10 @@ enum Cmd {
         /// integer kernels.
         #[arg(long)]
         simulate: bool,
+        /// Time every node over `--runs` extra runs and print the time per op type and the
+        /// slowest nodes (with `--json`: a `profile` object).
+        #[arg(long)]
+        profile: bool,
         /// Graph of an artifact to run.
         #[arg(long)]
         graph: Option<String>,
@@ -301,6 +305,7 @@ fn main() {
             input_shape,
             dim,
             simulate,
+            profile,
             ..
         } => npuc_cli::bench::bench(
             &model,
@@ -312,6 +317,7 @@ fn main() {
             runs,
             json,
             simulate,
+            profile,
         ),
         Cmd::Generate(a) => npuc_cli::llm_cmd::generate_cmd(&a),
         Cmd::Chat(a) => npuc_cli::llm_cmd::chat_cmd(&a),

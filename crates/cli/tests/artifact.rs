@@ -420,3 +420,66 @@ fn an_artifact_for_another_cpu_is_refused_with_a_recompile_hint() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("unknown target 'cpu-z80'"));
     assert!(!scratch().join("z.npuc").exists());
 }
+
+/// `npuc bench --profile --json` times every node of the plan: one entry per node of the
+/// model (the uncompiled recogniser runs each ONNX node as one step), per-op totals that add
+/// up to the per-node times, and the timed runs' keys unchanged.
+#[test]
+fn bench_profile_covers_every_node() {
+    let o = ok(&[
+        "bench",
+        s(&rec()),
+        "--runs",
+        "2",
+        "--profile",
+        "--json",
+        "--input-shape",
+        "x=1x3x48x320",
+    ]);
+    let j: Value = serde_json::from_slice(&o.stdout).expect("bench --json prints one object");
+    for k in ["load_ms", "first_run_ms", "median_ms", "min_ms", "max_ms"] {
+        assert!(j[k].as_f64().is_some(), "key {k} missing: {j}");
+    }
+    let p = &j["profile"];
+    assert_eq!(p["runs"].as_u64(), Some(2));
+    let model = npuc_onnx::load_model(&rec()).expect("rec loads");
+    let nodes = p["nodes"].as_array().expect("profile.nodes");
+    assert_eq!(nodes.len(), model.graph.nodes.len());
+    let mut names: Vec<String> = model
+        .graph
+        .nodes
+        .iter()
+        .map(|n| n.display_name())
+        .collect();
+    let mut got: Vec<String> = nodes
+        .iter()
+        .map(|n| n["name"].as_str().unwrap().to_string())
+        .collect();
+    names.sort();
+    got.sort();
+    assert_eq!(got, names);
+    let node_ms: f64 = nodes.iter().map(|n| n["ms"].as_f64().unwrap()).sum();
+    let op_ms: f64 = p["ops"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|o| o["ms"].as_f64().unwrap())
+        .sum();
+    let kernel_ms = p["kernel_ms"].as_f64().unwrap();
+    assert!(kernel_ms > 0.0);
+    assert!((node_ms - kernel_ms).abs() <= 1e-6 * kernel_ms.max(1.0));
+    assert!((op_ms - kernel_ms).abs() <= 1e-6 * kernel_ms.max(1.0));
+    let conv = p["ops"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|o| o["op"] == "Conv")
+        .expect("the recogniser has Conv nodes");
+    let convs = model
+        .graph
+        .nodes
+        .iter()
+        .filter(|n| n.op_type == "Conv")
+        .count();
+    assert_eq!(conv["nodes"].as_u64(), Some(convs as u64));
+}

@@ -9,6 +9,7 @@ use std::any::Any;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Instant;
 
 struct Step {
     node: Node,
@@ -336,17 +337,25 @@ impl Plan {
         outer: Option<&Frame>,
         threads: usize,
     ) -> Result<Vec<Value>> {
-        self.run_slots(inputs.into_iter().map(Some).collect(), outer, threads, None)
+        self.run_slots(
+            inputs.into_iter().map(Some).collect(),
+            outer,
+            threads,
+            None,
+            None,
+        )
     }
 
     /// Runs the steps; `observe` (if any) sees every value a step produces, named, right after
-    /// the step, before a later step can take its buffer.
+    /// the step, before a later step can take its buffer. `step_nanos` (if any, one entry per
+    /// step) accumulates each step's wall time, kernel call included, slot bookkeeping not.
     fn run_slots(
         &self,
         inputs: Vec<Option<Value>>,
         outer: Option<&Frame>,
         threads: usize,
         mut observe: Option<Observe>,
+        mut step_nanos: Option<&mut [u64]>,
     ) -> Result<Vec<Value>> {
         let _pool = PoolGuard::install(&self.pool, self.reuse.load(Ordering::Relaxed));
         let mut slots: Vec<Option<Value>> = vec![None; self.n_slots];
@@ -370,6 +379,7 @@ impl Plan {
             for &s in &st.free_before {
                 slots[s] = None;
             }
+            let started = step_nanos.as_ref().map(|_| Instant::now());
             let out = {
                 let frame = Frame {
                     plan: self,
@@ -386,6 +396,9 @@ impl Plan {
                 };
                 (st.kernel)(&ctx, Inputs::new(vals)).map_err(|e| with_node(e, &st.node))?
             };
+            if let (Some(t), Some(acc)) = (started, step_nanos.as_deref_mut()) {
+                acc[si] += t.elapsed().as_nanos() as u64;
+            }
             for &s in &st.free_after {
                 if let Some(v) = slots[s].take() {
                     crate::buffers::recycle(v);
@@ -598,7 +611,7 @@ impl Session {
     /// Runs with named feeds; returns outputs in graph order. Checks feeds against the declared
     /// input types (dtype, rank, fixed dims, consistent symbolic dims).
     pub fn run(&self, feeds: Vec<(String, Value)>) -> Result<Vec<(String, Value)>> {
-        self.run_inner(feeds, None)
+        self.run_inner(feeds, None, None)
     }
 
     /// Like [`Session::run`], and calls `observe(name, value)` for every value a node produces,
@@ -611,13 +624,37 @@ impl Session {
         feeds: Vec<(String, Value)>,
         observe: &mut dyn FnMut(&str, &Value),
     ) -> Result<Vec<(String, Value)>> {
-        self.run_inner(feeds, Some(observe))
+        self.run_inner(feeds, Some(observe), None)
+    }
+
+    /// The nodes in execution order (the order of [`Session::run_profiled`]'s timings).
+    pub fn steps(&self) -> impl Iterator<Item = &Node> {
+        self.plan.steps.iter().map(|s| &s.node)
+    }
+
+    /// Like [`Session::run`], and adds each step's wall time in nanoseconds to
+    /// `step_nanos[i]` (`i` in [`Session::steps`] order; the slice must have one entry per
+    /// step). A node running a subgraph (If, Loop, Scan) counts the subgraph's time as its own.
+    pub fn run_profiled(
+        &self,
+        feeds: Vec<(String, Value)>,
+        step_nanos: &mut [u64],
+    ) -> Result<Vec<(String, Value)>> {
+        if step_nanos.len() != self.plan.steps.len() {
+            return Err(RtError::msg(format!(
+                "run_profiled: {} timing slots for {} steps",
+                step_nanos.len(),
+                self.plan.steps.len()
+            )));
+        }
+        self.run_inner(feeds, None, Some(step_nanos))
     }
 
     fn run_inner(
         &self,
         feeds: Vec<(String, Value)>,
         observe: Option<Observe>,
+        step_nanos: Option<&mut [u64]>,
     ) -> Result<Vec<(String, Value)>> {
         let mut by_name: HashMap<String, Value> = HashMap::new();
         for (n, v) in feeds {
@@ -666,7 +703,7 @@ impl Session {
         }
         let outs = self
             .plan
-            .run_slots(ordered, None, self.opts.threads, observe)?;
+            .run_slots(ordered, None, self.opts.threads, observe, step_nanos)?;
         Ok(self
             .outputs
             .iter()
