@@ -445,12 +445,7 @@ fn bench_profile_covers_every_node() {
     let model = npuc_onnx::load_model(&rec()).expect("rec loads");
     let nodes = p["nodes"].as_array().expect("profile.nodes");
     assert_eq!(nodes.len(), model.graph.nodes.len());
-    let mut names: Vec<String> = model
-        .graph
-        .nodes
-        .iter()
-        .map(|n| n.display_name())
-        .collect();
+    let mut names: Vec<String> = model.graph.nodes.iter().map(|n| n.display_name()).collect();
     let mut got: Vec<String> = nodes
         .iter()
         .map(|n| n["name"].as_str().unwrap().to_string())
