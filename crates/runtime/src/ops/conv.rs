@@ -587,7 +587,25 @@ fn conv_transpose(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     }
     let mut out_shape = vec![n, m];
     out_shape.extend_from_slice(&out);
-    fn run<T: GemmFloat>(
+    /// W [C, M/group * kernel] per group transposed to row-major [M/group * kernel, C/group]:
+    /// the product's left operand read contiguously, so the GEMM neither packs it into a
+    /// per-call allocation nor strides through it.
+    fn transposed_weight<T: GemmFloat>(wv: &[T], group: usize, c_g: usize, rows: usize) -> Vec<T> {
+        let mut wt = vec![T::zero(); wv.len()];
+        for gi in 0..group {
+            let src = &wv[gi * c_g * rows..][..c_g * rows];
+            let dst = &mut wt[gi * c_g * rows..][..c_g * rows];
+            for (ci, srow) in src.chunks_exact(rows).enumerate() {
+                for (r, &v) in srow.iter().enumerate() {
+                    dst[r * c_g + ci] = v;
+                }
+            }
+        }
+        wt
+    }
+    #[allow(clippy::too_many_arguments)]
+    fn run<T: GemmFloat + 'static>(
+        ctx: &OpCtx,
         x: &Tensor,
         w: &Tensor,
         b: Option<&Tensor>,
@@ -596,13 +614,22 @@ fn conv_transpose(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         threads: usize,
     ) -> Result<Vec<T>> {
         let xv = T::load(x)?;
-        let wv = T::load(w)?;
         let (c_g, m_g) = (c / group, m / group);
         let (pin, pout, ks) = (g.in_size(), g.out_size(), g.k_size());
         let rows = m_g * ks;
-        if xv.len() != n * c * pin || wv.len() != c * rows {
+        if xv.len() != n * c * pin || w.len() != c * rows {
             bail!("ConvTranspose operand sizes do not match their shapes");
         }
+        // A constant weight is transposed once per plan; a computed one on every call.
+        let cached;
+        let fresh;
+        let wt: &[T] = if ctx.input_is_const(1) {
+            cached = ctx.cached(|| Ok(transposed_weight(&T::load(w)?, group, c_g, rows)))?;
+            &cached
+        } else {
+            fresh = transposed_weight(&T::load(w)?, group, c_g, rows);
+            &fresh
+        };
         let mut out = crate::buffers::filled(n * m * pout, T::zero());
         if let Some(b) = b {
             let bv = T::load(b)?;
@@ -614,19 +641,31 @@ fn conv_transpose(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         for ni in 0..n {
             for gi in 0..group {
                 let xg = &xv[(ni * c + gi * c_g) * pin..][..c_g * pin];
-                let wg = &wv[gi * c_g * rows..][..c_g * rows];
-                gemm_into(
-                    rows,
-                    pin,
-                    c_g,
-                    T::one(),
-                    Mat::cols(wg, rows),
-                    Mat::rows(xg, pin),
-                    None,
-                    &mut col,
-                    pin,
-                    threads,
-                )?;
+                let wg = &wt[gi * c_g * rows..][..c_g * rows];
+                // Column blocks of at most COL_BLOCK pixels: wider products make the `gemm`
+                // crate pack the weight into a fresh per-call buffer (its right-hand-side
+                // packing threshold, 128 x 16 columns on x86), which would allocate on every
+                // run; within the threshold it reads the row-major weight in place.
+                const COL_BLOCK: usize = 2048;
+                for j0 in (0..pin).step_by(COL_BLOCK) {
+                    let w_cols = COL_BLOCK.min(pin - j0);
+                    gemm_into(
+                        rows,
+                        w_cols,
+                        c_g,
+                        T::one(),
+                        Mat::rows(wg, c_g),
+                        Mat {
+                            data: &xg[j0..],
+                            rs: pin,
+                            cs: 1,
+                        },
+                        None,
+                        &mut col[j0..],
+                        pin,
+                        threads,
+                    )?;
+                }
                 let dst = &mut out[(ni * m + gi * m_g) * pout..][..m_g * pout];
                 col2im_add(&col, g, m_g, dst);
             }
@@ -635,7 +674,7 @@ fn conv_transpose(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         Ok(out)
     }
     let t = float_dispatch!(x.dtype(), T => {
-        let v = run::<T>(x, w, b, &geom, (n, c, m, group), ctx.threads)?;
+        let v = run::<T>(ctx, x, w, b, &geom, (n, c, m, group), ctx.threads)?;
         T::store(x.dtype(), out_shape, v)?
     });
     Ok(vec![Value::tensor(t)])

@@ -235,7 +235,7 @@ fn max_pool(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
 }
 
 /// Window reductions that accumulate a sum: average (`p == 0`) or Lp norm.
-fn sum_pool_run<T: GemmFloat>(
+fn sum_pool_run<T: GemmFloat + 'static>(
     x: &[T],
     nc: usize,
     g: &Geom,
@@ -247,7 +247,7 @@ fn sum_pool_run<T: GemmFloat>(
     let pout = g.out_size();
     let [id, ih, iw] = g.inp;
     let [od, oh, ow] = g.out;
-    let mut y = vec![T::zero(); nc * pout];
+    let mut y = crate::buffers::filled(nc * pout, T::zero());
     // Taps inside input + both pads (count_include_pad counts these; the ceil-mode overhang
     // beyond the end pad never counts).
     let padded = [

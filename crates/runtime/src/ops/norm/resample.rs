@@ -548,7 +548,10 @@ fn resample_axes<F: Real>(
             F::of(cfg.extrapolation),
         );
         cur_shape[a] = out_shape[a];
-        cur = Some(next);
+        // The previous pass's result was only this pass's input: back to the pool.
+        if let Some(prev) = cur.replace(next) {
+            crate::buffers::release(prev);
+        }
     }
     cur.unwrap_or_else(|| x.to_vec())
 }
@@ -564,7 +567,7 @@ fn resample_pass<F: Real>(
 ) -> Vec<F> {
     let out_w = taps.extrapolated.len();
     let n = taps.n;
-    let mut dst = vec![F::zero(); outer * out_w * inner];
+    let mut dst = crate::buffers::filled(outer * out_w * inner, F::zero());
     for o in 0..outer {
         let s = &src[o * in_w * inner..(o + 1) * in_w * inner];
         let d = &mut dst[o * out_w * inner..(o + 1) * out_w * inner];
