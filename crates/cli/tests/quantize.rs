@@ -1,7 +1,9 @@
 //! `npuc compile --quantize` end to end: artifact + QDQ export + encodings, the encodings round
 //! trip through `--encodings`, `inspect` of the quantized artifact, bad input errors, and the QDQ
 //! export run by onnxruntime (Python helper; skipped with a printed reason when missing) against
-//! npuc's quantized (QuantSim) run.
+//! npuc's quantized run, on a synthetic CNN and on the real ViT-S and PP-OCRv5 recogniser
+//! (calibrated on `scripts/make_calib_data.py` samples when present; `scripts/qdq_match.py`
+//! prints the full comparison table and traces differences layer by layer).
 
 use npuc_cli::npy;
 use npuc_ir::{
@@ -280,6 +282,76 @@ fn quantize_compile_export_and_round_trip() {
         eprintln!("onnxruntime(QDQ export) vs npuc(quantized artifact): cosine {c:.6}");
         assert!(c >= 0.999, "cosine {c}");
     }
+}
+
+/// A Conv with one output channel: its per-channel weight encoding has one entry, which AIMET
+/// encodings cannot tell from per tensor; quantizing with the written encodings must still give
+/// the same export, byte for byte (it did not: the DequantizeLinear lost its `axis`).
+#[test]
+fn one_channel_conv_encodings_round_trip() {
+    let t = tempfile::tempdir().unwrap();
+    let d = t.path();
+    let g = Graph {
+        name: "one".into(),
+        nodes: vec![node("Conv", &["x", "w", "b"], &["y"], "/c/Conv")
+            .with_attr("pads", Attr::Ints(vec![1, 1, 1, 1]))],
+        inputs: vec![ValueInfo::new(
+            "x",
+            Some(TypeInfo::tensor(DType::F32, &[1, 3, 16, 16])),
+        )],
+        outputs: vec![ValueInfo::new(
+            "y",
+            Some(TypeInfo::tensor(DType::F32, &[1, 1, 16, 16])),
+        )],
+        initializers: vec![
+            Initializer {
+                name: "w".into(),
+                tensor: Tensor::from_vec(vec![1, 3, 3, 3], rand_vec(27, 7)).unwrap(),
+            },
+            Initializer {
+                name: "b".into(),
+                tensor: Tensor::from_vec(vec![1], vec![0.25f32]).unwrap(),
+            },
+        ],
+        ..Default::default()
+    };
+    let m = Model {
+        ir_version: 8,
+        opset_imports: vec![OpsetImport {
+            domain: "".into(),
+            version: 13,
+        }],
+        producer_name: "npuc-test".into(),
+        graph: g,
+        ..Default::default()
+    };
+    let model = d.join("one.onnx");
+    npuc_onnx::save_model(&m, &model, &Default::default()).unwrap();
+    let calib = calib_dir(d, 4);
+    let (qdq, enc, qdq2) = (d.join("a.onnx"), d.join("enc.json"), d.join("b.onnx"));
+    ok(npuc()
+        .arg("compile")
+        .arg(&model)
+        .args(["--quantize", "w8a8", "--no-progress", "--calib"])
+        .arg(&calib)
+        .arg("--emit-qdq")
+        .arg(&qdq)
+        .arg("--emit-encodings")
+        .arg(&enc)
+        .arg("-o")
+        .arg(d.join("a.npuc")));
+    ok(npuc()
+        .arg("compile")
+        .arg(&model)
+        .args(["--quantize", "w8a8", "--encodings"])
+        .arg(&enc)
+        .arg("--emit-qdq")
+        .arg(&qdq2)
+        .arg("-o")
+        .arg(d.join("b.npuc")));
+    assert!(std::fs::read(&qdq).unwrap() == std::fs::read(&qdq2).unwrap());
+    let ins = ok(npuc().arg("inspect").arg(d.join("a.npuc")));
+    assert!(ins.contains("w: i8 per-tensor scale"), "{ins}");
 }
 
 #[test]
