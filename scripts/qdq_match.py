@@ -15,6 +15,18 @@ and prints, for each pair, the cosine similarity and SQNR (dB) over all held-out
 concatenated (plus the worst per-sample cosine). Note: onnxruntime picks its int8 kernels by
 CPU (AVX-512 VNNI where present, AVX2 otherwise), so ort-opt figures depend on the host.
 
+Layer by layer (where do the runtimes start to differ?):
+  scripts/qdq_match.py layers Q_QDQ.onnx INPUT.npy [NPUC_BIN] [npuc run flags, default --simulate]
+makes every QuantizeLinear output of the export a graph output and lists, in graph order, the
+integer tensors where onnxruntime (ORT_DISABLE_ALL; QM_ORT_OPT=1 for the optimized graph) and
+npuc differ. Measured (onnxruntime 1.32.0, this host): ViT-S's first difference is at layer 2's
+key MatMul, 1 LSB at exact-value ties (acc * sx * sw / sy = 28.4999995: npuc's integer product
+rounds it right, onnxruntime's float MatMul lands on 28.5000x); the recogniser's at the 26th
+quantized tensor, a depthwise Conv output whose exact value is 7.5000005 (within one f32 ulp of
+the tie, float summation order decides); optimized onnxruntime departs from its own
+unoptimized run at ViT-S's first Softmax (its QDQ softmax fusion) and at the recogniser's
+Conv ties (QLinearConv).
+
 Usage: scripts/qdq_match.py [DATA_DIR] [NPUC_BIN]   (data from scripts/make_calib_data.py)
 Env: QM_MODELS=vit-s,ppocrv5-rec picks models; QM_SCHEME (default w8a8); QM_N limits the
 held-out samples; QM_KEEP=DIR keeps the compiled files there.

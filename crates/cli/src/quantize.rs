@@ -336,6 +336,9 @@ pub fn compile_quantized(
     let mut timings = vec![("load+prepare", t0.elapsed().as_secs_f64())];
     let nodes_before = m.graph.nodes.len();
     let (qm, enc, samples, method) = quantize_model(&m, q, &mut timings)?;
+    if q.emit_qdq.is_some() {
+        log("--emit-qdq: the artifact holds the exported (QNN-EP) quantization: per-channel weights only on Conv/ConvTranspose");
+    }
     let mut t = Instant::now();
     if let Some(p) = &q.emit_encodings {
         let args = serde_json::json!({
