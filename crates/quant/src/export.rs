@@ -27,8 +27,9 @@ pub fn qnn_qdq(m: &Model, enc: &Encodings) -> Result<Model> {
 /// `npuc compile --emit-qdq` quantizes the artifact itself with these encodings, so the model
 /// npuc runs and the one it exports are the same quantization ("what you export is what you
 /// run"): comparing the export in onnxruntime with the artifact then measures the runtimes, not
-/// two quantizations (per-channel MatMul weights alone moved the PP-OCRv5 recogniser's output
-/// by cosine ~1e-3).
+/// two quantizations (ViT-S w8a8, 32 held-out images, vs onnxruntime running the export
+/// unoptimized: cosine 0.99895 with the artifact's per-channel MatMul weights, 0.99983 with
+/// these).
 pub fn qnn_encodings(m: &Model, enc: &Encodings) -> Result<Encodings> {
     let mut e = enc.clone();
     let g = &m.graph;
