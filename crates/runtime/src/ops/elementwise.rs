@@ -596,6 +596,17 @@ fn float_max(dt: DType) -> f64 {
 /// powers); mixed dtypes compute in f64 and convert to `X`'s type like numpy's `astype`.
 fn pow(ctx: &OpCtx, mut ins: Inputs) -> Result<Vec<Value>> {
     let (da, db) = (ins.tensor(0)?.dtype(), ins.tensor(1)?.dtype());
+    // x^2 with a scalar exponent (the variance in exporters' decomposed LayerNorm): one
+    // multiply instead of a libm powf per element, as onnxruntime does; x * x is the correctly
+    // rounded square. Other dtypes and exponents take the general path.
+    if da == DType::F32 && db == DType::F32 {
+        let e = ins.tensor(1)?;
+        // A one-element exponent of rank <= the base's broadcasts to the base's shape.
+        if e.len() == 1 && e.rank() <= ins.tensor(0)?.rank() && e.as_slice::<f32>()?[0] == 2.0 {
+            let t = unary::unary_same::<f32>(&mut ins, ctx.threads, |x| x * x)?;
+            return Ok(vec![Value::tensor(t)]);
+        }
+    }
     let t = if da == db {
         dispatch_numeric!(da, T => binary_same::<T>(&mut ins, ctx.threads, <T as Arith>::pow)?)
     } else {
