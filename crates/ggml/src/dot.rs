@@ -393,8 +393,29 @@ fn q4_k_q8_k_grouped(w: &[u8], x: &[u8]) -> f32 {
 pub(crate) fn batch_fn(ty: GgmlType, batch_rows: usize, scalar: bool) -> Option<(DotFn, usize)> {
     match ty {
         GgmlType::Q4_K => grouped_fn(ty, scalar).map(|f| (f, batch_rows - batch_rows % 4)),
-        GgmlType::Q6_K if batch_rows >= 8 => Some((q6_k_q8_k_tiled as DotFn, batch_rows)),
+        GgmlType::Q6_K if batch_rows >= 8 => Some((tiled_fn(scalar), batch_rows)),
         _ => None,
+    }
+}
+
+fn tiled_fn(scalar: bool) -> DotFn {
+    #[cfg(target_arch = "x86_64")]
+    if !scalar && crate::has_avx2() {
+        return crate::x86::q6_k_q8_k_tiled;
+    }
+    let _ = scalar;
+    q6_k_q8_k_tiled
+}
+
+/// The 6-bit quant `e` (0..32) of quarter `t` (0..4) of a Q6_K half-block: low nibbles from
+/// `b1`/`b2`, two high bits from `bh`.
+#[inline(always)]
+fn q6_k_code(b1: &[u8], b2: &[u8], bh: &[u8], t: usize, e: usize) -> u8 {
+    match t {
+        0 => (b1[e] & 0x0F) | ((bh[e] & 3) << 4),
+        1 => (b2[e] & 0x0F) | (((bh[e] >> 2) & 3) << 4),
+        2 => (b1[e] >> 4) | (((bh[e] >> 4) & 3) << 4),
+        _ => (b2[e] >> 4) | (((bh[e] >> 6) & 3) << 4),
     }
 }
 
@@ -414,12 +435,7 @@ fn q6_k_q8_k_tiled(w: &[u8], x: &[u8]) -> f32 {
                 let g = 8 * n + 2 * t;
                 let y = &q8[128 * n + 32 * t..128 * n + 32 * t + 32];
                 for e in 0..32 {
-                    let q = match t {
-                        0 => (b1[e] & 0x0F) | ((bh[e] & 3) << 4),
-                        1 => (b2[e] & 0x0F) | (((bh[e] >> 2) & 3) << 4),
-                        2 => (b1[e] >> 4) | (((bh[e] >> 4) & 3) << 4),
-                        _ => (b2[e] >> 4) | (((bh[e] >> 6) & 3) << 4),
-                    };
+                    let q = q6_k_code(b1, b2, bh, t, e);
                     let scale = sc[g + e / 16] as i8 as i32;
                     isum += scale * (q as i32 - 32) * y[e] as i8 as i32;
                 }
@@ -490,12 +506,7 @@ fn q6_k_q8_k(w: &[u8], x: &[u8]) -> f32 {
                 let g = 8 * n + 2 * t;
                 let y = &q8[128 * n + 32 * t..128 * n + 32 * t + 32];
                 for e in 0..32 {
-                    let q = match t {
-                        0 => (b1[e] & 0x0F) | ((bh[e] & 3) << 4),
-                        1 => (b2[e] & 0x0F) | (((bh[e] >> 2) & 3) << 4),
-                        2 => (b1[e] >> 4) | (((bh[e] >> 4) & 3) << 4),
-                        _ => (b2[e] >> 4) | (((bh[e] >> 6) & 3) << 4),
-                    };
+                    let q = q6_k_code(b1, b2, bh, t, e);
                     let scale = sc[g + e / 16] as i8 as i32;
                     lanes[e / 4] += scale * q as i32 * y[e] as i8 as i32;
                 }

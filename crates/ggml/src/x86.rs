@@ -249,14 +249,24 @@ unsafe fn q4_k_q8_k_avx2<const GROUPED: bool>(w: &[u8], x: &[u8]) -> f32 {
 
 fn q6_k_q8_k(w: &[u8], x: &[u8]) -> f32 {
     // SAFETY: only reachable when `has_avx2()` confirmed AVX2, FMA and F16C.
-    unsafe { q6_k_q8_k_avx2(w, x) }
+    unsafe { q6_k_q8_k_avx2::<false>(w, x) }
 }
 
+/// Twin of `dot::q6_k_q8_k_tiled` (rows of batches of >= 8: llama.cpp's tiled kernel rounding).
+pub(crate) fn q6_k_q8_k_tiled(w: &[u8], x: &[u8]) -> f32 {
+    // SAFETY: only handed out by `dot::batch_fn` after `has_avx2()` confirmed AVX2, FMA, F16C.
+    unsafe { q6_k_q8_k_avx2::<true>(w, x) }
+}
+
+/// `TILED`: per block the exact integer total times the weight scale, FMA'd with the
+/// activation scale in one scalar chain (the integer part is order-free, so this equals the
+/// scalar twin bit for bit) instead of eight f32 lanes.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q6_k_q8_k_avx2(w: &[u8], x: &[u8]) -> f32 {
+unsafe fn q6_k_q8_k_avx2<const TILED: bool>(w: &[u8], x: &[u8]) -> f32 {
     let m4 = _mm256_set1_epi8(0x0F);
     let m3 = _mm256_set1_epi8(0x03);
     let mut acc = _mm256_setzero_ps();
+    let mut acc_tiled = 0f32;
     for (wb, xb) in w.chunks_exact(210).zip(x.chunks_exact(292)) {
         let (yd, bsums) = q8k_d_bsums(xb);
         let d = yd * f16_at(wb, 208);
@@ -292,9 +302,18 @@ unsafe fn q6_k_q8_k_avx2(w: &[u8], x: &[u8]) -> f32 {
             }
         }
         let sumi = _mm256_sub_epi32(sumi, offset);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+        if TILED {
+            let isum = hsum_i32(sumi);
+            acc_tiled = (f16_at(wb, 208) * isum as f32).mul_add(yd, acc_tiled);
+        } else {
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+        }
     }
-    hsum(acc)
+    if TILED {
+        acc_tiled
+    } else {
+        hsum(acc)
+    }
 }
 
 fn f16_f16(w: &[u8], x: &[u8]) -> f32 {

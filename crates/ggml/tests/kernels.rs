@@ -155,6 +155,11 @@ proptest! {
         matmul_scalar(ty, &w, n, k, &x, m, &mut y[2], MatMulMode::ActQuant, 1).unwrap();
         matmul(ty, &w, n, k, &x, m, &mut y[3], MatMulMode::Exact, 2).unwrap();
         prop_assert_eq!(&y[0], &y[1]);
+        if ty == GgmlType::Q6_K && m >= 8 {
+            // Batches of >= 8 rows take the tiled rounding, whose integer part is order-free:
+            // the AVX2 kernel equals its scalar twin bit for bit.
+            prop_assert_eq!(&y[0], &y[2]);
+        }
         for i in 0..m {
             for j in 0..n {
                 let (want, mag) = f64_dot(&x[i * k..(i + 1) * k], &wd[j * k..(j + 1) * k]);
