@@ -168,6 +168,27 @@ impl PackedA {
         }
         PackedA { m, k, kp2, data }
     }
+    /// Packs `m` rows of `k` values into a recycled buffer, each row written in place by
+    /// `fill(r, row)` (`row` holds exactly `k` zeroed slots): the gather path for operands that
+    /// are not one contiguous matrix (e.g. the taps of a transposed convolution), without an
+    /// intermediate copy.
+    pub fn pack_with(
+        mut data: Vec<i16>,
+        m: usize,
+        k: usize,
+        mut fill: impl FnMut(usize, &mut [i16]),
+    ) -> PackedA {
+        let kp2 = k.div_ceil(2) * 2;
+        let rows = m.div_ceil(MR) * MR;
+        data.clear();
+        data.resize(rows * kp2, 0);
+        if k > 0 {
+            for (r, row) in data.chunks_exact_mut(kp2).take(m).enumerate() {
+                fill(r, &mut row[..k]);
+            }
+        }
+        PackedA { m, k, kp2, data }
+    }
     /// The packed buffer, for reuse by a later [`PackedA::pack_rows_in`].
     pub fn into_buffer(self) -> Vec<i16> {
         self.data
