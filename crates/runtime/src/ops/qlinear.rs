@@ -49,6 +49,8 @@ struct Scratch {
     acc: Vec<i32>,
     acc_lo: Vec<i32>,
     a16: Vec<i16>,
+    /// The HWC copy of a transposed convolution's input.
+    xt: Vec<i16>,
 }
 
 thread_local! {
@@ -499,7 +501,12 @@ fn qmatmul(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
             a16 = pa.into_buffer();
         }
     }
-    give_scratch(Scratch { acc, acc_lo, a16 });
+    give_scratch(Scratch {
+        acc,
+        acc_lo,
+        a16,
+        xt: scratch.xt,
+    });
     let shape = plan.out_shape.clone();
     let t = match out_dt {
         DType::F32 => Tensor::from_vec(shape, out_f32)?,
@@ -812,9 +819,13 @@ fn conv_t_products(
                 let (j, i) = ((r / ph.nx) as isize, (r % ph.nx) as isize);
                 for (t, &(dy, dx)) in ph.taps.iter().enumerate() {
                     let (iy, ix) = (j + dy, i + dx);
+                    let dst = &mut row[t * c..(t + 1) * c];
                     if iy >= 0 && (iy as usize) < g.ih && ix >= 0 && (ix as usize) < g.iw {
                         let p = iy as usize * g.iw + ix as usize;
-                        row[t * c..(t + 1) * c].copy_from_slice(&xt[p * c..(p + 1) * c]);
+                        dst.copy_from_slice(&xt[p * c..(p + 1) * c]);
+                    } else {
+                        // Outside the input: no contribution.
+                        dst.fill(0);
                     }
                 }
             });
@@ -948,7 +959,8 @@ fn qconv_transpose(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         DType::I8 => out_i8 = vec![0; total],
         other => bail!("QConvTranspose output must be u8 or i8, found {other}"),
     }
-    let mut xt = vec![0i16; pin * c];
+    let mut xt = std::mem::take(&mut scratch.xt);
+    xt.resize(pin * c, 0);
     let mut row_u8 = vec![0u8; m];
     let mut row_i8 = vec![0i8; m];
     for ni in 0..n {
@@ -1010,6 +1022,7 @@ fn qconv_transpose(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         acc: col,
         acc_lo: scratch.acc_lo,
         a16: abuf,
+        xt,
     });
     let shape = vec![n, m, oh, ow];
     let t = match yz_t.dtype() {
