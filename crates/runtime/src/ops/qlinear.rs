@@ -421,11 +421,11 @@ fn qmatmul(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     };
     let total = plan.out_shape.iter().product::<usize>();
     let mut scratch = take_scratch();
+    // No clearing: `igemm` writes every sum of its output (stale values are overwritten), and
+    // zero-filling megabytes per call showed up in profiles.
     let mut acc = std::mem::take(&mut scratch.acc);
-    acc.clear();
     acc.resize(rows_per * n, 0);
     let mut acc_lo = std::mem::take(&mut scratch.acc_lo);
-    acc_lo.clear();
     let mut a16 = std::mem::take(&mut scratch.a16);
     let out_len = total;
     let mut out_f32: Vec<f32> = vec![];
@@ -812,9 +812,11 @@ fn conv_t_products(
             continue;
         }
         let k = ph.taps.len() * c;
-        col.clear();
+        // `igemm` overwrites every sum; only a tapless phase needs explicit zeros.
         col.resize(npix * g.m, 0);
-        if k > 0 {
+        if k == 0 {
+            col.fill(0);
+        } else {
             let a = PackedA::pack_with(std::mem::take(abuf), npix, k, |r, row| {
                 let (j, i) = ((r / ph.nx) as isize, (r % ph.nx) as isize);
                 for (t, &(dy, dx)) in ph.taps.iter().enumerate() {
