@@ -6,7 +6,14 @@
 //! correction is needed afterwards. Products are accumulated with `vpmaddwd` (pairs of i16
 //! products summed into i32), which cannot saturate: |pair| <= 2 * 255 * 255 = 130050.
 //! `vpmaddubsw` (u8 x i8 -> saturating i16 pairs) is deliberately not used: 2 * 255 * 127 >
-//! 32767, so it is inexact without VNNI.
+//! 32767, so it is inexact without VNNI. The exact variants do not pay off either (measured on
+//! Zen 4 with AVX2 only): `vpmaddwd` already does 16 multiply-adds per multiply-port
+//! instruction (twice an 8-lane FMA), while a `vpmaddubsw` product (32) must still be widened
+//! to i32 — by a second `vpmaddwd` with ones (16 per multiply-port op again) or by shifts and
+//! i16 adds (6 vector ops per 32 products against 4 here) — and the sign trick needed for
+//! exactness (`|a - 128|` against `b * sign(a - 128)`, since `vpsignb` cannot negate -128)
+//! costs a further op per product vector (`vpsignb`/`vpabsb` also issue on the multiply ports).
+//! A prototype of the shift-widened u8 kernel ran at the speed of this one.
 //!
 //! Overflow bound: operands lie in [-256, 255] (8-bit values minus zero points, or the high
 //! byte of a split 16-bit value), so every term is at most 256 * 255 = 65280 in magnitude and
@@ -164,6 +171,33 @@ impl PackedA {
         {
             for (d, &v) in dst.iter_mut().zip(s) {
                 *d = f(v);
+            }
+        }
+        PackedA { m, k, kp2, data }
+    }
+    /// Packs `m` rows of `k` values into a recycled buffer, each row written in place by
+    /// `fill(r, row)`: the gather path for operands that are not one contiguous matrix (e.g.
+    /// the taps of a transposed convolution), without an intermediate copy. `row` holds
+    /// exactly `k` slots with stale contents, and `fill` must write every one of them (the
+    /// buffer is not cleared first: that would write the whole operand twice); the padding
+    /// slots are zeroed here.
+    pub fn pack_with(
+        mut data: Vec<i16>,
+        m: usize,
+        k: usize,
+        mut fill: impl FnMut(usize, &mut [i16]),
+    ) -> PackedA {
+        let kp2 = k.div_ceil(2) * 2;
+        let rows = m.div_ceil(MR) * MR;
+        data.resize(rows * kp2, 0);
+        if kp2 > 0 {
+            for (r, row) in data.chunks_exact_mut(kp2).enumerate() {
+                if r < m {
+                    fill(r, &mut row[..k]);
+                    row[k..].fill(0);
+                } else {
+                    row.fill(0);
+                }
             }
         }
         PackedA { m, k, kp2, data }

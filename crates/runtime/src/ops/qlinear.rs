@@ -49,6 +49,8 @@ struct Scratch {
     acc: Vec<i32>,
     acc_lo: Vec<i32>,
     a16: Vec<i16>,
+    /// The HWC copy of a transposed convolution's input.
+    xt: Vec<i16>,
 }
 
 thread_local! {
@@ -419,11 +421,11 @@ fn qmatmul(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     };
     let total = plan.out_shape.iter().product::<usize>();
     let mut scratch = take_scratch();
+    // No clearing: `igemm` writes every sum of its output (stale values are overwritten), and
+    // zero-filling megabytes per call showed up in profiles.
     let mut acc = std::mem::take(&mut scratch.acc);
-    acc.clear();
     acc.resize(rows_per * n, 0);
     let mut acc_lo = std::mem::take(&mut scratch.acc_lo);
-    acc_lo.clear();
     let mut a16 = std::mem::take(&mut scratch.a16);
     let out_len = total;
     let mut out_f32: Vec<f32> = vec![];
@@ -499,7 +501,12 @@ fn qmatmul(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
             a16 = pa.into_buffer();
         }
     }
-    give_scratch(Scratch { acc, acc_lo, a16 });
+    give_scratch(Scratch {
+        acc,
+        acc_lo,
+        a16,
+        xt: scratch.xt,
+    });
     let shape = plan.out_shape.clone();
     let t = match out_dt {
         DType::F32 => Tensor::from_vec(shape, out_f32)?,
@@ -706,12 +713,130 @@ fn qlut(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     Ok(vec![Value::tensor(t)])
 }
 
-/// A constant ConvTranspose weight `[C, M, kh, kw]`, zero-point corrected and packed once as
-/// the left operand `W^T [M*kh*kw, C]` of the column product.
-struct PackedConvWeight {
-    a: PackedA,
-    /// Per output channel weight scale (length M).
-    scale: Vec<f32>,
+/// Geometry of a 2-D transposed convolution (group 1, dilations 1).
+#[derive(Debug, Clone, Copy)]
+struct ConvTGeom {
+    /// Input channels, height, width.
+    c: usize,
+    ih: usize,
+    iw: usize,
+    /// Output channels, kernel height, width.
+    m: usize,
+    kh: usize,
+    kw: usize,
+    /// Output height, width.
+    oh: usize,
+    ow: usize,
+    /// Strides and begin pads (y, x).
+    s: [usize; 2],
+    pb: [usize; 2],
+}
+
+/// One output phase `(py, px)` of a strided transposed convolution. The outputs
+/// `(py + sy * j, px + sx * i)` receive exactly the taps `ky` with `(py + pb_y - ky) % sy == 0`
+/// (and likewise in x), each read at input `(j + dy, i + dx)` with `dy = (py + pb_y - ky) / sy`,
+/// so a phase is one plain product `[pixels, taps * C] x [taps * C, M]` whose sums land on
+/// distinct outputs: no `kh * kw`-times larger column buffer and no scatter-add (col2im).
+struct Phase {
+    py: usize,
+    px: usize,
+    /// Output rows / columns of this phase.
+    ny: usize,
+    nx: usize,
+    /// `(dy, dx)` input offset of each tap, in the reduction order of `w`.
+    taps: Vec<(isize, isize)>,
+    /// Zero-point-corrected weights `[taps * C, M]`, row `(t, ci)`.
+    w: PackedB,
+}
+
+/// The phases of a transposed convolution with the weight `w[ci, co, ky, kx]` (`wv`, row-major,
+/// `zp(co)` its zero point), packed once per plan.
+fn conv_t_phases(g: &ConvTGeom, wv: &[i64], zp: impl Fn(usize) -> i64) -> Vec<Phase> {
+    let taps_1d = |p: usize, pb: usize, k: usize, s: usize| -> Vec<(usize, isize)> {
+        (0..k)
+            .filter_map(|kk| {
+                let d = p as isize + pb as isize - kk as isize;
+                (d.rem_euclid(s as isize) == 0).then_some((kk, d.div_euclid(s as isize)))
+            })
+            .collect()
+    };
+    let count = |p: usize, o: usize, s: usize| if p < o { (o - p).div_ceil(s) } else { 0 };
+    let mut out = Vec::with_capacity(g.s[0] * g.s[1]);
+    for py in 0..g.s[0] {
+        for px in 0..g.s[1] {
+            let ty = taps_1d(py, g.pb[0], g.kh, g.s[0]);
+            let tx = taps_1d(px, g.pb[1], g.kw, g.s[1]);
+            let mut taps = Vec::with_capacity(ty.len() * tx.len());
+            let mut kk = Vec::with_capacity(ty.len() * tx.len());
+            for &(ky, dy) in &ty {
+                for &(kx, dx) in &tx {
+                    taps.push((dy, dx));
+                    kk.push((ky, kx));
+                }
+            }
+            let (c, m, kh, kw) = (g.c, g.m, g.kh, g.kw);
+            let w = PackedB::pack(kk.len() * c, m, |r, co| {
+                let (ky, kx) = kk[r / c];
+                let ci = r % c;
+                (wv[((ci * m + co) * kh + ky) * kw + kx] - zp(co)) as i16
+            });
+            out.push(Phase {
+                py,
+                px,
+                ny: count(py, g.oh, g.s[0]),
+                nx: count(px, g.ow, g.s[1]),
+                taps,
+                w,
+            });
+        }
+    }
+    out
+}
+
+/// Runs the phase products of one image: `xt` is `x - zx` in HWC order (`[ih * iw, c]`), so
+/// each tap of an output pixel is `c` contiguous values. `sink(phase, sums)` receives the i32
+/// sums `[ny * nx, M]` (row `j * nx + i`) of every phase with outputs.
+fn conv_t_products(
+    g: &ConvTGeom,
+    phases: &[Phase],
+    xt: &[i16],
+    threads: usize,
+    abuf: &mut Vec<i16>,
+    col: &mut Vec<i32>,
+    mut sink: impl FnMut(&Phase, &[i32]),
+) -> Result<()> {
+    let c = g.c;
+    for ph in phases {
+        let npix = ph.ny * ph.nx;
+        if npix == 0 {
+            continue;
+        }
+        let k = ph.taps.len() * c;
+        // `igemm` overwrites every sum; only a tapless phase needs explicit zeros.
+        col.resize(npix * g.m, 0);
+        if k == 0 {
+            col.fill(0);
+        } else {
+            let a = PackedA::pack_with(std::mem::take(abuf), npix, k, |r, row| {
+                let (j, i) = ((r / ph.nx) as isize, (r % ph.nx) as isize);
+                for (t, &(dy, dx)) in ph.taps.iter().enumerate() {
+                    let (iy, ix) = (j + dy, i + dx);
+                    let dst = &mut row[t * c..(t + 1) * c];
+                    if iy >= 0 && (iy as usize) < g.ih && ix >= 0 && (ix as usize) < g.iw {
+                        let p = iy as usize * g.iw + ix as usize;
+                        dst.copy_from_slice(&xt[p * c..(p + 1) * c]);
+                    } else {
+                        // Outside the input: no contribution.
+                        dst.fill(0);
+                    }
+                }
+            });
+            igemm(&a, &ph.w, col, threads)?;
+            *abuf = a.into_buffer();
+        }
+        sink(ph, col);
+    }
+    Ok(())
 }
 
 /// `npuc.QConvTranspose(x, x_scale, x_zero_point, w, w_scale, w_zero_point, bias?, y_scale,
@@ -720,8 +845,9 @@ struct PackedConvWeight {
 /// (per-tensor or per output channel, axis 1), requantized to `y_zero_point`'s dtype. Written
 /// by `quant_lower` for `DQ(x), DQ(w) [, bias] -> ConvTranspose -> Q`.
 ///
-/// Columns `W^T (x - zx)` are one exact integer product ([`igemm`]), scattered into the output
-/// grid in i32 (col2im, exact), then `y = sx * sw[m] * acc + bias[m]` is requantized.
+/// Each output phase is one exact integer product ([`conv_t_products`], [`igemm`]) of the
+/// gathered input taps and the phase's weights; its rows are requantized
+/// (`y = sx * sw[m] * acc + bias[m]`) and stored at the phase's output positions.
 fn qconv_transpose(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     use crate::ops::conv::{pads_attr, spatial_attr};
     let x = ins.tensor(0)?;
@@ -763,12 +889,23 @@ fn qconv_transpose(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     };
     let (oh, ow) = (out_dim(0, ih, kh)?, out_dim(1, iw, kw)?);
     let ks = kh * kw;
-    let rows = m * ks;
     let (pin, pout) = (ih * iw, oh * ow);
     // Every output sums at most c * kh * kw products: keep that within the exact i32 bound.
     if c * ks > MAX_K {
         bail!("{c} input channels x {ks} taps exceed {MAX_K}, the longest exact i32 reduction");
     }
+    let g = ConvTGeom {
+        c,
+        ih,
+        iw,
+        m,
+        kh,
+        kw,
+        oh,
+        ow,
+        s: [s[0], s[1]],
+        pb: [pb[0], pb[1]],
+    };
     let const_w =
         ctx.input_is_const(3) && ctx.input_is_const(4) && (w_zp.is_none() || ctx.input_is_const(5));
     if !const_w {
@@ -791,10 +928,9 @@ fn qconv_transpose(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
             bail!("weight zero point is out of the 8-bit range");
         }
         let zp = |co: usize| if zs.len() == 1 { zs[0] } else { zs[co] };
-        // W^T[r, ci] = w[ci, r] with r = (co, ky, kx).
-        let a = PackedA::pack(rows, c, |r, ci| (wv[ci * rows + r] - zp(r / ks)) as i16);
+        let phases = conv_t_phases(&g, &wv, zp);
         let scale = if sc.len() == 1 { vec![sc[0]; m] } else { sc };
-        Ok(PackedConvWeight { a, scale })
+        Ok(PackedConvT { phases, scale })
     })?;
     let bias: Vec<f32> = match bias {
         Some(t) => {
@@ -812,10 +948,11 @@ fn qconv_transpose(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     }
     let yz = zp_scalar(Some(yz_t), "y_zero_point")?;
     let (lo, hi) = qrange(yz_t.dtype())?;
+    let mult: Vec<f32> = packed.scale.iter().map(|&sw| sx * sw).collect();
     let isa = Isa::detect();
     let mut scratch = take_scratch();
     let mut col = std::mem::take(&mut scratch.acc);
-    let mut acc = std::mem::take(&mut scratch.acc_lo);
+    let mut abuf = std::mem::take(&mut scratch.a16);
     let total = n * m * pout;
     let mut out_u8: Vec<u8> = vec![];
     let mut out_i8: Vec<i8> = vec![];
@@ -824,68 +961,70 @@ fn qconv_transpose(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         DType::I8 => out_i8 = vec![0; total],
         other => bail!("QConvTranspose output must be u8 or i8, found {other}"),
     }
-    let mut mult_row = vec![0f32; pout];
-    let mut bias_row = vec![0f32; pout];
+    let mut xt = std::mem::take(&mut scratch.xt);
+    xt.resize(pin * c, 0);
+    let mut row_u8 = vec![0u8; m];
+    let mut row_i8 = vec![0i8; m];
     for ni in 0..n {
-        let xb_range = ni * c * pin..(ni + 1) * c * pin;
-        let xb = match x.dtype() {
-            DType::U8 => PackedB::pack_rows(c, pin, &x.as_slice::<u8>()?[xb_range], |v| {
-                (v as i32 - zx) as i16
-            }),
-            _ => PackedB::pack_rows(c, pin, &x.as_slice::<i8>()?[xb_range], |v| {
-                (v as i32 - zx) as i16
-            }),
-        };
-        col.clear();
-        col.resize(rows * pin, 0);
-        igemm(&packed.a, &xb, &mut col, ctx.threads)?;
-        acc.clear();
-        acc.resize(m * pout, 0);
-        col2im_i32(
-            &col,
-            (m, kh, kw),
-            (ih, iw),
-            (oh, ow),
-            (s[0], s[1]),
-            (pb[0], pb[1]),
-            &mut acc,
-        );
-        for co in 0..m {
-            mult_row.fill(sx * packed.scale[co]);
-            bias_row.fill(bias[co]);
-            let a = &acc[co * pout..(co + 1) * pout];
-            let o = (ni * m + co) * pout..(ni * m + co + 1) * pout;
-            let args = (&mult_row[..], &bias_row[..], 1.0 / ys, yz, (lo, hi));
-            match yz_t.dtype() {
-                DType::U8 => qconvert::requant_row(
-                    isa,
-                    a,
-                    None,
-                    args.0,
-                    args.1,
-                    args.2,
-                    args.3,
-                    args.4,
-                    &mut out_u8[o],
-                ),
-                _ => qconvert::requant_row(
-                    isa,
-                    a,
-                    None,
-                    args.0,
-                    args.1,
-                    args.2,
-                    args.3,
-                    args.4,
-                    &mut out_i8[o],
-                ),
-            }
+        let xr = ni * c * pin..(ni + 1) * c * pin;
+        match x.dtype() {
+            DType::U8 => to_hwc(&x.as_slice::<u8>()?[xr], c, pin, zx, &mut xt),
+            _ => to_hwc(&x.as_slice::<i8>()?[xr], c, pin, zx, &mut xt),
         }
+        let base = ni * m * pout;
+        let sink = |ph: &Phase, sums: &[i32]| {
+            for (r, srow) in sums.chunks_exact(m).enumerate() {
+                let (j, i) = (r / ph.nx, r % ph.nx);
+                let o = base + (ph.py + g.s[0] * j) * ow + ph.px + g.s[1] * i;
+                let args = (&mult[..], &bias[..], 1.0 / ys, yz, (lo, hi));
+                if yz_t.dtype() == DType::U8 {
+                    qconvert::requant_row(
+                        isa,
+                        srow,
+                        None,
+                        args.0,
+                        args.1,
+                        args.2,
+                        args.3,
+                        args.4,
+                        &mut row_u8,
+                    );
+                    for (co, &v) in row_u8.iter().enumerate() {
+                        out_u8[o + co * pout] = v;
+                    }
+                } else {
+                    qconvert::requant_row(
+                        isa,
+                        srow,
+                        None,
+                        args.0,
+                        args.1,
+                        args.2,
+                        args.3,
+                        args.4,
+                        &mut row_i8,
+                    );
+                    for (co, &v) in row_i8.iter().enumerate() {
+                        out_i8[o + co * pout] = v;
+                    }
+                }
+            }
+        };
+        conv_t_products(
+            &g,
+            &packed.phases,
+            &xt,
+            ctx.threads,
+            &mut abuf,
+            &mut col,
+            sink,
+        )?;
     }
     give_scratch(Scratch {
         acc: col,
-        acc_lo: acc,
-        a16: scratch.a16,
+        acc_lo: scratch.acc_lo,
+        a16: abuf,
+        xt,
     });
     let shape = vec![n, m, oh, ow];
     let t = match yz_t.dtype() {
@@ -895,46 +1034,145 @@ fn qconv_transpose(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     Ok(vec![Value::tensor(t)])
 }
 
-/// Scatters columns `col[(co, ky, kx), (iy, ix)]` into `acc[co, oy, ox]` (i32, exact) where
-/// `oy = iy * sh + ky - ph`, `ox = ix * sw + kx - pw` (the adjoint of im2col).
-fn col2im_i32(
-    col: &[i32],
-    (m, kh, kw): (usize, usize, usize),
-    (ih, iw): (usize, usize),
-    (oh, ow): (usize, usize),
-    (sh, sw): (usize, usize),
-    (ph, pw): (usize, usize),
-    acc: &mut [i32],
-) {
-    let pin = ih * iw;
-    let pout = oh * ow;
-    // Input indices i with 0 <= i * s + k - p < o.
-    let range = |k: usize, s: usize, p: usize, inp: usize, o: usize| -> (usize, usize) {
-        let lo = if k >= p { 0 } else { (p - k).div_ceil(s) };
-        let hi = if o + p > k {
-            (o + p - k).div_ceil(s).min(inp)
-        } else {
-            0
-        };
-        (lo, hi.max(lo))
-    };
-    for co in 0..m {
-        let plane = &mut acc[co * pout..(co + 1) * pout];
-        for ky in 0..kh {
-            let (y0, y1) = range(ky, sh, ph, ih, oh);
-            for kx in 0..kw {
-                let (x0, x1) = range(kx, sw, pw, iw, ow);
-                let r = (co * kh + ky) * kw + kx;
-                let src = &col[r * pin..(r + 1) * pin];
-                for iy in y0..y1 {
-                    let oy = iy * sh + ky - ph;
-                    let dst = &mut plane[oy * ow..(oy + 1) * ow];
-                    let srow = &src[iy * iw..(iy + 1) * iw];
-                    for ix in x0..x1 {
-                        dst[ix * sw + kx - pw] += srow[ix];
+/// The per-plan packed weights of a [`qconv_transpose`] node.
+struct PackedConvT {
+    phases: Vec<Phase>,
+    /// Per output channel weight scale (length M).
+    scale: Vec<f32>,
+}
+
+/// `x [c, pin]` (CHW) minus its zero point, transposed to HWC `[pin, c]` in `dst`.
+fn to_hwc<T: Copy + Into<i32>>(x: &[T], c: usize, pin: usize, zx: i32, dst: &mut [i16]) {
+    for (ci, plane) in x.chunks_exact(pin).take(c).enumerate() {
+        for (p, &v) in plane.iter().enumerate() {
+            dst[p * c + ci] = (v.into() - zx) as i16;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Direct i64 transposed convolution: `acc[co, oy, ox] = sum x'[ci, iy, ix] * w'[ci, co, ky, kx]`
+    /// over `oy = iy * sy + ky - pby`, `ox = ix * sx + kx - pbx`.
+    fn direct(g: &ConvTGeom, x: &[i16], w: &[i64]) -> Vec<i64> {
+        let mut acc = vec![0i64; g.m * g.oh * g.ow];
+        for ci in 0..g.c {
+            for iy in 0..g.ih {
+                for ix in 0..g.iw {
+                    let xv = x[(ci * g.ih + iy) * g.iw + ix] as i64;
+                    for co in 0..g.m {
+                        for ky in 0..g.kh {
+                            for kx in 0..g.kw {
+                                let oy = (iy * g.s[0] + ky) as isize - g.pb[0] as isize;
+                                let ox = (ix * g.s[1] + kx) as isize - g.pb[1] as isize;
+                                if oy < 0 || ox < 0 || oy as usize >= g.oh || ox as usize >= g.ow {
+                                    continue;
+                                }
+                                let wv = w[((ci * g.m + co) * g.kh + ky) * g.kw + kx];
+                                acc[(co * g.oh + oy as usize) * g.ow + ox as usize] += xv * wv;
+                            }
+                        }
                     }
                 }
             }
         }
+        acc
+    }
+
+    /// The phase products cover every output exactly once and equal the direct sums, for
+    /// strides 1-3, kernels 1-4, asymmetric pads and output padding (even kernels smaller than
+    /// the stride, where some phases have no taps), with 1 and 2 threads.
+    #[test]
+    fn phase_products_match_direct_sums() {
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = |n: usize| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed % n as u64) as usize
+        };
+        let mut ran = 0;
+        for case in 0..60 {
+            let (s0, s1) = (1 + next(3), 1 + next(3));
+            let (kh, kw) = (1 + next(4), 1 + next(4));
+            let (ih, iw) = (1 + next(5), 1 + next(6));
+            let (c, m) = (1 + next(9), 1 + next(20));
+            let (opy, opx) = (next(s0), next(s1));
+            let full = |i: usize, s: usize, k: usize, op: usize| s * (i - 1) + op + k;
+            let (fh, fw) = (full(ih, s0, kh, opy), full(iw, s1, kw, opx));
+            let (pby, pey) = (next(kh), next(kh));
+            let (pbx, pex) = (next(kw), next(kw));
+            if pby + pey >= fh || pbx + pex >= fw {
+                continue;
+            }
+            let g = ConvTGeom {
+                c,
+                ih,
+                iw,
+                m,
+                kh,
+                kw,
+                oh: fh - pby - pey,
+                ow: fw - pbx - pex,
+                s: [s0, s1],
+                pb: [pby, pbx],
+            };
+            // Extremes of zero-point-corrected 8-bit operands.
+            let x: Vec<i16> = (0..c * ih * iw)
+                .map(|i| {
+                    if i % 5 == 0 {
+                        255
+                    } else {
+                        next(511) as i16 - 255
+                    }
+                })
+                .collect();
+            let w: Vec<i64> = (0..c * m * kh * kw)
+                .map(|i| {
+                    if i % 7 == 0 {
+                        -128
+                    } else {
+                        next(256) as i64 - 128
+                    }
+                })
+                .collect();
+            let want = direct(&g, &x, &w);
+            let phases = conv_t_phases(&g, &w, |_| 0);
+            let mut xt = vec![0i16; ih * iw * c];
+            for ci in 0..c {
+                for p in 0..ih * iw {
+                    xt[p * c + ci] = x[ci * ih * iw + p];
+                }
+            }
+            for threads in [1, 2] {
+                let mut got = vec![i64::MIN; g.m * g.oh * g.ow];
+                let (mut abuf, mut col) = (Vec::new(), Vec::new());
+                conv_t_products(
+                    &g,
+                    &phases,
+                    &xt,
+                    threads,
+                    &mut abuf,
+                    &mut col,
+                    |ph, sums| {
+                        for (r, row) in sums.chunks_exact(g.m).enumerate() {
+                            let oy = ph.py + g.s[0] * (r / ph.nx);
+                            let ox = ph.px + g.s[1] * (r % ph.nx);
+                            for (co, &v) in row.iter().enumerate() {
+                                let slot = &mut got[(co * g.oh + oy) * g.ow + ox];
+                                assert_eq!(*slot, i64::MIN, "output written twice");
+                                *slot = v as i64;
+                            }
+                        }
+                    },
+                )
+                .unwrap();
+                assert_eq!(got, want, "case {case}: {g:?}, {threads} threads");
+            }
+            ran += 1;
+        }
+        assert!(ran >= 20, "only {ran} geometries were valid");
     }
 }

@@ -1,0 +1,38 @@
+//! Throughput of the exact integer product (`kernels::igemm`) at the ViT-S shapes, in GMAC/s
+//! (one thread), with the weights packed once and the activations packed per call as
+//! `npuc.QMatMul` does. Usage: `cargo run --release -p npuc-runtime --example igemm_bench`.
+
+use npuc_runtime::kernels::igemm::{igemm, PackedA, PackedB};
+use std::time::Instant;
+
+fn main() {
+    let shapes = [
+        ("fc1", 197, 384, 1536),
+        ("fc2", 197, 1536, 384),
+        ("qkv", 197, 384, 384),
+        ("attn", 197, 64, 197),
+        ("upconv3", 1024, 128, 3136),
+    ];
+    for round in 0..3 {
+        for &(name, m, k, n) in &shapes {
+            let a: Vec<u8> = (0..m * k).map(|i| (i * 7919 % 256) as u8).collect();
+            let w: Vec<i8> = (0..k * n).map(|i| (i * 104729 % 255) as i8).collect();
+            let pb = PackedB::pack(k, n, |r, c| w[r * n + c] as i16);
+            let mut c = vec![0i32; m * n];
+            let reps = 20;
+            let mut buf = Vec::new();
+            let t = Instant::now();
+            for _ in 0..reps {
+                let pa = PackedA::pack_rows_in(buf, m, k, &a, |v| v as i16 - 128);
+                igemm(&pa, &pb, &mut c, 1).unwrap();
+                buf = pa.into_buffer();
+            }
+            let s = t.elapsed().as_secs_f64() / reps as f64;
+            println!(
+                "round {round} {name:8} {m}x{k}x{n}: {:.3} ms, {:.1} GMAC/s",
+                s * 1e3,
+                (m * k * n) as f64 / s / 1e9
+            );
+        }
+    }
+}
