@@ -88,16 +88,7 @@ fn write_model(dir: &Path) -> PathBuf {
         ],
         ..Default::default()
     };
-    let m = Model {
-        ir_version: 8,
-        opset_imports: vec![OpsetImport {
-            domain: "".into(),
-            version: 13,
-        }],
-        producer_name: "npuc-test".into(),
-        graph: g,
-        ..Default::default()
-    };
+    let m = opset13_model(g);
     let p = dir.join("cnn.onnx");
     npuc_onnx::save_model(&m, &p, &Default::default()).unwrap();
     p
@@ -315,16 +306,7 @@ fn one_channel_conv_encodings_round_trip() {
         ],
         ..Default::default()
     };
-    let m = Model {
-        ir_version: 8,
-        opset_imports: vec![OpsetImport {
-            domain: "".into(),
-            version: 13,
-        }],
-        producer_name: "npuc-test".into(),
-        graph: g,
-        ..Default::default()
-    };
+    let m = opset13_model(g);
     let model = d.join("one.onnx");
     npuc_onnx::save_model(&m, &model, &Default::default()).unwrap();
     let calib = calib_dir(d, 4);
@@ -808,4 +790,18 @@ fn ppocr_rec_qdq_export_matches_onnxruntime() {
         "w8a16 vs optimized: cosine {}",
         m.vs_opt.0
     );
+}
+
+/// A test model of graph `g` at ONNX opset 13.
+fn opset13_model(g: Graph) -> Model {
+    Model {
+        ir_version: 8,
+        opset_imports: vec![OpsetImport {
+            domain: "".into(),
+            version: 13,
+        }],
+        producer_name: "npuc-test".into(),
+        graph: g,
+        ..Default::default()
+    }
 }

@@ -976,37 +976,11 @@ fn qconv_transpose(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
             for (r, srow) in sums.chunks_exact(m).enumerate() {
                 let (j, i) = (r / ph.nx, r % ph.nx);
                 let o = base + (ph.py + g.s[0] * j) * ow + ph.px + g.s[1] * i;
-                let args = (&mult[..], &bias[..], 1.0 / ys, yz, (lo, hi));
+                let rq = (&mult[..], &bias[..], 1.0 / ys, yz, (lo, hi));
                 if yz_t.dtype() == DType::U8 {
-                    qconvert::requant_row(
-                        isa,
-                        srow,
-                        None,
-                        args.0,
-                        args.1,
-                        args.2,
-                        args.3,
-                        args.4,
-                        &mut row_u8,
-                    );
-                    for (co, &v) in row_u8.iter().enumerate() {
-                        out_u8[o + co * pout] = v;
-                    }
+                    requant_scatter(isa, srow, rq, &mut row_u8, &mut out_u8[o..], pout);
                 } else {
-                    qconvert::requant_row(
-                        isa,
-                        srow,
-                        None,
-                        args.0,
-                        args.1,
-                        args.2,
-                        args.3,
-                        args.4,
-                        &mut row_i8,
-                    );
-                    for (co, &v) in row_i8.iter().enumerate() {
-                        out_i8[o + co * pout] = v;
-                    }
+                    requant_scatter(isa, srow, rq, &mut row_i8, &mut out_i8[o..], pout);
                 }
             }
         };
@@ -1032,6 +1006,22 @@ fn qconv_transpose(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         _ => Tensor::from_vec(shape, out_i8)?,
     };
     Ok(vec![Value::tensor(t)])
+}
+
+/// Requantizes one pixel's channel sums into `row` and scatters them to `out[co * stride]`
+/// (channel planes of an NCHW output, `out` starting at the pixel).
+fn requant_scatter<T: QInt>(
+    isa: Isa,
+    sums: &[i32],
+    (mult, bias, inv_ys, zp, range): (&[f32], &[f32], f32, i32, (i32, i32)),
+    row: &mut [T],
+    out: &mut [T],
+    stride: usize,
+) {
+    qconvert::requant_row(isa, sums, None, mult, bias, inv_ys, zp, range, row);
+    for (co, &v) in row.iter().enumerate() {
+        out[co * stride] = v;
+    }
 }
 
 /// The per-plan packed weights of a [`qconv_transpose`] node.
