@@ -11,20 +11,34 @@ fn main() {
         ("fc2", 197, 1536, 384),
         ("qkv", 197, 384, 384),
         ("attn", 197, 64, 197),
-        ("upconv3", 1024, 128, 3136),
+        // The transposed convolutions' phase products (output pixels x taps*channels x M).
+        ("upconv1", 196, 1536, 256),
+        ("upconv2", 784, 1024, 128),
+        ("upconv3", 3136, 512, 64),
     ];
+    let cold = std::env::args().any(|a| a == "--cold");
     for round in 0..3 {
         for &(name, m, k, n) in &shapes {
             let a: Vec<u8> = (0..m * k).map(|i| (i * 7919 % 256) as u8).collect();
             let w: Vec<i8> = (0..k * n).map(|i| (i * 104729 % 255) as i8).collect();
-            let pb = PackedB::pack(k, n, |r, c| w[r * n + c] as i16);
+            // --cold: rotate through enough distinct weights (> L3) that each product reads
+            // its weight from memory, as in a model whose layers each have their own weights.
+            let copies = if cold {
+                (64 << 20) / (k * n * 2) + 1
+            } else {
+                1
+            };
+            let pbs: Vec<PackedB> = (0..copies)
+                .map(|_| PackedB::pack(k, n, |r, c| w[r * n + c] as i16))
+                .collect();
             let mut c = vec![0i32; m * n];
             let reps = 20;
             let mut buf = Vec::new();
             let t = Instant::now();
-            for _ in 0..reps {
+            for rep in 0..reps {
+                let pb = &pbs[rep % copies];
                 let pa = PackedA::pack_rows_in(buf, m, k, &a, |v| v as i16 - 128);
-                igemm(&pa, &pb, &mut c, 1).unwrap();
+                igemm(&pa, pb, &mut c, 1).unwrap();
                 buf = pa.into_buffer();
             }
             let s = t.elapsed().as_secs_f64() / reps as f64;

@@ -16,7 +16,7 @@
 
 use crate::value::Value;
 use npuc_ir::{Tensor, TensorData};
-use std::any::Any;
+use std::any::{Any, TypeId};
 use std::cell::RefCell;
 use std::sync::{Arc, Mutex};
 
@@ -25,34 +25,28 @@ const MIN_POOLED: usize = 256;
 /// At most this many buffers are kept (the smallest go first when more come back).
 const MAX_BUFFERS: usize = 4096;
 
-/// Free `f32` buffers, sorted by capacity.
-#[derive(Default)]
-pub struct Pool {
-    bufs: Vec<Vec<f32>>,
+/// Free buffers of one element type, sorted by capacity.
+struct Shelf<T> {
+    bufs: Vec<Vec<T>>,
 }
 
-impl Pool {
-    /// Number of buffers held.
-    pub fn len(&self) -> usize {
-        self.bufs.len()
+impl<T> Default for Shelf<T> {
+    fn default() -> Self {
+        Shelf { bufs: Vec::new() }
     }
+}
 
-    /// Whether the pool holds no buffer.
-    pub fn is_empty(&self) -> bool {
-        self.bufs.is_empty()
-    }
-
-    /// Bytes held.
-    pub fn bytes(&self) -> usize {
+impl<T> Shelf<T> {
+    fn bytes(&self) -> usize {
         self.bufs
             .iter()
-            .map(|b| b.capacity() * std::mem::size_of::<f32>())
+            .map(|b| b.capacity() * std::mem::size_of::<T>())
             .sum()
     }
 
     /// The smallest buffer of capacity >= `len`, when it is not wastefully large (at most
     /// twice `len` plus a page), emptied.
-    fn take(&mut self, len: usize) -> Option<Vec<f32>> {
+    fn take(&mut self, len: usize) -> Option<Vec<T>> {
         let i = self.bufs.partition_point(|b| b.capacity() < len);
         let b = self.bufs.get(i)?;
         if b.capacity() > len.saturating_mul(2) + 1024 {
@@ -63,7 +57,7 @@ impl Pool {
         Some(v)
     }
 
-    fn give(&mut self, v: Vec<f32>) {
+    fn give(&mut self, v: Vec<T>) {
         if v.capacity() < MIN_POOLED {
             return;
         }
@@ -72,6 +66,46 @@ impl Pool {
         if self.bufs.len() > MAX_BUFFERS {
             self.bufs.remove(0);
         }
+    }
+}
+
+/// Free buffers by element type: `f32` (float graphs) and the 8-bit types quantized graphs
+/// pass between their integer kernels.
+#[derive(Default)]
+pub struct Pool {
+    f32s: Shelf<f32>,
+    u8s: Shelf<u8>,
+    i8s: Shelf<i8>,
+}
+
+impl Pool {
+    /// Number of buffers held.
+    pub fn len(&self) -> usize {
+        self.f32s.bufs.len() + self.u8s.bufs.len() + self.i8s.bufs.len()
+    }
+
+    /// Whether the pool holds no buffer.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.f32s.bytes() + self.u8s.bytes() + self.i8s.bytes()
+    }
+
+    /// The shelf for element type `T`, when `T` is pooled.
+    fn shelf<T: 'static>(&mut self) -> Option<&mut Shelf<T>> {
+        let any: &mut dyn Any = if TypeId::of::<T>() == TypeId::of::<f32>() {
+            &mut self.f32s
+        } else if TypeId::of::<T>() == TypeId::of::<u8>() {
+            &mut self.u8s
+        } else if TypeId::of::<T>() == TypeId::of::<i8>() {
+            &mut self.i8s
+        } else {
+            return None;
+        };
+        any.downcast_mut::<Shelf<T>>()
     }
 }
 
@@ -110,33 +144,18 @@ impl Drop for PoolGuard<'_> {
     }
 }
 
-fn take_f32(len: usize) -> Vec<f32> {
+/// An empty `Vec<T>` with capacity for at least `len` elements: a buffer from the running
+/// plan's pool when one fits (`f32`, `u8` and `i8` are pooled), otherwise a fresh allocation.
+/// Kernels use it for output buffers they fill by `push`/`extend`.
+pub fn take<T: 'static>(len: usize) -> Vec<T> {
     if len >= MIN_POOLED {
         // `try_with`: during thread teardown there is no pool, only the allocator.
         if let Ok(Some(v)) = CURRENT.try_with(|c| {
             c.try_borrow_mut()
                 .ok()
-                .and_then(|mut p| p.as_mut()?.take(len))
+                .and_then(|mut p| p.as_mut()?.shelf::<T>()?.take(len))
         }) {
             return v;
-        }
-    }
-    Vec::with_capacity(len)
-}
-
-/// An empty `Vec<T>` with capacity for at least `len` elements: for `f32`, a buffer from the
-/// running plan's pool when one fits, otherwise (and for other types) a fresh allocation.
-/// Kernels use it for output buffers they fill by `push`/`extend`.
-pub fn take<T: 'static>(len: usize) -> Vec<T> {
-    if std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>() {
-        // T is f32: hand the pooled Vec<f32> over as a Vec<T> (a checked, allocation-free
-        // downcast of a local).
-        let mut f = Some(take_f32(len));
-        if let Some(t) = (&mut f as &mut dyn Any)
-            .downcast_mut::<Option<Vec<T>>>()
-            .and_then(Option::take)
-        {
-            return t;
         }
     }
     Vec::with_capacity(len)
@@ -158,16 +177,19 @@ pub fn filled<T: Clone + 'static>(len: usize, value: T) -> Vec<T> {
     v
 }
 
-/// Gives a kernel's scratch buffer back to the running plan's pool (`f32` only; other types
-/// are dropped), so the next node or run reuses it.
+/// Gives a kernel's scratch buffer back to the running plan's pool (pooled element types
+/// only; others are dropped), so the next node or run reuses it.
 pub fn release<T: 'static>(v: Vec<T>) {
-    let mut v = Some(v);
-    if let Some(f) = (&mut v as &mut dyn Any)
-        .downcast_mut::<Option<Vec<f32>>>()
-        .and_then(Option::take)
-    {
-        give_f32(f);
+    if v.capacity() < MIN_POOLED {
+        return;
     }
+    let _ = CURRENT.try_with(|c| {
+        if let Ok(mut p) = c.try_borrow_mut() {
+            if let Some(shelf) = p.as_mut().and_then(|p| p.shelf::<T>()) {
+                shelf.give(v);
+            }
+        }
+    });
 }
 
 /// A copy of `t` whose data the caller owns; `f32` data goes into a pooled buffer.
@@ -182,33 +204,23 @@ pub fn copy_tensor(t: &Tensor) -> Tensor {
     t.clone()
 }
 
-/// Returns the buffer of a value nobody else holds to the running plan's pool (owned `f32`
-/// tensors only; borrowed weights, shared values and other types are just dropped).
+/// Returns the buffer of a value nobody else holds to the running plan's pool (owned `f32`,
+/// `u8` and `i8` tensors; borrowed weights, shared values and other types are just dropped).
 pub(crate) fn recycle(v: Value) {
     let Value::Tensor(t) = v else { return };
     let Ok(t) = Arc::try_unwrap(t) else { return };
-    if !matches!(t.data(), TensorData::F32(_)) {
-        return;
+    match t.data() {
+        TensorData::F32(_) => recycle_as::<f32>(t),
+        TensorData::U8(_) => recycle_as::<u8>(t),
+        TensorData::I8(_) => recycle_as::<i8>(t),
+        _ => {}
     }
-    recycle_tensor(t);
 }
 
-fn recycle_tensor(t: Tensor) {
-    let Ok(v) = t.into_vec::<f32>() else { return };
-    give_f32(v);
-}
-
-fn give_f32(v: Vec<f32>) {
-    if v.capacity() < MIN_POOLED {
-        return;
+fn recycle_as<T: npuc_ir::Elem + 'static>(t: Tensor) {
+    if let Ok(v) = t.into_vec::<T>() {
+        release(v);
     }
-    let _ = CURRENT.try_with(|c| {
-        if let Ok(mut p) = c.try_borrow_mut() {
-            if let Some(p) = p.as_mut() {
-                p.give(v);
-            }
-        }
-    });
 }
 
 #[cfg(test)]
@@ -246,7 +258,7 @@ mod tests {
         // The guard gave the pool back to its plan.
         let p = home.lock().unwrap();
         assert_eq!(p.len(), 1);
-        assert_eq!(p.bufs[0].as_ptr(), ptr);
+        assert_eq!(p.f32s.bufs[0].as_ptr(), ptr);
         drop(p);
         // Nested installs restore the outer pool.
         let inner = Mutex::new(Pool::default());

@@ -29,6 +29,13 @@ fn check(m: usize, n: usize, k: usize, a: Vec<i16>, b: Vec<i16>, threads: usize)
     let mut c2 = vec![0i32; m * n];
     igemm_with(Isa::Scalar, &pa2, &pb, &mut c2, threads).unwrap();
     assert_eq!(c2, cs, "pack_rows and pack disagree");
+    // A recycled buffer full of stale values must pack exactly like a fresh one (padding
+    // rows and the odd-k pad column are rewritten, not assumed zero).
+    let stale = vec![-77i16; (m + 13) * (k + 3)];
+    let pa3 = PackedA::pack_rows_in(stale, m, k, &a, |v| v);
+    let mut c4 = vec![0i32; m * n];
+    igemm_with(Isa::Scalar, &pa3, &pb, &mut c4, threads).unwrap();
+    assert_eq!(c4, cs, "pack_rows_in on a stale buffer disagrees");
     let pb2 = PackedB::pack_rows(k, n, &b, |v| v);
     let mut c3 = vec![0i32; m * n];
     igemm_with(Isa::Scalar, &pa, &pb2, &mut c3, threads).unwrap();

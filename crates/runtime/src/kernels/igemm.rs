@@ -151,29 +151,23 @@ impl PackedA {
     /// [`PackedA::pack_rows`] into a recycled buffer (its capacity is reused, so per-run
     /// packing does not allocate and fault in fresh pages; see [`PackedA::into_buffer`]).
     pub fn pack_rows_in<T: Copy>(
-        mut data: Vec<i16>,
+        data: Vec<i16>,
         m: usize,
         k: usize,
         src: &[T],
         f: impl Fn(T) -> i16,
     ) -> PackedA {
-        let kp2 = k.div_ceil(2) * 2;
-        let rows = m.div_ceil(MR) * MR;
-        data.clear();
-        data.resize(rows * kp2, 0);
-        if k == 0 {
-            return PackedA { m, k, kp2, data };
-        }
-        for (dst, s) in data
-            .chunks_exact_mut(kp2)
-            .zip(src.chunks_exact(k.max(1)))
-            .take(m)
-        {
-            for (d, &v) in dst.iter_mut().zip(s) {
-                *d = f(v);
+        assert!(src.len() >= m * k, "packed operand source too short");
+        let mut s = src.chunks_exact(k.max(1));
+        // Every slot is written below (values, then zero padding), so the recycled buffer is
+        // not cleared first: that would write the whole operand twice.
+        Self::pack_with(data, m, k, |_, dst| {
+            if let Some(row) = s.next() {
+                for (d, &v) in dst.iter_mut().zip(row) {
+                    *d = f(v);
+                }
             }
-        }
-        PackedA { m, k, kp2, data }
+        })
     }
     /// Packs `m` rows of `k` values into a recycled buffer, each row written in place by
     /// `fill(r, row)`: the gather path for operands that are not one contiguous matrix (e.g.
@@ -280,25 +274,37 @@ pub fn igemm_with(isa: Isa, a: &PackedA, b: &PackedB, c: &mut [i32], threads: us
                 for bi in cb0..cb1 {
                     let rows = MR.min(m - bi * MR);
                     let ablk = &a.data[bi * MR * a.kp2..(bi + 1) * MR * a.kp2];
+                    let r0 = (bi - b0) * MR;
+                    // A full tile is stored straight into C (row stride n); an edge tile goes
+                    // through the local buffer and only its valid part is copied.
+                    let direct = rows == MR && cols == NR;
+                    let (dst, ldt): (&mut [i32], usize) = if direct {
+                        (&mut cgrp[r0 * n + c0..(r0 + MR - 1) * n + c0 + NR], n)
+                    } else {
+                        (&mut tile[..], NR)
+                    };
                     match isa {
-                        Isa::Scalar => tile_scalar(b.pairs, ablk, a.kp2, bpan, tile),
+                        Isa::Scalar => tile_scalar(b.pairs, ablk, a.kp2, bpan, dst, ldt),
                         Isa::Avx2 => {
                             #[cfg(target_arch = "x86_64")]
                             // SAFETY: avx2 support was checked above (`Isa::detect`); `ablk` holds
                             // MR rows of `kp2 = 2 * pairs` values and `bpan` holds
-                            // `pairs * 2 * NR` values, exactly what the kernel reads; `tile` has
-                            // MR * NR slots.
+                            // `pairs * 2 * NR` values, exactly what the kernel reads; `dst`
+                            // holds (MR - 1) * ldt + NR slots (a full tile of C, or `tile`).
                             unsafe {
-                                tile_avx2(b.pairs, ablk, a.kp2, bpan, tile)
+                                tile_avx2(b.pairs, ablk, a.kp2, bpan, dst, ldt)
                             }
                             #[cfg(not(target_arch = "x86_64"))]
-                            tile_scalar(b.pairs, ablk, a.kp2, bpan, tile)
+                            tile_scalar(b.pairs, ablk, a.kp2, bpan, dst, ldt)
                         }
                     }
-                    let r0 = (bi - b0) * MR;
-                    for r in 0..rows {
-                        let dst = &mut cgrp[(r0 + r) * n + c0..(r0 + r) * n + c0 + cols];
-                        dst.copy_from_slice(&tile[r * NR..r * NR + cols]);
+                    if !direct {
+                        for r in 0..rows {
+                            let d = &mut cgrp[(r0 + r) * n + c0..(r0 + r) * n + c0 + cols];
+                            for (x, &v) in d.iter_mut().zip(&tile[r * NR..r * NR + cols]) {
+                                *x = v;
+                            }
+                        }
                     }
                 }
             }
@@ -327,9 +333,10 @@ pub fn igemm_with(isa: Isa, a: &PackedA, b: &PackedB, c: &mut [i32], threads: us
     Ok(())
 }
 
-/// Scalar twin of [`tile_avx2`]: one MR x NR tile from packed operands.
-fn tile_scalar(pairs: usize, a: &[i16], lda: usize, b: &[i16], tile: &mut [i32; MR * NR]) {
-    tile.fill(0);
+/// Scalar twin of [`tile_avx2`]: one MR x NR tile from packed operands, written to `out`
+/// with row stride `ldt` (`out` holds at least `(MR - 1) * ldt + NR` values).
+fn tile_scalar(pairs: usize, a: &[i16], lda: usize, b: &[i16], out: &mut [i32], ldt: usize) {
+    let mut tile = [0i32; MR * NR];
     for p in 0..pairs {
         let bp = &b[p * 2 * NR..(p + 1) * 2 * NR];
         for r in 0..MR {
@@ -341,19 +348,28 @@ fn tile_scalar(pairs: usize, a: &[i16], lda: usize, b: &[i16], tile: &mut [i32; 
             }
         }
     }
+    for r in 0..MR {
+        out[r * ldt..r * ldt + NR].copy_from_slice(&tile[r * NR..(r + 1) * NR]);
+    }
 }
 
 /// One MR x NR tile with AVX2: per k pair, two B loads, MR broadcasts of an (a0, a1) pair and
 /// 2 * MR `vpmaddwd` + `vpaddd`.
+///
+/// The tile is written to `out` with row stride `ldt`: straight into C for a full tile.
 ///
 /// # Safety
 /// The CPU must support avx2; `a` must hold `MR` rows of stride `lda >= 2 * pairs`, `b` at
 /// least `pairs * 2 * NR` values.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn tile_avx2(pairs: usize, a: &[i16], lda: usize, b: &[i16], tile: &mut [i32; MR * NR]) {
+unsafe fn tile_avx2(pairs: usize, a: &[i16], lda: usize, b: &[i16], out: &mut [i32], ldt: usize) {
     use std::arch::x86_64::*;
     debug_assert!(a.len() >= (MR - 1) * lda + 2 * pairs && b.len() >= pairs * 2 * NR);
+    assert!(
+        out.len() >= (MR - 1) * ldt + NR,
+        "igemm tile output too short"
+    );
     let mut acc = [_mm256_setzero_si256(); 2 * MR];
     let ap = a.as_ptr();
     let bp = b.as_ptr();
@@ -371,12 +387,13 @@ unsafe fn tile_avx2(pairs: usize, a: &[i16], lda: usize, b: &[i16], tile: &mut [
             }
         }
     }
-    let tp = tile.as_mut_ptr();
+    let tp = out.as_mut_ptr();
     for r in 0..MR {
-        // SAFETY: tile has MR * NR i32 slots; row r occupies [r*NR, r*NR + 16).
+        // SAFETY: `out` holds (MR - 1) * ldt + NR slots (asserted above); row r occupies
+        // [r * ldt, r * ldt + 16).
         unsafe {
-            _mm256_storeu_si256(tp.add(r * NR) as *mut __m256i, acc[2 * r]);
-            _mm256_storeu_si256(tp.add(r * NR + 8) as *mut __m256i, acc[2 * r + 1]);
+            _mm256_storeu_si256(tp.add(r * ldt) as *mut __m256i, acc[2 * r]);
+            _mm256_storeu_si256(tp.add(r * ldt + 8) as *mut __m256i, acc[2 * r + 1]);
         }
     }
 }

@@ -57,6 +57,13 @@ thread_local! {
     static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
 }
 
+/// Lengthens `v` to at least `len` (zeros) and never shortens it; callers use `v[..len]`.
+fn grow(v: &mut Vec<i32>, len: usize) {
+    if v.len() < len {
+        v.resize(len, 0);
+    }
+}
+
 fn take_scratch() -> Scratch {
     SCRATCH
         .try_with(|s| {
@@ -424,7 +431,9 @@ fn qmatmul(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     // No clearing: `igemm` writes every sum of its output (stale values are overwritten), and
     // zero-filling megabytes per call showed up in profiles.
     let mut acc = std::mem::take(&mut scratch.acc);
-    acc.resize(rows_per * n, 0);
+    // Grow only: the scratch is shared by every node on this thread, and resizing it down and
+    // up again between a small and a large product would zero-fill the difference each time.
+    grow(&mut acc, rows_per * n);
     let mut acc_lo = std::mem::take(&mut scratch.acc_lo);
     let mut a16 = std::mem::take(&mut scratch.a16);
     let out_len = total;
@@ -435,10 +444,10 @@ fn qmatmul(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     let mut out_i16: Vec<i16> = vec![];
     match out_dt {
         DType::F32 => out_f32 = crate::buffers::zeroed(out_len),
-        DType::U8 => out_u8 = vec![0; out_len],
-        DType::I8 => out_i8 = vec![0; out_len],
-        DType::U16 => out_u16 = vec![0; out_len],
-        DType::I16 => out_i16 = vec![0; out_len],
+        DType::U8 => out_u8 = crate::buffers::zeroed(out_len),
+        DType::I8 => out_i8 = crate::buffers::zeroed(out_len),
+        DType::U16 => out_u16 = crate::buffers::zeroed(out_len),
+        DType::I16 => out_i16 = crate::buffers::zeroed(out_len),
         other => bail!("unsupported output type {other}"),
     }
     for (gi, &(oa, ob)) in groups.iter().enumerate() {
@@ -459,7 +468,7 @@ fn qmatmul(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
             }
             PackedAct::Split(hi, lo) => {
                 igemm(hi, &w.packed, &mut acc, ctx.threads)?;
-                acc_lo.resize(rows_per * n, 0);
+                grow(&mut acc_lo, rows_per * n);
                 igemm(lo, &w.packed, &mut acc_lo, ctx.threads)?;
                 Some(acc_lo.as_slice())
             }
@@ -569,7 +578,7 @@ fn quantize_f32(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     let xs = x.as_slice::<f32>()?;
     fn fill<T: QInt>(xs: &[f32], threads: usize, scale: f32, zp: i32) -> Vec<T> {
         let isa = Isa::detect();
-        let mut out = vec![T::default(); xs.len()];
+        let mut out = crate::buffers::zeroed::<T>(xs.len());
         if threads > 1 && xs.len() >= PAR_EPILOGUE {
             out.par_chunks_mut(1 << 13)
                 .zip(xs.par_chunks(1 << 13))
@@ -660,14 +669,14 @@ fn qlut(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     } else {
         x.len().max(1)
     };
-    fn map<I: Copy, O: Copy + Default>(
+    fn map<I: Copy, O: Copy + Default + 'static>(
         xs: &[I],
         tab: &[O],
         c: usize,
         inner: usize,
         idx: impl Fn(I) -> u8,
     ) -> Vec<O> {
-        let mut out = vec![O::default(); xs.len()];
+        let mut out = crate::buffers::zeroed::<O>(xs.len());
         if c == 1 {
             let row: &[O; 256] = tab[..256].try_into().expect("256-entry table");
             for (o, &v) in out.iter_mut().zip(xs) {
@@ -813,7 +822,8 @@ fn conv_t_products(
         }
         let k = ph.taps.len() * c;
         // `igemm` overwrites every sum; only a tapless phase needs explicit zeros.
-        col.resize(npix * g.m, 0);
+        grow(col, npix * g.m);
+        let col = &mut col[..npix * g.m];
         if k == 0 {
             col.fill(0);
         } else {
@@ -957,14 +967,14 @@ fn qconv_transpose(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     let mut out_u8: Vec<u8> = vec![];
     let mut out_i8: Vec<i8> = vec![];
     match yz_t.dtype() {
-        DType::U8 => out_u8 = vec![0; total],
-        DType::I8 => out_i8 = vec![0; total],
+        DType::U8 => out_u8 = crate::buffers::zeroed(total),
+        DType::I8 => out_i8 = crate::buffers::zeroed(total),
         other => bail!("QConvTranspose output must be u8 or i8, found {other}"),
     }
     let mut xt = std::mem::take(&mut scratch.xt);
     xt.resize(pin * c, 0);
-    let mut row_u8 = vec![0u8; m];
-    let mut row_i8 = vec![0i8; m];
+    let mut tmp_u8: Vec<u8> = vec![];
+    let mut tmp_i8: Vec<i8> = vec![];
     for ni in 0..n {
         let xr = ni * c * pin..(ni + 1) * c * pin;
         match x.dtype() {
@@ -973,14 +983,35 @@ fn qconv_transpose(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         }
         let base = ni * m * pout;
         let sink = |ph: &Phase, sums: &[i32]| {
-            for (r, srow) in sums.chunks_exact(m).enumerate() {
-                let (j, i) = (r / ph.nx, r % ph.nx);
-                let o = base + (ph.py + g.s[0] * j) * ow + ph.px + g.s[1] * i;
+            // One output row of the phase at a time: its pixels' channel vectors are
+            // requantized into a small pixel-major block, then written plane by plane, so
+            // each channel plane receives one burst instead of one byte per pixel (writing
+            // every pixel's M channels straight to M planes touched M pages per pixel).
+            for (j, block) in sums.chunks_exact(ph.nx * m).enumerate() {
+                let o = base + (ph.py + g.s[0] * j) * ow + ph.px;
                 let rq = (&mult[..], &bias[..], 1.0 / ys, yz, (lo, hi));
                 if yz_t.dtype() == DType::U8 {
-                    requant_scatter(isa, srow, rq, &mut row_u8, &mut out_u8[o..], pout);
+                    requant_scatter(
+                        isa,
+                        block,
+                        m,
+                        rq,
+                        &mut tmp_u8,
+                        &mut out_u8[o..],
+                        pout,
+                        g.s[1],
+                    );
                 } else {
-                    requant_scatter(isa, srow, rq, &mut row_i8, &mut out_i8[o..], pout);
+                    requant_scatter(
+                        isa,
+                        block,
+                        m,
+                        rq,
+                        &mut tmp_i8,
+                        &mut out_i8[o..],
+                        pout,
+                        g.s[1],
+                    );
                 }
             }
         };
@@ -1008,19 +1039,30 @@ fn qconv_transpose(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     Ok(vec![Value::tensor(t)])
 }
 
-/// Requantizes one pixel's channel sums into `row` and scatters them to `out[co * stride]`
-/// (channel planes of an NCHW output, `out` starting at the pixel).
+/// Requantizes the channel sums of one output row's pixels (`sums`: pixel-major, `m` per
+/// pixel) into `tmp` and stores them into the NCHW output: pixel `i`, channel `co` goes to
+/// `out[co * plane + i * step]` (`out` starts at the row's first pixel of the phase).
+#[allow(clippy::too_many_arguments)]
 fn requant_scatter<T: QInt>(
     isa: Isa,
     sums: &[i32],
+    m: usize,
     (mult, bias, inv_ys, zp, range): (&[f32], &[f32], f32, i32, (i32, i32)),
-    row: &mut [T],
+    tmp: &mut Vec<T>,
     out: &mut [T],
-    stride: usize,
+    plane: usize,
+    step: usize,
 ) {
-    qconvert::requant_row(isa, sums, None, mult, bias, inv_ys, zp, range, row);
-    for (co, &v) in row.iter().enumerate() {
-        out[co * stride] = v;
+    let npx = sums.len() / m;
+    tmp.resize(sums.len(), T::default());
+    for (srow, trow) in sums.chunks_exact(m).zip(tmp.chunks_exact_mut(m)) {
+        qconvert::requant_row(isa, srow, None, mult, bias, inv_ys, zp, range, trow);
+    }
+    for co in 0..m {
+        let dst = &mut out[co * plane..];
+        for i in 0..npx {
+            dst[i * step] = tmp[i * m + co];
+        }
     }
 }
 
