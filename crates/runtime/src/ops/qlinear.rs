@@ -427,104 +427,213 @@ fn qmatmul(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         (plan.offsets.clone(), m)
     };
     let total = plan.out_shape.iter().product::<usize>();
-    let mut scratch = take_scratch();
-    // No clearing: `igemm` writes every sum of its output (stale values are overwritten), and
-    // zero-filling megabytes per call showed up in profiles.
-    let mut acc = std::mem::take(&mut scratch.acc);
-    // Grow only: the scratch is shared by every node on this thread, and resizing it down and
-    // up again between a small and a large product would zero-fill the difference each time.
-    grow(&mut acc, rows_per * n);
-    let mut acc_lo = std::mem::take(&mut scratch.acc_lo);
-    let mut a16 = std::mem::take(&mut scratch.a16);
-    let out_len = total;
-    let mut out_f32: Vec<f32> = vec![];
-    let mut out_u8: Vec<u8> = vec![];
-    let mut out_i8: Vec<i8> = vec![];
-    let mut out_u16: Vec<u16> = vec![];
-    let mut out_i16: Vec<i16> = vec![];
-    match out_dt {
-        DType::F32 => out_f32 = crate::buffers::zeroed(out_len),
-        DType::U8 => out_u8 = crate::buffers::zeroed(out_len),
-        DType::I8 => out_i8 = crate::buffers::zeroed(out_len),
-        DType::U16 => out_u16 = crate::buffers::zeroed(out_len),
-        DType::I16 => out_i16 = crate::buffers::zeroed(out_len),
-        other => bail!("unsupported output type {other}"),
+    let shape = plan.out_shape.clone();
+    let lut_u8 = match (lut, out_dt) {
+        (Some(l), DType::U8) => Some(l.as_slice::<u8>()?),
+        _ => None,
+    };
+    let lut_i8 = match (lut, out_dt) {
+        (Some(l), DType::I8) => Some(l.as_slice::<i8>()?),
+        _ => None,
+    };
+    let job = GroupJob {
+        a,
+        a_scale,
+        za,
+        b,
+        b_scale,
+        b_zp,
+        weight: weight.as_deref(),
+        bias: &bias,
+        mode,
+        k,
+        n,
+        rows_per,
+        lut_u8,
+        lut_i8,
+    };
+    // A batched product (attention's per-head matrices) runs its heads in parallel, each on
+    // one thread: a head is too small to split, and splitting each one would pay a thread
+    // hand-off per head. A single product splits its rows instead (inside `igemm`).
+    let across = ctx.threads > 1 && groups.len() > 1;
+    let inner_threads = if across { 1 } else { ctx.threads };
+    let chunk = rows_per * n;
+    fn run_all<T: OutElem>(
+        job: &GroupJob,
+        groups: &[(usize, usize)],
+        total: usize,
+        chunk: usize,
+        across: bool,
+        threads: usize,
+    ) -> Result<Vec<T>> {
+        let mut out = crate::buffers::zeroed::<T>(total);
+        if chunk == 0 {
+            return Ok(out);
+        }
+        if across {
+            out.par_chunks_mut(chunk)
+                .zip(groups.par_iter())
+                .try_for_each(|(o, &g)| job.run(g, T::wrap(o), threads))?;
+        } else {
+            for (o, &g) in out.chunks_mut(chunk).zip(groups) {
+                job.run(g, T::wrap(o), threads)?;
+            }
+        }
+        Ok(out)
     }
-    for (gi, &(oa, ob)) in groups.iter().enumerate() {
+    let (gs, t) = (&groups[..], inner_threads);
+    let tensor = match out_dt {
+        DType::F32 => Tensor::from_vec(shape, run_all::<f32>(&job, gs, total, chunk, across, t)?)?,
+        DType::U8 => Tensor::from_vec(shape, run_all::<u8>(&job, gs, total, chunk, across, t)?)?,
+        DType::I8 => Tensor::from_vec(shape, run_all::<i8>(&job, gs, total, chunk, across, t)?)?,
+        DType::U16 => Tensor::from_vec(shape, run_all::<u16>(&job, gs, total, chunk, across, t)?)?,
+        DType::I16 => Tensor::from_vec(shape, run_all::<i16>(&job, gs, total, chunk, across, t)?)?,
+        other => bail!("unsupported output type {other}"),
+    };
+    Ok(vec![Value::tensor(tensor)])
+}
+
+/// One group's output rows, typed.
+enum OutBuf<'a> {
+    F32(&'a mut [f32]),
+    U8(&'a mut [u8]),
+    I8(&'a mut [i8]),
+    U16(&'a mut [u16]),
+    I16(&'a mut [i16]),
+}
+
+/// Output element types of [`qmatmul`].
+trait OutElem: Copy + Default + Send + Sync + 'static {
+    fn wrap(o: &mut [Self]) -> OutBuf<'_>;
+}
+
+macro_rules! out_elem {
+    ($($t:ty => $v:ident),*) => {$(
+        impl OutElem for $t {
+            fn wrap(o: &mut [Self]) -> OutBuf<'_> {
+                OutBuf::$v(o)
+            }
+        }
+    )*};
+}
+out_elem!(f32 => F32, u8 => U8, i8 => I8, u16 => U16, i16 => I16);
+
+/// Everything one group of a [`qmatmul`] (rows of `a` sharing one `b`) needs.
+struct GroupJob<'a> {
+    a: &'a Tensor,
+    a_scale: f32,
+    za: i32,
+    b: &'a Tensor,
+    b_scale: &'a Tensor,
+    b_zp: Option<&'a Tensor>,
+    /// The constant, pre-packed `b`; `None` when `b` is an activation (packed per group).
+    weight: Option<&'a PackedWeight>,
+    bias: &'a [f32],
+    mode: OutMode,
+    k: usize,
+    n: usize,
+    rows_per: usize,
+    lut_u8: Option<&'a [u8]>,
+    lut_i8: Option<&'a [i8]>,
+}
+
+impl GroupJob<'_> {
+    /// The product of group `(oa, ob)` (offsets into `a` and `b`) into `out`, on this
+    /// thread's scratch buffers.
+    fn run(&self, (oa, ob): (usize, usize), out: OutBuf, threads: usize) -> Result<()> {
+        let (k, n, rows_per) = (self.k, self.n, self.rows_per);
         let local;
-        let w: &PackedWeight = match &weight {
-            Some(w) => w.as_ref(),
+        let w: &PackedWeight = match self.weight {
+            Some(w) => w,
             None => {
-                local = pack_batch_b(b, b_scale, b_zp, ob, k, n)?;
+                local = pack_batch_b(self.b, self.b_scale, self.b_zp, ob, k, n)?;
                 &local
             }
         };
-        let mult: Vec<f32> = w.scale.iter().map(|&s| a_scale * s).collect();
-        let packed_a = pack_act(std::mem::take(&mut a16), a, oa, rows_per, k, za)?;
-        let lo_part = match &packed_a {
-            PackedAct::Single(pa) => {
-                igemm(pa, &w.packed, &mut acc, ctx.threads)?;
-                None
+        let mult: Vec<f32> = w.scale.iter().map(|&s| self.a_scale * s).collect();
+        let mut scratch = take_scratch();
+        // No clearing: `igemm` writes every sum of its output (stale values are overwritten),
+        // and zero-filling megabytes per call showed up in profiles. Grow only: the scratch
+        // is shared by every node on this thread, and resizing it down and up again between a
+        // small and a large product would zero-fill the difference each time.
+        grow(&mut scratch.acc, rows_per * n);
+        let packed_a = pack_act(
+            std::mem::take(&mut scratch.a16),
+            self.a,
+            oa,
+            rows_per,
+            k,
+            self.za,
+        );
+        let result = (|| {
+            let packed_a = packed_a?;
+            let lo_part = match &packed_a {
+                PackedAct::Single(pa) => {
+                    igemm(pa, &w.packed, &mut scratch.acc, threads)?;
+                    false
+                }
+                PackedAct::Split(hi, lo) => {
+                    igemm(hi, &w.packed, &mut scratch.acc, threads)?;
+                    grow(&mut scratch.acc_lo, rows_per * n);
+                    igemm(lo, &w.packed, &mut scratch.acc_lo, threads)?;
+                    true
+                }
+            };
+            let acc = &scratch.acc[..];
+            let lo_part = lo_part.then_some(&scratch.acc_lo[..]);
+            let (mult, bias, mode, t) = (&mult[..], self.bias, self.mode, threads);
+            match out {
+                OutBuf::F32(o) => {
+                    let isa = Isa::detect();
+                    let (lo, hi) = match mode {
+                        OutMode::Float { lo, hi } => (lo, hi),
+                        OutMode::Quant { .. } => {
+                            bail!("internal: f32 output with requantization")
+                        }
+                    };
+                    let row = |a: &[i32], l: Option<&[i32]>, o: &mut [f32]| {
+                        qconvert::requant_row_f32(isa, a, l, mult, bias, lo, hi, o)
+                    };
+                    epilogue_rows(acc, lo_part, n, o, row, t)
+                }
+                OutBuf::U8(o) => {
+                    let row = quant_row::<u8>(mult, bias, mode, self.lut_u8);
+                    epilogue_rows(acc, lo_part, n, o, row, t)
+                }
+                OutBuf::I8(o) => {
+                    let row = quant_row::<i8>(mult, bias, mode, self.lut_i8);
+                    epilogue_rows(acc, lo_part, n, o, row, t)
+                }
+                OutBuf::U16(o) => {
+                    let row = quant_row::<u16>(mult, bias, mode, None);
+                    epilogue_rows(acc, lo_part, n, o, row, t)
+                }
+                OutBuf::I16(o) => {
+                    let row = quant_row::<i16>(mult, bias, mode, None);
+                    epilogue_rows(acc, lo_part, n, o, row, t)
+                }
             }
-            PackedAct::Split(hi, lo) => {
-                igemm(hi, &w.packed, &mut acc, ctx.threads)?;
-                grow(&mut acc_lo, rows_per * n);
-                igemm(lo, &w.packed, &mut acc_lo, ctx.threads)?;
-                Some(acc_lo.as_slice())
-            }
+            Ok(packed_a)
+        })();
+        let back = match result {
+            Ok(PackedAct::Single(pa)) => Ok(pa.into_buffer()),
+            Ok(PackedAct::Split(..)) => Ok(Vec::new()),
+            Err(e) => Err(e),
         };
-        let o = gi * rows_per * n..(gi + 1) * rows_per * n;
-        let t = ctx.threads;
-        match out_dt {
-            DType::F32 => {
-                let isa = Isa::detect();
-                let (lo, hi) = match mode {
-                    OutMode::Float { lo, hi } => (lo, hi),
-                    OutMode::Quant { .. } => bail!("internal: f32 output with requantization"),
-                };
-                let row = |a: &[i32], l: Option<&[i32]>, o: &mut [f32]| {
-                    qconvert::requant_row_f32(isa, a, l, &mult, &bias, lo, hi, o)
-                };
-                epilogue_rows(&acc, lo_part, n, &mut out_f32[o], row, t)
+        match back {
+            Ok(buf) => {
+                // The packed-activation buffer goes back for the next product (a 16-bit
+                // split packs into fresh buffers and returns none).
+                scratch.a16 = buf;
+                give_scratch(scratch);
+                Ok(())
             }
-            DType::U8 => {
-                let tab = lut.map(|l| l.as_slice::<u8>()).transpose()?;
-                let row = quant_row::<u8>(&mult, &bias, mode, tab);
-                epilogue_rows(&acc, lo_part, n, &mut out_u8[o], row, t)
+            Err(e) => {
+                give_scratch(scratch);
+                Err(e)
             }
-            DType::I8 => {
-                let tab = lut.map(|l| l.as_slice::<i8>()).transpose()?;
-                let row = quant_row::<i8>(&mult, &bias, mode, tab);
-                epilogue_rows(&acc, lo_part, n, &mut out_i8[o], row, t)
-            }
-            DType::U16 => {
-                let row = quant_row::<u16>(&mult, &bias, mode, None);
-                epilogue_rows(&acc, lo_part, n, &mut out_u16[o], row, t)
-            }
-            _ => {
-                let row = quant_row::<i16>(&mult, &bias, mode, None);
-                epilogue_rows(&acc, lo_part, n, &mut out_i16[o], row, t)
-            }
-        }
-        if let PackedAct::Single(pa) = packed_a {
-            a16 = pa.into_buffer();
         }
     }
-    give_scratch(Scratch {
-        acc,
-        acc_lo,
-        a16,
-        xt: scratch.xt,
-    });
-    let shape = plan.out_shape.clone();
-    let t = match out_dt {
-        DType::F32 => Tensor::from_vec(shape, out_f32)?,
-        DType::U8 => Tensor::from_vec(shape, out_u8)?,
-        DType::I8 => Tensor::from_vec(shape, out_i8)?,
-        DType::U16 => Tensor::from_vec(shape, out_u16)?,
-        _ => Tensor::from_vec(shape, out_i16)?,
-    };
-    Ok(vec![Value::tensor(t)])
 }
 
 /// Packs batch matrix `b[off .. off + k*n]` of an activation right-hand operand.
