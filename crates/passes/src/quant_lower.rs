@@ -156,7 +156,11 @@ impl QuantLower {
             max_bytes: 64 << 20,
         }
         .run(m)?;
-        let luts = if luts { self.lower_luts(m)? } else { 0 };
+        let luts = if luts {
+            self.lower_luts(m)? + self.lower_softmax(m)?
+        } else {
+            0
+        };
         let g = &m.graph;
         let ix = Index::new(g);
         let mut switch = vec![];
@@ -1039,6 +1043,118 @@ impl QuantLower {
             edits.push(Edit {
                 product: pi,
                 remove: vec![qi],
+                node,
+            });
+        }
+        let n = edits.len();
+        if n == 0 {
+            return Ok(0);
+        }
+        import_npuc(m);
+        let g = &mut m.graph;
+        let mut dead = HashSet::new();
+        for e in edits {
+            g.nodes[e.product] = e.node;
+            dead.extend(e.remove);
+        }
+        crate::util::remove_nodes(g, &dead);
+        Ok(n)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Quantized Softmax: `DQ(x: 8-bit per-tensor) -> Softmax -> Q(8-bit per-tensor)`.
+//
+// Attention's probabilities: the scores come out of an integer product as 8-bit codes, are
+// dequantized, go through an f32 Softmax and are quantized again. `npuc.QSoftmax` (see
+// `npuc_runtime::ops::qsoftmax`) computes the same from the codes with a 256-entry exp table
+// (softmax is shift invariant, so `exp(x - max)` depends only on the code distance to the
+// row's maximum): three passes over f32 memory and a libm-style exp per element become byte
+// reads and table lookups. Runs after the lookup regions, so a DequantizeLinear already moved
+// past a Reshape/Transpose is seen next to its Softmax. Not applied when layer outputs must be
+// kept (`lower_quantized_keep_layers`): the probabilities are a layer `npuc verify` compares.
+
+/// The rank of `name` when the graph declares its shape (value_info, inputs or outputs).
+fn declared_rank(g: &Graph, name: &str) -> Option<usize> {
+    g.value_info
+        .iter()
+        .chain(&g.inputs)
+        .chain(&g.outputs)
+        .find(|v| v.name == name)
+        .and_then(|v| v.dims())
+        .map(|d| d.len())
+}
+
+impl QuantLower {
+    /// Rewrites `DQ -> Softmax -> Q` chains (8-bit per-tensor parameters, the DQ and Softmax
+    /// outputs read only by the next node of the chain) into `npuc.QSoftmax`. Opset >= 13
+    /// Softmax is lowered only along the last axis (the kernel works on contiguous rows);
+    /// opset < 13 Softmax (over the input flattened at `axis`) always is, with its `axis`.
+    /// Returns the number lowered.
+    fn lower_softmax(&self, m: &mut Model) -> Result<usize, PassError> {
+        let opset = crate::util::onnx_opset(m);
+        let g = &m.graph;
+        let ix = Index::new(g);
+        let mut edits: Vec<Edit> = vec![];
+        for (si, s) in g.nodes.iter().enumerate() {
+            if !is_op(s, "Softmax") || s.inputs.len() != 1 || s.outputs.len() != 1 {
+                continue;
+            }
+            let (xf, pf) = (&s.inputs[0], &s.outputs[0]);
+            let Some((di, d)) = ix.prod(g, xf) else {
+                continue;
+            };
+            if !is_op(d, "DequantizeLinear")
+                || qdq_8bit(g, &ix, d).is_none()
+                || ix.sole_user(xf) != Some(si)
+                || d.input(0).is_none_or(|x| x.is_empty() || ix.is_const(g, x))
+            {
+                continue;
+            }
+            let axis = if opset >= 13 {
+                let axis = attr_int(s, "axis", -1);
+                let rank = [xf.as_str(), pf.as_str(), d.inputs[0].as_str()]
+                    .iter()
+                    .find_map(|v| declared_rank(g, v));
+                let last = axis == -1 || rank.is_some_and(|r| r >= 1 && axis == r as i64 - 1);
+                if !last {
+                    continue;
+                }
+                axis
+            } else {
+                attr_int(s, "axis", 1)
+            };
+            let Some(qi) = ix.sole_user(pf) else {
+                continue;
+            };
+            let q = &g.nodes[qi];
+            if !is_op(q, "QuantizeLinear")
+                || q.input(0) != Some(pf.as_str())
+                || qdq_8bit(g, &ix, q).is_none()
+            {
+                continue;
+            }
+            let mut node = Node::new(
+                "QSoftmax",
+                &[
+                    &d.inputs[0],
+                    &d.inputs[1],
+                    &d.inputs[2],
+                    &q.inputs[1],
+                    &q.inputs[2],
+                ],
+                &[&q.outputs[0]],
+            )
+            .with_attr("axis", Attr::Int(axis));
+            node.domain = "npuc".into();
+            node.name = if s.name.is_empty() {
+                String::new()
+            } else {
+                format!("{}_quant", s.name)
+            };
+            edits.push(Edit {
+                product: si,
+                remove: vec![di, qi],
                 node,
             });
         }

@@ -12,6 +12,7 @@ pub mod matmul;
 pub mod misc;
 pub mod norm;
 pub mod qlinear;
+pub mod qsoftmax;
 pub mod quant;
 pub mod reduce;
 pub mod rnn;
@@ -35,6 +36,7 @@ pub fn register_all(r: &mut Registry) {
     misc::register(r);
     norm::register(r);
     qlinear::register(r);
+    qsoftmax::register(r);
     quant::register(r);
     reduce::register(r);
     rnn::register(r);
