@@ -23,7 +23,7 @@ use npuc_ir::{bf16, f16, numel, DType, Elem, Tensor};
 use rayon::prelude::*;
 
 /// Below this many elements a kernel runs on the calling thread: splitting costs more.
-pub(crate) const PAR_MIN: usize = 1 << 15;
+pub(crate) const PAR_MIN: usize = 1 << 18;
 
 /// A broadcast of several input shapes to one output shape. Output dimensions of size 1 are
 /// dropped and adjacent dimensions merged wherever every input walks them contiguously (or

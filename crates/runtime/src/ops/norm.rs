@@ -193,7 +193,7 @@ pub fn f64_to_tensor(dt: DType, shape: Vec<usize>, v: Vec<f64>) -> Result<Tensor
 }
 
 /// Minimum elements before a kernel splits its rows across rayon workers.
-const PAR_MIN: usize = 1 << 15;
+const PAR_MIN: usize = 1 << 16;
 
 /// Runs `f` over consecutive `row`-sized chunks of `data`, in parallel when worthwhile.
 fn for_rows<F: Send>(

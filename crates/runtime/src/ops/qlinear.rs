@@ -83,7 +83,7 @@ fn give_scratch(v: Scratch) {
 }
 
 /// Elements of output at which the epilogue is split across threads.
-const PAR_EPILOGUE: usize = 1 << 15;
+const PAR_EPILOGUE: usize = 1 << 18;
 
 /// A constant right-hand operand, zero-point corrected and packed once.
 struct PackedWeight {

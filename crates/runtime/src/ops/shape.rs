@@ -218,7 +218,7 @@ pub fn strided_copy<T: Movable>(
 }
 
 /// Outputs smaller than this many elements are copied on one thread.
-const PAR_MIN: usize = 1 << 16;
+const PAR_MIN: usize = 1 << 18;
 
 /// [`strided_copy`] that splits large copies across up to `threads` rayon tasks along the
 /// outermost (merged) dimension.
