@@ -40,6 +40,20 @@ fn check(m: usize, n: usize, k: usize, a: Vec<i16>, b: Vec<i16>, threads: usize)
     let mut c3 = vec![0i32; m * n];
     igemm_with(Isa::Scalar, &pa, &pb2, &mut c3, threads).unwrap();
     assert_eq!(c3, cs, "PackedB::pack_rows and pack disagree");
+    // The fused epilogue sees every row exactly once, with the same sums.
+    for isa in [Isa::Scalar, Isa::detect()] {
+        let mut c5 = vec![0i32; m * n];
+        let mut seen = vec![0i64; m * n];
+        let epi = |s: &[i32], o: &mut [i64]| {
+            assert_eq!(s.len(), o.len());
+            for (x, &v) in o.iter_mut().zip(s) {
+                *x += v as i64 + 1_000_000_000_000;
+            }
+        };
+        igemm_with_then(isa, &pa, &pb, &mut c5, &mut seen, threads, &epi).unwrap();
+        let want1: Vec<i64> = want.iter().map(|v| v + 1_000_000_000_000).collect();
+        assert_eq!(seen, want1, "epilogue rows ({isa:?}, {threads} threads)");
+    }
     if Isa::detect() == Isa::Avx2 {
         let mut cv = vec![0i32; m * n];
         igemm_with(Isa::Avx2, &pa, &pb, &mut cv, threads).unwrap();
@@ -74,6 +88,16 @@ proptest! {
     ) {
         check(m, n, k, a, b, threads);
     }
+}
+
+#[test]
+fn epilogue_chunks_cover_wide_products() {
+    // Wide enough that the epilogue's sums are handed over in several row chunks.
+    let (m, n, k) = (61, 2900, 5);
+    let a: Vec<i16> = (0..m * k).map(|i| (i * 37 % 511) as i16 - 256).collect();
+    let b: Vec<i16> = (0..k * n).map(|i| (i * 101 % 511) as i16 - 255).collect();
+    check(m, n, k, a.clone(), b.clone(), 1);
+    check(m, n, k, a, b, 2);
 }
 
 #[test]

@@ -40,6 +40,8 @@ pub const MAX_K: usize = 32896;
 const PAR_WORK: usize = 1 << 17;
 /// Packed-A bytes per row-block chunk (a part of L2 on current x86 cores).
 const A_CHUNK_BYTES: usize = 192 << 10;
+/// Sum bytes per row-block chunk when an epilogue reads them back ([`igemm_then`]).
+const C_CHUNK_BYTES: usize = 256 << 10;
 
 /// A packed, zero-point-corrected right-hand operand (`k x n`), built once per constant weight.
 #[derive(Debug, Clone)]
@@ -235,6 +237,54 @@ pub fn igemm(a: &PackedA, b: &PackedB, c: &mut [i32], threads: usize) -> Result<
 
 /// [`igemm`] with an explicit kernel choice (tests compare the kernels).
 pub fn igemm_with(isa: Isa, a: &PackedA, b: &PackedB, c: &mut [i32], threads: usize) -> Result<()> {
+    igemm_core::<u8, fn(&[i32], &mut [u8])>(isa, a, b, c, None, threads)
+}
+
+/// [`igemm`] followed by an epilogue over the finished sums: `epi(sums, out_rows)` receives
+/// consecutive whole rows of `c` (row stride `n`) and the same rows of `out` (also stride
+/// `n`), each row exactly once, while those sums are still in cache. The rows are handed
+/// over in L2-sized chunks by the thread that computed them, so at several threads the
+/// epilogue runs in parallel with no extra hand-off.
+pub fn igemm_then<T: Send, F: Fn(&[i32], &mut [T]) + Sync>(
+    a: &PackedA,
+    b: &PackedB,
+    c: &mut [i32],
+    out: &mut [T],
+    threads: usize,
+    epi: &F,
+) -> Result<()> {
+    igemm_with_then(Isa::detect(), a, b, c, out, threads, epi)
+}
+
+/// [`igemm_then`] with an explicit kernel choice.
+pub fn igemm_with_then<T: Send, F: Fn(&[i32], &mut [T]) + Sync>(
+    isa: Isa,
+    a: &PackedA,
+    b: &PackedB,
+    c: &mut [i32],
+    out: &mut [T],
+    threads: usize,
+    epi: &F,
+) -> Result<()> {
+    if out.len() < a.m * b.n {
+        bail!(
+            "integer product: epilogue output holds {} values, {}x{} needed",
+            out.len(),
+            a.m,
+            b.n
+        );
+    }
+    igemm_core(isa, a, b, c, Some((out, epi)), threads)
+}
+
+fn igemm_core<T: Send, F: Fn(&[i32], &mut [T]) + Sync>(
+    isa: Isa,
+    a: &PackedA,
+    b: &PackedB,
+    c: &mut [i32],
+    out: Option<(&mut [T], &F)>,
+    threads: usize,
+) -> Result<()> {
     let (m, n, k) = (a.m, b.n, b.k);
     if a.k != k {
         bail!("integer product: A has {} columns, B has {k} rows", a.k);
@@ -309,26 +359,52 @@ pub fn igemm_with(isa: Isa, a: &PackedA, b: &PackedB, c: &mut [i32], threads: us
                 }
             }
         };
-    let run_group = |gi: usize, cgrp: &mut [i32]| {
+    let epi = out.as_ref().map(|(_, f)| *f);
+    // Row blocks go in chunks whose packed A (about `A_CHUNK_BYTES`) stays in L2 while
+    // every B panel passes: B streams once per chunk instead of A once per panel. With an
+    // epilogue, a chunk's sums (about `C_CHUNK_BYTES`) also stay in L2 until it reads them.
+    let mut chunk = (A_CHUNK_BYTES / (MR * a.kp2 * 2).max(1)).max(1);
+    if epi.is_some() {
+        chunk = chunk.min((C_CHUNK_BYTES / (MR * n * 4)).max(1));
+    }
+    let run_group = |gi: usize, cgrp: &mut [i32], mut ogrp: Option<&mut [T]>| {
         let b0 = gi * blocks_per;
         let b1 = ((gi + 1) * blocks_per).min(blocks);
+        let rows = cgrp.len() / n;
         let mut tile = [0i32; MR * NR];
-        // Row blocks go in chunks whose packed A (about `A_CHUNK_BYTES`) stays in L2 while
-        // every B panel passes: B streams once per chunk instead of A once per panel.
-        let chunk = (A_CHUNK_BYTES / (MR * a.kp2 * 2).max(1)).max(1);
         let mut cb0 = b0;
         while cb0 < b1 {
             let cb1 = (cb0 + chunk).min(b1);
             run_chunk(cb0, cb1, b0, cgrp, &mut tile);
+            if let (Some(o), Some(f)) = (ogrp.as_deref_mut(), epi) {
+                let (r0, r1) = ((cb0 - b0) * MR, ((cb1 - b0) * MR).min(rows));
+                f(&cgrp[r0 * n..r1 * n], &mut o[r0 * n..r1 * n]);
+            }
             cb0 = cb1;
         }
     };
-    if groups > 1 {
-        c.par_chunks_mut(blocks_per * MR * n)
-            .enumerate()
-            .for_each(|(gi, cgrp)| run_group(gi, cgrp));
-    } else {
-        run_group(0, c);
+    let gsize = blocks_per * MR * n;
+    match out {
+        Some((o, _)) => {
+            let o = &mut o[..m * n];
+            if groups > 1 {
+                c.par_chunks_mut(gsize)
+                    .zip(o.par_chunks_mut(gsize))
+                    .enumerate()
+                    .for_each(|(gi, (cgrp, ogrp))| run_group(gi, cgrp, Some(ogrp)));
+            } else {
+                run_group(0, c, Some(o));
+            }
+        }
+        None => {
+            if groups > 1 {
+                c.par_chunks_mut(gsize)
+                    .enumerate()
+                    .for_each(|(gi, cgrp)| run_group(gi, cgrp, None));
+            } else {
+                run_group(0, c, None);
+            }
+        }
     }
     Ok(())
 }

@@ -25,7 +25,7 @@
 use crate::bail;
 use crate::error::{Result, RtError};
 use crate::kernel::{Inputs, OpCtx, Registry};
-use crate::kernels::igemm::{igemm, PackedA, PackedB, MAX_K};
+use crate::kernels::igemm::{igemm, igemm_then, PackedA, PackedB, MAX_K, MR};
 use crate::kernels::qconvert::{self, Isa, QInt};
 use crate::ops::matmul::MatMulPlan;
 use crate::value::Value;
@@ -55,6 +55,8 @@ struct Scratch {
 
 thread_local! {
     static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
+    /// A worker thread's gathered-tap buffer for parallel transposed-convolution chunks.
+    static GATHER: std::cell::RefCell<Vec<i16>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Lengthens `v` to at least `len` (zeros) and never shortens it; callers use `v[..len]`.
@@ -502,6 +504,45 @@ enum OutBuf<'a> {
     I16(&'a mut [i16]),
 }
 
+/// The product of packed activations and a packed weight, converted into `out` row by row
+/// by `row(sums, low_sums, out_row)`. An 8-bit operand runs one product whose epilogue reads
+/// each chunk of sums while it is still in cache ([`igemm_then`]); a 16-bit operand's two
+/// byte products are combined afterwards.
+///
+/// No clearing: `igemm` writes every sum of its output (stale values are overwritten), and
+/// zero-filling megabytes per call showed up in profiles. The scratch only grows: it is
+/// shared by every node on this thread, and resizing it down and up again between a small
+/// and a large product would zero-fill the difference each time.
+fn product_into<T: Copy + Send + Default + 'static>(
+    pa: &PackedAct,
+    w: &PackedB,
+    scratch: &mut Scratch,
+    n: usize,
+    out: &mut [T],
+    threads: usize,
+    row: impl Fn(&[i32], Option<&[i32]>, &mut [T]) + Sync,
+) -> Result<()> {
+    match pa {
+        PackedAct::Single(a) => {
+            grow(&mut scratch.acc, a.m() * n);
+            let epi = |sums: &[i32], o: &mut [T]| {
+                for (s, orow) in sums.chunks_exact(n).zip(o.chunks_exact_mut(n)) {
+                    row(s, None, orow);
+                }
+            };
+            igemm_then(a, w, &mut scratch.acc, out, threads, &epi)
+        }
+        PackedAct::Split(hi, lo) => {
+            grow(&mut scratch.acc, hi.m() * n);
+            grow(&mut scratch.acc_lo, lo.m() * n);
+            igemm(hi, w, &mut scratch.acc, threads)?;
+            igemm(lo, w, &mut scratch.acc_lo, threads)?;
+            epilogue_rows(&scratch.acc, Some(&scratch.acc_lo), n, out, row, threads);
+            Ok(())
+        }
+    }
+}
+
 /// Output element types of [`qmatmul`].
 trait OutElem: Copy + Default + Send + Sync + 'static {
     fn wrap(o: &mut [Self]) -> OutBuf<'_>;
@@ -552,11 +593,6 @@ impl GroupJob<'_> {
         };
         let mult: Vec<f32> = w.scale.iter().map(|&s| self.a_scale * s).collect();
         let mut scratch = take_scratch();
-        // No clearing: `igemm` writes every sum of its output (stale values are overwritten),
-        // and zero-filling megabytes per call showed up in profiles. Grow only: the scratch
-        // is shared by every node on this thread, and resizing it down and up again between a
-        // small and a large product would zero-fill the difference each time.
-        grow(&mut scratch.acc, rows_per * n);
         let packed_a = pack_act(
             std::mem::take(&mut scratch.a16),
             self.a,
@@ -567,21 +603,8 @@ impl GroupJob<'_> {
         );
         let result = (|| {
             let packed_a = packed_a?;
-            let lo_part = match &packed_a {
-                PackedAct::Single(pa) => {
-                    igemm(pa, &w.packed, &mut scratch.acc, threads)?;
-                    false
-                }
-                PackedAct::Split(hi, lo) => {
-                    igemm(hi, &w.packed, &mut scratch.acc, threads)?;
-                    grow(&mut scratch.acc_lo, rows_per * n);
-                    igemm(lo, &w.packed, &mut scratch.acc_lo, threads)?;
-                    true
-                }
-            };
-            let acc = &scratch.acc[..];
-            let lo_part = lo_part.then_some(&scratch.acc_lo[..]);
             let (mult, bias, mode, t) = (&mult[..], self.bias, self.mode, threads);
+            let (pa, wp, sc) = (&packed_a, &w.packed, &mut scratch);
             match out {
                 OutBuf::F32(o) => {
                     let isa = Isa::detect();
@@ -594,23 +617,23 @@ impl GroupJob<'_> {
                     let row = |a: &[i32], l: Option<&[i32]>, o: &mut [f32]| {
                         qconvert::requant_row_f32(isa, a, l, mult, bias, lo, hi, o)
                     };
-                    epilogue_rows(acc, lo_part, n, o, row, t)
+                    product_into(pa, wp, sc, n, o, t, row)?
                 }
                 OutBuf::U8(o) => {
                     let row = quant_row::<u8>(mult, bias, mode, self.lut_u8);
-                    epilogue_rows(acc, lo_part, n, o, row, t)
+                    product_into(pa, wp, sc, n, o, t, row)?
                 }
                 OutBuf::I8(o) => {
                     let row = quant_row::<i8>(mult, bias, mode, self.lut_i8);
-                    epilogue_rows(acc, lo_part, n, o, row, t)
+                    product_into(pa, wp, sc, n, o, t, row)?
                 }
                 OutBuf::U16(o) => {
                     let row = quant_row::<u16>(mult, bias, mode, None);
-                    epilogue_rows(acc, lo_part, n, o, row, t)
+                    product_into(pa, wp, sc, n, o, t, row)?
                 }
                 OutBuf::I16(o) => {
                     let row = quant_row::<i16>(mult, bias, mode, None);
-                    epilogue_rows(acc, lo_part, n, o, row, t)
+                    product_into(pa, wp, sc, n, o, t, row)?
                 }
             }
             Ok(packed_a)
@@ -936,22 +959,47 @@ fn conv_t_products(
         if k == 0 {
             col.fill(0);
         } else {
-            let a = PackedA::pack_with(std::mem::take(abuf), npix, k, |r, row| {
-                let (j, i) = ((r / ph.nx) as isize, (r % ph.nx) as isize);
-                for (t, &(dy, dx)) in ph.taps.iter().enumerate() {
-                    let (iy, ix) = (j + dy, i + dx);
-                    let dst = &mut row[t * c..(t + 1) * c];
-                    if iy >= 0 && (iy as usize) < g.ih && ix >= 0 && (ix as usize) < g.iw {
-                        let p = iy as usize * g.iw + ix as usize;
-                        dst.copy_from_slice(&xt[p * c..(p + 1) * c]);
-                    } else {
-                        // Outside the input: no contribution.
-                        dst.fill(0);
+            // Pixel rows go in chunks whose gathered taps (about 192 KB) stay in L2 for their
+            // product, instead of gathering the whole phase (megabytes) first; at several
+            // threads the chunks (gather and product) run in parallel.
+            let rows = ((192usize << 10) / (2 * k)).max(1).div_ceil(MR) * MR;
+            let m = g.m;
+            let run = |ci: usize, cchunk: &mut [i32], buf: &mut Vec<i16>| -> Result<()> {
+                let r0 = ci * rows;
+                let nr = cchunk.len() / m;
+                let a = PackedA::pack_with(std::mem::take(buf), nr, k, |r, row| {
+                    let r = r0 + r;
+                    let (j, i) = ((r / ph.nx) as isize, (r % ph.nx) as isize);
+                    for (t, &(dy, dx)) in ph.taps.iter().enumerate() {
+                        let (iy, ix) = (j + dy, i + dx);
+                        let dst = &mut row[t * c..(t + 1) * c];
+                        if iy >= 0 && (iy as usize) < g.ih && ix >= 0 && (ix as usize) < g.iw {
+                            let p = iy as usize * g.iw + ix as usize;
+                            dst.copy_from_slice(&xt[p * c..(p + 1) * c]);
+                        } else {
+                            // Outside the input: no contribution.
+                            dst.fill(0);
+                        }
                     }
+                });
+                let r = igemm(&a, &ph.w, cchunk, 1);
+                *buf = a.into_buffer();
+                r
+            };
+            if threads > 1 && npix > rows {
+                col.par_chunks_mut(rows * m)
+                    .enumerate()
+                    .try_for_each(|(ci, cchunk)| {
+                        GATHER.with(|b| match b.try_borrow_mut() {
+                            Ok(mut b) => run(ci, cchunk, &mut b),
+                            Err(_) => run(ci, cchunk, &mut Vec::new()),
+                        })
+                    })?;
+            } else {
+                for (ci, cchunk) in col.chunks_mut(rows * m).enumerate() {
+                    run(ci, cchunk, abuf)?;
                 }
-            });
-            igemm(&a, &ph.w, col, threads)?;
-            *abuf = a.into_buffer();
+            }
         }
         sink(ph, col);
     }
@@ -1234,12 +1282,23 @@ mod tests {
             seed ^= seed << 17;
             (seed % n as u64) as usize
         };
-        let mut ran = 0;
-        for case in 0..60 {
+        let (mut ran, mut chunked) = (0, 0);
+        for case in 0..66 {
+            // The last cases have hundreds of channels and more pixels per phase than one
+            // gather chunk holds (~192 KB of taps), so the chunked path is covered too.
+            let big = case >= 60;
             let (s0, s1) = (1 + next(3), 1 + next(3));
             let (kh, kw) = (1 + next(4), 1 + next(4));
-            let (ih, iw) = (1 + next(5), 1 + next(6));
-            let (c, m) = (1 + next(9), 1 + next(20));
+            let (ih, iw) = if big {
+                (10 + next(5), 10 + next(6))
+            } else {
+                (1 + next(5), 1 + next(6))
+            };
+            let (c, m) = if big {
+                (300 + next(60), 1 + next(20))
+            } else {
+                (1 + next(9), 1 + next(20))
+            };
             let (opy, opx) = (next(s0), next(s1));
             let full = |i: usize, s: usize, k: usize, op: usize| s * (i - 1) + op + k;
             let (fh, fw) = (full(ih, s0, kh, opy), full(iw, s1, kw, opx));
@@ -1313,7 +1372,16 @@ mod tests {
                 assert_eq!(got, want, "case {case}: {g:?}, {threads} threads");
             }
             ran += 1;
+            let kmax = phases.iter().map(|p| p.taps.len() * c).max().unwrap_or(0);
+            let npix = phases.iter().map(|p| p.ny * p.nx).max().unwrap_or(0);
+            if kmax > 0 && npix > ((192usize << 10) / (2 * kmax)).max(1).div_ceil(MR) * MR {
+                chunked += 1;
+            }
         }
         assert!(ran >= 20, "only {ran} geometries were valid");
+        assert!(
+            chunked >= 2,
+            "only {chunked} geometries had several gather chunks"
+        );
     }
 }
