@@ -128,6 +128,24 @@ struct Edit {
     node: Node,
 }
 
+/// Puts each edit's node in its product's place and removes the nodes it absorbed; returns
+/// the number of edits (the npuc domain is imported when there is any).
+fn apply_edits(m: &mut Model, edits: Vec<Edit>) -> usize {
+    let n = edits.len();
+    if n == 0 {
+        return 0;
+    }
+    import_npuc(m);
+    let g = &mut m.graph;
+    let mut dead = HashSet::new();
+    for e in edits {
+        g.nodes[e.product] = e.node;
+        dead.extend(e.remove);
+    }
+    crate::util::remove_nodes(g, &dead);
+    n
+}
+
 impl Pass for QuantLower {
     fn name(&self) -> &'static str {
         "quant-lower"
@@ -402,19 +420,7 @@ impl QuantLower {
                 node,
             });
         }
-        if edits.is_empty() {
-            return Ok(0);
-        }
-        let n = edits.len();
-        import_npuc(m);
-        let g = &mut m.graph;
-        let mut dead = HashSet::new();
-        for e in edits {
-            g.nodes[e.product] = e.node;
-            dead.extend(e.remove);
-        }
-        crate::util::remove_nodes(g, &dead);
-        Ok(n)
+        Ok(apply_edits(m, edits))
     }
 }
 
@@ -1046,19 +1052,7 @@ impl QuantLower {
                 node,
             });
         }
-        let n = edits.len();
-        if n == 0 {
-            return Ok(0);
-        }
-        import_npuc(m);
-        let g = &mut m.graph;
-        let mut dead = HashSet::new();
-        for e in edits {
-            g.nodes[e.product] = e.node;
-            dead.extend(e.remove);
-        }
-        crate::util::remove_nodes(g, &dead);
-        Ok(n)
+        Ok(apply_edits(m, edits))
     }
 }
 
@@ -1158,18 +1152,6 @@ impl QuantLower {
                 node,
             });
         }
-        let n = edits.len();
-        if n == 0 {
-            return Ok(0);
-        }
-        import_npuc(m);
-        let g = &mut m.graph;
-        let mut dead = HashSet::new();
-        for e in edits {
-            g.nodes[e.product] = e.node;
-            dead.extend(e.remove);
-        }
-        crate::util::remove_nodes(g, &dead);
-        Ok(n)
+        Ok(apply_edits(m, edits))
     }
 }
