@@ -51,10 +51,13 @@ fn prepare_with(
 /// Runs the value-preserving part of the optimizer on a lowered graph: constant folding (the
 /// shape arithmetic of exported graphs, and the DequantizeLinear of constant weights that stay
 /// in float, e.g. Conv/ConvTranspose, so they dequantize once instead of every run), identity
-/// and layout folding, CSE and dead-code removal. The float fusions stay off: Q/DQ pairs sit
-/// between their ops and the lowered graph must compute what the QDQ graph does.
+/// and layout folding, CSE and dead-code removal, and LayerNorm fusion: a LayerNorm the
+/// quantizer left in float (no Q/DQ inside it, as in ViTs) is one kernel instead of nine ops
+/// (the same mean and biased variance; results differ from the decomposed form by float
+/// rounding only). The other float fusions stay off: Q/DQ pairs sit between their ops and the
+/// lowered graph must compute what the QDQ graph does.
 fn cleanup(model: &mut Model) -> Result<()> {
-    use npuc_passes::passes::{const_fold, cse, dce, identity, reshape};
+    use npuc_passes::passes::{const_fold, cse, dce, identity, norm_fusion, reshape};
     let mut pm = npuc_passes::PassManager::new(8);
     // Folded float weights are 4x their 8-bit source: allow them (a ViT decoder's are ~1 MB
     // each); shape arithmetic is tiny.
@@ -65,6 +68,7 @@ fn cleanup(model: &mut Model) -> Result<()> {
     pm.add(Box::new(reshape::ReshapeFold));
     pm.add(Box::new(cse::Cse));
     pm.add(Box::new(dce::Dce));
+    pm.add(Box::new(norm_fusion::LayerNormFusion));
     pm.run(model)?;
     Ok(())
 }

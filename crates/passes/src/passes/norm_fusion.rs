@@ -1,5 +1,6 @@
 //! LayerNormalization fusion from the decomposed exporter form
 //! `d = x - ReduceMean(x); y = d / Sqrt(ReduceMean(Pow(d, 2)) + eps) * gamma + beta`
+//! (the square also as `Mul(d, d)`)
 //! (reductions over the last axis with keepdims, gamma/beta constants of one row), into one
 //! `LayerNormalization(x, gamma, beta, axis=-1, epsilon=eps)` (the ONNX op at opset 17+, the
 //! `npuc` domain op for older models). The fused op computes the same mean and biased
@@ -49,13 +50,23 @@ fn matches(
     if users.len() != 2 {
         return None;
     }
-    let (pi, qi) = if is_op(&g.nodes[users[0]], "Pow") {
+    // The square is `Pow(d, 2)`, or `Mul(d, d)` (how the quantized lowering rewrites it).
+    let is_square = |n: &Node| {
+        if n.input(0) != Some(d.as_str()) {
+            return false;
+        }
+        if is_op(n, "Mul") {
+            return n.input(1) == Some(d.as_str());
+        }
+        is_op(n, "Pow") && n.input(1).and_then(|e| ix.const_scalar(g, e)) == Some(2.0)
+    };
+    let (pi, qi) = if is_square(&g.nodes[users[0]]) {
         (users[0], users[1])
     } else {
         (users[1], users[0])
     };
     let (p, q) = (&g.nodes[pi], &g.nodes[qi]);
-    if !is_op(p, "Pow") || p.input(0)? != d || ix.const_scalar(g, p.input(1)?)? != 2.0 {
+    if !is_square(p) {
         return None;
     }
     let vi = ix.sole_user(p.outputs.first()?)?;
@@ -160,13 +171,14 @@ mod tests {
     use super::*;
     use crate::passes::testutil::*;
 
-    #[test]
-    fn fuses_decomposed_layernorm() {
+    /// The exporter's decomposed LayerNorm over the last axis of `x[2, 3, 8]`, its square
+    /// written as `square(d, p)`.
+    fn decomposed(square: Node) -> Model {
         let mut m = model(
             vec![
                 Node::new("ReduceMean", &["x"], &["mu"]).with_attr("axes", Attr::Ints(vec![-1])),
                 Node::new("Sub", &["x", "mu"], &["d"]),
-                Node::new("Pow", &["d", "two"], &["p"]),
+                square,
                 Node::new("ReduceMean", &["p"], &["v"]).with_attr("axes", Attr::Ints(vec![-1])),
                 Node::new("Add", &["v", "eps"], &["ve"]),
                 Node::new("Sqrt", &["ve"], &["s"]),
@@ -183,10 +195,27 @@ mod tests {
         gi.push(init("eps", f32s(&[], &[1e-5])));
         gi.push(init("gamma", data(&[8], 1)));
         gi.push(init("beta", data(&[8], 2)));
-        let (opt, n) = check_pass(&LayerNormFusion, &m, &[("x", data(&[2, 3, 8], 3))]);
-        assert_eq!(n, 1);
-        assert_eq!(ops(&opt), ["LayerNormalization"]);
-        assert_eq!(opt.graph.nodes[0].domain, "npuc");
+        gi.push(init("other", data(&[8], 4)));
+        m
+    }
+
+    /// The square as `Pow(d, 2)` (the exporter) or `Mul(d, d)` (the quantized lowering); a
+    /// `Mul` of two different values is not a square and stays as it is.
+    #[test]
+    fn fuses_decomposed_layernorm() {
+        for square in [
+            Node::new("Pow", &["d", "two"], &["p"]),
+            Node::new("Mul", &["d", "d"], &["p"]),
+        ] {
+            let m = decomposed(square);
+            let (opt, n) = check_pass(&LayerNormFusion, &m, &[("x", data(&[2, 3, 8], 3))]);
+            assert_eq!(n, 1);
+            assert_eq!(ops(&opt), ["LayerNormalization"]);
+            assert_eq!(opt.graph.nodes[0].domain, "npuc");
+        }
+        // (Its "variance" can be negative, so only the rewrite count is checked.)
+        let mut other = decomposed(Node::new("Mul", &["d", "other"], &["p"]));
+        assert_eq!(LayerNormFusion.run(&mut other).unwrap().changes, 0);
     }
 }
 

@@ -289,19 +289,39 @@ fn quant_row<'a, T: QInt>(
             OutMode::Float { .. } => unreachable!("float epilogue with an integer output"),
         }
         if let Some(tab) = lut {
-            // Index = value - T::LO, within [0, 256) for the 8-bit types checked by `qmatmul`.
-            if tab.len() == 256 {
-                for v in o.iter_mut() {
-                    *v = tab[(v.to_i32() - T::LO) as usize & 0xff];
-                }
-            } else {
-                for (v, row) in o.iter_mut().zip(tab.chunks_exact(256)) {
-                    *v = row[(v.to_i32() - T::LO) as usize & 0xff];
-                }
+            lut_rows(o, o.len(), tab);
+        }
+    }
+}
+
+/// Maps the rows of `o` (`n` values each) through their columns' 256-entry tables `tab` (one
+/// table for every column when it holds 256 values), in place. Index = value - `T::LO`, within
+/// [0, 256) for the 8-bit types checked by `qmatmul`.
+///
+/// Per-column tables are visited in blocks of [`LUT_BLOCK`] columns over all rows: walking a
+/// whole row touches every column's table (fc1's 1536 tables are 384 KB, beyond L1), while a
+/// block's tables (8 KB) stay in L1 across the rows.
+fn lut_rows<T: QInt>(o: &mut [T], n: usize, tab: &[T]) {
+    let at = |t: &[T], v: T| t[(v.to_i32() - T::LO) as usize & 0xff];
+    if tab.len() == 256 {
+        for v in o.iter_mut() {
+            *v = at(tab, *v);
+        }
+        return;
+    }
+    for c0 in (0..n).step_by(LUT_BLOCK) {
+        let c1 = (c0 + LUT_BLOCK).min(n);
+        let tabs = &tab[c0 * 256..c1 * 256];
+        for row in o.chunks_exact_mut(n) {
+            for (v, t) in row[c0..c1].iter_mut().zip(tabs.chunks_exact(256)) {
+                *v = at(t, *v);
             }
         }
     }
 }
+
+/// Columns per block of [`lut_rows`]: 32 tables of 256 bytes.
+const LUT_BLOCK: usize = 32;
 
 fn qmatmul(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     let a = ins.tensor(0)?;
@@ -505,7 +525,8 @@ enum OutBuf<'a> {
 }
 
 /// The product of packed activations and a packed weight, converted into `out` row by row
-/// by `row(sums, low_sums, out_row)`. An 8-bit operand runs one product whose epilogue reads
+/// by `row(sums, low_sums, out_row)`, then `chunk(rows)` over each finished block of whole
+/// output rows (per-column lookup tables, see [`lut_rows`]). An 8-bit operand runs one product whose epilogue reads
 /// each chunk of sums while it is still in cache ([`igemm_then`]); a 16-bit operand's two
 /// byte products are combined afterwards.
 ///
@@ -513,6 +534,7 @@ enum OutBuf<'a> {
 /// zero-filling megabytes per call showed up in profiles. The scratch only grows: it is
 /// shared by every node on this thread, and resizing it down and up again between a small
 /// and a large product would zero-fill the difference each time.
+#[allow(clippy::too_many_arguments)]
 fn product_into<T: Copy + Send + Default + 'static>(
     pa: &PackedAct,
     w: &PackedB,
@@ -521,6 +543,7 @@ fn product_into<T: Copy + Send + Default + 'static>(
     out: &mut [T],
     threads: usize,
     row: impl Fn(&[i32], Option<&[i32]>, &mut [T]) + Sync,
+    chunk: impl Fn(&mut [T]) + Sync,
 ) -> Result<()> {
     match pa {
         PackedAct::Single(a) => {
@@ -529,6 +552,7 @@ fn product_into<T: Copy + Send + Default + 'static>(
                 for (s, orow) in sums.chunks_exact(n).zip(o.chunks_exact_mut(n)) {
                     row(s, None, orow);
                 }
+                chunk(o);
             };
             igemm_then(a, w, &mut scratch.acc, out, threads, &epi)
         }
@@ -538,8 +562,42 @@ fn product_into<T: Copy + Send + Default + 'static>(
             igemm(hi, w, &mut scratch.acc, threads)?;
             igemm(lo, w, &mut scratch.acc_lo, threads)?;
             epilogue_rows(&scratch.acc, Some(&scratch.acc_lo), n, out, row, threads);
+            chunk(out);
             Ok(())
         }
+    }
+}
+
+/// [`product_into`] with a quantized output: requantization by `(multipliers, bias, mode)`,
+/// then `lut` (a fused `npuc.QLut`, 8-bit outputs only) applied per row when it is one table,
+/// or per block of rows ([`lut_rows`]) when it holds one table per column.
+#[allow(clippy::too_many_arguments)]
+fn quant_into<T: QInt>(
+    pa: &PackedAct,
+    w: &PackedB,
+    scratch: &mut Scratch,
+    n: usize,
+    out: &mut [T],
+    threads: usize,
+    (mult, bias, mode): (&[f32], &[f32], OutMode),
+    lut: Option<&[T]>,
+) -> Result<()> {
+    let (row_lut, col_lut) = split_lut(lut);
+    let row = quant_row::<T>(mult, bias, mode, row_lut);
+    product_into(pa, w, scratch, n, out, threads, row, |o| {
+        if let Some(tab) = col_lut {
+            lut_rows(o, n, tab)
+        }
+    })
+}
+
+/// Splits a fused lookup table into (one table applied per row as it is requantized, per-column
+/// tables applied per block of rows by [`lut_rows`]).
+#[allow(clippy::type_complexity)]
+fn split_lut<T>(lut: Option<&[T]>) -> (Option<&[T]>, Option<&[T]>) {
+    match lut {
+        Some(t) if t.len() == 256 => (Some(t), None),
+        other => (None, other),
     }
 }
 
@@ -617,24 +675,12 @@ impl GroupJob<'_> {
                     let row = |a: &[i32], l: Option<&[i32]>, o: &mut [f32]| {
                         qconvert::requant_row_f32(isa, a, l, mult, bias, lo, hi, o)
                     };
-                    product_into(pa, wp, sc, n, o, t, row)?
+                    product_into(pa, wp, sc, n, o, t, row, |_| {})?
                 }
-                OutBuf::U8(o) => {
-                    let row = quant_row::<u8>(mult, bias, mode, self.lut_u8);
-                    product_into(pa, wp, sc, n, o, t, row)?
-                }
-                OutBuf::I8(o) => {
-                    let row = quant_row::<i8>(mult, bias, mode, self.lut_i8);
-                    product_into(pa, wp, sc, n, o, t, row)?
-                }
-                OutBuf::U16(o) => {
-                    let row = quant_row::<u16>(mult, bias, mode, None);
-                    product_into(pa, wp, sc, n, o, t, row)?
-                }
-                OutBuf::I16(o) => {
-                    let row = quant_row::<i16>(mult, bias, mode, None);
-                    product_into(pa, wp, sc, n, o, t, row)?
-                }
+                OutBuf::U8(o) => quant_into(pa, wp, sc, n, o, t, (mult, bias, mode), self.lut_u8)?,
+                OutBuf::I8(o) => quant_into(pa, wp, sc, n, o, t, (mult, bias, mode), self.lut_i8)?,
+                OutBuf::U16(o) => quant_into(pa, wp, sc, n, o, t, (mult, bias, mode), None)?,
+                OutBuf::I16(o) => quant_into(pa, wp, sc, n, o, t, (mult, bias, mode), None)?,
             }
             Ok(packed_a)
         })();
@@ -1242,6 +1288,40 @@ fn to_hwc<T: Copy + Into<i32>>(x: &[T], c: usize, pin: usize, zx: i32, dst: &mut
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Blocked per-column lookups equal one lookup per value through its column's table, for
+    /// column counts around the block size, and one shared table for every column.
+    #[test]
+    fn lut_rows_matches_per_value_lookup() {
+        let mut seed = 7u64;
+        let mut next = || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (seed >> 33) as u8
+        };
+        for (rows, n) in [(1, 1), (3, 31), (5, 32), (4, 33), (7, 100), (2, 1536)] {
+            let vals: Vec<u8> = (0..rows * n).map(|_| next()).collect();
+            let per_col: Vec<u8> = (0..n * 256).map(|_| next()).collect();
+            let mut got = vals.clone();
+            lut_rows(&mut got, n, &per_col);
+            let want: Vec<u8> = vals
+                .iter()
+                .enumerate()
+                .map(|(i, &v)| per_col[(i % n) * 256 + v as usize])
+                .collect();
+            assert_eq!(got, want, "{rows}x{n} per-column");
+            let shared = &per_col[..256];
+            let mut got = vals.iter().map(|&v| v as i8).collect::<Vec<i8>>();
+            let shared_i8: Vec<i8> = shared.iter().map(|&v| v as i8).collect();
+            lut_rows(&mut got, n, &shared_i8);
+            let want: Vec<i8> = vals
+                .iter()
+                .map(|&v| shared_i8[(v as i8 as i32 - i8::LO) as usize])
+                .collect();
+            assert_eq!(got, want, "{rows}x{n} shared");
+        }
+    }
 
     /// Direct i64 transposed convolution: `acc[co, oy, ox] = sum x'[ci, iy, ix] * w'[ci, co, ky, kx]`
     /// over `oy = iy * sy + ky - pby`, `ox = ix * sx + kx - pbx`.
