@@ -175,7 +175,7 @@ impl QuantLower {
         }
         .run(m)?;
         let luts = if luts {
-            self.lower_luts(m)? + self.lower_softmax(m)?
+            self.lower_luts(m)? + self.lower_softmax(m)? + self.fuse_dequant_bias(m)
         } else {
             0
         };
@@ -981,6 +981,87 @@ impl QuantLower {
 }
 
 impl QuantLower {
+    /// `QMatMul (8-bit output, constant [K, N] weight, no table) -> DequantizeLinear (the same
+    /// scale and zero point) -> Add(constant f32 [N] or one value)`, the bias a MatMul exporter
+    /// writes as its own Add, becomes one `QMatMul` with `dq_bias` (input 10) and f32 output:
+    /// the epilogue dequantizes each requantized code and adds the bias with the same rounding
+    /// as the two ops, without the u8 tensor and two more passes over it. Only in the
+    /// `luts` lowering: `npuc verify` compares the product's quantized output as a layer.
+    /// Returns the number fused.
+    fn fuse_dequant_bias(&self, m: &mut Model) -> usize {
+        let g = &m.graph;
+        let ix = Index::new(g);
+        let same = |a: &str, b: &str| match (ix.constant(g, a), ix.constant(g, b)) {
+            (Some(x), Some(y)) => {
+                x.len() == 1
+                    && x.dtype() == y.dtype()
+                    && x.shape() == y.shape()
+                    && x.to_f64_vec().ok() == y.to_f64_vec().ok()
+            }
+            _ => false,
+        };
+        let mut fuse = vec![];
+        for (pi, p) in g.nodes.iter().enumerate() {
+            if !(p.domain == "npuc" && p.op_type == "QMatMul") || p.inputs.len() != 9 {
+                continue;
+            }
+            let Some(w) = ix.constant(g, &p.inputs[3]) else {
+                continue;
+            };
+            let n = if attr_int(p, "trans_b", 0) != 0 { 0 } else { 1 };
+            if w.rank() != 2 {
+                continue;
+            }
+            let n = w.shape()[n];
+            let Some(zt) = ix.constant(g, &p.inputs[8]) else {
+                continue;
+            };
+            if !matches!(zt.dtype(), DType::U8 | DType::I8) {
+                continue;
+            }
+            let y = &p.outputs[0];
+            let Some(di) = ix.sole_user(y) else { continue };
+            let d = &g.nodes[di];
+            if !is_op(d, "DequantizeLinear")
+                || d.input(0) != Some(y.as_str())
+                || d.inputs.len() != 3
+                || d.attrs
+                    .iter()
+                    .any(|(a, _)| a == "block_size" || a == "output_dtype")
+                || !same(&d.inputs[1], &p.inputs[7])
+                || !same(&d.inputs[2], &p.inputs[8])
+            {
+                continue;
+            }
+            let dy = &d.outputs[0];
+            let Some(ai) = ix.sole_user(dy) else { continue };
+            let a = &g.nodes[ai];
+            if !is_op(a, "Add") || a.inputs.len() != 2 || a.inputs[0] == a.inputs[1] {
+                continue;
+            }
+            let Some(b) = crate::util::other_input(a, dy) else {
+                continue;
+            };
+            let bias_ok = ix.constant(g, b).is_some_and(|t| {
+                t.dtype() == DType::F32 && t.rank() <= 1 && (t.len() == n || t.len() == 1)
+            });
+            if bias_ok {
+                fuse.push((pi, di, ai, b.to_string(), a.outputs[0].clone()));
+            }
+        }
+        let k = fuse.len();
+        let mut dead = HashSet::new();
+        for (pi, di, ai, bias, out) in fuse {
+            let p = &mut m.graph.nodes[pi];
+            p.inputs.push(String::new());
+            p.inputs.push(bias);
+            p.outputs[0] = out;
+            dead.extend([di, ai]);
+        }
+        crate::util::remove_nodes(&mut m.graph, &dead);
+        k
+    }
+
     /// `DQ(x), DQ(w) [, bias] -> ConvTranspose -> Q` (2-D, group 1, dilations 1, explicit
     /// pads) into `npuc.QConvTranspose`. Returns the number lowered.
     fn lower_conv_transpose(&self, m: &mut Model) -> Result<usize, PassError> {

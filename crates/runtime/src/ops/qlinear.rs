@@ -6,7 +6,8 @@
 //! without the general kernels' f64 intermediates, for the Q/DQ pairs that stay in a lowered
 //! graph around float ops.
 //!
-//! QMatMul inputs: `a, a_scale, a_zero_point, b, b_scale, b_zero_point, bias?, y_scale?, y_zero_point?`.
+//! QMatMul inputs: `a, a_scale, a_zero_point, b, b_scale, b_zero_point, bias?, y_scale?, y_zero_point?,
+//! table?, dq_bias?`.
 //! - `a`: u8/i8/u16/i16 activations `[.., M, K]`, per-tensor scale and zero point.
 //! - `b`: 8-bit or 4-bit (i8/u8/i4/u4) `[K, N]` (`[N, K]` with `trans_b = 1`) with a per-tensor
 //!   or per-column (`[N]`) scale/zero point; or an 8-bit activation `[.., K, N]` (batched,
@@ -14,6 +15,12 @@
 //! - `bias`: optional f32 `[N]` added to the dequantized product (the DQ of the int32 bias).
 //! - `y_scale, y_zero_point`: when present the result is requantized to `y_zero_point`'s
 //!   dtype (round half to even, saturating); otherwise it is f32 (fused dequantization).
+//! - `table`: a fused `npuc.QLut` applied to the 8-bit requantized result (256 values, or 256
+//!   per output column).
+//! - `dq_bias`: f32 `[N]` (or one value): the 8-bit requantized result is dequantized with
+//!   `y_scale, y_zero_point` and `dq_bias` added per column, giving f32: the lowered form of
+//!   `QMatMul -> DequantizeLinear -> Add(bias)` (the bias a MatMul exporter writes as its own
+//!   Add), with the same rounding as those three ops.
 //! - attributes `trans_b` (int, default 0), `clip_min`/`clip_max` (floats, optional): the fused
 //!   Relu/Clip, applied to the real-valued result before requantization.
 //!
@@ -430,6 +437,33 @@ fn qmatmul(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
             );
         }
     }
+    // A fused dequantization (input 10): 8-bit requantized codes, dequantized with y_scale and
+    // y_zero_point, plus this bias per column, as f32.
+    let dq = match ins.opt_tensor(10) {
+        None => None,
+        Some(t) => {
+            let ys = match y_scale {
+                Some(ys) if matches!(out_dt, DType::U8 | DType::I8) && lut.is_none() => {
+                    f32_scalar(ys, "y_scale")?
+                }
+                _ => bail!(
+                    "dq_bias needs an 8-bit y_scale/y_zero_point and no fused table (output {out_dt})"
+                ),
+            };
+            let v: Vec<f32> = t.to_f64_vec()?.iter().map(|&x| x as f32).collect();
+            let bias = match v.len() {
+                1 => vec![v[0]; n],
+                l if l == n => v,
+                l => bail!("dq_bias has {l} values, {n} expected"),
+            };
+            Some(DqOut {
+                ys,
+                bias,
+                code: out_dt,
+            })
+        }
+    };
+    let out_dt = if dq.is_some() { DType::F32 } else { out_dt };
     let batches = plan.out_shape.iter().product::<usize>() / (m * n).max(1);
     let const_b =
         ctx.input_is_const(3) && ctx.input_is_const(4) && (b_zp.is_none() || ctx.input_is_const(5));
@@ -473,6 +507,7 @@ fn qmatmul(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         rows_per,
         lut_u8,
         lut_i8,
+        dq: dq.as_ref(),
     };
     // A batched product (attention's per-head matrices) runs its heads in parallel, each on
     // one thread: a head is too small to split, and splitting each one would pay a thread
@@ -634,6 +669,46 @@ struct GroupJob<'a> {
     rows_per: usize,
     lut_u8: Option<&'a [u8]>,
     lut_i8: Option<&'a [i8]>,
+    /// The fused dequantization of an 8-bit requantized result (input 10).
+    dq: Option<&'a DqOut>,
+}
+
+/// `QMatMul`'s fused output dequantization: `y = (q - zp) * ys + bias[j]` for the 8-bit code
+/// `q` of requantization (see the module docs).
+struct DqOut {
+    ys: f32,
+    bias: Vec<f32>,
+    /// The codes' dtype (u8 or i8, `y_zero_point`'s).
+    code: DType,
+}
+
+/// Requantizes one row to `T` codes and dequantizes them into `out` with the fused bias,
+/// 256 columns at a time through a stack buffer; `out[j]` equals
+/// `Dequantize(requant_row(..))[j] + dq.bias[j]` (the same kernels, in the same order).
+#[allow(clippy::too_many_arguments)]
+fn requant_dequant_row<T: QInt>(
+    isa: Isa,
+    acc: &[i32],
+    acc_lo: Option<&[i32]>,
+    mult: &[f32],
+    bias: &[f32],
+    (inv_ys, zp, lo, hi): (f32, i32, i32, i32),
+    dq: &DqOut,
+    out: &mut [f32],
+) {
+    let mut codes = [T::default(); 256];
+    for c0 in (0..out.len()).step_by(256) {
+        let c1 = (c0 + 256).min(out.len());
+        let q = &mut codes[..c1 - c0];
+        let l = acc_lo.map(|l| &l[c0..c1]);
+        let (a, m, b) = (&acc[c0..c1], &mult[c0..c1], &bias[c0..c1]);
+        qconvert::requant_row(isa, a, l, m, b, inv_ys, zp, (lo, hi), q);
+        let o = &mut out[c0..c1];
+        qconvert::dequantize(isa, q, dq.ys, zp, o);
+        for (v, &b) in o.iter_mut().zip(&dq.bias[c0..c1]) {
+            *v += b;
+        }
+    }
 }
 
 impl GroupJob<'_> {
@@ -666,10 +741,21 @@ impl GroupJob<'_> {
             match out {
                 OutBuf::F32(o) => {
                     let isa = Isa::detect();
-                    let (lo, hi) = match mode {
-                        OutMode::Float { lo, hi } => (lo, hi),
-                        OutMode::Quant { .. } => {
-                            bail!("internal: f32 output with requantization")
+                    let (lo, hi) = match (mode, self.dq) {
+                        (OutMode::Float { lo, hi }, None) => (lo, hi),
+                        (OutMode::Quant { inv_ys, zp, lo, hi }, Some(dq)) => {
+                            let q = (inv_ys, zp, lo, hi);
+                            let row = |a: &[i32], l: Option<&[i32]>, o: &mut [f32]| match dq.code {
+                                DType::I8 => {
+                                    requant_dequant_row::<i8>(isa, a, l, mult, bias, q, dq, o)
+                                }
+                                _ => requant_dequant_row::<u8>(isa, a, l, mult, bias, q, dq, o),
+                            };
+                            product_into(pa, wp, sc, n, o, t, row, |_| {})?;
+                            return Ok(packed_a);
+                        }
+                        _ => {
+                            bail!("internal: f32 output with requantization and no dequantization")
                         }
                     };
                     let row = |a: &[i32], l: Option<&[i32]>, o: &mut [f32]| {
