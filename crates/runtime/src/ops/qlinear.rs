@@ -278,8 +278,8 @@ fn epilogue_rows<T: Copy + Send + Default + 'static>(
 }
 
 /// The per-row output stage for quantized output type `T`; `lut` (a fused `npuc.QLut`, only
-/// for 8-bit `T`) maps each requantized value through its column's 256-entry table (one table
-/// for all columns when it holds 256 values).
+/// for 8-bit `T`, one 256-entry table for every column) maps each requantized value. Per-column
+/// tables are applied per block of rows instead ([`split_lut`], [`lut_rows`]).
 fn quant_row<'a, T: QInt>(
     mult: &'a [f32],
     bias: &'a [f32],
@@ -561,9 +561,9 @@ enum OutBuf<'a> {
 
 /// The product of packed activations and a packed weight, converted into `out` row by row
 /// by `row(sums, low_sums, out_row)`, then `chunk(rows)` over each finished block of whole
-/// output rows (per-column lookup tables, see [`lut_rows`]). An 8-bit operand runs one product whose epilogue reads
-/// each chunk of sums while it is still in cache ([`igemm_then`]); a 16-bit operand's two
-/// byte products are combined afterwards.
+/// output rows (per-column lookup tables, see [`lut_rows`]). An 8-bit operand runs one product
+/// whose epilogue reads each chunk of sums while it is still in cache ([`igemm_then`]); a
+/// 16-bit operand's two byte products are combined afterwards.
 ///
 /// No clearing: `igemm` writes every sum of its output (stale values are overwritten), and
 /// zero-filling megabytes per call showed up in profiles. The scratch only grows: it is
@@ -741,8 +741,13 @@ impl GroupJob<'_> {
             match out {
                 OutBuf::F32(o) => {
                     let isa = Isa::detect();
-                    let (lo, hi) = match (mode, self.dq) {
-                        (OutMode::Float { lo, hi }, None) => (lo, hi),
+                    match (mode, self.dq) {
+                        (OutMode::Float { lo, hi }, None) => {
+                            let row = |a: &[i32], l: Option<&[i32]>, o: &mut [f32]| {
+                                qconvert::requant_row_f32(isa, a, l, mult, bias, lo, hi, o)
+                            };
+                            product_into(pa, wp, sc, n, o, t, row, |_| {})?
+                        }
                         (OutMode::Quant { inv_ys, zp, lo, hi }, Some(dq)) => {
                             let q = (inv_ys, zp, lo, hi);
                             let row = |a: &[i32], l: Option<&[i32]>, o: &mut [f32]| match dq.code {
@@ -751,17 +756,12 @@ impl GroupJob<'_> {
                                 }
                                 _ => requant_dequant_row::<u8>(isa, a, l, mult, bias, q, dq, o),
                             };
-                            product_into(pa, wp, sc, n, o, t, row, |_| {})?;
-                            return Ok(packed_a);
+                            product_into(pa, wp, sc, n, o, t, row, |_| {})?
                         }
                         _ => {
                             bail!("internal: f32 output with requantization and no dequantization")
                         }
-                    };
-                    let row = |a: &[i32], l: Option<&[i32]>, o: &mut [f32]| {
-                        qconvert::requant_row_f32(isa, a, l, mult, bias, lo, hi, o)
-                    };
-                    product_into(pa, wp, sc, n, o, t, row, |_| {})?
+                    }
                 }
                 OutBuf::U8(o) => quant_into(pa, wp, sc, n, o, t, (mult, bias, mode), self.lut_u8)?,
                 OutBuf::I8(o) => quant_into(pa, wp, sc, n, o, t, (mult, bias, mode), self.lut_i8)?,
