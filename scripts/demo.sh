@@ -5,7 +5,7 @@
 # PP-OCRv6 tiny recogniser (ONNX) compiled into an artifact.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh >/dev/null
+scripts/setup.sh --data-only >/dev/null
 cargo build --release -q -p npuc-cli
 CACHE=${NPUC_CACHE:-$HOME/.cache/npuc}
 NPUC=./target/release/npuc

@@ -17,7 +17,7 @@ import glob, io, os, random, subprocess, sys, tempfile, zipfile
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont, ImageFilter
 
-out = sys.argv[1] if len(sys.argv) > 1 else "target/quant-data"
+out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.expanduser(os.environ.get("NPUC_CACHE", "~/.cache/npuc")), "quant-data")
 rng = random.Random(1234)
 nrng = np.random.default_rng(1234)
 

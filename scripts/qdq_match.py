@@ -37,7 +37,7 @@ import onnx
 import onnxruntime as ort
 
 LAYERS = len(sys.argv) > 1 and sys.argv[1] == "layers"
-data = sys.argv[1] if len(sys.argv) > 1 and not LAYERS else "target/quant-data"
+data = sys.argv[1] if len(sys.argv) > 1 and not LAYERS else os.path.join(os.path.expanduser(os.environ.get("NPUC_CACHE", "~/.cache/npuc")), "quant-data")
 npuc = sys.argv[2] if len(sys.argv) > 2 and not LAYERS else "target/release/npuc"
 cache = os.environ.get("NPUC_CACHE", os.path.expanduser("~/.cache/npuc"))
 MODELS = [

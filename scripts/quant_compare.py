@@ -18,7 +18,7 @@ import onnxruntime as ort
 from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat,
                                       QuantType, quantize_static)
 
-data = sys.argv[1] if len(sys.argv) > 1 else "target/quant-data"
+data = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.expanduser(os.environ.get("NPUC_CACHE", "~/.cache/npuc")), "quant-data")
 npuc = sys.argv[2] if len(sys.argv) > 2 else "target/release/npuc"
 cache = os.environ.get("NPUC_CACHE", os.path.expanduser("~/.cache/npuc"))
 MODELS = [

@@ -1,5 +1,6 @@
 //! Library side of the `npuc` binary: file formats the CLI reads/writes and small applications
 //! (OCR) built on the runtime. Shared with tests and xtask.
+#![forbid(unsafe_code)]
 
 pub mod artifact;
 pub mod bench;

@@ -1,6 +1,8 @@
 //! `npuc`: inspect, run and (soon) compile models. Argument parsing and output formatting only;
 //! the work happens in the library crates.
 
+#![forbid(unsafe_code)]
+
 use anyhow::{anyhow, bail, Context, Result};
 use clap::{Parser, Subcommand};
 use npuc_cli::compile::{bind_inputs, parse_bindings};

@@ -15,11 +15,7 @@ use std::time::{Duration, Instant};
 const NPUC: &str = env!("CARGO_BIN_EXE_npuc");
 
 fn cache() -> PathBuf {
-    std::env::var("NPUC_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| {
-            PathBuf::from(std::env::var("HOME").unwrap_or_else(|_| ".".into())).join(".cache/npuc")
-        })
+    npuc_testsupport::cache_dir()
 }
 
 fn model(dir: &str, file: &str) -> PathBuf {

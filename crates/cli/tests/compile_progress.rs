@@ -8,11 +8,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 fn cache() -> PathBuf {
-    std::env::var("NPUC_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| {
-            PathBuf::from(std::env::var("HOME").unwrap_or_else(|_| ".".into())).join(".cache/npuc")
-        })
+    npuc_testsupport::cache_dir()
 }
 
 fn rec_model() -> PathBuf {

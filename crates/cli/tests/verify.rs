@@ -1,8 +1,8 @@
 //! `npuc verify` on a real model: the PP-OCRv5 recogniser quantized by onnxruntime's
 //! `quantize_static` (QDQ, per-channel, MinMax) with ONE calibration sample, the deliberately
 //! broken calibration, by scripts/make_ort_qdq.py. The per-layer numbers are checked against the
-//! same metrics computed in numpy on onnxruntime's run of both models. Skipped with a printed
-//! reason when python3 with onnxruntime or the model is unavailable.
+//! same metrics computed in numpy on onnxruntime's run of both models (the test venv's Python,
+//! made by scripts/setup.sh; the tests fail, naming that command, without it or the model).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -10,14 +10,6 @@ use std::sync::OnceLock;
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-fn cache() -> PathBuf {
-    std::env::var("NPUC_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| {
-            PathBuf::from(std::env::var("HOME").unwrap_or_else(|_| ".".into())).join(".cache/npuc")
-        })
 }
 
 fn npuc(args: &[&str]) -> Output {
@@ -31,42 +23,24 @@ fn s(p: &Path) -> &str {
     p.to_str().expect("utf-8 path")
 }
 
-/// The fixture directory (float.onnx, q.onnx, calib/, heldout/), made once per test binary;
-/// `None` (with the reason printed) when it cannot be made here.
-fn fixture() -> Option<&'static PathBuf> {
-    static F: OnceLock<Option<PathBuf>> = OnceLock::new();
+/// The fixture directory (float.onnx, q.onnx, calib/, heldout/), made once per test binary.
+fn fixture() -> &'static PathBuf {
+    static F: OnceLock<PathBuf> = OnceLock::new();
     F.get_or_init(|| {
-        let model = cache().join("models/ppocrv5/ppocrv5_rec.onnx");
-        if !model.is_file() {
-            eprintln!(
-                "SKIP: {} missing (scripts/fetch-data.sh models)",
-                model.display()
-            );
-            return None;
-        }
-        let ok = Command::new("python3")
-            .args(["-c", "import onnxruntime, onnx, numpy"])
-            .status()
-            .map(|s| s.success())
-            .unwrap_or(false);
-        if !ok {
-            eprintln!("SKIP: python3 with onnxruntime, onnx and numpy is not available");
-            return None;
-        }
+        let model = npuc_testsupport::model("ppocrv5", "ppocrv5_rec.onnx");
         let dir = std::env::temp_dir().join(format!("npuc-verify-{}", std::process::id()));
-        let out = Command::new("python3")
+        let out = npuc_testsupport::python()
             .arg(root().join("scripts/make_ort_qdq.py"))
             .args(["make", s(&model), s(&dir), "--calib", "1", "--heldout", "4"])
             .output()
-            .expect("python3 runs");
+            .expect("the test venv's python runs");
         assert!(
             out.status.success(),
             "make_ort_qdq.py failed: {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        Some(dir)
+        dir
     })
-    .as_ref()
 }
 
 fn verify_json(dir: &Path, q: &Path, extra: &[&str]) -> serde_json::Value {
@@ -92,9 +66,9 @@ fn verify_json(dir: &Path, q: &Path, extra: &[&str]) -> serde_json::Value {
 
 #[test]
 fn per_layer_sqnr_matches_numpy_on_onnxruntime() {
-    let Some(dir) = fixture() else { return };
+    let dir = fixture();
     let j = verify_json(dir, &dir.join("q.onnx"), &[]);
-    let out = Command::new("python3")
+    let out = npuc_testsupport::python()
         .arg(root().join("scripts/make_ort_qdq.py"))
         .args([
             "sqnr",
@@ -103,7 +77,7 @@ fn per_layer_sqnr_matches_numpy_on_onnxruntime() {
             s(&dir.join("heldout")),
         ])
         .output()
-        .expect("python3 runs");
+        .expect("the test venv's python runs");
     assert!(
         out.status.success(),
         "{}",
@@ -158,7 +132,7 @@ fn per_layer_sqnr_matches_numpy_on_onnxruntime() {
 
 #[test]
 fn broken_calibration_names_first_bad_layer_and_html_report() {
-    let Some(dir) = fixture() else { return };
+    let dir = fixture();
     let report = dir.join("report.html");
     let o = npuc(&[
         "verify",
@@ -212,7 +186,7 @@ fn broken_calibration_names_first_bad_layer_and_html_report() {
 
 #[test]
 fn suggest_apply_reaches_target_on_reverification() {
-    let Some(dir) = fixture() else { return };
+    let dir = fixture();
     let base = verify_json(dir, &dir.join("q.onnx"), &[]);
     let base_db = base["output"]["sqnr_db"].as_f64().unwrap();
     let target = (base_db + 6.0).round();
@@ -279,11 +253,7 @@ fn write_npy(p: &Path, shape: Vec<usize>, v: Vec<f32>) {
 /// both reference and "quantized" model: the inputs are rejected before anything runs.
 #[test]
 fn bad_inputs_give_clear_errors() {
-    let model = cache().join("models/ppocrv5/ppocrv5_rec.onnx");
-    if !model.is_file() {
-        eprintln!("SKIP: {} missing", model.display());
-        return;
-    }
+    let model = npuc_testsupport::model("ppocrv5", "ppocrv5_rec.onnx");
     let tmp = tempfile::tempdir().unwrap();
     let run = |inputs: &Path| {
         let o = npuc(&[

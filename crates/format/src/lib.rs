@@ -80,15 +80,12 @@ impl Target {
     /// The target for this machine's architecture with the features npuc's kernels use.
     pub fn host() -> Target {
         let arch = std::env::consts::ARCH.to_string();
-        let mut features = vec![];
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-            {
-                features = vec!["avx2".into(), "fma".into()];
-            }
-        }
+        // The kernels' pre-packed layouts assume AVX2+FMA at most (no AVX-512 layout yet).
+        let features = if npuc_isa::Isa::host().has_avx2() {
+            vec!["avx2".into(), "fma".into()]
+        } else {
+            vec![]
+        };
         Target::from_parts(arch, features)
     }
 
@@ -301,6 +298,8 @@ fn header_checksum(header: &[u8], table: &[u8]) -> u64 {
     xxh3_64(&h)
 }
 
+/// Writes `bytes` to `path` atomically: a temp file in the same directory, fsync, rename. A
+/// crash or Ctrl-C leaves either the old file or the new one, never a half-written artifact.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), FormatError> {
     use std::io::Write;
     let io = |e| FormatError::Io {
@@ -312,17 +311,16 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), FormatError> {
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
     let fname = path.file_name().and_then(|f| f.to_str()).unwrap_or("out");
-    let tmp = dir.join(format!(".{fname}.tmp-{}", std::process::id()));
-    let r = (|| {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)
-    })();
-    if r.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    r.map_err(io)
+    // A hidden temp file beside the target (same filesystem, so the rename is atomic); the
+    // tempfile crate removes it on any error before the rename.
+    let mut tmp = tempfile::Builder::new()
+        .prefix(&format!(".{fname}.tmp-"))
+        .tempfile_in(dir)
+        .map_err(io)?;
+    tmp.write_all(bytes).map_err(io)?;
+    tmp.as_file().sync_all().map_err(io)?;
+    tmp.persist(path).map_err(|e| io(e.error))?;
+    Ok(())
 }
 
 struct MmapBacking(memmap2::Mmap);

@@ -8,6 +8,7 @@
 //! * [`generate`](mod@generate): prefill + decode loop with UTF-8-safe streaming and stop strings.
 //! * [`perplexity`](mod@perplexity): llama.cpp's `llama-perplexity` method.
 //! * [`chat`]: multi-turn chat that reuses the KV cache between turns.
+#![forbid(unsafe_code)]
 
 pub mod chat;
 pub mod generate;

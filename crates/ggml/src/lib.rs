@@ -108,22 +108,13 @@ pub(crate) fn put_f16(b: &mut [u8], i: usize, v: f32) {
     b[i..i + 2].copy_from_slice(&half::f16::from_f32(v).to_bits().to_le_bytes());
 }
 
-/// Whether the AVX2+FMA kernels may run on this CPU (checked once).
+/// Whether the AVX2+FMA+F16C kernels may run: the process-wide level (`npuc_isa`, which
+/// `NPUC_ISA=scalar` caps; `NPUC_GGML_SCALAR` is the older spelling of that for these kernels).
 #[inline]
 pub fn has_avx2() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::sync::OnceLock;
-        static HAS: OnceLock<bool> = OnceLock::new();
-        *HAS.get_or_init(|| {
-            std::env::var_os("NPUC_GGML_SCALAR").is_none()
-                && is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-                && is_x86_feature_detected!("f16c")
-        })
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    use std::sync::OnceLock;
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| {
+        std::env::var_os("NPUC_GGML_SCALAR").is_none() && npuc_isa::Isa::detect().has_avx2()
+    })
 }

@@ -73,18 +73,8 @@ fn every_fixture_type_matches_gguf_py_bit_for_bit() {
 
 #[test]
 fn gemma3_token_embd_rows_match_reference() {
-    let model = std::env::var_os("HOME")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_default()
-        .join(".cache/npuc/models/gemma3-270m/gemma-3-270m-q4_k_m.gguf");
-    let mut refp = root().join("tests/fixtures/llm/gemma3/token_embd_rows_0_2_100.npy");
-    if !refp.exists() {
-        refp = "/work/shared/reference/llm/gemma3-270m/token_embd_rows_0_2_100.npy".into();
-    }
-    if !model.exists() || !refp.exists() {
-        println!("skipped: needs {} and {}", model.display(), refp.display());
-        return;
-    }
+    let model = npuc_testsupport::gemma3_gguf();
+    let refp = npuc_testsupport::fixture("llm/gemma3/token_embd_rows_0_2_100.npy");
     let (shape, want) = read_npy_f32(&refp);
     let g = GgufFile::open(&model).unwrap();
     let t = g.tensor("token_embd.weight").unwrap();

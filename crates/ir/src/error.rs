@@ -3,8 +3,10 @@ use thiserror::Error;
 
 #[derive(Debug, Error, Clone, PartialEq)]
 pub enum IrError {
-    #[error("shape {shape:?} holds {} elements but {len} were given", shape.iter().product::<usize>())]
+    #[error("shape {shape:?} holds {} elements but {len} were given", crate::tensor::checked_numel(shape).map_or("more than 2^64".to_string(), |n| n.to_string()))]
     ShapeData { shape: Vec<usize>, len: usize },
+    #[error("shape {shape:?} has more elements than this machine can address (the product of its dimensions overflows)")]
+    ShapeOverflow { shape: Vec<usize> },
     #[error("{dtype} tensor of shape {shape:?} needs {expected} bytes, found {found}")]
     ByteLength {
         dtype: DType,

@@ -1,5 +1,6 @@
 //! npuc's graph IR: dtypes, tensors (owned or borrowed from a mapping), graphs of named nodes
 //! and values, attributes, symbolic shapes and a verifier. This crate does no I/O.
+#![forbid(unsafe_code)]
 
 pub mod dtype;
 pub mod error;
@@ -14,4 +15,4 @@ pub use error::IrError;
 pub use ggml::GgmlType;
 pub use graph::*;
 pub use half::{bf16, f16};
-pub use tensor::{numel, Backing, Borrowed, Elem, Tensor, TensorData};
+pub use tensor::{checked_numel, numel, Backing, Borrowed, Elem, Tensor, TensorData};

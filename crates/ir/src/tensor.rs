@@ -150,14 +150,31 @@ pub struct Tensor {
     data: TensorData,
 }
 
+/// Element count of a shape already known to fit (a tensor's own shape). Shapes read from a
+/// file or a flag go through [`checked_numel`] first.
 pub fn numel(shape: &[usize]) -> usize {
     shape.iter().product()
+}
+
+/// Element count of `shape`, or `None` when the product overflows `usize` (a shape from a file,
+/// a flag or shape arithmetic must never wrap around to a small count).
+pub fn checked_numel(shape: &[usize]) -> Option<usize> {
+    shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d))
+}
+
+/// Bytes of `shape` elements of `size` bytes each, or the overflow error naming the shape.
+fn checked_bytes(shape: &[usize], size: usize) -> Result<usize, IrError> {
+    checked_numel(shape)
+        .and_then(|n| n.checked_mul(size))
+        .ok_or_else(|| IrError::ShapeOverflow {
+            shape: shape.to_vec(),
+        })
 }
 
 impl Tensor {
     /// Builds a tensor from typed data; fails when the element count does not match the shape.
     pub fn from_vec<T: Elem>(shape: Vec<usize>, v: Vec<T>) -> Result<Tensor, IrError> {
-        if numel(&shape) != v.len() {
+        if checked_numel(&shape) != Some(v.len()) {
             return Err(IrError::ShapeData {
                 shape,
                 len: v.len(),
@@ -171,7 +188,7 @@ impl Tensor {
     }
 
     pub fn from_strings(shape: Vec<usize>, v: Vec<String>) -> Result<Tensor, IrError> {
-        if numel(&shape) != v.len() {
+        if checked_numel(&shape) != Some(v.len()) {
             return Err(IrError::ShapeData {
                 shape,
                 len: v.len(),
@@ -192,7 +209,7 @@ impl Tensor {
     /// Sub-byte integers and small floats from one code per byte (4- and 2-bit signed integers
     /// are sign-extended from their low bits).
     pub fn from_codes(dtype: DType, shape: Vec<usize>, v: Vec<u8>) -> Result<Tensor, IrError> {
-        if numel(&shape) != v.len() {
+        if checked_numel(&shape) != Some(v.len()) {
             return Err(IrError::ShapeData {
                 shape,
                 len: v.len(),
@@ -232,12 +249,11 @@ impl Tensor {
         offset: usize,
         len: usize,
     ) -> Result<Tensor, IrError> {
-        let n = numel(&shape);
         let total = owner.bytes().len();
         if offset.checked_add(len).is_none_or(|end| end > total) {
             return Err(IrError::DataOutOfRange { offset, len, total });
         }
-        let need = n * dtype.size();
+        let need = checked_bytes(&shape, dtype.size())?;
         if dtype == DType::String || dtype.packed_bits() < 8 {
             return Err(IrError::Unsupported(format!(
                 "{dtype} tensors cannot be built from raw bytes directly"
@@ -280,7 +296,7 @@ impl Tensor {
         shape: Vec<usize>,
         bytes: &[u8],
     ) -> Result<Tensor, IrError> {
-        let need = numel(&shape) * dtype.size();
+        let need = checked_bytes(&shape, dtype.size())?;
         if dtype == DType::String || dtype.packed_bits() < 8 {
             return Err(IrError::Unsupported(format!(
                 "{dtype} tensors cannot be built from raw bytes directly"
@@ -351,7 +367,7 @@ impl Tensor {
 
     /// Same data, new shape (element count must match).
     pub fn reshaped(mut self, shape: Vec<usize>) -> Result<Tensor, IrError> {
-        if numel(&shape) != self.len() {
+        if checked_numel(&shape) != Some(self.len()) {
             return Err(IrError::ShapeData {
                 shape,
                 len: self.len(),

@@ -107,14 +107,7 @@ fn tiny_artifact_equals_gguf_engine() {
 
 #[test]
 fn gemma3_artifact_same_tokens_as_gguf() {
-    let Some(home) = std::env::var_os("HOME") else {
-        return;
-    };
-    let gguf = PathBuf::from(home).join(".cache/npuc/models/gemma3-270m/gemma-3-270m-q4_k_m.gguf");
-    if !gguf.exists() || !npuc_runtime::registry().has("npuc", "GgmlMatMul") {
-        eprintln!("SKIP: gemma3 270M GGUF absent or no npuc.GgmlMatMul in this runtime");
-        return;
-    }
+    let gguf = npuc_testsupport::gemma3_gguf();
     let out = tmp("gemma.npuc");
     let variants = vec![Variant::Ar(1), Variant::Ar(32), Variant::Ar(128)];
     let opts = LlmCompileOptions {

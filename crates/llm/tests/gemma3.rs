@@ -1,4 +1,4 @@
-//! Gemma 3 270M (Q4_K_M GGUF from the data cache; skipped with the reason when absent):
+//! Gemma 3 270M (Q4_K_M GGUF from the data cache; fails with the fetch command when absent):
 //! Exact precision against transformers' float32 logits of the same weights, Fast precision
 //! against llama.cpp's greedy continuations.
 
@@ -8,21 +8,8 @@ use common::{argmax, fixtures, max_diff, read_npy};
 use npuc_llm::{Engine, EngineOptions, Precision, Variant};
 use std::path::PathBuf;
 
-fn model() -> Option<PathBuf> {
-    let home = std::env::var_os("HOME")?;
-    let p = PathBuf::from(home).join(".cache/npuc/models/gemma3-270m/gemma-3-270m-q4_k_m.gguf");
-    if !p.exists() {
-        eprintln!(
-            "SKIP: {} is absent (scripts/fetch-data.sh gemma3-270m)",
-            p.display()
-        );
-        return None;
-    }
-    if !npuc_runtime::registry().has("npuc", "GgmlMatMul") {
-        eprintln!("SKIP: this runtime has no npuc.GgmlMatMul (needed for Q4_K_M weights)");
-        return None;
-    }
-    Some(p)
+fn model() -> PathBuf {
+    npuc_testsupport::gemma3_gguf()
 }
 
 fn opts(precision: Precision, variants: &[Variant]) -> EngineOptions {
@@ -52,7 +39,7 @@ fn greedy(e: &mut Engine, prompt: &[u32], n: usize) -> Vec<u32> {
 
 #[test]
 fn exact_last_logits_match_transformers() {
-    let Some(path) = model() else { return };
+    let path = model();
     let dir = fixtures().join("gemma3");
     let (_, ids) = read_npy(&dir.join("prompt_ids.npy"));
     let ids: Vec<u32> = ids.iter().map(|&v| v as u32).collect();
@@ -85,7 +72,7 @@ fn exact_last_logits_match_transformers() {
 /// Bit-identical logits with llama.cpp (AVX2 build, its defaults: flash attention, tiled K-quant
 /// batch kernel) give the same greedy ids for every reference prompt.
 fn fast_greedy_matches_llama_cpp() {
-    let Some(path) = model() else { return };
+    let path = model();
     let refs: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(fixtures().join("gemma3/gemma3_270m_greedy.json")).unwrap(),
     )

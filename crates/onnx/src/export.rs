@@ -363,17 +363,16 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), OnnxError> {
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
     let fname = path.file_name().and_then(|f| f.to_str()).unwrap_or("out");
-    let tmp = dir.join(format!(".{fname}.tmp-{}", std::process::id()));
-    let result = (|| {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result.map_err(io)
+    // A hidden temp file beside the target (same filesystem, so the rename is atomic); the
+    // tempfile crate removes it on any error before the rename.
+    let mut tmp = tempfile::Builder::new()
+        .prefix(&format!(".{fname}.tmp-"))
+        .tempfile_in(dir)
+        .map_err(io)?;
+    tmp.write_all(bytes).map_err(io)?;
+    tmp.as_file().sync_all().map_err(io)?;
+    tmp.persist(path).map_err(|e| io(e.error))?;
+    Ok(())
 }
 
 /// Saves a model as ONNX. Large initializers go to `<file>.data` when the options ask for it.

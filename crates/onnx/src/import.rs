@@ -399,7 +399,9 @@ impl Cx {
 }
 
 fn sparse_to_dense(dims: &[usize], values: &Tensor, indices: &[i64]) -> Result<Tensor, String> {
-    let n: usize = dims.iter().product();
+    let n = npuc_ir::checked_numel(dims).ok_or_else(|| {
+        format!("dense shape {dims:?} overflows (more elements than addressable)")
+    })?;
     let nnz = values.len();
     let rank = dims.len();
     // Indices are either [nnz] linear offsets or [nnz, rank] coordinates.

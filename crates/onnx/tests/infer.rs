@@ -8,13 +8,7 @@ use npuc_onnx::{load_model, load_value_pb, PbValue};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
-fn cache() -> PathBuf {
-    std::env::var("NPUC_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| {
-            PathBuf::from(std::env::var("HOME").unwrap_or_else(|_| ".".into())).join(".cache/npuc")
-        })
-}
+use npuc_testsupport::cache_dir as cache;
 
 /// How an inferred type compares with a real value.
 #[derive(Debug, Clone, PartialEq)]
@@ -208,7 +202,7 @@ const MIN_COMPLETE_SHARE: f64 = 0.79;
 
 #[test]
 fn node_suite_inference_matches_real_outputs() {
-    let root = cache().join("suite/onnx-1.22.0/data/node");
+    let root = npuc_testsupport::onnx_suite().join("node");
     assert!(
         root.is_dir(),
         "{} is missing: run `scripts/fetch-data.sh suite`",
@@ -438,7 +432,7 @@ fn symbolize(t: &TypeInfo, tag: &str) -> TypeInfo {
 /// outputs: every fixed dim it derives (from attributes and constants) must be right.
 #[test]
 fn symbolic_inputs_never_contradict_real_outputs() {
-    let root = cache().join("suite/onnx-1.22.0/data/node");
+    let root = npuc_testsupport::onnx_suite().join("node");
     let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
         .unwrap()
         .map(|e| e.unwrap().path())
@@ -500,7 +494,7 @@ fn symbolic_inputs_never_contradict_real_outputs() {
 /// to huge dims and to zero dims.
 #[test]
 fn malformed_models_never_panic() {
-    let root = cache().join("suite/onnx-1.22.0/data/node");
+    let root = npuc_testsupport::onnx_suite().join("node");
     let mut n = 0;
     for e in std::fs::read_dir(&root).unwrap() {
         let dir = e.unwrap().path();
@@ -574,12 +568,15 @@ fn malformed_models_never_panic() {
 /// inference must never contradict their real outputs either.
 #[test]
 fn other_suite_models_never_mismatch() {
-    let root = cache().join("suite/onnx-1.22.0/data");
+    let root = npuc_testsupport::onnx_suite();
     let (mut exact, mut incomplete, mut mismatches) = (0, 0, vec![]);
     for sub in ["pytorch-converted", "pytorch-operator", "simple"] {
-        let Ok(rd) = std::fs::read_dir(root.join(sub)) else {
-            continue;
-        };
+        let rd = std::fs::read_dir(root.join(sub)).unwrap_or_else(|e| {
+            panic!(
+                "{}: {e} (the onnx 1.22.0 suite has it: run `scripts/fetch-data.sh suite`)",
+                root.join(sub).display()
+            )
+        });
         let mut dirs: Vec<PathBuf> = rd
             .map(|e| e.unwrap().path())
             .filter(|p| p.join("model.onnx").exists() && p.join("test_data_set_0").is_dir())

@@ -7,18 +7,7 @@ use prost::Message;
 use std::path::{Path, PathBuf};
 
 fn suite() -> PathBuf {
-    let c = std::env::var("NPUC_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| {
-            PathBuf::from(std::env::var("HOME").unwrap_or_else(|_| ".".into())).join(".cache/npuc")
-        });
-    let d = c.join("suite/onnx-1.22.0/data");
-    assert!(
-        d.join("node").is_dir(),
-        "{} is missing: run `scripts/fetch-data.sh suite`",
-        d.display()
-    );
-    d
+    npuc_testsupport::onnx_suite()
 }
 
 fn tiny_model(init: Tensor) -> Model {

@@ -8,6 +8,7 @@
 //! Passes are conservative: a pattern they do not fully understand (unknown ranks, non-constant
 //! parameters, values read by several nodes, graph outputs in the middle of a pattern, subgraph
 //! captures) is left alone. Graph output names are always preserved.
+#![forbid(unsafe_code)]
 
 pub mod passes;
 pub mod quant_lower;

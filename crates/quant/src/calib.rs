@@ -302,8 +302,15 @@ fn read_raw(file: &Path, vi: &ValueInfo) -> Result<Tensor> {
     })?;
     let dt = vi.dtype().unwrap_or(DType::F32);
     let bytes = std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
-    let n: usize = shape.iter().product();
-    let want = n * dt.size();
+    let want = npuc_ir::checked_numel(&shape)
+        .and_then(|n| n.checked_mul(dt.size()))
+        .with_context(|| {
+            format!(
+                "{}: input '{}' shape {shape:?} overflows (more elements than addressable)",
+                file.display(),
+                vi.name
+            )
+        })?;
     if bytes.len() != want {
         bail!(
             "{}: {} bytes, but input '{}' ({} {:?}) needs {want}; wrong shape or dtype",
@@ -409,15 +416,16 @@ pub fn parse_npy(b: &[u8]) -> Result<Tensor> {
         d => bail!("unsupported dtype '{d}'"),
     };
     let data = &b[start + hlen..];
-    let n: usize = shape.iter().product();
-    if data.len() < n * dt.size() {
+    let need = npuc_ir::checked_numel(&shape)
+        .and_then(|n| n.checked_mul(dt.size()))
+        .with_context(|| format!("shape {shape:?} overflows (more elements than addressable)"))?;
+    if data.len() < need {
         bail!(
-            "{} data bytes, shape {shape:?} of {dt} needs {}",
-            data.len(),
-            n * dt.size()
+            "{} data bytes, shape {shape:?} of {dt} needs {need}",
+            data.len()
         );
     }
-    Tensor::from_le_bytes_copy(dt, shape, &data[..n * dt.size()]).map_err(|e| anyhow!("{e}"))
+    Tensor::from_le_bytes_copy(dt, shape, &data[..need]).map_err(|e| anyhow!("{e}"))
 }
 
 /// Decodes and preprocesses one image (bilinear resize with half-pixel centres).

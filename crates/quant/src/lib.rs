@@ -18,6 +18,7 @@
 //! First version: only Conv, ConvTranspose, Gemm and MatMul are quantized (their activation
 //! inputs, outputs, weights and biases). Outputs of Add/Mul/Concat/pooling/Softmax/LayerNorm
 //! stay float unless they feed or leave one of those ops.
+#![forbid(unsafe_code)]
 
 pub mod calib;
 pub mod encodings;

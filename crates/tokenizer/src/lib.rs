@@ -9,6 +9,7 @@
 //! Decoding renders pieces like llama.cpp's `token_to_piece`; [`StreamDecoder`] turns a stream
 //! of ids into complete UTF-8 text. [`Tokenizer::apply_chat_template`] renders the model's Jinja
 //! chat template.
+#![forbid(unsafe_code)]
 
 mod bpe;
 mod chat;

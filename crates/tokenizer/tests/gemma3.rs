@@ -1,6 +1,6 @@
 //! Gemma 3 270M (262k-piece SentencePiece vocabulary in GGUF) against llama.cpp's and HF's ids
-//! (tests/fixtures/llm/gemma3/, copied from /work/shared/reference/llm). Skipped with a printed
-//! reason when the model file is not in the data cache.
+//! (tests/fixtures/llm/gemma3/, copied from /work/shared/reference/llm). The model comes from the
+//! data cache (`scripts/fetch-data.sh gemma3-270m`); the tests fail, naming that command, without it.
 
 use npuc_tokenizer::{ChatMessage, ModelKind, Tokenizer};
 use serde_json::Value;
@@ -12,25 +12,18 @@ fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/llm/gemma3")
 }
 
-fn model_path() -> Option<PathBuf> {
-    let home = std::env::var_os("HOME")?;
-    let p = PathBuf::from(home).join(".cache/npuc/models/gemma3-270m/gemma-3-270m-q4_k_m.gguf");
-    p.exists().then_some(p)
-}
-
-fn gemma() -> Option<&'static Tokenizer> {
-    static TOK: OnceLock<Option<Tokenizer>> = OnceLock::new();
+fn gemma() -> &'static Tokenizer {
+    static TOK: OnceLock<Tokenizer> = OnceLock::new();
     TOK.get_or_init(|| {
-        let Some(p) = model_path() else {
-            eprintln!("SKIP: ~/.cache/npuc/models/gemma3-270m/gemma-3-270m-q4_k_m.gguf is absent (scripts/fetch-data.sh gemma3-270m)");
-            return None;
-        };
+        let p = npuc_testsupport::gemma3_gguf();
         let t0 = Instant::now();
         let tok = Tokenizer::from_gguf_path(&p).expect("gemma tokenizer");
-        eprintln!("gemma3 tokenizer loaded in {:.1} ms", t0.elapsed().as_secs_f64() * 1e3);
-        Some(tok)
+        eprintln!(
+            "gemma3 tokenizer loaded in {:.1} ms",
+            t0.elapsed().as_secs_f64() * 1e3
+        );
+        tok
     })
-    .as_ref()
 }
 
 fn load_json(name: &str) -> Value {
@@ -48,7 +41,7 @@ fn ids(v: &Value) -> Vec<u32> {
 
 #[test]
 fn prompts_match_llamacpp() {
-    let Some(tok) = gemma() else { return };
+    let tok = gemma();
     assert_eq!(tok.kind(), ModelKind::Spm);
     assert_eq!(tok.vocab_size(), 262_144);
     assert_eq!((tok.bos(), tok.eos()), (Some(2), Some(1)));
@@ -104,7 +97,7 @@ fn prompts_match_llamacpp() {
 
 #[test]
 fn special_tokens_and_eog() {
-    let Some(tok) = gemma() else { return };
+    let tok = gemma();
     let sot = tok.token_id("<start_of_turn>").unwrap();
     let eot = tok.token_id("<end_of_turn>").unwrap();
     assert_eq!((sot, eot), (105, 106));
@@ -146,7 +139,7 @@ fn special_tokens_and_eog() {
 
 #[test]
 fn long_text_is_fast_and_consistent() {
-    let Some(tok) = gemma() else { return };
+    let tok = gemma();
     let text = std::fs::read_to_string(fixtures().join("ppl_text.txt")).unwrap();
     assert_eq!(text.len(), 102_729);
     let t0 = Instant::now();
@@ -177,8 +170,8 @@ fn long_text_is_fast_and_consistent() {
 
 #[test]
 fn metadata_json_round_trip() {
-    let Some(tok) = gemma() else { return };
-    let gguf = npuc_gguf::GgufFile::open(model_path().unwrap()).unwrap();
+    let tok = gemma();
+    let gguf = npuc_gguf::GgufFile::open(npuc_testsupport::gemma3_gguf()).unwrap();
     let json = npuc_tokenizer::metadata_to_json(&gguf.metadata);
     let text = serde_json::to_string(&json).unwrap();
     eprintln!("gemma3 tokenizer metadata as JSON: {} bytes", text.len());

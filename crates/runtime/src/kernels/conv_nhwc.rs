@@ -43,7 +43,7 @@ pub fn dw_pixel(acc: &mut [f32], taps: &[(usize, usize)], x: &[f32], w: &[f32]) 
 #[cfg(target_arch = "x86_64")]
 #[inline]
 fn has_avx2_fma() -> bool {
-    std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    npuc_isa::Isa::detect().has_avx2()
 }
 
 /// The scalar twin of [`dw_pixel_avx2`]: same taps, same order, one channel at a time.

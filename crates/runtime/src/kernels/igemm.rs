@@ -208,27 +208,9 @@ impl PackedA {
     }
 }
 
-/// Which micro-kernel runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Isa {
-    /// Portable Rust; always available.
-    Scalar,
-    /// AVX2 `vpmaddwd`; only when the CPU reports avx2.
-    Avx2,
-}
-
-impl Isa {
-    /// The best kernel this CPU supports.
-    pub fn detect() -> Isa {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx2") {
-                return Isa::Avx2;
-            }
-        }
-        Isa::Scalar
-    }
-}
+/// Which micro-kernel runs: the process-wide level (`npuc_isa`), or an explicit one in tests.
+/// The AVX2 `vpmaddwd` tile also serves the AVX-512 level (no wider tile yet).
+pub use npuc_isa::Isa;
 
 /// `c[m x n]` (row stride `n`) = `a * b`, exact in i32 for `k <= MAX_K`.
 pub fn igemm(a: &PackedA, b: &PackedB, c: &mut [i32], threads: usize) -> Result<()> {
@@ -298,7 +280,7 @@ fn igemm_core<T: Send, F: Fn(&[i32], &mut [T]) + Sync>(
             c.len()
         );
     }
-    if isa == Isa::Avx2 && Isa::detect() != Isa::Avx2 {
+    if isa.has_avx2() && !Isa::detect().has_avx2() {
         bail!("integer product: AVX2 kernel requested on a CPU without avx2");
     }
     if m == 0 || n == 0 {
@@ -335,7 +317,7 @@ fn igemm_core<T: Send, F: Fn(&[i32], &mut [T]) + Sync>(
                     };
                     match isa {
                         Isa::Scalar => tile_scalar(b.pairs, ablk, a.kp2, bpan, dst, ldt),
-                        Isa::Avx2 => {
+                        Isa::Avx2 | Isa::Avx512 => {
                             #[cfg(target_arch = "x86_64")]
                             // SAFETY: avx2 support was checked above (`Isa::detect`); `ablk` holds
                             // MR rows of `kp2 = 2 * pairs` values and `bpan` holds

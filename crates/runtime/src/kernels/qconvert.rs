@@ -8,27 +8,9 @@
 //! `vroundps` with round-to-nearest-even. Values are clamped in f32 before rounding, at
 //! integer bounds, so clamping before or after rounding gives the same integer.
 
-/// Which implementation runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Isa {
-    /// Portable Rust; always available.
-    Scalar,
-    /// AVX2 (+ no FMA: results must match the scalar twin bit for bit).
-    Avx2,
-}
-
-impl Isa {
-    /// The best implementation this CPU supports.
-    pub fn detect() -> Isa {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx2") {
-                return Isa::Avx2;
-            }
-        }
-        Isa::Scalar
-    }
-}
+/// Which implementation runs: the process-wide level (`npuc_isa`), or an explicit one in tests.
+/// The AVX2 paths also serve the AVX-512 level.
+pub use npuc_isa::Isa;
 
 /// The quantized integer types: u8, i8, u16, i16.
 pub trait QInt: Copy + Send + Sync + Default + 'static {
@@ -94,7 +76,7 @@ pub fn quantize<T: QInt>(isa: Isa, x: &[f32], scale: f32, zp: i32, out: &mut [T]
     let (flo, fhi) = ((T::LO - zp) as f32, (T::HI - zp) as f32);
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 && Isa::detect() == Isa::Avx2 {
+    if isa.has_avx2() && Isa::detect().has_avx2() {
         // SAFETY: avx2 is available (checked); the kernel reads/writes only `x[..n]`,
         // `out[..n]` in whole groups of 8 and returns how many it processed.
         done = unsafe { avx2::quantize(x, scale, zp, flo, fhi, out) };
@@ -112,7 +94,7 @@ pub fn dequantize<T: QInt>(isa: Isa, x: &[T], scale: f32, zp: i32, out: &mut [f3
     let (x, out) = (&x[..n], &mut out[..n]);
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 && Isa::detect() == Isa::Avx2 {
+    if isa.has_avx2() && Isa::detect().has_avx2() {
         // SAFETY: as in `quantize`.
         done = unsafe { avx2::dequantize(x, scale, zp, out) };
     }
@@ -144,7 +126,7 @@ pub fn requant_row<T: QInt>(
     let (flo, fhi) = ((lo - zp) as f32, (hi - zp) as f32);
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 && Isa::detect() == Isa::Avx2 {
+    if isa.has_avx2() && Isa::detect().has_avx2() {
         // SAFETY: avx2 checked; all slices hold at least `n` values (asserted above).
         done = unsafe { avx2::requant(acc, acc_lo, mult, bias, inv_ys, zp, flo, fhi, out) };
     }
@@ -177,7 +159,7 @@ pub fn requant_row_f32(
     assert!(acc_lo.is_none_or(|l| l.len() >= n));
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 && Isa::detect() == Isa::Avx2 {
+    if isa.has_avx2() && Isa::detect().has_avx2() {
         // SAFETY: avx2 checked; all slices hold at least `n` values (asserted above).
         done = unsafe { avx2::requant_f32(acc, acc_lo, mult, bias, lo, hi, out) };
     }
