@@ -7,7 +7,7 @@
 //! then executed, so the artifact format is checked against the whole suite.
 
 use anyhow::{anyhow, bail, Context, Result};
-use npuc_format::{Artifact, ArtifactWriter, GraphInfo, Target};
+use npuc_format::Artifact;
 use npuc_ir::{DType, Model, Tensor, TypeInfo};
 use npuc_onnx::PbValue;
 use npuc_runtime::{registry, Session, SessionOptions, Value};
@@ -139,7 +139,7 @@ pub fn main(args: &[String]) -> Result<()> {
         } else {
             let case = || -> Result<()> {
                 if o.compiled {
-                    let compiled = compile_in_process(&model, &c.name).context("compile")?;
+                    let compiled = compile_in_process(&c.model, &c.name).context("compile")?;
                     run_case(&c, &compiled)
                 } else {
                     run_case(&c, &model)
@@ -270,22 +270,20 @@ pub fn main(args: &[String]) -> Result<()> {
     Ok(())
 }
 
-/// What `npuc compile` followed by loading the artifact does to a model: inline functions,
-/// serialize into an artifact (host target, one graph "main"), parse it back, and return the
-/// graph as the runtime will see it (numeric weights borrowed from the artifact's bytes).
-fn compile_in_process(m: &Model, name: &str) -> Result<Model> {
-    let mut m = m.clone();
-    m.graph = npuc_runtime::exec::inline_functions(&m.graph, &m.functions)?;
-    m.functions.clear();
-    // The same pipeline as `npuc compile`: inline, optimize, serialize, load.
-    npuc_passes::optimize(&mut m, &npuc_passes::OptimizeOptions::default())
-        .map_err(|e| anyhow!("optimize: {e}"))?;
-    let mut w = ArtifactWriter::new(
-        Target::host(),
-        serde_json::json!({"optimize": true, "source": "conformance"}),
-    );
-    w.add_graph("main", &m, GraphInfo::default())?;
-    let bytes = w.to_bytes()?;
+/// What `npuc compile` followed by loading the artifact does to a model: the driver's compile
+/// pipeline (import, verify, inline, optimize, serialize; host target, one graph "main") into
+/// memory, parsed back, returning the graph as the runtime will see it (numeric weights
+/// borrowed from the artifact's bytes).
+fn compile_in_process(model: &Path, name: &str) -> Result<Model> {
+    let opts = npuc_driver::CompileOptions {
+        optimize: true,
+        ..Default::default()
+    };
+    let (bytes, _) = npuc_driver::compile::compile_to_bytes(
+        &[("main".to_string(), model.to_path_buf())],
+        &opts,
+        &mut |_: &str| {},
+    )?;
     let a = Artifact::from_bytes(Path::new(&format!("{name}.npuc")), bytes)?;
     Ok(a.model(Some("main"))?)
 }

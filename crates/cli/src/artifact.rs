@@ -1,33 +1,10 @@
-//! Loading either kind of model file, and `npuc inspect` for `.npuc` artifacts.
+//! `npuc inspect` for `.npuc` artifacts.
 
 use anyhow::Result;
 use npuc_format::{Artifact, GraphDesc, TypeDesc};
-use npuc_ir::Model;
 use serde_json::json;
 use std::collections::{BTreeMap, HashSet};
-use std::io::Read;
 use std::path::Path;
-
-/// Whether `path` starts with the artifact magic.
-pub fn is_artifact(path: &Path) -> bool {
-    let mut magic = [0u8; 8];
-    std::fs::File::open(path)
-        .and_then(|mut f| f.read_exact(&mut magic))
-        .is_ok()
-        && magic == npuc_format::MAGIC
-}
-
-/// Loads an ONNX model, or graph `graph` of an artifact (the first graph by default).
-pub fn load_any(path: &Path, graph: Option<&str>) -> Result<Model> {
-    if is_artifact(path) {
-        let a = Artifact::open(path)?;
-        return Ok(a.model(graph)?);
-    }
-    if let Some(g) = graph {
-        anyhow::bail!("--graph {g}: '{}' is an ONNX model, which holds one graph; --graph applies to .npuc artifacts", path.display());
-    }
-    Ok(npuc_onnx::load_model(path)?)
-}
 
 fn ty(t: &Option<TypeDesc>) -> String {
     fn dims(s: &Option<Vec<npuc_format::DimDesc>>) -> String {

@@ -1,9 +1,10 @@
 //! `npuc bench`: load time, first-run and steady-state latency, peak RSS.
 
-use crate::compile::{bind_inputs, parse_bindings};
 use anyhow::{anyhow, bail, Result};
+use npuc_driver::compile::parse_bindings;
+use npuc_driver::OpenOptions;
 use npuc_ir::{DType, Dim, Tensor, TypeInfo};
-use npuc_runtime::{Session, SessionOptions, Value};
+use npuc_runtime::{Session, Value};
 use std::path::Path;
 use std::time::Instant;
 
@@ -64,11 +65,18 @@ pub fn bench(
     profile: bool,
 ) -> Result<()> {
     let t0 = Instant::now();
-    let mut m = crate::artifact::load_any(path, graph)?;
-    let (shapes, dims) = parse_bindings(input_shape, dim)?;
-    bind_inputs(&mut m, &shapes, &dims)?;
-    crate::quantized::prepare(&mut m, simulate)?;
-    let sess = Session::new(&m, SessionOptions { threads })?;
+    let (input_shapes, dims) = parse_bindings(input_shape, dim)?;
+    let sess = npuc_driver::open(
+        path,
+        &OpenOptions {
+            graph: graph.map(String::from),
+            input_shapes,
+            dims,
+            simulate,
+            threads,
+        },
+    )?
+    .session;
     let load_ms = t0.elapsed().as_secs_f64() * 1e3;
     let mut feeds = vec![];
     for vi in sess.inputs() {

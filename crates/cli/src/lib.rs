@@ -1,43 +1,18 @@
-//! Library side of the `npuc` binary: file formats the CLI reads/writes and small applications
-//! (OCR) built on the runtime. Shared with tests and xtask.
+//! Library side of the `npuc` binary: its commands (argument handling and output; the
+//! pipelines they run live in `npuc-driver`), file formats the CLI reads/writes and small
+//! applications (OCR) built on the runtime. Shared with tests.
 #![forbid(unsafe_code)]
 
 pub mod artifact;
 pub mod bench;
-pub mod compile;
+pub mod compile_cmd;
+pub mod flags;
 pub mod gguf_inspect;
 pub mod llm_cmd;
-pub mod llm_compile;
 pub mod npy;
 pub mod ocr;
-pub mod quantize;
-pub mod quantized;
+pub mod progress;
 pub mod verify;
-
-/// Runs the standard optimization pipeline; returns (pass name, total changes) per pass that
-/// changed something.
-pub fn optimize_hook(
-    m: &mut npuc_ir::Model,
-    disable: &[String],
-    enable: &[String],
-) -> anyhow::Result<Vec<(String, usize)>> {
-    if let Some(e) = enable
-        .iter()
-        .find(|e| !npuc_passes::OPT_IN_PASSES.contains(&e.as_str()))
-    {
-        anyhow::bail!(
-            "--enable-pass {e}: not an opt-in pass (opt-in passes: {})",
-            npuc_passes::OPT_IN_PASSES.join(", ")
-        );
-    }
-    let opts = npuc_passes::OptimizeOptions {
-        disable: disable.to_vec(),
-        enable: enable.to_vec(),
-        ..Default::default()
-    };
-    let report = npuc_passes::optimize(m, &opts)?;
-    Ok(report.totals())
-}
 
 use anyhow::{bail, Result};
 use npuc_ir::TypeInfo;

@@ -4,6 +4,7 @@
 //! The engine (`npuc_llm::Engine`) and tokenizer (`npuc_tokenizer::Tokenizer`) are adapted to
 //! npuc-generate's `CausalLm` / `TokenText` traits by the thin wrappers [`Lm`] and [`Tok`].
 
+use crate::flags::Given;
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use npuc_generate::chat::{ChatMessage, ChatSession, ChatTemplate};
@@ -239,6 +240,69 @@ pub struct LlmBenchArgs {
     pub json: bool,
 }
 
+/// Whether `path` is an LLM artifact rather than a GGUF model (by extension, as [`load`]
+/// decides).
+fn is_llm_artifact(path: &Path) -> bool {
+    path.extension().is_some_and(|e| e == "npuc")
+}
+
+/// Rejects `--precision` for artifacts: their numerics were fixed when they were compiled.
+pub fn check_precision(model: &Path, given: &Given) -> Result<()> {
+    if is_llm_artifact(model) {
+        given.reject(
+            &["precision"],
+            "an LLM artifact's precision was fixed by `npuc compile --precision`",
+        )?;
+    }
+    Ok(())
+}
+
+/// Rejects the model flags the chosen model would ignore.
+pub fn check_model_flags(m: &ModelArgs, given: &Given) -> Result<()> {
+    check_precision(&m.model, given)
+}
+
+/// Sampling flags, by clap id.
+const SAMPLING_FLAGS: &[&str] = &[
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "typical_p",
+    "repeat_penalty",
+    "repeat_last_n",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "stop",
+];
+
+/// Rejects the `npuc generate` flags that the chosen mode would ignore.
+pub fn check_generate_flags(a: &GenerateArgs, given: &Given) -> Result<()> {
+    check_model_flags(&a.model, given)?;
+    if a.prompt_tokens.is_some() {
+        given.reject(
+            &["chat", "no_bos"],
+            "--prompt-tokens are used verbatim (no template, no BOS added)",
+        )?;
+    }
+    if !a.chat {
+        given.reject(
+            &["chat_template"],
+            "applies only with --chat (the prompt is used as given)",
+        )?;
+    }
+    if a.logits_out.is_some() {
+        let mut ids = SAMPLING_FLAGS.to_vec();
+        ids.push("json");
+        given.reject(
+            &ids,
+            "--logits-out writes the prompt's logits without sampling or generating",
+        )?;
+    }
+    Ok(())
+}
+
 /// Loads the engine and the tokenizer for `args.model`.
 pub fn load(args: &ModelArgs) -> Result<(Engine, Tokenizer)> {
     let threads = args
@@ -260,7 +324,7 @@ pub fn load(args: &ModelArgs) -> Result<(Engine, Tokenizer)> {
         opts.variants = Variant::parse_list(v)?;
     }
     let path = &args.model;
-    let is_artifact = path.extension().is_some_and(|e| e == "npuc");
+    let is_artifact = is_llm_artifact(path);
     let engine = if is_artifact {
         Engine::from_artifact(path, &opts)
     } else {

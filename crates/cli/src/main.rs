@@ -4,12 +4,14 @@
 #![forbid(unsafe_code)]
 
 use anyhow::{anyhow, bail, Context, Result};
-use clap::{Parser, Subcommand};
-use npuc_cli::compile::{bind_inputs, parse_bindings};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
+use npuc_cli::flags::Given;
 use npuc_cli::{npy, ocr};
+use npuc_driver::compile::{bind_inputs, parse_bindings};
+use npuc_driver::OpenOptions;
 use npuc_ir::{Attr, DType, Dim, Model, Tensor, TypeInfo};
-use npuc_runtime::{registry, Session, SessionOptions, Value};
-use std::collections::BTreeMap;
+use npuc_runtime::{registry, Value};
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -62,45 +64,7 @@ enum Cmd {
         simulate: bool,
     },
     /// Compile models into one pre-compiled, weight-shared, mmap-able .npuc artifact.
-    Compile {
-        /// Models (ONNX); each becomes a graph named after its file stem, or use --name.
-        models: Vec<PathBuf>,
-        #[arg(short = 'o', long = "output")]
-        output: PathBuf,
-        /// `GRAPH=MODEL`: add MODEL under the graph name GRAPH (repeatable).
-        #[arg(long = "name", value_name = "GRAPH=MODEL")]
-        named: Vec<String>,
-        #[arg(long = "input-shape", value_name = "NAME=SHAPE")]
-        input_shape: Vec<String>,
-        #[arg(long = "dim", value_name = "SYM=N")]
-        dim: Vec<String>,
-        /// Target descriptor: cpu-x86_64, cpu-x86_64-avx2, cpu-aarch64 (default: this machine).
-        #[arg(long)]
-        target: Option<String>,
-        /// Skip graph optimizations.
-        #[arg(long = "no-optimize")]
-        no_optimize: bool,
-        /// Print what each optimization pass changed.
-        #[arg(long = "print-passes")]
-        print_passes: bool,
-        /// Skip an optimization pass by name (repeatable).
-        #[arg(long = "disable-pass", value_name = "PASS")]
-        disable_pass: Vec<String>,
-        /// Run an opt-in optimization pass (repeatable): attention-fusion.
-        #[arg(long = "enable-pass", value_name = "PASS")]
-        enable_pass: Vec<String>,
-        /// GGUF input: graph variants, e.g. ar1,ar32,ar128,full.
-        #[arg(long, default_value = "ar1,ar32,ar128")]
-        variants: String,
-        /// GGUF input: context length (KV cache slots); default: the model's, at most 4096.
-        #[arg(long)]
-        ctx: Option<usize>,
-        /// GGUF input: fast (llama.cpp numerics, f16 KV) or exact (f32).
-        #[arg(long, default_value = "fast")]
-        precision: String,
-        #[command(flatten)]
-        quant: npuc_cli::quantize::QuantizeArgs,
-    },
+    Compile(npuc_cli::compile_cmd::CompileArgs),
     /// Time loading and running a model or artifact.
     Bench {
         model: PathBuf,
@@ -172,7 +136,17 @@ enum Cmd {
 }
 
 fn main() {
-    let cli = Cli::parse();
+    let command = Cli::command();
+    let matches = command.clone().get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    let (sub_name, sub_matches) = matches.subcommand().expect("clap requires a subcommand");
+    let sub_cmd = command
+        .find_subcommand(sub_name)
+        .expect("the parsed subcommand is defined");
+    let given = Given {
+        cmd: sub_cmd,
+        matches: sub_matches,
+    };
     let r = match cli.cmd {
         Cmd::Inspect {
             model,
@@ -181,19 +155,31 @@ fn main() {
             dim,
             verify,
         } => {
-            let r = if npuc_cli::artifact::is_artifact(&model) {
-                npuc_cli::artifact::inspect(&model, json, verify)
+            let r = if npuc_driver::session::is_artifact(&model) {
+                given
+                    .reject(
+                        &["input_shape", "dim"],
+                        "an artifact's input shapes were bound when it was compiled",
+                    )
+                    .and_then(|_| npuc_cli::artifact::inspect(&model, json, verify))
             } else if npuc_cli::gguf_inspect::is_gguf(&model) {
-                npuc_cli::gguf_inspect::inspect(&model, json)
+                given
+                    .reject(
+                        &["input_shape", "dim", "verify"],
+                        "not supported when inspecting a .gguf model",
+                    )
+                    .and_then(|_| npuc_cli::gguf_inspect::inspect(&model, json))
             } else {
-                inspect(&model, json, &input_shape, &dim)
+                given
+                    .reject(&["verify"], "checks the weights of .npuc artifacts only")
+                    .and_then(|_| inspect(&model, json, &input_shape, &dim))
             };
             r.and_then(|_| {
                 // Quantized-tensor report: ONNX models and artifacts only.
                 if json || npuc_cli::gguf_inspect::is_gguf(&model) {
                     Ok(())
                 } else {
-                    npuc_cli::quantize::print_quant_report(&model)
+                    print_quant_report(&model)
                 }
             })
         }
@@ -212,64 +198,7 @@ fn main() {
             threads,
             simulate,
         ),
-        Cmd::Compile {
-            models,
-            output,
-            target,
-            variants,
-            ctx,
-            precision,
-            ..
-        } if models.len() == 1 && npuc_cli::llm_compile::is_gguf(&models[0]) => {
-            llm_compile_cmd(&models[0], &output, &variants, ctx, &precision, target)
-        }
-        Cmd::Compile {
-            models,
-            output,
-            named,
-            input_shape,
-            dim,
-            target,
-            no_optimize,
-            print_passes: _,
-            disable_pass,
-            quant,
-            ..
-        } if quant.scheme.is_some() => npuc_cli::quantize::compile_cmd(
-            &models,
-            &named,
-            &output,
-            &input_shape,
-            &dim,
-            target,
-            !no_optimize,
-            disable_pass,
-            &quant,
-        ),
-        Cmd::Compile {
-            models,
-            output,
-            named,
-            input_shape,
-            dim,
-            target,
-            no_optimize,
-            print_passes,
-            disable_pass,
-            enable_pass,
-            ..
-        } => compile_cmd(
-            &models,
-            &named,
-            &output,
-            &input_shape,
-            &dim,
-            target,
-            !no_optimize,
-            print_passes,
-            disable_pass,
-            enable_pass,
-        ),
+        Cmd::Compile(a) => npuc_cli::compile_cmd::cmd(&a, &given),
         Cmd::Bench {
             model,
             threads,
@@ -281,22 +210,35 @@ fn main() {
             precision,
             variants,
             ..
-        } if prompt_len.is_some() || model.extension().is_some_and(|e| e == "gguf") => {
-            npuc_cli::llm_cmd::bench_cmd(&npuc_cli::llm_cmd::LlmBenchArgs {
-                model: npuc_cli::llm_cmd::ModelArgs {
-                    model,
-                    threads: Some(threads),
-                    ctx,
-                    precision,
-                    chat_template: None,
-                    variants,
-                },
-                prompt_len: prompt_len.unwrap_or(128),
-                gen,
-                runs: runs.min(10),
-                json,
-            })
-        }
+        } if prompt_len.is_some() || model.extension().is_some_and(|e| e == "gguf") => given
+            .reject(
+                &[
+                    "graph",
+                    "inputs",
+                    "input_shape",
+                    "dim",
+                    "simulate",
+                    "profile",
+                ],
+                "not supported when benchmarking an LLM (.gguf, or --prompt-len)",
+            )
+            .and_then(|_| npuc_cli::llm_cmd::check_precision(&model, &given))
+            .and_then(|_| {
+                npuc_cli::llm_cmd::bench_cmd(&npuc_cli::llm_cmd::LlmBenchArgs {
+                    model: npuc_cli::llm_cmd::ModelArgs {
+                        model,
+                        threads: Some(threads),
+                        ctx,
+                        precision,
+                        chat_template: None,
+                        variants,
+                    },
+                    prompt_len: prompt_len.unwrap_or(128),
+                    gen,
+                    runs: runs.min(10),
+                    json,
+                })
+            }),
         Cmd::Bench {
             model,
             threads,
@@ -309,21 +251,37 @@ fn main() {
             simulate,
             profile,
             ..
-        } => npuc_cli::bench::bench(
-            &model,
-            graph.as_deref(),
-            &inputs,
-            &input_shape,
-            &dim,
-            threads,
-            runs,
-            json,
-            simulate,
-            profile,
-        ),
-        Cmd::Generate(a) => npuc_cli::llm_cmd::generate_cmd(&a),
-        Cmd::Chat(a) => npuc_cli::llm_cmd::chat_cmd(&a),
-        Cmd::Perplexity(a) => npuc_cli::llm_cmd::perplexity_cmd(&a),
+        } => given
+            .reject(
+                &["gen", "ctx", "precision", "variants"],
+                "applies to LLMs only (.gguf, or an LLM .npuc with --prompt-len)",
+            )
+            .and_then(|_| {
+                npuc_cli::bench::bench(
+                    &model,
+                    graph.as_deref(),
+                    &inputs,
+                    &input_shape,
+                    &dim,
+                    threads,
+                    runs,
+                    json,
+                    simulate,
+                    profile,
+                )
+            }),
+        Cmd::Generate(a) => npuc_cli::llm_cmd::check_generate_flags(&a, &given)
+            .and_then(|_| npuc_cli::llm_cmd::generate_cmd(&a)),
+        Cmd::Chat(a) => npuc_cli::llm_cmd::check_model_flags(&a.model, &given)
+            .and_then(|_| npuc_cli::llm_cmd::chat_cmd(&a)),
+        Cmd::Perplexity(a) => npuc_cli::llm_cmd::check_model_flags(&a.model, &given)
+            .and_then(|_| {
+                given.reject(
+                    &["chat_template"],
+                    "perplexity scores the text as given, without a chat template",
+                )
+            })
+            .and_then(|_| npuc_cli::llm_cmd::perplexity_cmd(&a)),
         Cmd::Ops { json } => ops(json),
         Cmd::Ocr {
             image,
@@ -331,7 +289,22 @@ fn main() {
             threads,
             runs,
         } => ocr_cmd(&image, &model, threads, runs),
-        Cmd::Verify(a) => npuc_cli::verify::cmd(&a),
+        Cmd::Verify(a) => {
+            let r = if a.suggest {
+                Ok(())
+            } else {
+                given.reject(
+                    &[
+                        "target_sqnr",
+                        "headroom",
+                        "prune_evals",
+                        "sensitivity_evals",
+                    ],
+                    "applies only with --suggest",
+                )
+            };
+            r.and_then(|_| npuc_cli::verify::cmd(&a))
+        }
     };
     if let Err(e) = r {
         eprintln!("error: {e:#}");
@@ -341,95 +314,6 @@ fn main() {
 
 fn load(path: &Path) -> Result<Model> {
     Ok(npuc_onnx::load_model(path)?)
-}
-
-fn llm_compile_cmd(
-    model: &Path,
-    output: &Path,
-    variants: &str,
-    ctx: Option<usize>,
-    precision: &str,
-    target: Option<String>,
-) -> Result<()> {
-    let opts = npuc_cli::llm_compile::LlmCompileOptions {
-        variants: npuc_llm::Variant::parse_list(variants)?,
-        ctx,
-        precision: npuc_llm::Precision::parse(precision)?,
-        target,
-    };
-    let s = npuc_cli::llm_compile::compile_gguf(model, &opts, output, |m| eprintln!("{m}"))?;
-    for g in &s.graphs {
-        println!("graph {:<8} nodes {}", g.name, g.nodes_after);
-    }
-    println!(
-        "compiled {} graphs into {} ({:.2} MB): weights {:.2} MB unique / {:.2} MB referenced, {:.2} s",
-        s.graphs.len(),
-        output.display(),
-        s.file_bytes as f64 / 1e6,
-        s.weight_bytes_unique as f64 / 1e6,
-        s.weight_bytes_referenced as f64 / 1e6,
-        s.seconds
-    );
-    Ok(())
-}
-
-#[allow(clippy::too_many_arguments)]
-fn compile_cmd(
-    models: &[PathBuf],
-    named: &[String],
-    output: &Path,
-    input_shape: &[String],
-    dim: &[String],
-    target: Option<String>,
-    optimize: bool,
-    print_passes: bool,
-    disable_passes: Vec<String>,
-    enable_passes: Vec<String>,
-) -> Result<()> {
-    let mut list: Vec<(String, PathBuf)> = vec![];
-    for m in models {
-        let stem = m
-            .file_stem()
-            .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_else(|| "graph".into());
-        list.push((stem, m.clone()));
-    }
-    for n in named {
-        let (g, p) = n
-            .split_once('=')
-            .ok_or_else(|| anyhow!("--name expects GRAPH=MODEL, got '{n}'"))?;
-        list.push((g.to_string(), PathBuf::from(p)));
-    }
-    if list.is_empty() {
-        bail!("no models given: npuc compile MODEL.onnx -o OUT.npuc");
-    }
-    let (input_shapes, dims) = parse_bindings(input_shape, dim)?;
-    let opts = npuc_cli::compile::CompileOptions {
-        input_shapes,
-        dims,
-        target,
-        optimize,
-        disable_passes,
-        enable_passes,
-    };
-    let s = npuc_cli::compile::compile(&list, &opts, output, |msg| eprintln!("{msg}"))?;
-    for g in &s.graphs {
-        if print_passes {
-            println!("[{}] passes:", g.name);
-            for r in &g.pass_records {
-                println!("  {r}");
-            }
-        }
-        println!(
-            "graph {:<20} nodes {} -> {}, arena {:.2} MB",
-            g.name,
-            g.nodes_before,
-            g.nodes_after,
-            g.arena_bytes as f64 / 1e6
-        );
-    }
-    println!("{}", s.line(output));
-    Ok(())
 }
 
 fn op_key(domain: &str, op: &str) -> String {
@@ -492,8 +376,8 @@ fn inspect(path: &Path, json: bool, input_shape: &[String], dim: &[String]) -> R
             }
         }
     });
-    // Output shapes: inferred by running the model once on zeros when every input dim is known
-    // (declared output shapes are often wrong, so they are never reported as fact).
+    // Output shapes by static inference (declared output shapes are often wrong, so they are
+    // never reported as fact).
     let inits: std::collections::HashSet<&str> = m
         .graph
         .initializers
@@ -506,54 +390,7 @@ fn inspect(path: &Path, json: bool, input_shape: &[String], dim: &[String]) -> R
         .iter()
         .filter(|i| !inits.contains(i.name.as_str()))
         .collect();
-    let mut inferred: Option<Vec<(String, String)>> = None;
-    let mut infer_note = String::new();
-    if unsupported.is_empty() {
-        let mut feeds = vec![];
-        let mut ok = true;
-        for vi in &real_inputs {
-            match (&vi.ty, vi.dims()) {
-                (
-                    Some(TypeInfo::Tensor {
-                        dtype: Some(dt), ..
-                    }),
-                    Some(d),
-                ) if d.iter().all(|d| matches!(d, Dim::Fixed(_))) => {
-                    let s: Vec<usize> = d
-                        .iter()
-                        .map(|d| if let Dim::Fixed(n) = d { *n } else { 0 })
-                        .collect();
-                    feeds.push((vi.name.clone(), Value::tensor(Tensor::zeros(*dt, s))));
-                }
-                _ => {
-                    ok = false;
-                    infer_note = format!("input '{}' has unbound dims; bind them with --input-shape/--dim to infer output shapes", vi.name);
-                }
-            }
-        }
-        if ok {
-            match Session::new(&m, SessionOptions::default()).and_then(|s| s.run(feeds)) {
-                Ok(outs) => {
-                    inferred = Some(
-                        outs.iter()
-                            .map(|(n, v)| {
-                                (
-                                    n.clone(),
-                                    match v {
-                                        Value::Tensor(t) => format!("{}{:?}", t.dtype(), t.shape()),
-                                        other => other.kind().to_string(),
-                                    },
-                                )
-                            })
-                            .collect(),
-                    )
-                }
-                Err(e) => {
-                    infer_note = format!("running on zeros to infer output shapes failed: {e}")
-                }
-            }
-        }
-    }
+    let (inferred, infer_note) = infer_outputs(&m, &real_inputs);
     if json {
         let j = serde_json::json!({
             "path": path.display().to_string(),
@@ -563,7 +400,7 @@ fn inspect(path: &Path, json: bool, input_shape: &[String], dim: &[String]) -> R
             "inputs": real_inputs.iter().map(|i| serde_json::json!({"name": i.name, "type": describe(&i.ty)})).collect::<Vec<_>>(),
             "outputs": m.graph.outputs.iter().map(|o| serde_json::json!({
                 "name": o.name, "declared": describe(&o.ty),
-                "inferred": inferred.as_ref().and_then(|v| v.iter().find(|x| x.0 == o.name).map(|x| x.1.clone())),
+                "inferred": inferred.iter().find(|x| x.0 == o.name).map(|x| x.1.clone()),
             })).collect::<Vec<_>>(),
             "nodes": n_nodes,
             "op_histogram": hist,
@@ -603,9 +440,7 @@ fn inspect(path: &Path, json: bool, input_shape: &[String], dim: &[String]) -> R
     }
     println!("outputs");
     for o in &m.graph.outputs {
-        let inf = inferred
-            .as_ref()
-            .and_then(|v| v.iter().find(|x| x.0 == o.name).map(|x| x.1.clone()));
+        let inf = inferred.iter().find(|x| x.0 == o.name).map(|x| x.1.clone());
         match inf {
             Some(s) => println!("  {:<24} {}  (declared {})", o.name, s, describe(&o.ty)),
             None => println!(
@@ -648,6 +483,69 @@ fn inspect(path: &Path, json: bool, input_shape: &[String], dim: &[String]) -> R
     Ok(())
 }
 
+/// `(output, "dtype[shape]")` for every graph output whose shape static inference fixes, and
+/// a note saying why the others have none (empty when every output has one).
+fn infer_outputs(
+    m: &Model,
+    real_inputs: &[&npuc_ir::ValueInfo],
+) -> (Vec<(String, String)>, String) {
+    let bound: HashMap<String, TypeInfo> = m
+        .graph
+        .inputs
+        .iter()
+        .filter_map(|v| v.ty.clone().map(|t| (v.name.clone(), t)))
+        .collect();
+    let r = npuc_ir::infer::infer_model(m, &bound);
+    let mut inferred = vec![];
+    let mut missing = vec![];
+    for o in &m.graph.outputs {
+        match r.types.get(&o.name) {
+            Some(TypeInfo::Tensor {
+                dtype: Some(dt),
+                shape: Some(dims),
+            }) if dims.iter().all(|d| matches!(d, Dim::Fixed(_))) => {
+                let shape: Vec<usize> = dims
+                    .iter()
+                    .map(|d| if let Dim::Fixed(n) = d { *n } else { 0 })
+                    .collect();
+                inferred.push((o.name.clone(), format!("{dt}{shape:?}")));
+            }
+            _ => missing.push(format!("'{}'", o.name)),
+        }
+    }
+    if missing.is_empty() {
+        return (inferred, String::new());
+    }
+    let unbound = real_inputs
+        .iter()
+        .find(|vi| !matches!(vi.dims(), Some(d) if d.iter().all(|d| matches!(d, Dim::Fixed(_)))));
+    let why = if let Some(vi) = unbound {
+        format!(
+            "input '{}' has unbound dims; bind them with --input-shape/--dim to infer output shapes",
+            vi.name
+        )
+    } else if let Some(p) = r.problems.first() {
+        format!("static shape inference found a problem: {p}")
+    } else if let Some(n) = r.not_inferred.first() {
+        format!(
+            "static shape inference has no rule for op {} (node '{}'{})",
+            op_key(&n.domain, &n.op),
+            n.node,
+            if r.not_inferred.len() > 1 {
+                format!(" and {} more nodes", r.not_inferred.len() - 1)
+            } else {
+                String::new()
+            }
+        )
+    } else {
+        "static shape inference leaves them data-dependent".to_string()
+    };
+    (
+        inferred,
+        format!("no static shape for output {}: {why}", missing.join(", ")),
+    )
+}
+
 fn sanitize(name: &str) -> String {
     name.chars()
         .map(|c| {
@@ -681,10 +579,23 @@ fn run(
     threads: usize,
     simulate: bool,
 ) -> Result<()> {
-    let mut m = npuc_cli::artifact::load_any(path, graph)?;
-    npuc_cli::quantized::prepare(&mut m, simulate)?;
     let t0 = Instant::now();
-    let sess = Session::new(&m, SessionOptions { threads })?;
+    let opened = npuc_driver::open(
+        path,
+        &OpenOptions {
+            graph: graph.map(String::from),
+            simulate,
+            threads,
+            ..Default::default()
+        },
+    )?;
+    if simulate && !opened.prepared.quantized {
+        bail!(
+            "--simulate: '{}' holds no QuantizeLinear/DequantizeLinear nodes, so there is nothing to simulate",
+            path.display()
+        );
+    }
+    let sess = opened.session;
     let load_ms = t0.elapsed().as_secs_f64() * 1e3;
     let mut feeds = vec![];
     for s in inputs {
@@ -726,6 +637,19 @@ fn run(
     Ok(())
 }
 
+/// Prints the quantized tensors of a model or artifact, if it holds any.
+fn print_quant_report(path: &Path) -> Result<()> {
+    let m = npuc_driver::load_any(path, None)?;
+    let lines = npuc_driver::quantize::quant_report(&m)?;
+    if !lines.is_empty() {
+        println!("quantized tensors ({}):", lines.len());
+        for l in lines {
+            println!("{l}");
+        }
+    }
+    Ok(())
+}
+
 fn ops(json: bool) -> Result<()> {
     let mut rows: Vec<(String, i64, i64)> = registry()
         .entries()
@@ -749,14 +673,20 @@ fn ops(json: bool) -> Result<()> {
 
 fn ocr_cmd(image: &Path, model: &Path, threads: usize, runs: usize) -> Result<()> {
     let t0 = Instant::now();
-    let m = npuc_cli::artifact::load_any(model, None)?;
-    let chars = ocr::dictionary(&m).ok_or_else(|| {
+    let opened = npuc_driver::open(
+        model,
+        &OpenOptions {
+            threads,
+            ..Default::default()
+        },
+    )?;
+    let chars = ocr::dictionary(&opened.model).ok_or_else(|| {
         anyhow!(
             "'{}' has no 'character' metadata: is it a PaddleOCR recogniser?",
             model.display()
         )
     })?;
-    let sess = Session::new(&m, SessionOptions { threads })?;
+    let sess = opened.session;
     let load_ms = t0.elapsed().as_secs_f64() * 1e3;
     let t1 = Instant::now();
     let img = image::open(image)

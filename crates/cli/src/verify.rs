@@ -37,7 +37,7 @@ pub fn canonical_name(name: &str) -> &str {
 /// keeping every layer output (`quantized::prepare_keep_layers`), or run as is (QuantSim:
 /// quantize-dequantize in float) with `simulate`.
 pub fn prepare_quantized(mut m: Model, simulate: bool) -> Result<Model> {
-    crate::quantized::prepare_keep_layers(&mut m, simulate)?;
+    npuc_driver::quantized::prepare_keep_layers(&mut m, simulate)?;
     Ok(m)
 }
 
@@ -574,7 +574,7 @@ pub fn verify_files(
 ) -> Result<(VerifyReport, Model, Model, Vec<Sample>)> {
     let reference = npuc_onnx::load_model(ref_path)
         .with_context(|| format!("loading reference '{}'", ref_path.display()))?;
-    let q = crate::artifact::load_any(q_path, None)
+    let q = npuc_driver::load_any(q_path, None)
         .with_context(|| format!("loading quantized model '{}'", q_path.display()))?;
     let real: Vec<&ValueInfo> = reference.graph.real_inputs();
     let samples = load_samples(inputs, &real)?;

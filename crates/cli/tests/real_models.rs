@@ -53,7 +53,7 @@ fn check_compiled(dir: &str, stem: &str, file: &str, local_ort: bool) {
         .join(format!("{stem}.ref"));
     let meta: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(refdir.join("meta.json")).unwrap()).unwrap();
-    let mut opts = npuc_cli::compile::CompileOptions {
+    let mut opts = npuc_driver::CompileOptions {
         optimize: true,
         ..Default::default()
     };
@@ -69,11 +69,11 @@ fn check_compiled(dir: &str, stem: &str, file: &str, local_ort: bool) {
     }
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join(format!("{stem}.npuc"));
-    npuc_cli::compile::compile(
+    npuc_driver::compile(
         &[(stem.to_string(), model_path(dir, file))],
         &opts,
         &out,
-        |_| {},
+        &mut |_: &str| {},
     )
     .unwrap_or_else(|e| panic!("{stem}: compile failed: {e:#}"));
     let a = npuc_format::Artifact::open(&out).unwrap();

@@ -136,7 +136,7 @@ fn check(dir: &str, file: &str, in_name: &str, shape: &[usize], limit: u64) {
         p.display()
     );
     let mut m = npuc_onnx::load_model(&p).unwrap();
-    npuc_cli::optimize_hook(&mut m, &[], &[]).unwrap();
+    npuc_driver::compile::optimize(&mut m, &[], &[]).unwrap();
     let feed = (in_name.to_string(), Value::tensor(input(shape)));
     let out_bytes: u64 = {
         let s = Session::new(&m, SessionOptions { threads: 1 }).unwrap();

@@ -851,7 +851,7 @@ pub fn int_tensor(d: DType, shape: Vec<usize>, v: &[i64]) -> Result<Tensor> {
 }
 
 /// Scale and zero-point initializers of an encoding.
-fn param_tensors(e: &QEnc) -> Result<(Tensor, Tensor)> {
+pub fn param_tensors(e: &QEnc) -> Result<(Tensor, Tensor)> {
     let s = Tensor::from_vec(e.param_shape.clone(), e.scale.clone())?;
     let z = int_tensor(e.dtype, e.param_shape.clone(), &e.zero_point)?;
     Ok((s, z))

@@ -4,8 +4,10 @@
 //! Promoting activation tensor `T` replaces its QuantizeLinear/DequantizeLinear pair's scale and
 //! zero point by a uint16 pair covering the same real range `[s (qmin - zp), s (qmax - zp)]`
 //! (times `headroom`, which widens the range to cut clipping; 1 keeps it): new scale =
-//! range / 65535, zero point = round(-lo / scale). Promoting a weight requantizes the float
-//! model's weight to int16, symmetric, per the same axis (requantizing the dequantized 8-bit
+//! range / 65535, zero point = -lo / scale rounded half to even (the quantizer's
+//! `act_scale_zp`). Promoting a weight requantizes the float
+//! model's weight to int16, symmetric, per the same axis, with the quantizer's scales and
+//! rounding (requantizing the dequantized 8-bit
 //! weight would keep its error). Candidates are ranked by their local
 //! quantization SQNR (the Q input against the DQ output inside the quantized model, over the
 //! samples), lowest first; the worst `sensitivity_evals` of them are then measured one at a time
@@ -228,36 +230,25 @@ fn weight_local(m: &Model, dq: &npuc_ir::Node, float: &Tensor) -> Result<Acc> {
     Ok(a)
 }
 
-/// Requantizes a float weight to int16, symmetric, per the same axis as `scale_len` says.
-fn weight_i16(float: &Tensor, axis: i64, scale_len: usize) -> Result<(Tensor, Tensor, Tensor)> {
-    let w = float.to_f64_vec()?;
-    let (n, inner) = if scale_len == 1 {
-        (1, w.len().max(1))
+/// Requantizes a float weight to int16, symmetric, per the same axis as `scale_len` says,
+/// the way the quantizer quantizes weights (its scales and half-to-even rounding).
+fn weight_i16(
+    float: &Tensor,
+    axis: i64,
+    scale_len: usize,
+    name: &str,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let axis = if scale_len == 1 {
+        None
     } else {
-        let (_, inner) = axis_geometry(float.shape(), axis, scale_len)?;
-        (scale_len, inner)
+        axis_geometry(float.shape(), axis, scale_len)?;
+        Some(if axis < 0 {
+            axis + float.rank() as i64
+        } else {
+            axis
+        } as usize)
     };
-    let chan = |i: usize| if n == 1 { 0 } else { (i / inner) % n };
-    let mut amax = vec![0f64; n];
-    for (i, x) in w.iter().enumerate() {
-        let c = chan(i);
-        amax[c] = amax[c].max(x.abs());
-    }
-    let scale: Vec<f32> = amax
-        .iter()
-        .map(|&a| if a > 0.0 { (a / 32767.0) as f32 } else { 1.0 })
-        .collect();
-    let q: Vec<i16> = w
-        .iter()
-        .enumerate()
-        .map(|(i, x)| (x / scale[chan(i)] as f64).round().clamp(-32767.0, 32767.0) as i16)
-        .collect();
-    let pshape = if scale_len == 1 { vec![] } else { vec![n] };
-    Ok((
-        Tensor::from_vec(float.shape().to_vec(), q)?,
-        Tensor::from_vec(pshape.clone(), scale)?,
-        Tensor::from_vec(pshape, vec![0i16; n])?,
-    ))
+    npuc_driver::quantize::quantize_weight_symmetric(float, DType::I16, axis, name)
 }
 
 trait BlockSize {
@@ -307,7 +298,7 @@ pub fn promote(m: &Model, cands: &[Candidate], chosen: &[usize], headroom: f64) 
                     .initializer(dq.input(1).unwrap_or_default())
                     .map(|t| t.len())
                     .unwrap_or(1);
-                let (q, s, z) = weight_i16(float, dq.int_or("axis", 1)?, slen)
+                let (q, s, z) = weight_i16(float, dq.int_or("axis", 1)?, slen, &cand.tensor)
                     .with_context(|| format!("weight '{}'", cand.tensor))?;
                 let qn = fresh(format!("{}_w16", cand.tensor));
                 let sn = fresh(format!("{}_w16_scale", cand.tensor));
@@ -359,12 +350,15 @@ pub fn promote(m: &Model, cands: &[Candidate], chosen: &[usize], headroom: f64) 
             let sc = sc as f64;
             let lo = (sc * (qmin - z)).min(0.0) * headroom;
             let hi = (sc * (qmax - z)).max(0.0) * headroom;
-            let new_s = (hi - lo) / 65535.0;
-            if !(new_s > 0.0 && new_s.is_finite()) {
+            let range_s = (hi - lo) as f32 / 65535.0;
+            if !(range_s > 0.0 && range_s.is_finite()) {
                 bail!("'{}': scale {sc} cannot be promoted", qn.display_name());
             }
-            ns.push(new_s as f32);
-            nz.push((-lo / new_s).round().clamp(0.0, 65535.0) as u16);
+            // The quantizer's uint16 encoding of the range (its scale and rounding).
+            let (new_s, new_z) =
+                npuc_driver::quantize::act_scale_zp(lo as f32, hi as f32, DType::U16);
+            ns.push(new_s);
+            nz.push(new_z as u16);
         }
         let sn = fresh(format!("{}_a16_scale", cand.tensor));
         let zn = fresh(format!("{}_a16_zero_point", cand.tensor));
@@ -714,7 +708,7 @@ pub fn model_scheme(m: &Model) -> Option<String> {
     }
 }
 
-/// The overrides file `--apply` writes (the shape `npuc_quant::Overrides` reads).
+/// The overrides file `--apply` writes (the shape the quantizer's `Overrides` reads).
 #[derive(Serialize)]
 struct OverridesFile {
     default: String,

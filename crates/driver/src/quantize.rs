@@ -1,10 +1,13 @@
-//! `npuc compile --quantize`: import, bind, optimize with standard-ONNX passes only (so the QDQ
-//! export stays loadable by onnxruntime), calibrate or read encodings, insert QDQ, write the
-//! artifact, and optionally the QNN-EP QDQ ONNX and the AIMET encodings.
+//! Quantized compile (`npuc compile --quantize`): import, bind, optimize with standard-ONNX
+//! passes only (so the QDQ export stays loadable by onnxruntime), calibrate or read encodings,
+//! insert QDQ, write the artifact, and optionally the QNN-EP QDQ ONNX and the AIMET encodings.
 
-use crate::compile::{bind_inputs, plan_arena, CompileOptions};
+use crate::compile::{
+    add_source, check_pass_names, load_verified, plan_arena, target_of, CompileOptions,
+};
+use crate::Progress;
 use anyhow::{anyhow, bail, Context, Result};
-use npuc_format::{ArtifactWriter, GraphInfo, Target};
+use npuc_format::{ArtifactWriter, GraphInfo};
 use npuc_ir::{DType, Model, TypeInfo};
 use npuc_quant::qdq::{read_qdq, QEnc};
 use npuc_quant::{
@@ -88,9 +91,36 @@ pub struct QuantizeArgs {
     pub no_progress: bool,
 }
 
+/// Quantization flags that only matter when calibrating (not with `--encodings`), by clap id.
+pub const CALIBRATION_FLAGS: &[&str] = &[
+    "calib",
+    "calib_method",
+    "percentile",
+    "granularity",
+    "block_size",
+    "symmetric_activations",
+    "overrides",
+    "keep_float",
+    "max_samples",
+    "image_size",
+    "mean",
+    "std",
+    "layout",
+    "channel_order",
+    "scale",
+    "threads",
+    "no_progress",
+];
+
+/// Image-preprocessing flags, which apply only with `--image-size`, by clap id.
+pub const IMAGE_FLAGS: &[&str] = &["mean", "std", "layout", "channel_order", "scale"];
+
 /// What a quantized compile did.
 #[derive(Debug)]
 pub struct QuantSummary {
+    /// Every optimization pass run that changed the graph before quantizing (what
+    /// `--print-passes` prints).
+    pub pass_records: Vec<npuc_passes::PassRecord>,
     /// Activations quantized (integer or cast).
     pub activations: usize,
     /// Weights and biases quantized.
@@ -196,25 +226,21 @@ impl QuantizeArgs {
 }
 
 /// Loads, binds, inlines, verifies and optimizes a model with the passes that keep it standard
-/// ONNX (no `npuc`-domain fusions), ready to quantize.
-pub fn prepare(path: &Path, opts: &CompileOptions) -> Result<Model> {
-    let mut m = npuc_onnx::load_model(path)?;
-    bind_inputs(&mut m, &opts.input_shapes, &opts.dims)?;
-    m.graph = npuc_runtime::exec::inline_functions(&m.graph, &m.functions)?;
-    m.functions.clear();
-    let problems = m.graph.verify(&HashSet::new());
-    if !problems.is_empty() {
+/// ONNX (no `npuc`-domain fusions), ready to quantize. Returns the model and the pass runs
+/// that changed it.
+pub fn prepare(
+    path: &Path,
+    opts: &CompileOptions,
+) -> Result<(Model, Vec<npuc_passes::PassRecord>)> {
+    if !opts.enable_passes.is_empty() {
         bail!(
-            "'{}' is not a valid graph:\n  {}",
-            path.display(),
-            problems
-                .iter()
-                .map(|e| e.to_string())
-                .collect::<Vec<_>>()
-                .join("\n  ")
+            "--enable-pass {}: a quantized compile runs only passes that keep the model standard ONNX; opt-in passes cannot be enabled with --quantize",
+            opts.enable_passes.join(", ")
         );
     }
-    npuc_runtime::Plan::for_model(&m).map_err(|e| anyhow!("'{}': {e}", path.display()))?;
+    check_pass_names(&opts.disable_passes, &[])?;
+    let mut m = load_verified(path, opts)?;
+    let mut records = vec![];
     if opts.optimize {
         let mut disable = opts.disable_passes.clone();
         // These may emit npuc-domain ops at old opsets, which onnxruntime cannot load.
@@ -224,9 +250,9 @@ pub fn prepare(path: &Path, opts: &CompileOptions) -> Result<Model> {
             disable,
             ..Default::default()
         };
-        npuc_passes::optimize(&mut m, &o)?;
+        records = npuc_passes::optimize(&mut m, &o)?.records;
     }
-    Ok(m)
+    Ok((m, records))
 }
 
 /// Quantizes `m` per `q`: returns the QDQ model, the encodings, and the number of samples.
@@ -235,6 +261,7 @@ pub fn quantize_model(
     m: &Model,
     q: &QuantizeArgs,
     timings: &mut Vec<(&'static str, f64)>,
+    progress: &mut dyn Progress,
 ) -> Result<(Model, npuc_quant::Encodings, usize, String)> {
     let opts = q.options()?;
     let mut t = Instant::now();
@@ -265,18 +292,7 @@ pub fn quantize_model(
             .collect();
         let files = src.list(&inputs, q.max_samples)?;
         let n = files.len();
-        let bar = if !q.no_progress {
-            let b = indicatif::ProgressBar::new(n as u64);
-            b.set_style(
-                indicatif::ProgressStyle::with_template(
-                    "calibrating {bar:40} {pos}/{len} samples {elapsed_precise}",
-                )
-                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-            );
-            Some(b)
-        } else {
-            None
-        };
+        progress.calibrated(0, n);
         let obs = if plan.activations.is_empty() {
             Default::default()
         } else {
@@ -286,16 +302,10 @@ pub fn quantize_model(
                 opts.method,
                 opts.threads,
                 files.iter().map(|f| src.load(f, &inputs)),
-                |i| {
-                    if let Some(b) = &bar {
-                        b.set_position(i as u64);
-                    }
-                },
+                |i| progress.calibrated(i, n),
             )?
         };
-        if let Some(b) = bar {
-            b.finish_and_clear();
-        }
+        progress.calibration_done();
         timings.push(("calibration", t.elapsed().as_secs_f64()));
         t = Instant::now();
         (
@@ -325,19 +335,16 @@ pub fn compile_quantized(
     opts: &CompileOptions,
     q: &QuantizeArgs,
     out: &Path,
-    mut log: impl FnMut(&str),
+    progress: &mut dyn Progress,
 ) -> Result<QuantSummary> {
     let t0 = Instant::now();
-    let target = match &opts.target {
-        Some(t) => Target::parse(t)?,
-        None => Target::host(),
-    };
-    let m = prepare(path, opts)?;
+    let target = target_of(&opts.target)?;
+    let (m, pass_records) = prepare(path, opts)?;
     let mut timings = vec![("load+prepare", t0.elapsed().as_secs_f64())];
     let nodes_before = m.graph.nodes.len();
-    let (qm, enc, samples, method) = quantize_model(&m, q, &mut timings)?;
+    let (qm, enc, samples, method) = quantize_model(&m, q, &mut timings, progress)?;
     if q.emit_qdq.is_some() {
-        log("--emit-qdq: the artifact holds the exported (QNN-EP) quantization: per-channel weights only on Conv/ConvTranspose");
+        progress.note("--emit-qdq: the artifact holds the exported (QNN-EP) quantization: per-channel weights only on Conv/ConvTranspose");
     }
     let mut t = Instant::now();
     if let Some(p) = &q.emit_encodings {
@@ -357,7 +364,7 @@ pub fn compile_quantized(
             encodings::EncodingsVersion::parse(&q.encodings_version)?,
             args,
         )?;
-        log(&format!(
+        progress.note(&format!(
             "wrote encodings {} ({})",
             p.display(),
             q.encodings_version
@@ -370,7 +377,7 @@ pub fn compile_quantized(
         npuc_quant::export::qnn_domains(&mut em);
         npuc_onnx::save_model(&em, p, &Default::default())
             .with_context(|| format!("writing {}", p.display()))?;
-        log(&format!("wrote QDQ ONNX {}", p.display()));
+        progress.note(&format!("wrote QDQ ONNX {}", p.display()));
     }
     if q.emit_qdq.is_some() || q.emit_encodings.is_some() {
         timings.push(("exports", t.elapsed().as_secs_f64()));
@@ -384,15 +391,7 @@ pub fn compile_quantized(
         "quantize": { "scheme": q.scheme.as_deref().unwrap_or(""), "method": method, "granularity": q.granularity, "samples": samples },
     });
     let mut w = ArtifactWriter::new(target, options);
-    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-    w.add_source(
-        &path
-            .file_name()
-            .map(|f| f.to_string_lossy().into_owned())
-            .unwrap_or_default(),
-        &bytes,
-    );
-    drop(bytes);
+    add_source(&mut w, path)?;
     let bound: HashMap<String, TypeInfo> = qm
         .graph
         .inputs
@@ -413,7 +412,7 @@ pub fn compile_quantized(
     )?;
     let file_bytes = w.write(out)?;
     timings.push(("compile+write", t.elapsed().as_secs_f64()));
-    log(&format!(
+    progress.note(&format!(
         "timings: {}",
         timings
             .iter()
@@ -422,6 +421,7 @@ pub fn compile_quantized(
             .join(", ")
     ));
     Ok(QuantSummary {
+        pass_records,
         activations: enc.activations.len(),
         params: enc.params.len(),
         samples,
@@ -461,77 +461,32 @@ pub fn quant_report(m: &Model) -> Result<Vec<String>> {
     Ok(lines)
 }
 
-/// Prints [`quant_report`] for a model or artifact if it holds quantized tensors.
-pub fn print_quant_report(path: &Path) -> Result<()> {
-    let m = crate::artifact::load_any(path, None)?;
-    let lines = quant_report(&m)?;
-    if !lines.is_empty() {
-        println!("quantized tensors ({}):", lines.len());
-        for l in lines {
-            println!("{l}");
-        }
-    }
-    Ok(())
-}
+/// The quantizer's scale and zero point for an activation range `[lo, hi]` in a dtype.
+pub use npuc_quant::act_scale_zp;
 
-/// The `npuc compile --quantize` command: one model (a graph named after its file stem, or
-/// `--name GRAPH=MODEL`), printing the summary line.
-#[allow(clippy::too_many_arguments)]
-pub fn compile_cmd(
-    models: &[PathBuf],
-    named: &[String],
-    output: &Path,
-    input_shape: &[String],
-    dim: &[String],
-    target: Option<String>,
-    optimize: bool,
-    disable_passes: Vec<String>,
-    q: &QuantizeArgs,
-) -> Result<()> {
-    let mut list: Vec<(String, PathBuf)> = models
-        .iter()
-        .map(|m| {
-            (
-                m.file_stem()
-                    .map(|s| s.to_string_lossy().into_owned())
-                    .unwrap_or_else(|| "graph".into()),
-                m.clone(),
-            )
-        })
-        .collect();
-    for n in named {
-        let (g, p) = n
-            .split_once('=')
-            .ok_or_else(|| anyhow!("--name expects GRAPH=MODEL, got '{n}'"))?;
-        list.push((g.to_string(), PathBuf::from(p)));
-    }
-    if list.len() != 1 {
-        bail!(
-            "--quantize takes exactly one model ({} given); quantize each model separately",
-            list.len()
-        );
-    }
-    let (input_shapes, dims) = crate::compile::parse_bindings(input_shape, dim)?;
-    let opts = CompileOptions {
-        input_shapes,
-        dims,
-        target,
-        optimize,
-        disable_passes,
-        enable_passes: vec![],
+/// Quantizes a float weight symmetrically to `dtype` (zero point 0), per tensor or per `axis`,
+/// with the quantizer's scales (`max |w| / qmax`) and rounding (half to even). Returns the
+/// quantized values, the scale and the zero point as initializer tensors (per-axis parameters
+/// have shape `[C]`, per-tensor ones are scalars).
+pub fn quantize_weight_symmetric(
+    w: &npuc_ir::Tensor,
+    dtype: DType,
+    axis: Option<usize>,
+    name: &str,
+) -> Result<(npuc_ir::Tensor, npuc_ir::Tensor, npuc_ir::Tensor)> {
+    let w32 = if w.dtype() == DType::F32 {
+        w.clone()
+    } else {
+        let v: Vec<f32> = w.to_f64_vec()?.iter().map(|&x| x as f32).collect();
+        npuc_ir::Tensor::from_vec(w.shape().to_vec(), v)?
     };
-    let (name, path) = &list[0];
-    let s = compile_quantized(name, path, &opts, q, output, |m| eprintln!("{m}"))?;
-    println!(
-        "quantized {} activations + {} params, scheme {}, method {}, {} samples; wrote {} ({:.2} MB) in {:.2} s",
-        s.activations,
-        s.params,
-        s.scheme,
-        s.method,
-        s.samples,
-        output.display(),
-        s.file_bytes as f64 / 1e6,
-        s.seconds
-    );
-    Ok(())
+    let spec = npuc_quant::qdq::WeightSpec {
+        dtype,
+        axis,
+        block: None,
+    };
+    let e = npuc_quant::qdq::weight_encoding(&w32, &spec, name)?;
+    let q = npuc_quant::qdq::quantize_tensor(&w32, &e, name)?;
+    let (scale, zero_point) = npuc_quant::qdq::param_tensors(&e)?;
+    Ok((q, scale, zero_point))
 }

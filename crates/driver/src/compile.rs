@@ -1,6 +1,7 @@
-//! `npuc compile`: import, bind shapes, inline functions, verify, optimize, plan memory,
-//! serialize into one `.npuc` artifact holding every input model as a named graph.
+//! ONNX compile (`npuc compile`): import, bind shapes, inline functions, verify, optimize,
+//! plan memory, serialize into one `.npuc` artifact holding every input model as a named graph.
 
+use crate::Progress;
 use anyhow::{anyhow, bail, Context, Result};
 use npuc_format::{ArtifactWriter, GraphInfo, Target};
 use npuc_ir::{Dim, Model, TypeInfo};
@@ -67,85 +68,46 @@ impl CompileSummary {
     }
 }
 
-/// Progress of the compile steps: an indicatif spinner per step when stderr is a terminal,
-/// otherwise nothing live; either way one plain line per finished step goes to `log`.
-struct Progress<'a> {
-    bar: Option<indicatif::ProgressBar>,
-    tty: bool,
+/// Step timing over a [`Progress`]: each finished step's line gets its duration appended.
+pub(crate) struct Steps<'a> {
+    progress: &'a mut dyn Progress,
     step_start: Instant,
-    log: &'a mut dyn FnMut(&str),
 }
 
-impl<'a> Progress<'a> {
-    fn new(log: &'a mut dyn FnMut(&str)) -> Progress<'a> {
-        use std::io::IsTerminal;
-        Progress {
-            bar: None,
-            tty: std::io::stderr().is_terminal(),
+impl<'a> Steps<'a> {
+    pub(crate) fn new(progress: &'a mut dyn Progress) -> Steps<'a> {
+        Steps {
+            progress,
             step_start: Instant::now(),
-            log,
         }
     }
 
     /// Starts a step; `msg` says what it does.
-    fn start(&mut self, msg: &str) {
+    pub(crate) fn start(&mut self, msg: &str) {
         self.step_start = Instant::now();
-        if let Some(b) = self.bar.take() {
-            b.finish_and_clear();
-        }
-        if self.tty {
-            let b = indicatif::ProgressBar::new_spinner();
-            b.set_style(
-                indicatif::ProgressStyle::with_template("{spinner} {msg} {elapsed}")
-                    .unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner()),
-            );
-            b.enable_steady_tick(std::time::Duration::from_millis(100));
-            b.set_message(msg.to_string());
-            self.bar = Some(b);
-        }
+        self.progress.start(msg);
     }
 
-    /// Updates the live message of the current step (terminal only).
-    fn update(&self, msg: impl FnOnce() -> String) {
-        if let Some(b) = &self.bar {
-            b.set_message(msg());
-        }
+    /// Updates the live message of the current step.
+    pub(crate) fn update(&mut self, msg: &dyn Fn() -> String) {
+        self.progress.update(msg);
     }
 
-    /// Ends the current step with a plain line (its duration appended).
-    fn done(&mut self, msg: &str) {
-        if let Some(b) = self.bar.take() {
-            b.finish_and_clear();
-        }
+    /// Ends the current step with a line (its duration appended).
+    pub(crate) fn done(&mut self, msg: &str) {
         let ms = self.step_start.elapsed().as_secs_f64() * 1e3;
-        (self.log)(&format!("{msg} ({ms:.0} ms)"));
+        self.progress.done(&format!("{msg} ({ms:.0} ms)"));
     }
 
     /// A message outside the step lines (warnings).
-    fn note(&mut self, msg: &str) {
-        match &self.bar {
-            Some(b) => b.suspend(|| (self.log)(msg)),
-            None => (self.log)(msg),
-        }
+    pub(crate) fn note(&mut self, msg: &str) {
+        self.progress.note(msg);
     }
 }
 
-impl Drop for Progress<'_> {
-    fn drop(&mut self) {
-        if let Some(b) = self.bar.take() {
-            b.finish_and_clear();
-        }
-    }
-}
-
-/// Runs the standard pass pipeline (with `disable`/`enable`), reporting each pass to
-/// `observe`.
-pub fn optimize_observed(
-    m: &mut Model,
-    disable: &[String],
-    enable: &[String],
-    observe: &mut dyn FnMut(npuc_passes::PassEvent),
-) -> Result<npuc_passes::OptimizeReport> {
+/// Checks `--disable-pass`/`--enable-pass` names: every disabled pass must exist, every enabled
+/// one must be opt-in.
+pub fn check_pass_names(disable: &[String], enable: &[String]) -> Result<()> {
     if let Some(e) = enable
         .iter()
         .find(|e| !npuc_passes::OPT_IN_PASSES.contains(&e.as_str()))
@@ -155,11 +117,6 @@ pub fn optimize_observed(
             npuc_passes::OPT_IN_PASSES.join(", ")
         );
     }
-    let opts = npuc_passes::OptimizeOptions {
-        disable: disable.to_vec(),
-        enable: enable.to_vec(),
-        ..Default::default()
-    };
     let known = npuc_passes::PassManager::standard(&Default::default()).pass_names();
     if let Some(d) = disable
         .iter()
@@ -170,8 +127,35 @@ pub fn optimize_observed(
             known.join(", ")
         );
     }
+    Ok(())
+}
+
+/// Runs the standard pass pipeline (with `disable`/`enable`), reporting each pass to
+/// `observe`.
+pub fn optimize_observed(
+    m: &mut Model,
+    disable: &[String],
+    enable: &[String],
+    observe: &mut dyn FnMut(npuc_passes::PassEvent),
+) -> Result<npuc_passes::OptimizeReport> {
+    check_pass_names(disable, enable)?;
+    let opts = npuc_passes::OptimizeOptions {
+        disable: disable.to_vec(),
+        enable: enable.to_vec(),
+        ..Default::default()
+    };
     let pm = npuc_passes::PassManager::standard(&opts);
     Ok(pm.run_observed(m, observe)?)
+}
+
+/// Runs the standard optimization pipeline (what `npuc compile` runs); returns (pass name,
+/// total changes) per pass that changed something.
+pub fn optimize(
+    m: &mut Model,
+    disable: &[String],
+    enable: &[String],
+) -> Result<Vec<(String, usize)>> {
+    Ok(optimize_observed(m, disable, enable, &mut |_| {})?.totals())
 }
 
 /// Input-shape bindings (`name -> shape`) and symbolic-dimension bindings (`sym -> size`).
@@ -326,24 +310,97 @@ fn is_static(t: &TypeInfo) -> bool {
     matches!(t, TypeInfo::Tensor { dtype: Some(_), shape: Some(s) } if s.iter().all(|d| matches!(d, Dim::Fixed(_))))
 }
 
-fn count_nodes(m: &Model) -> usize {
-    m.graph.nodes.len()
+/// Imports an ONNX model for compiling: load, bind input shapes, inline model-local functions,
+/// verify the graph, and refuse unsupported ops (every offending node named) now rather than
+/// at run time.
+pub fn load_verified(path: &Path, opts: &CompileOptions) -> Result<Model> {
+    let mut m = npuc_onnx::load_model(path)?;
+    bind_inputs(&mut m, &opts.input_shapes, &opts.dims)?;
+    m.graph = npuc_runtime::exec::inline_functions(&m.graph, &m.functions)?;
+    m.functions.clear();
+    let problems = m.graph.verify(&HashSet::new());
+    if !problems.is_empty() {
+        bail!(
+            "'{}' is not a valid graph:\n  {}",
+            path.display(),
+            problems
+                .iter()
+                .map(|e| e.to_string())
+                .collect::<Vec<_>>()
+                .join("\n  ")
+        );
+    }
+    npuc_runtime::Plan::for_model(&m).map_err(|e| anyhow!("'{}': {e}", path.display()))?;
+    Ok(m)
 }
 
-/// Compiles models into one artifact at `out` (written atomically). Step lines (and
-/// warnings) go to `log`; when stderr is a terminal each step also shows a live spinner.
+/// The artifact's source entry for `path`: its file name and bytes.
+pub(crate) fn add_source(w: &mut ArtifactWriter, path: &Path) -> Result<usize> {
+    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    w.add_source(
+        &path
+            .file_name()
+            .map(|f| f.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+        &bytes,
+    );
+    Ok(bytes.len())
+}
+
+/// The target `opts` names (this machine by default).
+pub(crate) fn target_of(name: &Option<String>) -> Result<Target> {
+    Ok(match name {
+        Some(t) => Target::parse(t)?,
+        None => Target::host(),
+    })
+}
+
+/// Compiles models into one artifact at `out` (written atomically), reporting each step to
+/// `progress`.
 pub fn compile(
     models: &[(String, PathBuf)],
     opts: &CompileOptions,
     out: &Path,
-    mut log: impl FnMut(&str),
+    progress: &mut dyn Progress,
 ) -> Result<CompileSummary> {
     let t0 = Instant::now();
-    let mut progress = Progress::new(&mut log);
-    let target = match &opts.target {
-        Some(t) => Target::parse(t)?,
-        None => Target::host(),
-    };
+    let mut steps = Steps::new(progress);
+    let (w, mut summary) = compile_graphs(models, opts, &mut steps)?;
+    steps.start(&format!("writing {}", out.display()));
+    summary.file_bytes = w.write(out)?;
+    steps.done(&format!(
+        "wrote {} ({:.2} MB)",
+        out.display(),
+        summary.file_bytes as f64 / 1e6
+    ));
+    summary.seconds = t0.elapsed().as_secs_f64();
+    Ok(summary)
+}
+
+/// [`compile`] into memory: the artifact's bytes instead of a file (for loading it back in
+/// the same process, as `cargo xtask conformance --compiled` does).
+pub fn compile_to_bytes(
+    models: &[(String, PathBuf)],
+    opts: &CompileOptions,
+    progress: &mut dyn Progress,
+) -> Result<(Vec<u8>, CompileSummary)> {
+    let t0 = Instant::now();
+    let mut steps = Steps::new(progress);
+    let (w, mut summary) = compile_graphs(models, opts, &mut steps)?;
+    let bytes = w.to_bytes()?;
+    summary.file_bytes = bytes.len() as u64;
+    summary.seconds = t0.elapsed().as_secs_f64();
+    Ok((bytes, summary))
+}
+
+/// Every step of [`compile`] before writing: each model imported, optimized, planned and
+/// added to the artifact writer as a graph.
+fn compile_graphs(
+    models: &[(String, PathBuf)],
+    opts: &CompileOptions,
+    progress: &mut Steps,
+) -> Result<(ArtifactWriter, CompileSummary)> {
+    let target = target_of(&opts.target)?;
     let options = serde_json::json!({
         "input_shapes": opts.input_shapes.iter().collect::<std::collections::BTreeMap<_, _>>(),
         "dims": opts.dims.iter().collect::<std::collections::BTreeMap<_, _>>(),
@@ -357,35 +414,9 @@ pub fn compile(
     let mut referenced = 0u64;
     for (name, path) in models {
         progress.start(&format!("[{name}] importing {}", path.display()));
-        let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-        w.add_source(
-            &path
-                .file_name()
-                .map(|f| f.to_string_lossy().into_owned())
-                .unwrap_or_default(),
-            &bytes,
-        );
-        let size = bytes.len();
-        drop(bytes);
-        let mut m = npuc_onnx::load_model(path)?;
-        bind_inputs(&mut m, &opts.input_shapes, &opts.dims)?;
-        m.graph = npuc_runtime::exec::inline_functions(&m.graph, &m.functions)?;
-        m.functions.clear();
-        let problems = m.graph.verify(&HashSet::new());
-        if !problems.is_empty() {
-            bail!(
-                "'{}' is not a valid graph:\n  {}",
-                path.display(),
-                problems
-                    .iter()
-                    .map(|e| e.to_string())
-                    .collect::<Vec<_>>()
-                    .join("\n  ")
-            );
-        }
-        // Refuse unsupported ops now, with every offending node named, rather than at run time.
-        npuc_runtime::Plan::for_model(&m).map_err(|e| anyhow!("'{}': {e}", path.display()))?;
-        let nodes_before = count_nodes(&m);
+        let size = add_source(&mut w, path)?;
+        let mut m = load_verified(path, opts)?;
+        let nodes_before = m.graph.nodes.len();
         progress.done(&format!(
             "[{name}] imported {} ({:.2} MB, {nodes_before} nodes, verified)",
             path.display(),
@@ -403,7 +434,6 @@ pub fn compile(
         let (pass_log, pass_records) = if opts.optimize {
             progress.start(&format!("[{name}] optimizing {nodes_before} nodes"));
             let report = {
-                let p = &progress;
                 let mut nodes = nodes_before;
                 optimize_observed(
                     &mut m,
@@ -416,7 +446,7 @@ pub fn compile(
                             iteration,
                             index,
                             count,
-                        } => p.update(|| {
+                        } => progress.update(&|| {
                             format!(
                                 "[{name}] optimizing: iteration {iteration}, pass {}/{count} {pass}, {nodes_before} -> {nodes} nodes",
                                 (index + 1).min(count)
@@ -439,7 +469,7 @@ pub fn compile(
         } else {
             (vec![], vec![])
         };
-        let nodes_after = count_nodes(&m);
+        let nodes_after = m.graph.nodes.len();
         progress.start(&format!("[{name}] planning memory"));
         if opts.optimize {
             for (k, t) in npuc_ir::infer::infer_model(&m, &bound).types {
@@ -499,19 +529,14 @@ pub fn compile(
         });
     }
     let unique: u64 = w.meta().weights.iter().map(|wd| wd.len).sum();
-    progress.start(&format!("writing {}", out.display()));
-    let file_bytes = w.write(out)?;
-    progress.done(&format!(
-        "wrote {} ({:.2} MB)",
-        out.display(),
-        file_bytes as f64 / 1e6
-    ));
-    drop(progress);
-    Ok(CompileSummary {
-        graphs,
-        weight_bytes_unique: unique,
-        weight_bytes_referenced: referenced,
-        file_bytes,
-        seconds: t0.elapsed().as_secs_f64(),
-    })
+    Ok((
+        w,
+        CompileSummary {
+            graphs,
+            weight_bytes_unique: unique,
+            weight_bytes_referenced: referenced,
+            file_bytes: 0,
+            seconds: 0.0,
+        },
+    ))
 }

@@ -1,8 +1,10 @@
-//! `npuc compile MODEL.gguf --variants ar1,ar32,ar128,full --ctx 1024 [--precision fast|exact]`:
-//! the CLI side of [`npuc_llm::compile`] (one graph per AR variant in one artifact, the GGUF
-//! weights stored once, model facts and tokenizer metadata in the graphs' metadata).
+//! LLM compile (`npuc compile MODEL.gguf --variants ar1,ar32,ar128,full --ctx 1024
+//! [--precision fast|exact]`) through [`npuc_llm::compile`]: one graph per AR variant in one
+//! artifact, the GGUF weights stored once, model facts and tokenizer metadata in the graphs'
+//! metadata.
 
 use crate::compile::{CompileSummary, GraphSummary};
+use crate::Progress;
 use anyhow::Result;
 pub use npuc_llm::compile::LlmCompileOptions;
 use std::path::Path;
@@ -18,9 +20,9 @@ pub fn compile_gguf(
     path: &Path,
     opts: &LlmCompileOptions,
     out: &Path,
-    log: impl FnMut(&str),
+    progress: &mut dyn Progress,
 ) -> Result<CompileSummary> {
-    let s = npuc_llm::compile::compile_gguf(path, opts, out, log)?;
+    let s = npuc_llm::compile::compile_gguf(path, opts, out, |m| progress.note(m))?;
     Ok(CompileSummary {
         graphs: s
             .graphs
