@@ -7,13 +7,7 @@ use anyhow::{bail, Result};
 use std::path::PathBuf;
 
 /// Where downloaded models and suites live: `$NPUC_CACHE` or `~/.cache/npuc`.
-pub fn cache_dir() -> PathBuf {
-    if let Ok(d) = std::env::var("NPUC_CACHE") {
-        return PathBuf::from(d);
-    }
-    let home = std::env::var("HOME").unwrap_or_else(|_| ".".into());
-    PathBuf::from(home).join(".cache/npuc")
-}
+pub use npuc_testsupport::cache_dir;
 
 pub fn repo_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
