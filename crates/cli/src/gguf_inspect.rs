@@ -27,29 +27,12 @@ const ARRAY_SHOWN: usize = 16;
 
 fn meta_json(v: &MetaValue) -> Json {
     match v {
-        MetaValue::U8(x) => json!(x),
-        MetaValue::I8(x) => json!(x),
-        MetaValue::U16(x) => json!(x),
-        MetaValue::I16(x) => json!(x),
-        MetaValue::U32(x) => json!(x),
-        MetaValue::I32(x) => json!(x),
-        MetaValue::U64(x) => json!(x),
-        MetaValue::I64(x) => json!(x),
-        MetaValue::F32(x) => json!(x),
-        MetaValue::F64(x) => json!(x),
-        MetaValue::Bool(x) => json!(x),
-        MetaValue::String(s) => json!(s),
-        MetaValue::Array(t, items) => {
-            if items.len() <= ARRAY_SHOWN {
-                Json::Array(items.iter().map(meta_json).collect())
-            } else {
-                json!({
-                    "array": format!("{t:?}"),
-                    "len": items.len(),
-                    "first": items[..8].iter().map(meta_json).collect::<Vec<_>>(),
-                })
-            }
-        }
+        MetaValue::Array(t, items) if items.len() > ARRAY_SHOWN => json!({
+            "array": format!("{t:?}"),
+            "len": items.len(),
+            "first": &items[..8],
+        }),
+        other => serde_json::to_value(other).unwrap_or(Json::Null),
     }
 }
 

@@ -301,11 +301,16 @@ fn header_checksum(header: &[u8], table: &[u8]) -> u64 {
 /// Writes `bytes` to `path` atomically: a temp file in the same directory, fsync, rename. A
 /// crash or Ctrl-C leaves either the old file or the new one, never a half-written artifact.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), FormatError> {
-    use std::io::Write;
-    let io = |e| FormatError::Io {
+    persist_atomic(path, bytes).map_err(|e| FormatError::Io {
         path: path.to_path_buf(),
         source: e,
-    };
+    })
+}
+
+/// [`write_atomic`] with a plain I/O error: the one atomic writer, shared by every npuc output
+/// (artifacts here, ONNX and `.npy` files through `npuc_onnx::export::write_atomic`).
+pub fn persist_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
     let dir = path
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
@@ -315,11 +320,10 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), FormatError> {
     // tempfile crate removes it on any error before the rename.
     let mut tmp = tempfile::Builder::new()
         .prefix(&format!(".{fname}.tmp-"))
-        .tempfile_in(dir)
-        .map_err(io)?;
-    tmp.write_all(bytes).map_err(io)?;
-    tmp.as_file().sync_all().map_err(io)?;
-    tmp.persist(path).map_err(|e| io(e.error))?;
+        .tempfile_in(dir)?;
+    tmp.write_all(bytes)?;
+    tmp.as_file().sync_all()?;
+    tmp.persist(path).map_err(|e| e.error)?;
     Ok(())
 }
 

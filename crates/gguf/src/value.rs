@@ -215,3 +215,38 @@ impl fmt::Display for MetaValue {
         }
     }
 }
+
+/// Plain JSON form: numbers, booleans, strings and arrays as themselves (f32 widened exactly to
+/// f64, printed shortest); non-finite floats as the strings `"inf"`, `"-inf"`, `"nan"`, since JSON
+/// has no such numbers. The element type of an array is not recorded: writers that must round
+/// trip types add it themselves.
+impl serde::Serialize for MetaValue {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        fn float<S: serde::Serializer>(f: f64, s: S) -> Result<S::Ok, S::Error> {
+            if f.is_finite() {
+                s.serialize_f64(f)
+            } else if f.is_nan() {
+                s.serialize_str("nan")
+            } else if f > 0.0 {
+                s.serialize_str("inf")
+            } else {
+                s.serialize_str("-inf")
+            }
+        }
+        match self {
+            MetaValue::U8(x) => s.serialize_u8(*x),
+            MetaValue::I8(x) => s.serialize_i8(*x),
+            MetaValue::U16(x) => s.serialize_u16(*x),
+            MetaValue::I16(x) => s.serialize_i16(*x),
+            MetaValue::U32(x) => s.serialize_u32(*x),
+            MetaValue::I32(x) => s.serialize_i32(*x),
+            MetaValue::U64(x) => s.serialize_u64(*x),
+            MetaValue::I64(x) => s.serialize_i64(*x),
+            MetaValue::F32(x) => float(*x as f64, s),
+            MetaValue::F64(x) => float(*x, s),
+            MetaValue::Bool(x) => s.serialize_bool(*x),
+            MetaValue::String(x) => s.serialize_str(x),
+            MetaValue::Array(_, items) => s.collect_seq(items),
+        }
+    }
+}

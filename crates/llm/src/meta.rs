@@ -53,23 +53,12 @@ fn type_of(s: &str) -> Option<ValueType> {
 /// A scalar's JSON value (arrays of scalars are written as plain JSON arrays of these).
 fn scalar_json(v: &MetaValue) -> Json {
     match v {
-        MetaValue::U8(x) => json!(x),
-        MetaValue::I8(x) => json!(x),
-        MetaValue::U16(x) => json!(x),
-        MetaValue::I16(x) => json!(x),
-        MetaValue::U32(x) => json!(x),
-        MetaValue::I32(x) => json!(x),
-        // f32 -> f64 is exact, and serde_json prints the shortest round-tripping f64.
-        MetaValue::F32(x) => json!(*x as f64),
-        MetaValue::Bool(x) => json!(x),
-        MetaValue::String(x) => json!(x),
-        MetaValue::U64(x) => json!(x),
-        MetaValue::I64(x) => json!(x),
-        MetaValue::F64(x) => json!(x),
         MetaValue::Array(t, items) => json!({
             "type": type_name(*t),
             "value": items.iter().map(scalar_json).collect::<Vec<_>>(),
         }),
+        // f32 -> f64 is exact, and serde_json prints the shortest round-tripping f64.
+        other => serde_json::to_value(other).unwrap_or(Json::Null),
     }
 }
 

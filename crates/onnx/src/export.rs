@@ -354,25 +354,10 @@ fn tensor_proto_ext(
 
 /// Writes `bytes` to `path` atomically: a temp file in the same directory, fsync, rename.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), OnnxError> {
-    let io = |e| OnnxError::Io {
+    npuc_format::persist_atomic(path, bytes).map_err(|e| OnnxError::Io {
         path: path.to_path_buf(),
         source: e,
-    };
-    let dir = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let fname = path.file_name().and_then(|f| f.to_str()).unwrap_or("out");
-    // A hidden temp file beside the target (same filesystem, so the rename is atomic); the
-    // tempfile crate removes it on any error before the rename.
-    let mut tmp = tempfile::Builder::new()
-        .prefix(&format!(".{fname}.tmp-"))
-        .tempfile_in(dir)
-        .map_err(io)?;
-    tmp.write_all(bytes).map_err(io)?;
-    tmp.as_file().sync_all().map_err(io)?;
-    tmp.persist(path).map_err(|e| io(e.error))?;
-    Ok(())
+    })
 }
 
 /// Saves a model as ONNX. Large initializers go to `<file>.data` when the options ask for it.

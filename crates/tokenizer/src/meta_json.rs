@@ -29,18 +29,7 @@ fn float_json(f: f64) -> Value {
 }
 
 fn to_json(v: &MetaValue) -> Value {
-    match v {
-        MetaValue::F32(f) => float_json(*f as f64),
-        MetaValue::F64(f) => float_json(*f),
-        MetaValue::Bool(b) => Value::Bool(*b),
-        MetaValue::String(s) => Value::String(s.clone()),
-        MetaValue::Array(_, items) => Value::Array(items.iter().map(to_json).collect()),
-        other => match (other.as_i64(), other.as_u64()) {
-            (Some(i), _) => Value::Number(i.into()),
-            (None, Some(u)) => Value::Number(u.into()),
-            (None, None) => Value::Null,
-        },
-    }
+    serde_json::to_value(v).unwrap_or(Value::Null)
 }
 
 /// The tokenizer keys of `meta` as one JSON object (key order kept).
