@@ -66,7 +66,7 @@ pub fn bench(
 ) -> Result<()> {
     let t0 = Instant::now();
     let (input_shapes, dims) = parse_bindings(input_shape, dim)?;
-    let sess = npuc_driver::open(
+    let opened = npuc_driver::open(
         path,
         &OpenOptions {
             graph: graph.map(String::from),
@@ -75,8 +75,9 @@ pub fn bench(
             simulate,
             threads,
         },
-    )?
-    .session;
+    )?;
+    crate::check_simulate(path, simulate, &opened)?;
+    let sess = opened.session;
     let load_ms = t0.elapsed().as_secs_f64() * 1e3;
     let mut feeds = vec![];
     for vi in sess.inputs() {

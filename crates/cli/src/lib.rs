@@ -19,6 +19,18 @@ use npuc_ir::TypeInfo;
 use npuc_runtime::Value;
 use std::path::Path;
 
+/// `--simulate` acts only on quantized models: fails naming it when `opened` holds no Q/DQ
+/// nodes (it would run the float model unchanged).
+pub fn check_simulate(path: &Path, simulate: bool, opened: &npuc_driver::Opened) -> Result<()> {
+    if simulate && !opened.prepared.quantized {
+        bail!(
+            "--simulate: '{}' holds no QuantizeLinear/DequantizeLinear nodes, so there is nothing to simulate",
+            path.display()
+        );
+    }
+    Ok(())
+}
+
 /// Reads an input value from a `.npy` file or an ONNX `.pb` (TensorProto, or SequenceProto /
 /// OptionalProto when the declared type says so).
 pub fn read_input(path: &Path, declared: Option<&TypeInfo>) -> Result<Value> {

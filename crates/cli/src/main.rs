@@ -489,13 +489,7 @@ fn infer_outputs(
     m: &Model,
     real_inputs: &[&npuc_ir::ValueInfo],
 ) -> (Vec<(String, String)>, String) {
-    let bound: HashMap<String, TypeInfo> = m
-        .graph
-        .inputs
-        .iter()
-        .filter_map(|v| v.ty.clone().map(|t| (v.name.clone(), t)))
-        .collect();
-    let r = npuc_ir::infer::infer_model(m, &bound);
+    let r = npuc_ir::infer::infer_model(m, &HashMap::new());
     let mut inferred = vec![];
     let mut missing = vec![];
     for o in &m.graph.outputs {
@@ -589,12 +583,7 @@ fn run(
             ..Default::default()
         },
     )?;
-    if simulate && !opened.prepared.quantized {
-        bail!(
-            "--simulate: '{}' holds no QuantizeLinear/DequantizeLinear nodes, so there is nothing to simulate",
-            path.display()
-        );
-    }
+    npuc_cli::check_simulate(path, simulate, &opened)?;
     let sess = opened.session;
     let load_ms = t0.elapsed().as_secs_f64() * 1e3;
     let mut feeds = vec![];

@@ -293,6 +293,8 @@ fn run_and_bench_reject_flags_of_another_mode() {
     let model = write_model(t.path(), false);
     let err = fails(&["run", s(&model), "--simulate"]);
     names(&err, &["--simulate"]);
+    let err = fails(&["bench", s(&model), "--runs", "1", "--simulate"]);
+    names(&err, &["--simulate"]);
     let err = fails(&["bench", s(&model), "--gen", "8"]);
     names(&err, &["--gen"]);
     let err = fails(&["bench", s(&model), "--runs", "1", "--precision", "exact"]);

@@ -422,15 +422,9 @@ fn compile_graphs(
             path.display(),
             size as f64 / 1e6
         ));
-        let bound: HashMap<String, TypeInfo> = m
-            .graph
-            .inputs
-            .iter()
-            .filter_map(|v| v.ty.clone().map(|t| (v.name.clone(), t)))
-            .collect();
         // Types of the graph as imported: fused `npuc` ops have no shape inference, but a
         // fusion's output keeps the name (and type) of the pattern's last output.
-        let mut types = npuc_ir::infer::infer_model(&m, &bound).types;
+        let mut types = npuc_ir::infer::infer_model(&m, &HashMap::new()).types;
         let (pass_log, pass_records) = if opts.optimize {
             progress.start(&format!("[{name}] optimizing {nodes_before} nodes"));
             let report = {
@@ -472,7 +466,7 @@ fn compile_graphs(
         let nodes_after = m.graph.nodes.len();
         progress.start(&format!("[{name}] planning memory"));
         if opts.optimize {
-            for (k, t) in npuc_ir::infer::infer_model(&m, &bound).types {
+            for (k, t) in npuc_ir::infer::infer_model(&m, &HashMap::new()).types {
                 if is_static(&t) || !types.get(&k).is_some_and(is_static) {
                     types.insert(k, t);
                 }

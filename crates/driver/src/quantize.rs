@@ -8,7 +8,7 @@ use crate::compile::{
 use crate::Progress;
 use anyhow::{anyhow, bail, Context, Result};
 use npuc_format::{ArtifactWriter, GraphInfo};
-use npuc_ir::{DType, Model, TypeInfo};
+use npuc_ir::{DType, Model};
 use npuc_quant::qdq::{read_qdq, QEnc};
 use npuc_quant::{
     encodings, CalibMethod, CalibSource, Granularity, ImagePreprocess, Overrides, QuantOptions,
@@ -392,13 +392,7 @@ pub fn compile_quantized(
     });
     let mut w = ArtifactWriter::new(target, options);
     add_source(&mut w, path)?;
-    let bound: HashMap<String, TypeInfo> = qm
-        .graph
-        .inputs
-        .iter()
-        .filter_map(|v| v.ty.clone().map(|t| (v.name.clone(), t)))
-        .collect();
-    let inferred = npuc_ir::infer::infer_model(&qm, &bound);
+    let inferred = npuc_ir::infer::infer_model(&qm, &HashMap::new());
     let (arena_bytes, _) = plan_arena(&qm, &inferred.types);
     w.add_graph(
         name,
