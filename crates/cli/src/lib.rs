@@ -13,6 +13,13 @@ pub mod quantize;
 pub mod quantized;
 pub mod verify;
 
+/// Registers the op packs the `npuc` binary serves on top of the core runtime: the LLM/GGML
+/// kernels of `npuc-llm` and the image-codec/regex ONNX ops of `npuc-ops-ext` (idempotent).
+pub fn register_ops() {
+    npuc_llm::register_ops();
+    npuc_ops_ext::register();
+}
+
 /// Runs the standard optimization pipeline; returns (pass name, total changes) per pass that
 /// changed something.
 pub fn optimize_hook(

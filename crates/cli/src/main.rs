@@ -171,6 +171,7 @@ enum Cmd {
 
 fn main() {
     let cli = Cli::parse();
+    npuc_cli::register_ops();
     let r = match cli.cmd {
         Cmd::Inspect {
             model,

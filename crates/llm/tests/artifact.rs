@@ -111,7 +111,12 @@ fn gemma3_artifact_same_tokens_as_gguf() {
         return;
     };
     let gguf = PathBuf::from(home).join(".cache/npuc/models/gemma3-270m/gemma-3-270m-q4_k_m.gguf");
-    if !gguf.exists() || !npuc_runtime::registry().has("npuc", "GgmlMatMul") {
+    if !gguf.exists()
+        || !{
+            npuc_llm::register_ops();
+            npuc_runtime::registry().has("npuc", "GgmlMatMul")
+        }
+    {
         eprintln!("SKIP: gemma3 270M GGUF absent or no npuc.GgmlMatMul in this runtime");
         return;
     }

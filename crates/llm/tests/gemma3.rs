@@ -18,7 +18,10 @@ fn model() -> Option<PathBuf> {
         );
         return None;
     }
-    if !npuc_runtime::registry().has("npuc", "GgmlMatMul") {
+    if !{
+        npuc_llm::register_ops();
+        npuc_runtime::registry().has("npuc", "GgmlMatMul")
+    } {
         eprintln!("SKIP: this runtime has no npuc.GgmlMatMul (needed for Q4_K_M weights)");
         return None;
     }

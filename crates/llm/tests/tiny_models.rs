@@ -24,6 +24,7 @@ fn opts(variants: &[Variant], ctx: usize) -> EngineOptions {
 }
 
 fn ggml_ops() -> bool {
+    npuc_llm::register_ops();
     npuc_runtime::registry().has("npuc", "GgmlMatMul")
 }
 
