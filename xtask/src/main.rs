@@ -18,6 +18,8 @@ pub fn repo_root() -> PathBuf {
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    // The suite covers ImageDecoder and RegexFullMatch, whose kernels are an op pack.
+    npuc_ops_ext::register();
     match args.first().map(|s| s.as_str()) {
         Some("conformance") => conformance::main(&args[1..]),
         Some("synth-model") => synth::main(&args[1..]),

@@ -2,8 +2,11 @@
 
 use anyhow::Result;
 use npuc_format::{Artifact, GraphDesc, TypeDesc};
+use npuc_ir::infer::InferResult;
+use npuc_ir::{Model, TypeInfo};
 use serde_json::json;
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::io::Read;
 use std::path::Path;
 
 fn ty(t: &Option<TypeDesc>) -> String {
@@ -29,6 +32,55 @@ fn ty(t: &Option<TypeDesc>) -> String {
         Some(other) => format!("{other:?}"),
         None => "?".into(),
     }
+}
+
+/// `TypeInfo` in the notation of [`ty`].
+fn ir_ty(t: &TypeInfo) -> String {
+    match t {
+        TypeInfo::Tensor { dtype, shape } => {
+            let dims = match shape {
+                None => "[*]".to_string(),
+                Some(d) => format!(
+                    "[{}]",
+                    d.iter()
+                        .map(|d| d.to_string())
+                        .collect::<Vec<_>>()
+                        .join(",")
+                ),
+            };
+            let dt = dtype.map(|d| d.to_string()).unwrap_or_else(|| "?".into());
+            format!("{dt}{dims}")
+        }
+        other => format!("{other:?}"),
+    }
+}
+
+/// Every node output of graph `name` with its statically inferred type (`npuc_ir::infer`, with
+/// the `npuc` op definitions), and the values whose shape inference left incomplete.
+fn value_types(a: &Artifact, name: &str) -> (BTreeMap<String, String>, Vec<String>) {
+    let Ok(m) = a.model(Some(name)) else {
+        return (BTreeMap::new(), vec![]);
+    };
+    let r = npuc_ir::infer::infer_model(&m, &HashMap::new());
+    let mut types = BTreeMap::new();
+    let mut incomplete = vec![];
+    for n in &m.graph.nodes {
+        for o in n.outputs.iter().filter(|o| !o.is_empty()) {
+            match r.type_of(o) {
+                Some(t) => {
+                    if !InferResult::is_complete(t) {
+                        incomplete.push(o.clone());
+                    }
+                    types.insert(o.clone(), ir_ty(t));
+                }
+                None => {
+                    incomplete.push(o.clone());
+                    types.insert(o.clone(), "?".into());
+                }
+            }
+        }
+    }
+    (types, incomplete)
 }
 
 fn weight_refs(g: &GraphDesc) -> Vec<usize> {
@@ -58,6 +110,8 @@ fn weight_refs(g: &GraphDesc) -> Vec<usize> {
 /// The JSON document `npuc inspect --json` prints for an artifact. Its schema is documented in
 /// docs/FORMAT.md and held by a snapshot test.
 pub fn inspect_json(a: &Artifact, verify: bool) -> serde_json::Value {
+    // Value types come from the op definitions, which the op packs bring.
+    crate::register_ops();
     let m = &a.meta;
     // A weight is shared when more than one graph refers to it.
     let mut users: BTreeMap<usize, HashSet<usize>> = BTreeMap::new();
@@ -81,6 +135,7 @@ pub fn inspect_json(a: &Artifact, verify: bool) -> serde_json::Value {
                 *hist.entry(k).or_default() += 1;
             }
             let _ = gi;
+            let (values, incomplete) = value_types(a, &g.name);
             json!({
                 "name": g.name,
                 "inputs": g.body.inputs.iter().map(|i| json!({"name": i.name, "type": ty(&i.ty)})).collect::<Vec<_>>(),
@@ -94,6 +149,8 @@ pub fn inspect_json(a: &Artifact, verify: bool) -> serde_json::Value {
                 "arena_bytes": g.info.arena_bytes,
                 "peak_memory_bytes": g.info.arena_bytes + own + shared,
                 "source": g.info.source,
+                "values": values,
+                "values_without_static_shape": incomplete,
             })
         })
         .collect();
@@ -184,6 +241,15 @@ pub fn inspect(path: &Path, json_out: bool, verify: bool) -> Result<()> {
                 g["weight_bytes_shared"].as_f64().unwrap_or(0.0) / 1e6,
                 g["arena_bytes"].as_f64().unwrap_or(0.0) / 1e6
             );
+            let values = g["values"].as_object().map_or(0, |v| v.len());
+            match g["values_without_static_shape"].as_array() {
+                Some(u) if !u.is_empty() => println!(
+                    "  values  {values}, {} without a static shape (e.g. {}); --json lists every type",
+                    u.len(),
+                    u.iter().take(3).map(|v| v.to_string()).collect::<Vec<_>>().join(", ")
+                ),
+                _ => println!("  values  {values}, every shape static (--json lists them)"),
+            }
             if let Some(h) = g["op_histogram"].as_object() {
                 let line: Vec<String> = h.iter().map(|(k, v)| format!("{k}:{v}")).collect();
                 println!("  ops     {}", line.join(" "));

@@ -14,6 +14,12 @@ pub mod ocr;
 pub mod progress;
 pub mod verify;
 
+/// Registers the op packs the `npuc` binary serves on top of the core runtime: the LLM/GGML
+/// kernels of `npuc-llm` and the image-codec/regex ONNX ops of `npuc-ops-ext` (idempotent).
+pub fn register_ops() {
+    npuc_driver::register_ops();
+}
+
 use anyhow::{bail, Result};
 use npuc_ir::TypeInfo;
 use npuc_runtime::Value;

@@ -147,6 +147,7 @@ fn main() {
         cmd: sub_cmd,
         matches: sub_matches,
     };
+    npuc_cli::register_ops();
     let r = match cli.cmd {
         Cmd::Inspect {
             model,

@@ -314,6 +314,7 @@ fn is_static(t: &TypeInfo) -> bool {
 /// verify the graph, and refuse unsupported ops (every offending node named) now rather than
 /// at run time.
 pub fn load_verified(path: &Path, opts: &CompileOptions) -> Result<Model> {
+    crate::register_ops();
     let mut m = npuc_onnx::load_model(path)?;
     bind_inputs(&mut m, &opts.input_shapes, &opts.dims)?;
     m.graph = npuc_runtime::exec::inline_functions(&m.graph, &m.functions)?;

@@ -19,6 +19,14 @@ pub mod quantized;
 pub mod session;
 
 pub use compile::{compile, CompileOptions, CompileSummary};
+
+/// Registers the op packs npuc serves on top of the core runtime: the LLM/GGML kernels of
+/// `npuc-llm` and the image-codec/regex ONNX ops of `npuc-ops-ext` (idempotent). The driver's
+/// entry points that load a model call it, so a library user runs what `npuc run` runs.
+pub fn register_ops() {
+    npuc_llm::register_ops();
+    npuc_ops_ext::register();
+}
 pub use session::{load_any, open, OpenOptions, Opened};
 
 /// Where a pipeline reports what it does. Step lines (`done`) end with the step's duration;

@@ -71,6 +71,7 @@ pub struct Opened {
 /// Loads `path` (ONNX or artifact), binds input shapes, prepares it for execution and returns
 /// the executable model: the steps before [`Session::new`] in [`open`].
 pub fn load_for_execution(path: &Path, opts: &OpenOptions) -> Result<(Model, Prepared)> {
+    crate::register_ops();
     let mut m = load_any(path, opts.graph.as_deref())?;
     bind_inputs(&mut m, &opts.input_shapes, &opts.dims)?;
     let prepared = quantized::prepare(&mut m, opts.simulate)?;

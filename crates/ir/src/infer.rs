@@ -18,6 +18,13 @@ mod ops;
 mod util;
 pub mod value;
 
+pub use ctx::{NodeIn, R};
+
+/// Shape helpers for the inference rules of op definitions ([`crate::opdef`]).
+pub mod rules {
+    pub use super::ops::matmul_dims;
+    pub use super::util::{axis, bcast, dim_div_exact, dim_mul, dim_prod, tt};
+}
 pub use value::{Known, Scalar};
 
 use crate::graph::{Dim, Function, Graph, Model, Node, OpsetImport, TypeInfo};
@@ -112,6 +119,15 @@ fn infer_top(cx: &Cx, g: &Graph, input_types: &HashMap<String, TypeInfo>) -> Inf
         values: scope.values,
         problems: report.problems,
         not_inferred: report.not_inferred,
+    }
+}
+
+/// The output types of `n` under the ONNX default-domain rule of [`NodeIn::op`]: how an op
+/// definition whose shapes follow an ONNX op's infers (see [`NodeIn::as_onnx`]).
+pub fn onnx_rule(n: &NodeIn) -> R<Vec<TypeInfo>> {
+    match ops::default_domain(n) {
+        Some(r) => r.map(|outs| outs.into_iter().map(|o| o.ty).collect()),
+        None => Err(format!("no ONNX inference rule for {}", n.op())),
     }
 }
 

@@ -146,6 +146,7 @@ impl Engine {
         meta: GgufMetaJson,
         threads: usize,
     ) -> Result<Engine> {
+        crate::ops::register();
         let mut shape: Option<Shape> = None;
         let mut sessions = vec![];
         for (v, m) in models {

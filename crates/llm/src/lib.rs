@@ -12,10 +12,12 @@ pub mod build;
 pub mod compile;
 pub mod engine;
 pub mod meta;
+pub mod ops;
 
 pub use build::{build, BuildOptions, Hparams, Precision, Variant, WeightMode};
 pub use engine::{Engine, EngineOptions};
 pub use meta::GgufMetaJson;
+pub use ops::register as register_ops;
 
 use thiserror::Error;
 

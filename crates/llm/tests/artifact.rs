@@ -107,6 +107,7 @@ fn tiny_artifact_equals_gguf_engine() {
 
 #[test]
 fn gemma3_artifact_same_tokens_as_gguf() {
+    npuc_llm::register_ops();
     let gguf = npuc_testsupport::gemma3_gguf();
     let out = tmp("gemma.npuc");
     let variants = vec![Variant::Ar(1), Variant::Ar(32), Variant::Ar(128)];

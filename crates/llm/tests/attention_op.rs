@@ -107,6 +107,7 @@ fn check(window: i64, kv: DType) {
             &[n, c],
         ],
     );
+    npuc_llm::register_ops();
     let s = Session::new(&m, SessionOptions { threads: 1 }).unwrap();
     let feeds = vec![
         (

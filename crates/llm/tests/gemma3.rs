@@ -9,6 +9,7 @@ use npuc_llm::{Engine, EngineOptions, Precision, Variant};
 use std::path::PathBuf;
 
 fn model() -> PathBuf {
+    npuc_llm::register_ops();
     npuc_testsupport::gemma3_gguf()
 }
 

@@ -375,5 +375,8 @@ pub fn pass_by_name(name: &str) -> Option<Box<dyn Pass>> {
 
 /// Optimizes `model` in place with the standard pipeline.
 pub fn optimize(model: &mut Model, opts: &OptimizeOptions) -> Result<OptimizeReport, PassError> {
+    // Building the kernel registry makes the `npuc` op definitions known to inference, so the
+    // passes see the same shapes whatever ran before them in this process.
+    npuc_runtime::registry();
     PassManager::standard(opts).run(model)
 }

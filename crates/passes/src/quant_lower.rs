@@ -24,7 +24,10 @@
 use crate::passes::dce::Dce;
 use crate::util::{import_npuc, is_op, Index};
 use crate::{Pass, PassError, PassStats};
+use npuc_ir::opdef::NodeBuilder;
 use npuc_ir::{Attr, DType, Graph, Model, Node};
+use npuc_runtime::ops::qlinear::{QCONV_TRANSPOSE, QLUT, QMATMUL};
+use npuc_runtime::ops::qsoftmax::QSOFTMAX;
 use std::collections::HashSet;
 
 /// The `quant-lower` pass.
@@ -43,7 +46,17 @@ pub fn lower_quantized_keep_layers(model: &mut Model) -> Result<usize, PassError
     lower_with(model, false)
 }
 
+/// A lowered node from its op definition; a contract violation is this pass's error.
+fn built(node: NodeBuilder) -> Result<Node, PassError> {
+    node.build().map_err(|e| PassError::Graph {
+        pass: "quant-lower".into(),
+        msg: e.to_string(),
+    })
+}
+
 fn lower_with(model: &mut Model, luts: bool) -> Result<usize, PassError> {
+    // Makes the `npuc` op definitions known to inference (see `crate::optimize`).
+    npuc_runtime::registry();
     let (products, qdq) = QuantLower.lower(model, luts)?;
     if products + qdq > 0 {
         Dce.run(model)?;
@@ -390,28 +403,33 @@ impl QuantLower {
                     }
                 }
             }
-            let mut node = Node::new(
-                "QMatMul",
-                &[
-                    &x.q, &x.scale, &x.zp, &w.q, &w.scale, &w.zp, &bias, &ys, &yz,
-                ],
-                &[&out],
-            );
-            node.domain = "npuc".into();
-            node.name = if p.name.is_empty() {
+            let name = if p.name.is_empty() {
                 String::new()
             } else {
                 format!("{}_quant", p.name)
             };
+            let mut node = QMATMUL
+                .node(name)
+                .input("a", &x.q)
+                .input("a_scale", &x.scale)
+                .input("a_zero_point", &x.zp)
+                .input("b", &w.q)
+                .input("b_scale", &w.scale)
+                .input("b_zero_point", &w.zp)
+                .input("bias", &bias)
+                .input("y_scale", &ys)
+                .input("y_zero_point", &yz)
+                .output("y", &out);
             if trans_b {
-                node = node.with_attr("trans_b", Attr::Int(1));
+                node = node.attr("trans_b", Attr::Int(1));
             }
             if let Some(lo) = clip.0 {
-                node = node.with_attr("clip_min", Attr::Float(lo));
+                node = node.attr("clip_min", Attr::Float(lo));
             }
             if let Some(hi) = clip.1 {
-                node = node.with_attr("clip_max", Attr::Float(hi));
+                node = node.attr("clip_max", Attr::Float(hi));
             }
+            let node = built(node)?;
             used.insert(pi);
             used.extend(remove.iter().copied());
             edits.push(Edit {
@@ -891,13 +909,15 @@ impl QuantLower {
                     continue;
                 }
                 let tname = crate::util::add_init(&mut m.graph, &mut taken, "lut_table", r.table);
-                let mut node = Node::new("QLut", &[&r.source, &tname], &[&r.exit]);
-                node.domain = "npuc".into();
-                node.name = format!("{}_lut", m.graph.nodes[r.start].name);
+                let mut node = QLUT
+                    .node(format!("{}_lut", m.graph.nodes[r.start].name))
+                    .input("x", &r.source)
+                    .input("table", &tname)
+                    .output("y", &r.exit);
                 if let Some(a) = r.axis {
-                    node = node.with_attr("axis", Attr::Int(a));
+                    node = node.attr("axis", Attr::Int(a));
                 }
-                m.graph.nodes[r.start] = node;
+                m.graph.nodes[r.start] = built(node)?;
             }
             crate::util::remove_nodes(&mut m.graph, &dead);
             let map: std::collections::HashMap<String, String> = renames.into_iter().collect();
@@ -1113,24 +1133,27 @@ impl QuantLower {
                 continue;
             }
             let (ys, yz) = (q.inputs[1].clone(), q.inputs[2].clone());
-            let mut node = Node::new(
-                "QConvTranspose",
-                &[
-                    &x.q, &x.scale, &x.zp, &w.q, &w.scale, &w.zp, &bias, &ys, &yz,
-                ],
-                &[&q.outputs[0]],
-            );
-            node.domain = "npuc".into();
-            node.name = format!("{}_quant", p.name);
+            let mut node = QCONV_TRANSPOSE
+                .node(format!("{}_quant", p.name))
+                .input("x", &x.q)
+                .input("x_scale", &x.scale)
+                .input("x_zero_point", &x.zp)
+                .input("w", &w.q)
+                .input("w_scale", &w.scale)
+                .input("w_zero_point", &w.zp)
+                .input("bias", &bias)
+                .input("y_scale", &ys)
+                .input("y_zero_point", &yz)
+                .output("y", &q.outputs[0]);
             for a in ["strides", "pads", "output_padding"] {
                 if let Some(v) = p.attr(a) {
-                    node = node.with_attr(a, v.clone());
+                    node = node.attr(a, v.clone());
                 }
             }
             edits.push(Edit {
                 product: pi,
                 remove: vec![qi],
-                node,
+                node: built(node)?,
             });
         }
         Ok(apply_edits(m, edits))
@@ -1209,28 +1232,24 @@ impl QuantLower {
             {
                 continue;
             }
-            let mut node = Node::new(
-                "QSoftmax",
-                &[
-                    &d.inputs[0],
-                    &d.inputs[1],
-                    &d.inputs[2],
-                    &q.inputs[1],
-                    &q.inputs[2],
-                ],
-                &[&q.outputs[0]],
-            )
-            .with_attr("axis", Attr::Int(axis));
-            node.domain = "npuc".into();
-            node.name = if s.name.is_empty() {
+            let name = if s.name.is_empty() {
                 String::new()
             } else {
                 format!("{}_quant", s.name)
             };
+            let node = QSOFTMAX
+                .node(name)
+                .input("x", &d.inputs[0])
+                .input("x_scale", &d.inputs[1])
+                .input("x_zero_point", &d.inputs[2])
+                .input("y_scale", &q.inputs[1])
+                .input("y_zero_point", &q.inputs[2])
+                .output("y", &q.outputs[0])
+                .attr("axis", Attr::Int(axis));
             edits.push(Edit {
                 product: si,
                 remove: vec![di, qi],
-                node,
+                node: built(node)?,
             });
         }
         Ok(apply_edits(m, edits))

@@ -4,10 +4,11 @@
 use crate::error::{Result, RtError};
 use crate::exec::{Frame, Plan};
 use crate::value::Value;
+use npuc_ir::opdef::OpDef;
 use npuc_ir::{Node, Tensor};
 use std::any::Any;
 use std::collections::BTreeMap;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, RwLock};
 
 /// A node's inputs. Absent optional inputs are `None`. Values are owned by this struct, so a
 /// kernel may take a tensor and reuse its buffer when it holds the only reference.
@@ -143,9 +144,24 @@ pub struct OpEntry {
     pub kernel: KernelFn,
 }
 
-#[derive(Default)]
+/// The kernels npuc can run, keyed by (domain, op) with the opset range each implements.
+///
+/// The core runtime registers the ONNX ops and the `npuc` ops of optimized and quantized
+/// graphs ([`Registry::with_defaults`]). Ops that need other crates (the LLM/GGML ops of
+/// `npuc-llm`, the ONNX ops backed by image codecs or a regex engine in `npuc-ops-ext`) come
+/// as [`OpPack`]s that their crate hands to [`register_pack`]; sessions then see them.
+#[derive(Clone, Default)]
 pub struct Registry {
     ops: BTreeMap<(String, String), Vec<OpEntry>>,
+    packs: Vec<&'static str>,
+}
+
+/// A named group of kernels that a crate outside the runtime registers (see [`register_pack`]).
+#[derive(Clone, Copy, Debug)]
+pub struct OpPack {
+    /// Names the pack in listings and makes registration idempotent.
+    pub name: &'static str,
+    pub register: fn(&mut Registry),
 }
 
 /// The newest default-domain opset npuc knows (onnx 1.22.0 defines opset 23... tests go to 27 for
@@ -153,6 +169,31 @@ pub struct Registry {
 pub const MAX_OPSET: i64 = 27;
 
 impl Registry {
+    /// The kernels of the core runtime (ONNX ops and the `npuc` ops of optimized and quantized
+    /// graphs), without any pack.
+    pub fn with_defaults() -> Registry {
+        let mut r = Registry::default();
+        crate::ops::register_all(&mut r);
+        r
+    }
+    /// Adds a pack's kernels; a pack already added (same name) is not added twice.
+    pub fn register_pack(&mut self, pack: OpPack) {
+        if self.packs.contains(&pack.name) {
+            return;
+        }
+        self.packs.push(pack.name);
+        (pack.register)(self);
+    }
+    /// Names of the packs added, in registration order.
+    pub fn packs(&self) -> &[&'static str] {
+        &self.packs
+    }
+    /// Registers an op defined by npuc (opset 1 of its domain) with its kernel, and makes its
+    /// definition (inputs, attributes, shape inference) known to `npuc_ir::infer`.
+    pub fn define(&mut self, def: &'static OpDef, kernel: KernelFn) {
+        npuc_ir::opdef::register(&[def]);
+        self.add_range(def.domain, def.name, 1, 1, kernel);
+    }
     /// Registers a kernel for ops of the default domain for opsets `since..=MAX_OPSET`.
     pub fn add(&mut self, name: &'static str, since: i64, kernel: KernelFn) {
         self.add_range("", name, since, MAX_OPSET, kernel);
@@ -191,11 +232,41 @@ impl Registry {
     }
 }
 
+/// The registry sessions and passes use: the core kernels plus every pack registered so far.
+/// A [`register_pack`] call replaces it; a plan keeps the registry it was built with.
+static CURRENT: RwLock<Option<&'static Registry>> = RwLock::new(None);
+
 pub fn registry() -> &'static Registry {
-    static R: OnceLock<Registry> = OnceLock::new();
-    R.get_or_init(|| {
-        let mut r = Registry::default();
-        crate::ops::register_all(&mut r);
-        r
-    })
+    if let Some(r) = *CURRENT.read().unwrap_or_else(|e| e.into_inner()) {
+        return r;
+    }
+    let mut w = CURRENT.write().unwrap_or_else(|e| e.into_inner());
+    // Another thread may have initialized it between the two locks.
+    match *w {
+        Some(r) => r,
+        None => {
+            let r: &'static Registry = Box::leak(Box::new(Registry::with_defaults()));
+            *w = Some(r);
+            r
+        }
+    }
+}
+
+/// Makes a pack's kernels visible to every session built afterwards (and to constant folding).
+/// Registering the same pack again does nothing, so every entry point that needs a pack may
+/// call this. Each new pack leaks one copy of the registry (a plan may still hold the previous
+/// one): packs are registered a few times per process, not per session.
+pub fn register_pack(pack: OpPack) {
+    let current = registry();
+    if current.packs.contains(&pack.name) {
+        return;
+    }
+    let mut w = CURRENT.write().unwrap_or_else(|e| e.into_inner());
+    let current: &Registry = w.unwrap_or(current);
+    if current.packs.contains(&pack.name) {
+        return;
+    }
+    let mut next = current.clone();
+    next.register_pack(pack);
+    *w = Some(Box::leak(Box::new(next)));
 }

@@ -10,5 +10,5 @@ pub mod value;
 
 pub use error::{Result, RtError};
 pub use exec::{Plan, Session, SessionOptions};
-pub use kernel::{registry, Inputs, KernelFn, OpCtx, Registry};
+pub use kernel::{register_pack, registry, Inputs, KernelFn, OpCtx, OpPack, Registry};
 pub use value::Value;

@@ -13,12 +13,15 @@ pub type R<T> = Result<T, String>;
 pub struct NodeIn<'a> {
     pub node: &'a Node,
     pub opset: i64,
+    /// The op whose rule applies: the node's own, or the ONNX op an `npuc` op is a variant of
+    /// (see [`NodeIn::as_onnx`]).
+    op: &'a str,
     tys: Vec<Option<TypeInfo>>,
     vals: Vec<Option<Known>>,
 }
 
 impl<'a> NodeIn<'a> {
-    pub fn new(node: &'a Node, scope: &Scope, opset: i64) -> NodeIn<'a> {
+    pub(crate) fn new(node: &'a Node, scope: &Scope, opset: i64) -> NodeIn<'a> {
         let tys = node
             .inputs
             .iter()
@@ -32,13 +35,53 @@ impl<'a> NodeIn<'a> {
         NodeIn {
             node,
             opset,
+            op: &node.op_type,
             tys,
             vals,
         }
     }
 
+    /// The same node seen as ONNX op `op` at `opset`, for an op definition whose shapes follow
+    /// an ONNX op's (a fused or relaid-out variant with the same inputs).
+    pub fn as_onnx(&self, op: &'a str, opset: i64) -> NodeIn<'a> {
+        NodeIn {
+            node: self.node,
+            opset,
+            op,
+            tys: self.tys.clone(),
+            vals: self.vals.clone(),
+        }
+    }
+
+    /// A view of `node` (built by an op definition's rule: the ONNX op whose shapes the op
+    /// follows, with its own input list) at `opset`, whose input `i` has the type and value of
+    /// this node's input `from[i]` (`None`: absent).
+    pub fn derived<'b>(&self, node: &'b Node, opset: i64, from: &[Option<usize>]) -> NodeIn<'b> {
+        let pick = |i: &Option<usize>| i.and_then(|i| self.tys.get(i).cloned().flatten());
+        NodeIn {
+            node,
+            opset,
+            op: &node.op_type,
+            tys: from.iter().map(pick).collect(),
+            vals: from
+                .iter()
+                .map(|i| i.and_then(|i| self.vals.get(i).cloned().flatten()))
+                .collect(),
+        }
+    }
+
+    /// Replaces the type of input `i` (a relaid-out view); its known value is dropped.
+    pub fn set_input_type(&mut self, i: usize, ty: TypeInfo) {
+        if i >= self.tys.len() {
+            self.tys.resize(i + 1, None);
+            self.vals.resize(i + 1, None);
+        }
+        self.tys[i] = Some(ty);
+        self.vals[i] = None;
+    }
+
     pub fn op(&self) -> &str {
-        &self.node.op_type
+        self.op
     }
 
     /// Number of inputs, counting omitted optional ones in the middle.

@@ -24,6 +24,11 @@ pub fn infer(n: &NodeIn) -> Outcome {
         },
         _ => None,
     };
+    // Ops defined outside ONNX (the `npuc` domain) carry their rule in their definition.
+    let r = r.or_else(|| {
+        crate::opdef::lookup(&n.node.domain, n.op())
+            .map(|def| (def.infer)(n).map(|tys| tys.into_iter().map(Out::ty).collect()))
+    });
     match r {
         None => Outcome::NotCovered,
         Some(Ok(v)) => Outcome::Done(v),
@@ -111,7 +116,7 @@ const UNARY_SAME: &[&str] = &[
     "PRelu",
 ];
 
-fn default_domain(n: &NodeIn) -> Option<R<Vec<Out>>> {
+pub(crate) fn default_domain(n: &NodeIn) -> Option<R<Vec<Out>>> {
     let op = n.op();
     if UNARY_SAME.contains(&op) {
         return Some(unary_same(n));
@@ -1517,7 +1522,7 @@ fn batch_norm(n: &NodeIn) -> R<Vec<Out>> {
 }
 
 /// numpy.matmul shape rule.
-pub(crate) fn matmul_dims(a: &[Dim], b: &[Dim]) -> R<Vec<Dim>> {
+pub fn matmul_dims(a: &[Dim], b: &[Dim]) -> R<Vec<Dim>> {
     if a.is_empty() || b.is_empty() {
         return Err("matmul inputs must not be scalars".into());
     }

@@ -9,8 +9,9 @@ pub mod gemma3;
 pub mod llama;
 pub mod qwen2;
 
-use crate::{bail, LlmError, Result};
+use crate::{bail, ops, LlmError, Result};
 use npuc_gguf::{GgufFile, TensorInfo};
+use npuc_ir::opdef::NodeBuilder;
 use npuc_ir::{
     Attr, DType, GgmlType, Graph, Initializer, Model, Node, OpsetImport, Tensor, TypeInfo,
     ValueInfo,
@@ -58,7 +59,7 @@ impl Precision {
 /// How weights enter the graph.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum WeightMode {
-    /// `Ggml` when the runtime has `npuc.GgmlMatMul`, else `Plain`.
+    /// `Ggml` (this crate registers the GGML kernels with the runtime).
     #[default]
     Auto,
     /// F32/F16 weights as f32 initializers used by ONNX `Gemm(transB=1)` / `Gather`
@@ -72,13 +73,8 @@ pub enum WeightMode {
 impl WeightMode {
     fn resolve(self) -> WeightMode {
         match self {
-            WeightMode::Auto => {
-                if npuc_runtime::registry().has("npuc", "GgmlMatMul") {
-                    WeightMode::Ggml
-                } else {
-                    WeightMode::Plain
-                }
-            }
+            // The GGML kernels are this crate's own op pack (registered by `build_with`).
+            WeightMode::Auto => WeightMode::Ggml,
             m => m,
         }
     }
@@ -376,6 +372,8 @@ pub fn build(g: &GgufFile, opts: &BuildOptions) -> Result<Model> {
 
 /// Builds the graph of one variant from already-read hyper-parameters.
 pub fn build_with(g: &GgufFile, hp: &Hparams, opts: &BuildOptions) -> Result<Model> {
+    // Sessions over the graph need this crate's kernels (GgmlMatMul, Rope, CachedAttention...).
+    crate::ops::register();
     if opts.tokens == 0 || opts.ctx == 0 || opts.tokens > opts.ctx {
         bail!(
             "a variant of {} tokens per call does not fit a context of {}",
@@ -601,6 +599,14 @@ impl Builder<'_> {
         out.to_string()
     }
 
+    /// Adds a node of an `npuc` op built from its definition; returns its output.
+    fn push_node(&mut self, node: NodeBuilder) -> Result<String> {
+        let nd = node.build()?;
+        let out = nd.outputs[0].clone();
+        self.nodes.push(nd);
+        Ok(out)
+    }
+
     fn op(&mut self, op: &str, ins: &[&str], attrs: Vec<(&str, Attr)>) -> String {
         let out = self.fresh(&op.to_lowercase());
         self.push(op, "", ins, &out, attrs)
@@ -668,35 +674,31 @@ impl Builder<'_> {
                 tensor,
             });
         }
-        let mut ins = vec![x, name];
-        if let Some(b) = &bias {
-            ins.push(b);
-        }
         let fast = self.opts.precision == Precision::Fast;
-        if fast && matches!(self.mode, WeightMode::Ggml) {
-            // Real-token count: padding rows are skipped and llama.cpp's batch grouping kept.
-            if bias.is_none() {
-                ins.push("");
-            }
-            ins.push("token_count");
-        }
         let out = self.fresh("linear");
         Ok(match self.mode {
             WeightMode::Ggml => {
-                let aq = i64::from(self.opts.precision == Precision::Fast);
-                self.push(
-                    "GgmlMatMul",
-                    "npuc",
-                    &ins,
-                    &out,
-                    vec![
-                        ("ggml_type", Attr::String(t.ggml_type.name().into())),
-                        ("k", Attr::Int(k as i64)),
-                        ("act_quant", Attr::Int(aq)),
-                    ],
-                )
+                // Real-token count: padding rows are skipped and llama.cpp's batch grouping kept.
+                let token_count = fast.then_some("token_count");
+                let node = ops::ggml::GGML_MATMUL
+                    .node(&out)
+                    .input("x", x)
+                    .input("w", name)
+                    .opt_input("bias", bias)
+                    .opt_input("token_count", token_count)
+                    .output("y", &out)
+                    .attr("ggml_type", Attr::String(t.ggml_type.name().into()))
+                    .attr("k", Attr::Int(k as i64))
+                    .attr("act_quant", Attr::Int(i64::from(fast)));
+                self.push_node(node)?
             }
-            _ => self.push("Gemm", "", &ins, &out, vec![("transB", Attr::Int(1))]),
+            _ => {
+                let mut ins = vec![x, name];
+                if let Some(b) = &bias {
+                    ins.push(b);
+                }
+                self.push("Gemm", "", &ins, &out, vec![("transB", Attr::Int(1))])
+            }
         })
     }
 
@@ -726,16 +728,14 @@ impl Builder<'_> {
         Ok(match self.mode {
             WeightMode::Ggml => {
                 let out = self.fresh("embed");
-                self.push(
-                    "GgmlGather",
-                    "npuc",
-                    &[name, "input_ids"],
-                    &out,
-                    vec![
-                        ("ggml_type", Attr::String(t.ggml_type.name().into())),
-                        ("k", Attr::Int(e as i64)),
-                    ],
-                )
+                let node = ops::ggml::GGML_GATHER
+                    .node(&out)
+                    .input("w", name)
+                    .input("ids", "input_ids")
+                    .output("y", &out)
+                    .attr("ggml_type", Attr::String(t.ggml_type.name().into()))
+                    .attr("k", Attr::Int(e as i64));
+                self.push_node(node)?
             }
             _ => self.op("Gather", &[name, "input_ids"], vec![("axis", Attr::Int(0))]),
         })
@@ -808,23 +808,22 @@ impl Builder<'_> {
                 freqs.clone().or(linear.clone())
             };
             let ggml_rope = i64::from(self.opts.precision == Precision::Fast);
-            let rope_attrs = || {
-                vec![
-                    ("mode", Attr::String(mode.into())),
-                    ("base", Attr::Float(base)),
-                    ("dims", Attr::Int(hp.rope_dims as i64)),
-                    ("ggml", Attr::Int(ggml_rope)),
-                ]
+            let rope = |x: &str, out: &str| {
+                ops::transformer::ROPE
+                    .node(out)
+                    .input("x", x)
+                    .input("positions", "positions")
+                    .opt_input("freq_factors", factors.as_deref())
+                    .output("y", out)
+                    .attr("mode", Attr::String(mode.into()))
+                    .attr("base", Attr::Float(base))
+                    .attr("dims", Attr::Int(hp.rope_dims as i64))
+                    .attr("ggml", Attr::Int(ggml_rope))
             };
-            let mut rin = vec![q.as_str(), "positions"];
-            if let Some(f) = &factors {
-                rin.push(f);
-            }
             let qr = self.fresh("rope_q");
-            let q = self.push("Rope", "npuc", &rin, &qr, rope_attrs());
-            rin[0] = &k;
+            let q = self.push_node(rope(&q, &qr))?;
             let kr = self.fresh("rope_k");
-            let k = self.push("Rope", "npuc", &rin, &kr, rope_attrs());
+            let k = self.push_node(rope(&k, &kr))?;
             // This call's K/V in the cache layout [KVH, N, D] and dtype.
             for (src, kind) in [(&k, "key"), (&v, "value")] {
                 let t = self.op(
@@ -843,26 +842,26 @@ impl Builder<'_> {
             let pv = format!("past_value.{l}");
             let att = self.fresh("attn");
             let window = if swa { hp.window as i64 } else { 0 };
-            let a = self.push(
-                "CachedAttention",
-                "npuc",
-                &[&q, &k, &v, &pk, &pv, "positions", "attn_mask"],
-                &att,
-                vec![
-                    ("scale", Attr::Float(hp.attn_scale)),
-                    ("window", Attr::Int(window)),
-                    (
-                        "ggml",
-                        Attr::Int(i64::from(self.opts.precision == Precision::Fast)),
-                    ),
-                    (
+            let fast = self.opts.precision == Precision::Fast;
+            let a = self.push_node(
+                ops::transformer::CACHED_ATTENTION
+                    .node(&att)
+                    .input("q", &q)
+                    .input("k_new", &k)
+                    .input("v_new", &v)
+                    .input("past_k", &pk)
+                    .input("past_v", &pv)
+                    .input("positions", "positions")
+                    .input("mask", "attn_mask")
+                    .output("out", &att)
+                    .attr("scale", Attr::Float(hp.attn_scale))
+                    .attr("window", Attr::Int(window))
+                    .attr("ggml", Attr::Int(i64::from(fast)))
+                    .attr(
                         "prescale",
-                        Attr::Int(i64::from(
-                            self.opts.precision == Precision::Fast && hp.arch == "gemma3",
-                        )),
+                        Attr::Int(i64::from(fast && hp.arch == "gemma3")),
                     ),
-                ],
-            );
+            )?;
             let mut o = self.linear(&a, &p("attn_output.weight"), None, e, h * d)?;
             if hp.post_norms {
                 o = self.rms(&o, &p("post_attention_norm.weight"), e)?;
@@ -880,7 +879,11 @@ impl Builder<'_> {
                     // ggml's CPU GELU is a table over f16 inputs holding f16 outputs
                     // (GGML_GELU_FP16); npuc.GeluF16 evaluates it the same way.
                     let out = self.fresh("gelu_f16");
-                    self.push("GeluF16", "npuc", &[&gate], &out, vec![])
+                    let node = ops::transformer::GELU_F16
+                        .node(&out)
+                        .input("x", &gate)
+                        .output("y", &out);
+                    self.push_node(node)?
                 }
                 Act::GeluTanh => self.op(
                     "Gelu",

@@ -18,24 +18,137 @@ use crate::error::Result;
 use crate::kernel::{registry, Inputs, OpCtx, Registry, MAX_OPSET};
 use crate::ops::matmul::matmul_tensors;
 use crate::value::Value;
+use npuc_ir::infer::onnx_rule;
+use npuc_ir::opdef::{AttrDef, OpDef, Param};
 use npuc_ir::{DType, Node, Tensor};
 use std::sync::Arc;
 
 pub fn register(r: &mut Registry) {
-    r.add_range("npuc", "FusedConv", 1, 1, fused_conv);
-    r.add_range("npuc", "FusedGemm", 1, 1, fused_gemm);
-    r.add_range("npuc", "FusedMatMul", 1, 1, fused_matmul);
-    r.add_range("npuc", "LayerNormalization", 1, 1, |c, i| {
+    r.define(&FUSED_CONV, fused_conv);
+    r.define(&FUSED_GEMM, fused_gemm);
+    r.define(&FUSED_MATMUL, fused_matmul);
+    r.define(&LAYER_NORMALIZATION, |c, i| {
         delegate(c, i, "LayerNormalization")
     });
-    r.add_range("npuc", "RMSNormalization", 1, 1, |c, i| {
+    r.define(&RMS_NORMALIZATION, |c, i| {
         delegate(c, i, "RMSNormalization")
     });
-    r.add_range("npuc", "Gelu", 1, 1, |c, i| delegate(c, i, "Gelu"));
-    r.add_range("npuc", "Attention", 1, 1, |c, i| {
-        delegate(c, i, "Attention")
-    });
+    r.define(&GELU, |c, i| delegate(c, i, "Gelu"));
+    r.define(&ATTENTION, |c, i| delegate(c, i, "Attention"));
 }
+
+/// The fused-activation attributes shared by `FusedConv`, `FusedGemm`, `FusedMatMul` and
+/// `ConvNhwc` (the ONNX op's own attributes are not listed: they are the ONNX op's).
+pub const ACTIVATION_ATTRS: &[AttrDef] = &[
+    AttrDef::optional("activation", "string"),
+    AttrDef::optional("activation_params", "floats"),
+];
+
+/// An `npuc` op whose shapes are those of ONNX op `op` over the same inputs.
+macro_rules! onnx_variant {
+    ($name:literal, $onnx:literal, $inputs:expr, $outputs:expr, $attrs:expr) => {
+        OpDef {
+            domain: "npuc",
+            name: $name,
+            inputs: $inputs,
+            outputs: $outputs,
+            attrs: $attrs,
+            infer: |n| onnx_rule(&n.as_onnx($onnx, MAX_OPSET)),
+        }
+    };
+}
+
+const ONE_OUTPUT: &[Param] = &[Param::required("Y")];
+
+/// `npuc.FusedConv`: ONNX Conv plus an activation.
+pub static FUSED_CONV: OpDef = onnx_variant!(
+    "FusedConv",
+    "Conv",
+    &[
+        Param::required("X"),
+        Param::required("W"),
+        Param::optional("B")
+    ],
+    ONE_OUTPUT,
+    ACTIVATION_ATTRS
+);
+
+/// `npuc.FusedGemm`: ONNX Gemm plus an activation.
+pub static FUSED_GEMM: OpDef = onnx_variant!(
+    "FusedGemm",
+    "Gemm",
+    &[
+        Param::required("A"),
+        Param::required("B"),
+        Param::optional("C")
+    ],
+    ONE_OUTPUT,
+    ACTIVATION_ATTRS
+);
+
+/// `npuc.FusedMatMul`: ONNX MatMul plus a bias along the last axis plus an activation.
+pub static FUSED_MATMUL: OpDef = onnx_variant!(
+    "FusedMatMul",
+    "MatMul",
+    &[
+        Param::required("A"),
+        Param::required("B"),
+        Param::optional("bias")
+    ],
+    ONE_OUTPUT,
+    ACTIVATION_ATTRS
+);
+
+/// `npuc.LayerNormalization`: the ONNX op at the newest opset.
+pub static LAYER_NORMALIZATION: OpDef = onnx_variant!(
+    "LayerNormalization",
+    "LayerNormalization",
+    &[
+        Param::required("X"),
+        Param::required("Scale"),
+        Param::optional("B")
+    ],
+    &[
+        Param::required("Y"),
+        Param::optional("Mean"),
+        Param::optional("InvStdDev")
+    ],
+    &[]
+);
+
+/// `npuc.RMSNormalization`: the ONNX op at the newest opset.
+pub static RMS_NORMALIZATION: OpDef = onnx_variant!(
+    "RMSNormalization",
+    "RMSNormalization",
+    &[Param::required("X"), Param::required("scale")],
+    ONE_OUTPUT,
+    &[]
+);
+
+/// `npuc.Gelu`: the ONNX op at the newest opset.
+pub static GELU: OpDef = onnx_variant!("Gelu", "Gelu", &[Param::required("X")], ONE_OUTPUT, &[]);
+
+/// `npuc.Attention`: the ONNX op at the newest opset.
+pub static ATTENTION: OpDef = onnx_variant!(
+    "Attention",
+    "Attention",
+    &[
+        Param::required("Q"),
+        Param::required("K"),
+        Param::required("V"),
+        Param::optional("attn_mask"),
+        Param::optional("past_key"),
+        Param::optional("past_value"),
+        Param::optional("nonpad_kv_seqlen")
+    ],
+    &[
+        Param::required("Y"),
+        Param::optional("present_key"),
+        Param::optional("present_value"),
+        Param::optional("qk_matmul_output")
+    ],
+    &[]
+);
 
 /// Names of the ONNX ops the `npuc`-domain versions above delegate to.
 pub const DELEGATED: &[&str] = &[

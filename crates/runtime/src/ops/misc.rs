@@ -1,4 +1,5 @@
-//! String ops (StringConcat, StringNormalizer, StringSplit, RegexFullMatch), window
+//! String ops (StringConcat, StringNormalizer, StringSplit; RegexFullMatch is in
+//! `npuc-ops-ext`), window
 //! generators (Hann, Hamming, Blackman), MelWeightMatrix, and the `ai.onnx.ml` ops in
 //! [`ml`].
 
@@ -93,21 +94,6 @@ fn string_split(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         Value::tensor(Tensor::from_strings(shape, flat)?),
         Value::tensor(Tensor::from_vec(x.shape().to_vec(), counts)?),
     ])
-}
-
-/// RegexFullMatch: true where the whole string matches `pattern` (RE2 syntax).
-fn regex_full_match(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
-    let x = ins.tensor(0)?;
-    let pattern = ctx.node.str_or("pattern", "")?;
-    let re = match regex::Regex::new(&format!("^(?:{pattern})$")) {
-        Ok(r) => r,
-        Err(e) => bail!("invalid regex pattern {pattern:?}: {e}"),
-    };
-    let out: Vec<bool> = x.as_strings()?.iter().map(|s| re.is_match(s)).collect();
-    Ok(vec![Value::tensor(Tensor::from_vec(
-        x.shape().to_vec(),
-        out,
-    )?)])
 }
 
 /// Removes combining accents from common Latin letters (the NFKD-then-drop-combining-marks
@@ -327,7 +313,6 @@ pub fn register(r: &mut Registry) {
     r.add("StringConcat", 20, string_concat);
     r.add("StringSplit", 20, string_split);
     r.add("StringNormalizer", 10, string_normalizer);
-    r.add("RegexFullMatch", 20, regex_full_match);
     r.add("HannWindow", 17, hann_window);
     r.add("HammingWindow", 17, hamming_window);
     r.add("BlackmanWindow", 17, blackman_window);

@@ -6,8 +6,6 @@ pub mod conv;
 pub mod elementwise;
 pub mod fused;
 pub mod gather;
-pub mod ggml;
-pub mod llm;
 pub mod matmul;
 pub mod misc;
 pub mod norm;
@@ -30,8 +28,6 @@ pub fn register_all(r: &mut Registry) {
     elementwise::register(r);
     fused::register(r);
     gather::register(r);
-    ggml::register(r);
-    llm::register(r);
     matmul::register(r);
     misc::register(r);
     norm::register(r);

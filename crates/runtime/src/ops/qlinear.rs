@@ -31,23 +31,147 @@
 
 use crate::bail;
 use crate::error::{Result, RtError};
+use crate::kernel::MAX_OPSET;
 use crate::kernel::{Inputs, OpCtx, Registry};
 use crate::kernels::igemm::{igemm, igemm_then, PackedA, PackedB, MAX_K, MR};
 use crate::kernels::qconvert::{self, Isa, QInt};
 use crate::ops::matmul::MatMulPlan;
 use crate::value::Value;
-use npuc_ir::{DType, Tensor};
+use npuc_ir::infer::rules::{matmul_dims, tt};
+use npuc_ir::infer::{onnx_rule, NodeIn, R};
+use npuc_ir::opdef::{AttrDef, OpDef, Param};
+use npuc_ir::{DType, Tensor, TypeInfo};
 use rayon::prelude::*;
 use std::sync::Arc;
 
 /// Registers the quantized-execution ops of domain "npuc".
 pub fn register(r: &mut Registry) {
-    r.add_range("npuc", "QMatMul", 1, 1, qmatmul);
-    r.add_range("npuc", "Quantize", 1, 1, quantize_f32);
-    r.add_range("npuc", "Dequantize", 1, 1, dequantize_f32);
-    r.add_range("npuc", "QLut", 1, 1, qlut);
-    r.add_range("npuc", "QConvTranspose", 1, 1, qconv_transpose);
+    r.define(&QMATMUL, qmatmul);
+    r.define(&QUANTIZE, quantize_f32);
+    r.define(&DEQUANTIZE, dequantize_f32);
+    r.define(&QLUT, qlut);
+    r.define(&QCONV_TRANSPOSE, qconv_transpose);
 }
+
+/// `npuc.QMatMul` (see the module docs).
+pub static QMATMUL: OpDef = OpDef {
+    domain: "npuc",
+    name: "QMatMul",
+    inputs: &[
+        Param::required("a"),
+        Param::required("a_scale"),
+        Param::optional("a_zero_point"),
+        Param::required("b"),
+        Param::required("b_scale"),
+        Param::optional("b_zero_point"),
+        Param::optional("bias"),
+        Param::optional("y_scale"),
+        Param::optional("y_zero_point"),
+        Param::optional("table"),
+        Param::optional("dq_bias"),
+    ],
+    outputs: &[Param::required("y")],
+    attrs: &[
+        AttrDef::optional("trans_b", "int"),
+        AttrDef::optional("clip_min", "float"),
+        AttrDef::optional("clip_max", "float"),
+    ],
+    infer: infer_qmatmul,
+};
+
+/// MatMul's shape (with `b` read as `[N, K]` under `trans_b`); f32 unless requantized to
+/// `y_zero_point`'s dtype without a fused dequantization.
+fn infer_qmatmul(n: &NodeIn) -> R<Vec<TypeInfo>> {
+    let b = match (n.shape(3), n.int_or("trans_b", 0)? != 0) {
+        (Some([rows, cols]), true) => Some(vec![cols.clone(), rows.clone()]),
+        (Some(s), true) => return Err(format!("trans_b needs a 2-D b, found rank {}", s.len())),
+        (None, true) => None,
+        (s, false) => s.map(|s| s.to_vec()),
+    };
+    let dims = match (n.shape(0), b) {
+        (Some(a), Some(b)) => Some(matmul_dims(a, &b)?),
+        _ => None,
+    };
+    let dt = if n.has(8) && !n.has(10) {
+        n.dt(8)
+    } else {
+        Some(DType::F32)
+    };
+    Ok(vec![tt(dt, dims)])
+}
+
+/// `npuc.Quantize` (see [`quantize_f32`]): `x`'s shape, `zero_point`'s dtype.
+pub static QUANTIZE: OpDef = OpDef {
+    domain: "npuc",
+    name: "Quantize",
+    inputs: &[
+        Param::required("x"),
+        Param::required("scale"),
+        Param::required("zero_point"),
+    ],
+    outputs: &[Param::required("y")],
+    attrs: &[],
+    infer: |n| Ok(vec![tt(n.dt(2), n.shape(0).map(|s| s.to_vec()))]),
+};
+
+/// `npuc.Dequantize` (see [`dequantize_f32`]): `x`'s shape, f32.
+pub static DEQUANTIZE: OpDef = OpDef {
+    domain: "npuc",
+    name: "Dequantize",
+    inputs: &[
+        Param::required("x"),
+        Param::required("scale"),
+        Param::optional("zero_point"),
+    ],
+    outputs: &[Param::required("y")],
+    attrs: &[],
+    infer: |n| Ok(vec![tt(Some(DType::F32), n.shape(0).map(|s| s.to_vec()))]),
+};
+
+/// `npuc.QLut` (see [`qlut`]): `x`'s shape, the table's dtype.
+pub static QLUT: OpDef = OpDef {
+    domain: "npuc",
+    name: "QLut",
+    inputs: &[Param::required("x"), Param::required("table")],
+    outputs: &[Param::required("y")],
+    attrs: &[AttrDef::optional("axis", "int")],
+    infer: |n| Ok(vec![tt(n.dt(1), n.shape(0).map(|s| s.to_vec()))]),
+};
+
+/// `npuc.QConvTranspose` (see [`qconv_transpose`]): ConvTranspose's shape of `x` and `w`,
+/// `y_zero_point`'s dtype.
+pub static QCONV_TRANSPOSE: OpDef = OpDef {
+    domain: "npuc",
+    name: "QConvTranspose",
+    inputs: &[
+        Param::required("x"),
+        Param::required("x_scale"),
+        Param::optional("x_zero_point"),
+        Param::required("w"),
+        Param::required("w_scale"),
+        Param::optional("w_zero_point"),
+        Param::optional("bias"),
+        Param::required("y_scale"),
+        Param::required("y_zero_point"),
+    ],
+    outputs: &[Param::required("y")],
+    attrs: &[],
+    infer: |n| {
+        let mut conv_t = n.node.clone();
+        conv_t.op_type = "ConvTranspose".into();
+        conv_t.domain = String::new();
+        conv_t.inputs = [0, 3]
+            .iter()
+            .map(|&i| n.node.input(i).unwrap_or_default().to_string())
+            .collect();
+        let view = n.derived(&conv_t, MAX_OPSET, &[Some(0), Some(3)]);
+        let mut tys = onnx_rule(&view)?;
+        if let Some(TypeInfo::Tensor { dtype, .. }) = tys.first_mut() {
+            *dtype = n.dt(8);
+        }
+        Ok(tys)
+    },
+};
 
 /// Per-thread scratch of [`qmatmul`] (i32 sums, packed activations), kept across nodes and
 /// runs: fresh multi-megabyte buffers per call cost more in page faults than the product.

@@ -24,13 +24,34 @@ use crate::kernel::{Inputs, OpCtx, Registry};
 use crate::kernels::qconvert::{self, Isa, QInt};
 use crate::ops::norm::sum_of;
 use crate::value::Value;
+use npuc_ir::infer::rules::tt;
+use npuc_ir::opdef::{AttrDef, OpDef, Param};
 use npuc_ir::{DType, Tensor};
 use rayon::prelude::*;
 
 /// Registers `npuc.QSoftmax`.
 pub fn register(r: &mut Registry) {
-    r.add_range("npuc", "QSoftmax", 1, 1, qsoftmax);
+    r.define(&QSOFTMAX, qsoftmax);
 }
+
+/// `npuc.QSoftmax` (see the module docs): `x`'s shape, `y_zero_point`'s dtype (u8 without it).
+pub static QSOFTMAX: OpDef = OpDef {
+    domain: "npuc",
+    name: "QSoftmax",
+    inputs: &[
+        Param::required("x"),
+        Param::required("x_scale"),
+        Param::optional("x_zero_point"),
+        Param::required("y_scale"),
+        Param::optional("y_zero_point"),
+    ],
+    outputs: &[Param::required("y")],
+    attrs: &[AttrDef::optional("axis", "int")],
+    infer: |n| {
+        let dt = if n.has(4) { n.dt(4) } else { Some(DType::U8) };
+        Ok(vec![tt(dt, n.shape(0).map(|s| s.to_vec()))])
+    },
+};
 
 /// Elements at which the rows are split across threads: below it (one ViT-S attention head
 /// set is ~233k) the fork/join costs more than the second core gives back.

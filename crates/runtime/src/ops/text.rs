@@ -1,6 +1,4 @@
-//! Text and media ops: TfIdfVectorizer and ImageDecoder.
-
-mod image;
+//! TfIdfVectorizer (ImageDecoder is in `npuc-ops-ext`).
 
 use crate::bail;
 use crate::error::Result;
@@ -11,7 +9,6 @@ use std::collections::HashMap;
 
 pub fn register(r: &mut Registry) {
     r.add("TfIdfVectorizer", 9, tfidf_vectorizer);
-    image::register(r);
 }
 
 /// How n-gram counts become output values.

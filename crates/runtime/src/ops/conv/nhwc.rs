@@ -16,18 +16,84 @@
 use super::{conv_geom, Geom, PAR_MIN};
 use crate::bail;
 use crate::error::Result;
+use crate::kernel::MAX_OPSET;
 use crate::kernel::{Inputs, OpCtx, Registry};
 use crate::kernels::conv_nhwc::{dw_pixel, MAX_TAPS};
+use crate::ops::fused::ACTIVATION_ATTRS;
 use crate::ops::fused::{apply_f32, Act};
 use crate::ops::matmul::{gemm_into, Mat};
 use crate::value::Value;
-use npuc_ir::{DType, Tensor};
+use npuc_ir::infer::rules::tt;
+use npuc_ir::infer::{onnx_rule, NodeIn, R};
+use npuc_ir::opdef::{OpDef, Param};
+use npuc_ir::{DType, Dim, Tensor, TypeInfo};
 use rayon::prelude::*;
 
 pub fn register(r: &mut Registry) {
-    r.add_range("npuc", "ConvNhwc", 1, 1, conv_nhwc);
-    r.add_range("npuc", "GlobalAveragePoolNhwc", 1, 1, gap_nhwc);
+    r.define(&CONV_NHWC, conv_nhwc);
+    r.define(&GLOBAL_AVERAGE_POOL_NHWC, gap_nhwc);
 }
+
+/// `npuc.ConvNhwc` (see the module docs): Conv's attributes plus the fused activation.
+pub static CONV_NHWC: OpDef = OpDef {
+    domain: "npuc",
+    name: "ConvNhwc",
+    inputs: &[
+        Param::required("X"),
+        Param::required("W"),
+        Param::optional("B"),
+    ],
+    outputs: &[Param::required("Y")],
+    attrs: ACTIVATION_ATTRS,
+    infer: infer_conv_nhwc,
+};
+
+/// Conv's rule on the NCHW view of `X`, its result read back as NHWC.
+fn infer_conv_nhwc(n: &NodeIn) -> R<Vec<TypeInfo>> {
+    let mut conv = n.as_onnx("Conv", MAX_OPSET);
+    if let Some(TypeInfo::Tensor {
+        dtype,
+        shape: Some(s),
+    }) = n.ty(0)
+    {
+        let [b, h, w, c] = s.as_slice() else {
+            return Err(format!("X must be 4-D NHWC, got rank {}", s.len()));
+        };
+        let nchw = vec![b.clone(), c.clone(), h.clone(), w.clone()];
+        conv.set_input_type(0, tt(*dtype, Some(nchw)));
+    }
+    let mut tys = onnx_rule(&conv)?;
+    if let Some(TypeInfo::Tensor { shape: Some(s), .. }) = tys.first_mut() {
+        if let [b, m, oh, ow] = s.as_slice() {
+            *s = vec![b.clone(), oh.clone(), ow.clone(), m.clone()];
+        }
+    }
+    Ok(tys)
+}
+
+/// `npuc.GlobalAveragePoolNhwc(X [N, H, W, C]) -> [N, 1, 1, C]`.
+pub static GLOBAL_AVERAGE_POOL_NHWC: OpDef = OpDef {
+    domain: "npuc",
+    name: "GlobalAveragePoolNhwc",
+    inputs: &[Param::required("X")],
+    outputs: &[Param::required("Y")],
+    attrs: &[],
+    infer: |n| {
+        let dims = n.shape(0).map(|s| {
+            s.iter()
+                .enumerate()
+                .map(|(i, d)| {
+                    if i == 0 || i + 1 == s.len() {
+                        d.clone()
+                    } else {
+                        Dim::Fixed(1)
+                    }
+                })
+                .collect()
+        });
+        Ok(vec![tt(n.dt(0), dims)])
+    },
+};
 
 /// A weight re-packed for the NHWC kernels: `[KH*KW, M]` (depthwise) or `[KH*KW*C, M]` with
 /// rows ordered (tap, input channel), the order the NHWC im2col writes its columns in.

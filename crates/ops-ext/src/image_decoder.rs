@@ -1,12 +1,12 @@
 //! ImageDecoder (opset 20): decodes an encoded image byte stream into an `[H, W, C]` uint8
 //! tensor with the `image` crate.
 
-use crate::bail;
-use crate::error::Result;
-use crate::kernel::{Inputs, OpCtx, Registry};
-use crate::value::Value;
 use image::{DynamicImage, ImageReader};
 use npuc_ir::{DType, Tensor};
+use npuc_runtime::bail;
+use npuc_runtime::Result;
+use npuc_runtime::Value;
+use npuc_runtime::{Inputs, OpCtx, Registry};
 use std::io::Cursor;
 
 pub fn register(r: &mut Registry) {
@@ -50,13 +50,13 @@ fn image_decoder(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     let bytes = x.as_slice::<u8>()?;
     let reader = ImageReader::new(Cursor::new(bytes))
         .with_guessed_format()
-        .map_err(|e| crate::error::RtError::msg(format!("cannot read the image: {e}")))?;
+        .map_err(|e| npuc_runtime::RtError::msg(format!("cannot read the image: {e}")))?;
     if reader.format().is_none() {
         bail!("unrecognised or unsupported image format");
     }
     let img = reader
         .decode()
-        .map_err(|e| crate::error::RtError::msg(format!("cannot decode the image: {e}")))?;
+        .map_err(|e| npuc_runtime::RtError::msg(format!("cannot decode the image: {e}")))?;
     let (w, h) = (img.width() as usize, img.height() as usize);
     let t = match fmt {
         PixelFormat::Grayscale => {

@@ -72,6 +72,7 @@ fn values(n: usize, seed: u64) -> Vec<f32> {
 }
 
 fn run(m: &Model, feeds: Vec<(&str, Value)>, threads: usize) -> Result<Tensor, String> {
+    npuc_llm::register_ops();
     let s = Session::new(m, SessionOptions { threads }).map_err(|e| e.to_string())?;
     let out = s
         .run(feeds.into_iter().map(|(n, v)| (n.to_string(), v)).collect())

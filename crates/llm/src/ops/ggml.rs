@@ -11,16 +11,76 @@
 //! - `GgmlGather(W, ids i64/i32 [...]) -> f32 [..., K]`: rows of `W` dequantized exactly
 //!   (embedding lookup). Attributes `ggml_type`, `k`.
 
-use crate::bail;
-use crate::error::Result;
-use crate::kernel::{Inputs, OpCtx, Registry};
-use crate::value::Value;
 use npuc_ggml::{GgmlType, MatMulMode};
-use npuc_ir::{DType, Node, Tensor};
+use npuc_ir::infer::rules::tt;
+use npuc_ir::infer::{NodeIn, R};
+use npuc_ir::opdef::{AttrDef, OpDef, Param};
+use npuc_ir::{DType, Dim, Node, Tensor, TypeInfo};
+use npuc_runtime::bail;
+use npuc_runtime::Result;
+use npuc_runtime::Value;
+use npuc_runtime::{Inputs, OpCtx, Registry};
 
 pub fn register(r: &mut Registry) {
-    r.add_range("npuc", "GgmlMatMul", 1, 1, ggml_matmul);
-    r.add_range("npuc", "GgmlGather", 1, 1, ggml_gather);
+    r.define(&GGML_MATMUL, ggml_matmul);
+    r.define(&GGML_GATHER, ggml_gather);
+}
+
+/// `npuc.GgmlMatMul` (see the module docs).
+pub static GGML_MATMUL: OpDef = OpDef {
+    domain: "npuc",
+    name: "GgmlMatMul",
+    inputs: &[
+        Param::required("x"),
+        Param::required("w"),
+        Param::optional("bias"),
+        Param::optional("token_count"),
+    ],
+    outputs: &[Param::required("y")],
+    attrs: &[
+        AttrDef::required("ggml_type", "string"),
+        AttrDef::required("k", "int"),
+        AttrDef::optional("act_quant", "int"),
+        AttrDef::optional("batch", "int"),
+    ],
+    infer: infer_matmul,
+};
+
+/// `Y f32 [..., N]` for `X [..., K]` and `W` of N rows.
+fn infer_matmul(n: &NodeIn) -> R<Vec<TypeInfo>> {
+    let dims = match (n.shape(0), n.shape(1)) {
+        (Some(x), Some(w)) if !x.is_empty() && !w.is_empty() => {
+            let mut d = x[..x.len() - 1].to_vec();
+            d.push(w[0].clone());
+            Some(d)
+        }
+        _ => None,
+    };
+    Ok(vec![tt(Some(DType::F32), dims)])
+}
+
+/// `npuc.GgmlGather` (see the module docs).
+pub static GGML_GATHER: OpDef = OpDef {
+    domain: "npuc",
+    name: "GgmlGather",
+    inputs: &[Param::required("w"), Param::required("ids")],
+    outputs: &[Param::required("y")],
+    attrs: &[
+        AttrDef::required("ggml_type", "string"),
+        AttrDef::required("k", "int"),
+    ],
+    infer: infer_gather,
+};
+
+/// `f32 [..ids, k]`.
+fn infer_gather(n: &NodeIn) -> R<Vec<TypeInfo>> {
+    let k = n.int_req("k")?;
+    let dims = n.shape(1).map(|ids| {
+        let mut d = ids.to_vec();
+        d.push(Dim::Fixed(k.max(0) as usize));
+        d
+    });
+    Ok(vec![tt(Some(DType::F32), dims)])
 }
 
 /// The `ggml_type` and `k` attributes, validated.
@@ -52,7 +112,7 @@ fn type_and_k(n: &Node) -> Result<(GgmlType, usize)> {
 
 /// The weight's raw bytes and its row count, checked against `ty` and `k`.
 fn weight_bytes(w: &Tensor, ty: GgmlType, k: usize) -> Result<(&[u8], usize)> {
-    let rb = npuc_ggml::row_bytes(ty, k).map_err(|e| crate::RtError::msg(e.to_string()))?;
+    let rb = npuc_ggml::row_bytes(ty, k).map_err(|e| npuc_runtime::RtError::msg(e.to_string()))?;
     let s = w.shape();
     if s.len() != 2 {
         bail!("weight must be 2-D [rows, row_bytes or k], got shape {s:?}");
@@ -131,7 +191,7 @@ fn ggml_matmul(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         mode,
         ctx.threads,
     )
-    .map_err(|e| crate::RtError::msg(e.to_string()))?;
+    .map_err(|e| npuc_runtime::RtError::msg(e.to_string()))?;
     if let Some(b) = ins.opt_tensor(2) {
         if b.dtype() != DType::F32 || b.len() != n {
             bail!(
@@ -163,7 +223,7 @@ fn ggml_gather(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     };
     let mut out = vec![0f32; ids.len() * k];
     npuc_ggml::gather_rows(ty, w, k, &ids, &mut out)
-        .map_err(|e| crate::RtError::msg(e.to_string()))?;
+        .map_err(|e| npuc_runtime::RtError::msg(e.to_string()))?;
     let mut shape = ids_t.shape().to_vec();
     shape.push(k);
     Ok(vec![Value::tensor(Tensor::from_vec(shape, out)?)])

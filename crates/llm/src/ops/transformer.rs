@@ -22,18 +22,87 @@
 //! one, so their cost grows with the filled part of the cache, not with C; the cache is read in
 //! place (never copied).
 
-use crate::bail;
-use crate::error::Result;
-use crate::kernel::{Inputs, OpCtx, Registry};
-use crate::value::Value;
-use npuc_ir::{f16, DType, Tensor};
+use npuc_ir::infer::rules::{dim_mul, tt};
+use npuc_ir::infer::{NodeIn, R};
+use npuc_ir::opdef::{AttrDef, OpDef, Param};
+use npuc_ir::{f16, DType, Tensor, TypeInfo};
+use npuc_runtime::bail;
+use npuc_runtime::Result;
+use npuc_runtime::Value;
+use npuc_runtime::{Inputs, OpCtx, Registry};
 use rayon::prelude::*;
 
-/// Registers `npuc.Rope` and `npuc.CachedAttention`.
+/// Registers `npuc.Rope`, `npuc.CachedAttention` and `npuc.GeluF16`.
 pub fn register(r: &mut Registry) {
-    r.add_range("npuc", "Rope", 1, 1, rope);
-    r.add_range("npuc", "CachedAttention", 1, 1, cached_attention);
-    r.add_range("npuc", "GeluF16", 1, 1, gelu_f16);
+    r.define(&ROPE, rope);
+    r.define(&CACHED_ATTENTION, cached_attention);
+    r.define(&GELU_F16, gelu_f16);
+}
+
+/// `npuc.Rope` (see the module docs): the output has `x`'s type.
+pub static ROPE: OpDef = OpDef {
+    domain: "npuc",
+    name: "Rope",
+    inputs: &[
+        Param::required("x"),
+        Param::required("positions"),
+        Param::optional("freq_factors"),
+    ],
+    outputs: &[Param::required("y")],
+    attrs: &[
+        AttrDef::optional("mode", "string"),
+        AttrDef::optional("base", "float"),
+        AttrDef::optional("dims", "int"),
+        AttrDef::optional("ggml", "int"),
+    ],
+    infer: same_as_x,
+};
+
+/// `npuc.CachedAttention` (see the module docs): `out f32 [N, H*D]`.
+pub static CACHED_ATTENTION: OpDef = OpDef {
+    domain: "npuc",
+    name: "CachedAttention",
+    inputs: &[
+        Param::required("q"),
+        Param::required("k_new"),
+        Param::required("v_new"),
+        Param::required("past_k"),
+        Param::required("past_v"),
+        Param::required("positions"),
+        Param::required("mask"),
+    ],
+    outputs: &[Param::required("out")],
+    attrs: &[
+        AttrDef::optional("scale", "float"),
+        AttrDef::optional("window", "int"),
+        AttrDef::optional("ggml", "int"),
+        AttrDef::optional("prescale", "int"),
+    ],
+    infer: infer_attention,
+};
+
+fn infer_attention(n: &NodeIn) -> R<Vec<TypeInfo>> {
+    let dims = match n.shape(0) {
+        Some([t, h, d]) => Some(vec![t.clone(), dim_mul(h, d)]),
+        Some(s) => return Err(format!("q must be [N, H, D], got rank {}", s.len())),
+        None => None,
+    };
+    Ok(vec![tt(Some(DType::F32), dims)])
+}
+
+/// `npuc.GeluF16(x f32) -> f32`: tanh-approximated GELU through ggml's f16 table (see
+/// [`gelu_f16_scalar`]).
+pub static GELU_F16: OpDef = OpDef {
+    domain: "npuc",
+    name: "GeluF16",
+    inputs: &[Param::required("x")],
+    outputs: &[Param::required("y")],
+    attrs: &[],
+    infer: same_as_x,
+};
+
+fn same_as_x(n: &NodeIn) -> R<Vec<TypeInfo>> {
+    Ok(vec![tt(Some(DType::F32), n.shape(0).map(|s| s.to_vec()))])
 }
 
 /// GELU (tanh form) as ggml's CPU backend evaluates it (`GGML_GELU_FP16`): a table indexed by
