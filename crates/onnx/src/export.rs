@@ -4,7 +4,6 @@ use crate::proto;
 use crate::OnnxError;
 use npuc_ir::{Attr, DType, Dim, Function, Graph, Model, Node, Tensor, TypeInfo, ValueInfo};
 use prost::Message;
-use std::io::Write;
 use std::path::Path;
 
 #[derive(Clone, Debug, Default)]

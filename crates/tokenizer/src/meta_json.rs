@@ -14,20 +14,6 @@ pub fn is_tokenizer_key(key: &str) -> bool {
     key.starts_with("tokenizer.") || key == "general.name"
 }
 
-fn float_json(f: f64) -> Value {
-    if f.is_finite() {
-        Number::from_f64(f)
-            .map(Value::Number)
-            .unwrap_or(Value::Null)
-    } else if f.is_nan() {
-        Value::String("nan".into())
-    } else if f > 0.0 {
-        Value::String("inf".into())
-    } else {
-        Value::String("-inf".into())
-    }
-}
-
 fn to_json(v: &MetaValue) -> Value {
     serde_json::to_value(v).unwrap_or(Value::Null)
 }
