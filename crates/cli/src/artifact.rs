@@ -3,10 +3,9 @@
 use anyhow::Result;
 use npuc_format::{Artifact, GraphDesc, TypeDesc};
 use npuc_ir::infer::InferResult;
-use npuc_ir::{Model, TypeInfo};
+use npuc_ir::TypeInfo;
 use serde_json::json;
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::io::Read;
 use std::path::Path;
 
 fn ty(t: &Option<TypeDesc>) -> String {
