@@ -54,32 +54,26 @@ fn ir_ty(t: &TypeInfo) -> String {
     }
 }
 
-/// Every node output of graph `name` with its statically inferred type (`npuc_ir::infer`, with
-/// the `npuc` op definitions), and the values whose shape inference left incomplete.
-fn value_types(a: &Artifact, name: &str) -> (BTreeMap<String, String>, Vec<String>) {
+/// Every node output of graph `name` in node order with its statically inferred type
+/// (`npuc_ir::infer`, with the `npuc` op definitions), and how many lack a static shape.
+fn value_types(a: &Artifact, name: &str) -> (Vec<serde_json::Value>, usize) {
     let Ok(m) = a.model(Some(name)) else {
-        return (BTreeMap::new(), vec![]);
+        return (vec![], 0);
     };
     let r = npuc_ir::infer::infer_model(&m, &HashMap::new());
-    let mut types = BTreeMap::new();
-    let mut incomplete = vec![];
+    let mut values = vec![];
+    let mut incomplete = 0;
     for n in &m.graph.nodes {
         for o in n.outputs.iter().filter(|o| !o.is_empty()) {
-            match r.type_of(o) {
-                Some(t) => {
-                    if !InferResult::is_complete(t) {
-                        incomplete.push(o.clone());
-                    }
-                    types.insert(o.clone(), ir_ty(t));
-                }
-                None => {
-                    incomplete.push(o.clone());
-                    types.insert(o.clone(), "?".into());
-                }
+            let t = r.type_of(o);
+            if !t.is_some_and(InferResult::is_complete) {
+                incomplete += 1;
             }
+            let t = t.map(ir_ty).unwrap_or_else(|| "?".into());
+            values.push(json!({"name": o, "type": t}));
         }
     }
-    (types, incomplete)
+    (values, incomplete)
 }
 
 fn weight_refs(g: &GraphDesc) -> Vec<usize> {
@@ -240,14 +234,12 @@ pub fn inspect(path: &Path, json_out: bool, verify: bool) -> Result<()> {
                 g["weight_bytes_shared"].as_f64().unwrap_or(0.0) / 1e6,
                 g["arena_bytes"].as_f64().unwrap_or(0.0) / 1e6
             );
-            let values = g["values"].as_object().map_or(0, |v| v.len());
-            match g["values_without_static_shape"].as_array() {
-                Some(u) if !u.is_empty() => println!(
-                    "  values  {values}, {} without a static shape (e.g. {}); --json lists every type",
-                    u.len(),
-                    u.iter().take(3).map(|v| v.to_string()).collect::<Vec<_>>().join(", ")
+            let values = g["values"].as_array().map_or(0, |v| v.len());
+            match g["values_without_static_shape"].as_u64().unwrap_or(0) {
+                0 => println!("  values  {values}, every shape static (--json lists them)"),
+                u => println!(
+                    "  values  {values}, {u} without a static shape (--json lists every type)"
                 ),
-                _ => println!("  values  {values}, every shape static (--json lists them)"),
             }
             if let Some(h) = g["op_histogram"].as_object() {
                 let line: Vec<String> = h.iter().map(|(k, v)| format!("{k}:{v}")).collect();
