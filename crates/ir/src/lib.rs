@@ -8,6 +8,7 @@ pub mod graph;
 pub mod infer;
 pub mod lowp;
 pub mod tensor;
+pub mod verify;
 
 pub use dtype::DType;
 pub use error::IrError;
@@ -15,3 +16,4 @@ pub use ggml::GgmlType;
 pub use graph::*;
 pub use half::{bf16, f16};
 pub use tensor::{numel, Backing, Borrowed, Elem, Tensor, TensorData};
+pub use verify::{verify_model, NoContracts, OpContracts};
