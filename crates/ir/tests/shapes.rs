@@ -11,7 +11,9 @@ const WRAPS_TO_ZERO: [usize; 2] = [1 << 32, 1 << 32];
 fn checked_numel_detects_overflow() {
     assert_eq!(checked_numel(&[]), Some(1));
     assert_eq!(checked_numel(&[2, 3, 4]), Some(24));
-    assert_eq!(checked_numel(&[0, usize::MAX, 2]), None);
+    // A zero dimension makes the product 0 from there on: an empty tensor, not an overflow.
+    assert_eq!(checked_numel(&[0, usize::MAX, 2]), Some(0));
+    assert_eq!(checked_numel(&[usize::MAX, 2]), None);
     assert_eq!(checked_numel(&WRAPS_TO_ZERO), None);
 }
 
