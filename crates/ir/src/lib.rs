@@ -10,6 +10,7 @@ pub mod infer;
 pub mod lowp;
 pub mod opdef;
 pub mod tensor;
+pub mod verify;
 
 pub use dtype::DType;
 pub use error::IrError;
@@ -17,3 +18,4 @@ pub use ggml::GgmlType;
 pub use graph::*;
 pub use half::{bf16, f16};
 pub use tensor::{checked_numel, numel, Backing, Borrowed, Elem, Tensor, TensorData};
+pub use verify::{verify_model, NoContracts, OpContracts};

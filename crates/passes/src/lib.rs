@@ -8,15 +8,23 @@
 //! Passes are conservative: a pattern they do not fully understand (unknown ranks, non-constant
 //! parameters, values read by several nodes, graph outputs in the middle of a pattern, subgraph
 //! captures) is left alone. Graph output names are always preserved.
+//!
+//! A pass never edits the model directly: it plans its rewrite as a [`GraphPatch`] and applies
+//! it through the [`Rewriter`] it is given. With verification on (debug builds, this crate's
+//! tests, `NPUC_VERIFY_PASSES=1`, or [`PassManager::verify_each`]), the pass manager checks the
+//! model with [`npuc_ir::verify_model`] after every pass and names the pass that broke it.
 #![forbid(unsafe_code)]
 
 pub mod passes;
+pub mod patch;
 pub mod quant_lower;
 pub mod util;
 
+pub use patch::{GraphPatch, Rewriter};
 pub use quant_lower::lower_quantized;
 
-use npuc_ir::Model;
+use npuc_ir::{Model, NoContracts, OpContracts};
+use std::collections::HashSet;
 use std::time::Instant;
 
 /// What a pass changed.
@@ -44,14 +52,89 @@ pub enum PassError {
     },
     #[error("pass '{pass}': {msg}")]
     Graph { pass: String, msg: String },
+    /// The verifier found problems after the pass that were not there before it.
+    #[error("pass '{pass}' left an invalid graph: {}", problems.join("; "))]
+    Invalid { pass: String, problems: Vec<String> },
 }
 
 /// A graph rewrite.
 pub trait Pass {
     /// A short stable name (shown by `--print-passes`).
     fn name(&self) -> &'static str;
-    /// Rewrites the model; returns how much changed (0 = nothing to do).
-    fn run(&self, model: &mut Model) -> Result<PassStats, PassError>;
+    /// Rewrites `rw.model()` by applying [`GraphPatch`]es through `rw`; returns how much
+    /// changed (0 = nothing to do).
+    fn run(&self, rw: &mut Rewriter<'_>) -> Result<PassStats, PassError>;
+}
+
+/// Whether passes are verified when nothing says otherwise: in debug builds, in this crate's
+/// own tests, and when the environment sets `NPUC_VERIFY_PASSES` (to anything but `0`), which
+/// is how `--release` test runs turn it on.
+pub fn verify_by_default() -> bool {
+    cfg!(debug_assertions)
+        || cfg!(test)
+        || std::env::var("NPUC_VERIFY_PASSES").is_ok_and(|v| !v.is_empty() && v != "0")
+}
+
+/// Checks models between passes: the problems [`npuc_ir::verify_model`] finds that were not
+/// already present in the model the optimizer was given (a malformed input is not a pass's
+/// fault; what a pass adds to it is).
+pub struct PassVerifier<'c> {
+    contracts: &'c dyn OpContracts,
+    baseline: HashSet<String>,
+}
+
+impl<'c> PassVerifier<'c> {
+    /// Records the problems `model` already has.
+    pub fn new(model: &Model, contracts: &'c dyn OpContracts) -> PassVerifier<'c> {
+        let baseline = npuc_ir::verify_model(model, contracts)
+            .iter()
+            .map(|e| e.to_string())
+            .collect();
+        PassVerifier {
+            contracts,
+            baseline,
+        }
+    }
+
+    /// Checks `model` after `pass` ran: an error naming the pass and every new problem.
+    pub fn check(&self, pass: &str, model: &Model) -> Result<(), PassError> {
+        let problems: Vec<String> = npuc_ir::verify_model(model, self.contracts)
+            .iter()
+            .map(|e| e.to_string())
+            .filter(|e| !self.baseline.contains(e))
+            .collect();
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(PassError::Invalid {
+                pass: pass.to_string(),
+                problems,
+            })
+        }
+    }
+}
+
+/// Runs one pass on `model` outside a pipeline, verified when [`verify_by_default`] says so.
+pub fn apply_pass(pass: &dyn Pass, model: &mut Model) -> Result<PassStats, PassError> {
+    run_verified(pass.name(), model, verify_by_default(), |rw| pass.run(rw))
+}
+
+/// Runs `f` as the pass `name` on `model`, then (when `verify`) checks that it left a valid
+/// graph.
+pub(crate) fn run_verified<T>(
+    name: &str,
+    model: &mut Model,
+    verify: bool,
+    f: impl FnOnce(&mut Rewriter<'_>) -> Result<T, PassError>,
+) -> Result<T, PassError> {
+    let verifier = verify.then(|| PassVerifier::new(model, &NoContracts));
+    let mut rw = Rewriter::new(model);
+    let out = f(&mut rw)?;
+    let edited = rw.edited();
+    if let Some(v) = verifier.filter(|_| edited) {
+        v.check(name, model)?;
+    }
+    Ok(out)
 }
 
 /// Options of [`optimize`].
@@ -224,6 +307,10 @@ pub struct PassManager {
     /// e.g. `layout-nhwc`).
     late: Vec<Box<dyn Pass>>,
     max_iterations: usize,
+    /// Check the model after every pass (see [`verify_by_default`]).
+    verify: bool,
+    /// Op contracts the checks apply (none until an op registry provides them).
+    contracts: Box<dyn OpContracts>,
 }
 
 impl PassManager {
@@ -232,7 +319,21 @@ impl PassManager {
             passes: vec![],
             late: vec![],
             max_iterations: max_iterations.max(1),
+            verify: verify_by_default(),
+            contracts: Box::new(NoContracts),
         }
+    }
+
+    /// Turns checking the model after every pass on or off (default: [`verify_by_default`]).
+    pub fn verify_each(mut self, on: bool) -> PassManager {
+        self.verify = on;
+        self
+    }
+
+    /// The op contracts the between-pass checks apply to every node.
+    pub fn with_contracts(mut self, contracts: Box<dyn OpContracts>) -> PassManager {
+        self.contracts = contracts;
+        self
     }
 
     pub fn add(&mut self, p: Box<dyn Pass>) {
@@ -312,6 +413,9 @@ impl PassManager {
         let dce = passes::dce::Dce;
         let count = self.passes.len();
         let mut hist = op_histogram(model);
+        let verifier = self
+            .verify
+            .then(|| PassVerifier::new(model, self.contracts.as_ref()));
         let mut run_one = |p: &dyn Pass,
                            it: usize,
                            index: usize,
@@ -325,7 +429,12 @@ impl PassManager {
                 count,
             });
             let nodes_before = model.graph.nodes.len();
-            let st = p.run(model)?;
+            let mut rw = Rewriter::new(model);
+            let st = p.run(&mut rw)?;
+            let edited = rw.edited();
+            if let Some(v) = verifier.as_ref().filter(|_| edited) {
+                v.check(p.name(), model)?;
+            }
             if st.changes > 0 {
                 let after = op_histogram(model);
                 let rec = PassRecord {

@@ -22,8 +22,8 @@
 //! artifacts store them that way); [`lower_quantized`] applies it when a graph is loaded to run.
 
 use crate::passes::dce::Dce;
-use crate::util::{import_npuc, is_op, Index};
-use crate::{Pass, PassError, PassStats};
+use crate::util::{is_op, Index};
+use crate::{GraphPatch, Pass, PassError, PassStats, Rewriter};
 use npuc_ir::opdef::NodeBuilder;
 use npuc_ir::{Attr, DType, Graph, Model, Node};
 use npuc_runtime::ops::qlinear::{QCONV_TRANSPOSE, QLUT, QMATMUL};
@@ -57,11 +57,14 @@ fn built(node: NodeBuilder) -> Result<Node, PassError> {
 fn lower_with(model: &mut Model, luts: bool) -> Result<usize, PassError> {
     // Makes the `npuc` op definitions known to inference (see `crate::optimize`).
     npuc_runtime::registry();
-    let (products, qdq) = QuantLower.lower(model, luts)?;
-    if products + qdq > 0 {
-        Dce.run(model)?;
-    }
-    Ok(products)
+    let name = QuantLower.name();
+    crate::run_verified(name, model, crate::verify_by_default(), |rw| {
+        let (products, qdq) = QuantLower.lower(rw, luts)?;
+        if products + qdq > 0 {
+            Dce.run(rw)?;
+        }
+        Ok(products)
+    })
 }
 
 /// Whether the model holds any QuantizeLinear/DequantizeLinear node (a QDQ graph).
@@ -134,29 +137,14 @@ impl QuantLower {
     }
 }
 
-/// A fusion decided while scanning (applied after the scan so indices stay valid).
-struct Edit {
-    product: usize,
-    remove: Vec<usize>,
-    node: Node,
-}
-
-/// Puts each edit's node in its product's place and removes the nodes it absorbed; returns
-/// the number of edits (the npuc domain is imported when there is any).
-fn apply_edits(m: &mut Model, edits: Vec<Edit>) -> usize {
-    let n = edits.len();
-    if n == 0 {
-        return 0;
+/// Applies the lowerings planned in `patch` (`count` of them; the npuc domain is imported
+/// when there is any) and returns `count`.
+fn apply_lowered(rw: &mut Rewriter<'_>, mut patch: GraphPatch, count: usize) -> usize {
+    if count > 0 {
+        patch.import_domain("npuc");
+        rw.apply(patch);
     }
-    import_npuc(m);
-    let g = &mut m.graph;
-    let mut dead = HashSet::new();
-    for e in edits {
-        g.nodes[e.product] = e.node;
-        dead.extend(e.remove);
-    }
-    crate::util::remove_nodes(g, &dead);
-    n
+    count
 }
 
 impl Pass for QuantLower {
@@ -164,8 +152,8 @@ impl Pass for QuantLower {
         "quant-lower"
     }
 
-    fn run(&self, m: &mut Model) -> Result<PassStats, PassError> {
-        let (products, qdq) = self.lower(m, true)?;
+    fn run(&self, rw: &mut Rewriter<'_>) -> Result<PassStats, PassError> {
+        let (products, qdq) = self.lower(rw, true)?;
         Ok(PassStats::new(products + qdq))
     }
 }
@@ -174,25 +162,25 @@ impl QuantLower {
     /// Lowers products, then switches the remaining per-tensor f32 Q/DQ nodes to the
     /// runtime's direct f32 kernels (`npuc.Quantize`/`npuc.Dequantize`, same results).
     /// Returns (products lowered, Q/DQ nodes switched).
-    fn lower(&self, m: &mut Model, luts: bool) -> Result<(usize, usize), PassError> {
-        if !has_qdq(m) {
+    fn lower(&self, rw: &mut Rewriter<'_>, luts: bool) -> Result<(usize, usize), PassError> {
+        if !has_qdq(rw.model()) {
             return Ok((0, 0));
         }
-        let products = self.lower_products(m)? + self.lower_conv_transpose(m)?;
+        let products = self.lower_products(rw)? + self.lower_conv_transpose(rw)?;
         // Lookup regions need their constants as constants: the DQ of a constant bias or
         // scale (and Q -> DQ of constant operands) fold first. The weights of lowered
         // products are dead by now and removed before folding, so they never expand to f32.
-        Dce.run(m)?;
+        Dce.run(rw)?;
         crate::passes::const_fold::ConstFold {
             max_bytes: 64 << 20,
         }
-        .run(m)?;
+        .run(rw)?;
         let luts = if luts {
-            self.lower_luts(m)? + self.lower_softmax(m)? + self.fuse_dequant_bias(m)
+            self.lower_luts(rw)? + self.lower_softmax(rw)? + self.fuse_dequant_bias(rw)
         } else {
             0
         };
-        let g = &m.graph;
+        let g = &rw.model().graph;
         let ix = Index::new(g);
         let mut switch = vec![];
         for (i, n) in g.nodes.iter().enumerate() {
@@ -242,31 +230,36 @@ impl QuantLower {
             })
             .map(|(i, _)| i)
             .collect();
+        let mut patch = GraphPatch::new();
         if !switch.is_empty() {
-            import_npuc(m);
+            patch.import_domain("npuc");
         }
         // `Pow(x, 2)` (decomposed LayerNorm's variance, between Q/DQ pairs that keep the
         // layernorm fusion from matching) becomes `Mul(x, x)`: the correctly rounded square,
         // without a libm `powf` per element.
         for &i in &squares {
-            let n = &mut m.graph.nodes[i];
+            let mut n = g.nodes[i].clone();
             n.op_type = "Mul".into();
             n.inputs[1] = n.inputs[0].clone();
+            patch.replace(i, n);
         }
         for &(i, q) in &switch {
-            let n = &mut m.graph.nodes[i];
+            let mut n = g.nodes[i].clone();
             n.domain = "npuc".into();
             n.op_type = if q { "Quantize" } else { "Dequantize" }.into();
             n.attrs.retain(|(a, _)| a != "axis" && a != "saturate");
+            patch.replace(i, n);
         }
-        Ok((products, luts + switch.len() + squares.len()))
+        let switched = switch.len() + squares.len();
+        rw.apply(patch);
+        Ok((products, luts + switched))
     }
 
-    fn lower_products(&self, m: &mut Model) -> Result<usize, PassError> {
-        let g = &m.graph;
+    fn lower_products(&self, rw: &mut Rewriter<'_>) -> Result<usize, PassError> {
+        let g = &rw.model().graph;
         let ix = Index::new(g);
-        let mut edits: Vec<Edit> = vec![];
-        let mut used: HashSet<usize> = HashSet::new();
+        let mut patch = GraphPatch::new();
+        let mut lowered = 0;
         for (pi, p) in g.nodes.iter().enumerate() {
             let gemm = is_op(p, "Gemm");
             if !(is_op(p, "MatMul") || gemm) || p.outputs.len() != 1 {
@@ -367,7 +360,7 @@ impl QuantLower {
                     None
                 };
                 if let Some(a) = act {
-                    if u.outputs.len() == 1 && !used.contains(&ui) {
+                    if u.outputs.len() == 1 && !patch.claimed(ui) {
                         clip = a;
                         remove.push(ui);
                         out = u.outputs[0].clone();
@@ -381,7 +374,7 @@ impl QuantLower {
                 if is_op(q, "QuantizeLinear")
                     && q.outputs.len() == 1
                     && attr_int(q, "block_size", 0) == 0
-                    && !used.contains(&qi)
+                    && !patch.claimed(qi)
                 {
                     let s = q.input(1).unwrap_or("");
                     let z = q.input(2).unwrap_or("");
@@ -429,16 +422,11 @@ impl QuantLower {
             if let Some(hi) = clip.1 {
                 node = node.attr("clip_max", Attr::Float(hi));
             }
-            let node = built(node)?;
-            used.insert(pi);
-            used.extend(remove.iter().copied());
-            edits.push(Edit {
-                product: pi,
-                remove,
-                node,
-            });
+            if patch.fuse(pi, built(node)?, &remove) {
+                lowered += 1;
+            }
         }
-        Ok(apply_edits(m, edits))
+        Ok(apply_lowered(rw, patch, lowered))
     }
 }
 
@@ -832,8 +820,8 @@ impl QuantLower {
 
     /// Moves per-tensor 8-bit DequantizeLinear nodes below the layout op that is their only
     /// reader. Returns how many moved.
-    fn sink_dq(&self, m: &mut Model) -> usize {
-        let g = &m.graph;
+    fn sink_dq(&self, rw: &mut Rewriter<'_>) -> usize {
+        let g = &rw.model().graph;
         let ix = Index::new(g);
         let mut swaps = vec![];
         for (di, d) in g.nodes.iter().enumerate() {
@@ -855,28 +843,31 @@ impl QuantLower {
             swaps.push((di, li));
         }
         let mut taken = HashSet::new();
+        let mut patch = GraphPatch::new();
         let n = swaps.len();
         for (di, li) in swaps {
-            let t = m.graph.nodes[di].inputs[0].clone();
-            let y = m.graph.nodes[li].outputs[0].clone();
-            let mid = crate::util::fresh_name(&m.graph, &mut taken, &format!("{t}_layout"));
-            let g = &mut m.graph;
-            g.nodes[li].inputs[0] = t;
-            g.nodes[li].outputs[0] = mid.clone();
-            g.nodes[di].inputs[0] = mid;
-            g.nodes[di].outputs[0] = y;
-            // The DQ now reads the layout op's output: put it after it.
-            g.nodes.swap(di, li);
+            let (mut d, mut l) = (g.nodes[di].clone(), g.nodes[li].clone());
+            let t = d.inputs[0].clone();
+            let mid = crate::util::fresh_name(g, &mut taken, &format!("{t}_layout"));
+            d.outputs[0] = std::mem::replace(&mut l.outputs[0], mid.clone());
+            l.inputs[0] = t;
+            d.inputs[0] = mid;
+            // The DQ now reads the layout op's output: it takes the layout op's place and the
+            // layout op takes the DQ's.
+            patch.replace(di, l);
+            patch.replace(li, d);
         }
+        rw.apply(patch);
         n
     }
 
     /// Sinks DequantizeLinear nodes past layout ops and replaces lookup regions with
     /// `npuc.QLut` (identity regions disappear). Returns the number of regions replaced.
-    fn lower_luts(&self, m: &mut Model) -> Result<usize, PassError> {
+    fn lower_luts(&self, rw: &mut Rewriter<'_>) -> Result<usize, PassError> {
         let mut total = 0;
         for _ in 0..8 {
-            let sunk = self.sink_dq(m);
+            let sunk = self.sink_dq(rw);
+            let m = rw.model();
             let g = &m.graph;
             let ix = Index::new(g);
             let mut used = HashSet::new();
@@ -897,49 +888,37 @@ impl QuantLower {
             if regions.is_empty() {
                 continue;
             }
-            import_npuc(m);
+            let mut patch = GraphPatch::new();
+            patch.import_domain("npuc");
             let mut taken = HashSet::new();
-            let mut dead = HashSet::new();
-            let mut renames: Vec<(String, String)> = vec![];
             for r in regions {
-                dead.extend(r.nodes.iter().copied().filter(|&i| i != r.start));
+                for &i in r.nodes.iter().filter(|&&i| i != r.start) {
+                    patch.remove(i);
+                }
                 if r.identity && !ix.graph_outputs.contains(&r.exit) {
-                    dead.insert(r.start);
-                    renames.push((r.exit, r.source));
+                    patch.remove(r.start);
+                    patch.rename_reads(&r.exit, &r.source);
                     continue;
                 }
-                let tname = crate::util::add_init(&mut m.graph, &mut taken, "lut_table", r.table);
+                let tname = patch.add_fresh_initializer(g, &mut taken, "lut_table", r.table);
                 let mut node = QLUT
-                    .node(format!("{}_lut", m.graph.nodes[r.start].name))
+                    .node(format!("{}_lut", g.nodes[r.start].name))
                     .input("x", &r.source)
                     .input("table", &tname)
                     .output("y", &r.exit);
                 if let Some(a) = r.axis {
                     node = node.attr("axis", Attr::Int(a));
                 }
-                m.graph.nodes[r.start] = built(node)?;
+                patch.replace(r.start, built(node)?);
             }
-            crate::util::remove_nodes(&mut m.graph, &dead);
-            let map: std::collections::HashMap<String, String> = renames.into_iter().collect();
-            for (old, new) in &map {
-                let mut to = new.clone();
-                let mut hops = 0;
-                while let Some(next) = map.get(&to) {
-                    to = next.clone();
-                    hops += 1;
-                    if hops > map.len() {
-                        break;
-                    }
-                }
-                crate::util::replace_uses(&mut m.graph, old, &to);
-            }
+            rw.apply(patch);
         }
         // A table right after an integer product with 8-bit output, per output column (the
         // last axis) or for all values, runs in the product's epilogue (input 9).
         {
-            let g = &m.graph;
+            let g = &rw.model().graph;
             let ix = Index::new(g);
-            let mut fuse = vec![];
+            let mut patch = GraphPatch::new();
             for (li, l) in g.nodes.iter().enumerate() {
                 if !(l.domain == "npuc" && l.op_type == "QLut") {
                     continue;
@@ -977,24 +956,18 @@ impl QuantLower {
                         continue;
                     }
                 }
-                fuse.push((pi, li, tab.to_string(), l.outputs[0].clone()));
+                let mut fused = p.clone();
+                fused.inputs.push(tab.to_string());
+                fused.outputs[0] = l.outputs[0].clone();
+                patch.fuse(pi, fused, &[li]);
             }
-            let mut dead = HashSet::new();
-            for (pi, li, tab, out) in fuse {
-                let p = &mut m.graph.nodes[pi];
-                p.inputs.push(tab);
-                p.outputs[0] = out;
-                dead.insert(li);
-            }
-            crate::util::remove_nodes(&mut m.graph, &dead);
+            rw.apply(patch);
         }
         // Sinking swapped node positions; keep the list topologically ordered.
-        if let Ok(order) = m.graph.topo_order(&HashSet::new()) {
-            let mut nodes: Vec<Option<Node>> = std::mem::take(&mut m.graph.nodes)
-                .into_iter()
-                .map(Some)
-                .collect();
-            m.graph.nodes = order.into_iter().filter_map(|i| nodes[i].take()).collect();
+        if let Ok(order) = rw.model().graph.topo_order(&HashSet::new()) {
+            let mut patch = GraphPatch::new();
+            patch.reorder(order);
+            rw.apply(patch);
         }
         Ok(total)
     }
@@ -1008,8 +981,8 @@ impl QuantLower {
     /// as the two ops, without the u8 tensor and two more passes over it. Only in the
     /// `luts` lowering: `npuc verify` compares the product's quantized output as a layer.
     /// Returns the number fused.
-    fn fuse_dequant_bias(&self, m: &mut Model) -> usize {
-        let g = &m.graph;
+    fn fuse_dequant_bias(&self, rw: &mut Rewriter<'_>) -> usize {
+        let g = &rw.model().graph;
         let ix = Index::new(g);
         let same = |a: &str, b: &str| match (ix.constant(g, a), ix.constant(g, b)) {
             (Some(x), Some(y)) => {
@@ -1020,7 +993,8 @@ impl QuantLower {
             }
             _ => false,
         };
-        let mut fuse = vec![];
+        let mut patch = GraphPatch::new();
+        let mut fused = 0;
         for (pi, p) in g.nodes.iter().enumerate() {
             if !(p.domain == "npuc" && p.op_type == "QMatMul") || p.inputs.len() != 9 {
                 continue;
@@ -1066,28 +1040,26 @@ impl QuantLower {
                 t.dtype() == DType::F32 && t.rank() <= 1 && (t.len() == n || t.len() == 1)
             });
             if bias_ok {
-                fuse.push((pi, di, ai, b.to_string(), a.outputs[0].clone()));
+                let mut with_bias = p.clone();
+                with_bias.inputs.push(String::new());
+                with_bias.inputs.push(b.to_string());
+                with_bias.outputs[0] = a.outputs[0].clone();
+                if patch.fuse(pi, with_bias, &[di, ai]) {
+                    fused += 1;
+                }
             }
         }
-        let k = fuse.len();
-        let mut dead = HashSet::new();
-        for (pi, di, ai, bias, out) in fuse {
-            let p = &mut m.graph.nodes[pi];
-            p.inputs.push(String::new());
-            p.inputs.push(bias);
-            p.outputs[0] = out;
-            dead.extend([di, ai]);
-        }
-        crate::util::remove_nodes(&mut m.graph, &dead);
-        k
+        rw.apply(patch);
+        fused
     }
 
     /// `DQ(x), DQ(w) [, bias] -> ConvTranspose -> Q` (2-D, group 1, dilations 1, explicit
     /// pads) into `npuc.QConvTranspose`. Returns the number lowered.
-    fn lower_conv_transpose(&self, m: &mut Model) -> Result<usize, PassError> {
-        let g = &m.graph;
+    fn lower_conv_transpose(&self, rw: &mut Rewriter<'_>) -> Result<usize, PassError> {
+        let g = &rw.model().graph;
         let ix = Index::new(g);
-        let mut edits: Vec<Edit> = vec![];
+        let mut patch = GraphPatch::new();
+        let mut lowered = 0;
         for (pi, p) in g.nodes.iter().enumerate() {
             if !is_op(p, "ConvTranspose") || p.outputs.len() != 1 {
                 continue;
@@ -1150,13 +1122,11 @@ impl QuantLower {
                     node = node.attr(a, v.clone());
                 }
             }
-            edits.push(Edit {
-                product: pi,
-                remove: vec![qi],
-                node: built(node)?,
-            });
+            if patch.fuse(pi, built(node)?, &[qi]) {
+                lowered += 1;
+            }
         }
-        Ok(apply_edits(m, edits))
+        Ok(apply_lowered(rw, patch, lowered))
     }
 }
 
@@ -1189,11 +1159,12 @@ impl QuantLower {
     /// Softmax is lowered only along the last axis (the kernel works on contiguous rows);
     /// opset < 13 Softmax (over the input flattened at `axis`) always is, with its `axis`.
     /// Returns the number lowered.
-    fn lower_softmax(&self, m: &mut Model) -> Result<usize, PassError> {
-        let opset = crate::util::onnx_opset(m);
-        let g = &m.graph;
+    fn lower_softmax(&self, rw: &mut Rewriter<'_>) -> Result<usize, PassError> {
+        let opset = crate::util::onnx_opset(rw.model());
+        let g = &rw.model().graph;
         let ix = Index::new(g);
-        let mut edits: Vec<Edit> = vec![];
+        let mut patch = GraphPatch::new();
+        let mut lowered = 0;
         for (si, s) in g.nodes.iter().enumerate() {
             if !is_op(s, "Softmax") || s.inputs.len() != 1 || s.outputs.len() != 1 {
                 continue;
@@ -1246,12 +1217,10 @@ impl QuantLower {
                 .input("y_zero_point", &q.inputs[2])
                 .output("y", &q.outputs[0])
                 .attr("axis", Attr::Int(axis));
-            edits.push(Edit {
-                product: si,
-                remove: vec![di, qi],
-                node: built(node)?,
-            });
+            if patch.fuse(si, built(node)?, &[di, qi]) {
+                lowered += 1;
+            }
         }
-        Ok(apply_edits(m, edits))
+        Ok(apply_lowered(rw, patch, lowered))
     }
 }

@@ -1,5 +1,6 @@
-//! Graph queries and edits shared by the passes: who produces and who reads each value,
-//! which values are constants, and safe value renaming.
+//! Graph queries shared by the passes: who produces and who reads each value,
+//! which values are constants, and fresh value names. (Edits go through
+//! [`crate::GraphPatch`].)
 
 use npuc_ir::{subgraphs, Attr, DType, Graph, Model, Node, Tensor};
 use std::collections::{HashMap, HashSet};
@@ -157,58 +158,6 @@ pub fn constant_node_value(n: &Node) -> Option<Tensor> {
     }
 }
 
-/// Renames every read of `old` to `new` in the graph's nodes (not in subgraphs: callers make
-/// sure `old` is not captured).
-pub fn replace_uses(g: &mut Graph, old: &str, new: &str) {
-    for n in &mut g.nodes {
-        for i in &mut n.inputs {
-            if i == old {
-                *i = new.to_string();
-            }
-        }
-    }
-}
-
-/// Makes the value `from` disappear in favour of `to`, where both denote the same tensor.
-/// When `from` is a graph output its name must survive, so instead the producer of `to` is
-/// made to produce `from` (allowed only when `to` is an internal node output).
-/// Returns false (and changes nothing) when neither is possible.
-pub fn merge_value(g: &mut Graph, ix: &Index, from: &str, to: &str) -> bool {
-    if from == to || ix.captured.contains(from) {
-        return false;
-    }
-    if !ix.graph_outputs.contains(from) {
-        replace_uses(g, from, to);
-        return true;
-    }
-    // `from` is a graph output: rename `to` into `from`.
-    let Some(&p) = ix.producer.get(to) else {
-        return false;
-    };
-    if !ix.is_internal(to) || ix.graph_inputs.contains(to) || ix.inits.contains_key(to) {
-        return false;
-    }
-    // The producer of `from` must stop producing it (callers remove it afterwards).
-    if let Some(&fp) = ix.producer.get(from) {
-        if let Some(n) = g.nodes.get_mut(fp) {
-            for o in &mut n.outputs {
-                if o == from {
-                    o.clear();
-                }
-            }
-        }
-    }
-    if let Some(n) = g.nodes.get_mut(p) {
-        for o in &mut n.outputs {
-            if o == to {
-                *o = from.to_string();
-            }
-        }
-    }
-    replace_uses(g, to, from);
-    true
-}
-
 /// A value name not used anywhere in the graph yet, derived from `base`.
 pub fn fresh_name(g: &Graph, taken: &mut HashSet<String>, base: &str) -> String {
     if taken.is_empty() {
@@ -230,32 +179,9 @@ pub fn fresh_name(g: &Graph, taken: &mut HashSet<String>, base: &str) -> String 
     }
 }
 
-/// Removes the nodes at `dead` (indices into `g.nodes`).
-pub fn remove_nodes(g: &mut Graph, dead: &HashSet<usize>) {
-    if dead.is_empty() {
-        return;
-    }
-    let mut i = 0usize;
-    g.nodes.retain(|_| {
-        let keep = !dead.contains(&i);
-        i += 1;
-        keep
-    });
-}
-
 /// Opset of the default domain (1 when the model imports none).
 pub fn onnx_opset(m: &Model) -> i64 {
     m.opset("").unwrap_or(1)
-}
-
-/// Makes sure the model imports the `npuc` domain (for the fused ops).
-pub fn import_npuc(m: &mut Model) {
-    if m.opset("npuc").is_none() {
-        m.opset_imports.push(npuc_ir::OpsetImport {
-            domain: "npuc".into(),
-            version: 1,
-        });
-    }
 }
 
 /// The domain an op should be emitted in so the runtime can run it at this model's opset:
@@ -282,16 +208,6 @@ pub fn is_float(d: DType) -> bool {
 /// `|a - b|` small relative to `b`.
 pub fn approx(a: f64, b: f64) -> bool {
     (a - b).abs() <= 1e-5 * b.abs().max(1e-30)
-}
-
-/// Adds an initializer and returns its name.
-pub fn add_init(g: &mut Graph, taken: &mut HashSet<String>, base: &str, t: Tensor) -> String {
-    let name = fresh_name(g, taken, base);
-    g.initializers.push(npuc_ir::Initializer {
-        name: name.clone(),
-        tensor: t,
-    });
-    name
 }
 
 /// The other input of a binary node, given one of them.

@@ -9,8 +9,8 @@
 //! exactly the pattern's arithmetic; the scale is folded from scalar constants only. Every
 //! intermediate must be read only inside the pattern.
 
-use crate::util::{import_npuc, is_op, remove_nodes, runnable_domain, Index};
-use crate::{Pass, PassError, PassStats};
+use crate::util::{is_op, runnable_domain, Index};
+use crate::{GraphPatch, Pass, PassError, PassStats, Rewriter};
 use npuc_ir::{Attr, Graph, Model, Node};
 use std::collections::HashSet;
 
@@ -177,31 +177,16 @@ impl Pass for AttentionFusion {
         "attention-fusion"
     }
 
-    fn run(&self, m: &mut Model) -> Result<PassStats, PassError> {
+    fn run(&self, rw: &mut Rewriter<'_>) -> Result<PassStats, PassError> {
+        let m = rw.model();
         if !m.graph.nodes.iter().any(|n| is_op(n, "Softmax")) {
             return Ok(PassStats::default());
         }
         let Some(domain) = runnable_domain(m, "Attention") else {
             return Ok(PassStats::default());
         };
-        let ix = Index::new(&m.graph);
-        let mut taken: HashSet<usize> = HashSet::new();
-        let mut found = vec![];
-        for (i, n) in m.graph.nodes.iter().enumerate() {
-            if !is_op(n, "Softmax") {
-                continue;
-            }
-            let Some(mt) = matches(m, &ix, i) else {
-                continue;
-            };
-            let all: Vec<usize> = mt.dead.iter().copied().chain([mt.qk, mt.pv]).collect();
-            if all.iter().any(|k| taken.contains(k)) {
-                continue;
-            }
-            taken.extend(all);
-            found.push(mt);
-        }
-        let g = &mut m.graph;
+        let g = &m.graph;
+        let ix = Index::new(g);
         let mut names: HashSet<String> = g
             .nodes
             .iter()
@@ -209,9 +194,20 @@ impl Pass for AttentionFusion {
             .chain(g.initializers.iter().map(|i| i.name.clone()))
             .chain(g.inputs.iter().map(|i| i.name.clone()))
             .collect();
-        let mut dead = HashSet::new();
-        let k = found.len();
-        for mt in found {
+        let mut patch = GraphPatch::new();
+        let mut fused = 0;
+        for (i, n) in g.nodes.iter().enumerate() {
+            if !is_op(n, "Softmax") {
+                continue;
+            }
+            let Some(mt) = matches(m, &ix, i) else {
+                continue;
+            };
+            let all: Vec<usize> = mt.dead.iter().copied().chain([mt.qk, mt.pv]).collect();
+            if all.iter().any(|&k| patch.claimed(k)) {
+                continue;
+            }
+            // The first product becomes K's Transpose, the last one the Attention node.
             let base = g.nodes[mt.pv].name.clone();
             let k_name = crate::util::fresh_name(g, &mut names, &format!("{}_k", mt.out));
             let mut kt = Node::new("Transpose", &[&mt.k_src], &[&k_name])
@@ -225,15 +221,15 @@ impl Pass for AttentionFusion {
                 .with_attr("scale", Attr::Float(mt.scale as f32));
             at.domain = domain.into();
             at.name = base;
-            g.nodes[mt.qk] = kt;
-            g.nodes[mt.pv] = at;
-            dead.extend(mt.dead);
+            patch.replace(mt.qk, kt);
+            patch.fuse(mt.pv, at, &mt.dead);
+            fused += 1;
         }
-        remove_nodes(g, &dead);
-        if k > 0 && domain == "npuc" {
-            import_npuc(m);
+        if fused > 0 && domain == "npuc" {
+            patch.import_domain("npuc");
         }
-        Ok(PassStats::new(k))
+        rw.apply(patch);
+        Ok(PassStats::new(fused))
     }
 }
 

@@ -11,8 +11,8 @@
 //! Results larger than `max_bytes` are only folded when they are no larger than the node's
 //! constant inputs together, so `ConstantOfShape`/`Expand`/`Tile` never blow up the model.
 
-use crate::util::{is_pure, remove_nodes, Index};
-use crate::{Pass, PassError, PassStats};
+use crate::util::{is_pure, Index};
+use crate::{GraphPatch, Pass, PassError, PassStats, Rewriter};
 use npuc_ir::infer::{infer_model, Known, Scalar};
 use npuc_ir::{DType, Graph, Initializer, Model, Node, Tensor, TypeInfo, ValueInfo};
 use npuc_runtime::{Session, SessionOptions, Value};
@@ -102,10 +102,11 @@ fn known_tensor(k: &Known) -> Option<Tensor> {
 }
 
 impl ConstFold {
-    fn fold_by_runtime(&self, m: &mut Model) -> usize {
+    fn fold_by_runtime(&self, m: &Model) -> GraphPatch {
+        let mut patch = GraphPatch::new();
         let order = match m.graph.topo_order(&HashSet::new()) {
             Ok(o) => o,
-            Err(_) => return 0,
+            Err(_) => return patch,
         };
         let ix = Index::new(&m.graph);
         // Constants available so far (graph-input initializers are not constant).
@@ -117,7 +118,6 @@ impl ConstFold {
             .filter(|(_, i)| !ix.graph_inputs.contains(&i.name))
             .map(|(k, i)| (i.name.clone(), k))
             .collect();
-        let mut dead = HashSet::new();
         let mut new_inits: Vec<Initializer> = vec![];
         let reg = npuc_runtime::registry();
         for i in order {
@@ -177,23 +177,23 @@ impl ConstFold {
                 known.insert(name.clone(), m.graph.initializers.len() + new_inits.len());
                 new_inits.push(Initializer { name, tensor: t });
             }
-            dead.insert(i);
+            patch.remove(i);
         }
-        remove_nodes(&mut m.graph, &dead);
-        m.graph.initializers.extend(new_inits);
-        dead.len()
+        for i in new_inits {
+            patch.add_initializer(i.name, i.tensor);
+        }
+        patch
     }
 
-    fn fold_by_inference(&self, m: &mut Model) -> usize {
+    fn fold_by_inference(&self, m: &Model) -> GraphPatch {
         let r = infer_model(m, &HashMap::new());
         let ix = Index::new(&m.graph);
-        let mut dead = HashSet::new();
-        let mut new_inits = vec![];
+        let mut patch = GraphPatch::new();
         for (i, n) in m.graph.nodes.iter().enumerate() {
             if !is_pure(n) || n.outputs.iter().all(|o| o.is_empty()) {
                 continue;
             }
-            let outs: Option<Vec<Initializer>> = n
+            let outs: Option<Vec<(String, Tensor)>> = n
                 .outputs
                 .iter()
                 .filter(|o| !o.is_empty())
@@ -208,20 +208,17 @@ impl ConstFold {
                             return None;
                         }
                     }
-                    Some(Initializer {
-                        name: o.clone(),
-                        tensor: known_tensor(k)?,
-                    })
+                    Some((o.clone(), known_tensor(k)?))
                 })
                 .collect();
             if let Some(outs) = outs {
-                new_inits.extend(outs);
-                dead.insert(i);
+                for (name, t) in outs {
+                    patch.add_initializer(name, t);
+                }
+                patch.remove(i);
             }
         }
-        remove_nodes(&mut m.graph, &dead);
-        m.graph.initializers.extend(new_inits);
-        dead.len()
+        patch
     }
 }
 
@@ -230,10 +227,15 @@ impl Pass for ConstFold {
         "const-fold"
     }
 
-    fn run(&self, m: &mut Model) -> Result<PassStats, PassError> {
-        let a = self.fold_by_runtime(m);
-        let b = self.fold_by_inference(m);
-        Ok(PassStats::new(a + b))
+    fn run(&self, rw: &mut Rewriter<'_>) -> Result<PassStats, PassError> {
+        // Inference sees the constants the runtime folded, so it runs on the result.
+        let mut folded = 0;
+        for stage in [Self::fold_by_runtime, Self::fold_by_inference] {
+            let patch = stage(self, rw.model());
+            folded += patch.removed();
+            rw.apply(patch);
+        }
+        Ok(PassStats::new(folded))
     }
 }
 

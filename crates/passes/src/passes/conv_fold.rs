@@ -9,9 +9,9 @@
 //! output must be read only by the folded op, and the fold is skipped whenever a shape, dtype
 //! or constant is not what the rule needs.
 
-use crate::util::{add_init, is_op, other_input, remove_nodes, Index};
-use crate::{Pass, PassError, PassStats};
-use npuc_ir::{DType, Graph, Model, Node, Tensor};
+use crate::util::{is_op, other_input, Index};
+use crate::{GraphPatch, Pass, PassError, PassStats, Rewriter};
+use npuc_ir::{DType, Graph, Node, Tensor};
 use std::collections::HashSet;
 
 pub struct ConvBnFold;
@@ -63,15 +63,14 @@ fn per_channel(t: &Tensor, m: usize, rank: usize) -> Option<Vec<f64>> {
     Some(v)
 }
 
-/// Replaces conv `ci`'s weights and bias, makes it produce `out`, and marks `dead` removed.
-#[allow(clippy::too_many_arguments)]
+/// Plans conv `ci` with new weights and bias (fresh initializers) producing `out`; false when
+/// the tensors cannot be built.
 fn rewrite(
-    g: &mut Graph,
+    g: &Graph,
+    patch: &mut GraphPatch,
     taken: &mut HashSet<String>,
     ci: usize,
-    wshape: Vec<usize>,
-    w: Vec<f32>,
-    b: Vec<f32>,
+    (wshape, w, b): (Vec<usize>, Vec<f32>, Vec<f32>),
     out: String,
 ) -> bool {
     let (Ok(wt), Ok(bt)) = (
@@ -80,17 +79,18 @@ fn rewrite(
     ) else {
         return false;
     };
-    let base = g.nodes[ci].outputs[0].clone();
-    let wn = add_init(g, taken, &format!("{base}_w"), wt);
-    let bn = add_init(g, taken, &format!("{base}_b"), bt);
-    let c = &mut g.nodes[ci];
+    let base = &g.nodes[ci].outputs[0];
+    let wn = patch.add_fresh_initializer(g, taken, &format!("{base}_w"), wt);
+    let bn = patch.add_fresh_initializer(g, taken, &format!("{base}_b"), bt);
+    let mut c = g.nodes[ci].clone();
     c.inputs = vec![c.inputs[0].clone(), wn, bn];
     c.outputs = vec![out];
+    patch.replace(ci, c);
     true
 }
 
-fn run_fold(m: &mut Model, bn: bool) -> usize {
-    let g = &mut m.graph;
+fn run_fold(rw: &mut Rewriter<'_>, bn: bool) -> usize {
+    let g = &rw.model().graph;
     let ix = Index::new(g);
     let mut taken = HashSet::new();
     let mut dead = HashSet::new();
@@ -171,14 +171,15 @@ fn run_fold(m: &mut Model, bn: bool) -> usize {
         dead.insert(ui);
         plans.push((ci, ui, ws, w, b, out));
     }
-    let mut done = HashSet::new();
+    let mut patch = GraphPatch::new();
+    let mut n = 0;
     for (ci, ui, ws, w, b, out) in plans {
-        if rewrite(g, &mut taken, ci, ws, w, b, out) {
-            done.insert(ui);
+        if rewrite(g, &mut patch, &mut taken, ci, (ws, w, b), out) {
+            patch.remove(ui);
+            n += 1;
         }
     }
-    let n = done.len();
-    remove_nodes(g, &done);
+    rw.apply(patch);
     n
 }
 
@@ -186,8 +187,8 @@ impl Pass for ConvBnFold {
     fn name(&self) -> &'static str {
         "conv-bn-fold"
     }
-    fn run(&self, m: &mut Model) -> Result<PassStats, PassError> {
-        Ok(PassStats::new(run_fold(m, true)))
+    fn run(&self, rw: &mut Rewriter<'_>) -> Result<PassStats, PassError> {
+        Ok(PassStats::new(run_fold(rw, true)))
     }
 }
 
@@ -195,8 +196,8 @@ impl Pass for ConvAffineFold {
     fn name(&self) -> &'static str {
         "conv-affine-fold"
     }
-    fn run(&self, m: &mut Model) -> Result<PassStats, PassError> {
-        Ok(PassStats::new(run_fold(m, false)))
+    fn run(&self, rw: &mut Rewriter<'_>) -> Result<PassStats, PassError> {
+        Ok(PassStats::new(run_fold(rw, false)))
     }
 }
 

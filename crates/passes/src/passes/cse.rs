@@ -2,9 +2,8 @@
 //! inputs compute the same outputs, so the later one's readers are redirected to the earlier
 //! one. Non-deterministic ops and nodes with subgraphs are never merged.
 
-use crate::util::{is_pure, merge_value, remove_nodes, Index};
-use crate::{Pass, PassError, PassStats};
-use npuc_ir::Model;
+use crate::util::{is_pure, Index};
+use crate::{GraphPatch, Pass, PassError, PassStats, Rewriter};
 use std::collections::{HashMap, HashSet};
 
 pub struct Cse;
@@ -14,8 +13,8 @@ impl Pass for Cse {
         "cse"
     }
 
-    fn run(&self, m: &mut Model) -> Result<PassStats, PassError> {
-        let g = &mut m.graph;
+    fn run(&self, rw: &mut Rewriter<'_>) -> Result<PassStats, PassError> {
+        let g = &rw.model().graph;
         let order = match g.topo_order(&HashSet::new()) {
             Ok(o) => o,
             Err(_) => return Ok(PassStats::default()),
@@ -40,32 +39,28 @@ impl Pass for Cse {
                 None => bucket.push(i),
             }
         }
-        let mut dead = HashSet::new();
+        let mut patch = GraphPatch::new();
+        let mut merged = 0;
         for (i, j) in merges {
-            let outs: Vec<(String, String)> = g.nodes[i]
-                .outputs
-                .iter()
-                .cloned()
-                .zip(g.nodes[j].outputs.iter().cloned())
-                .collect();
+            let outs = g.nodes[i].outputs.iter().zip(&g.nodes[j].outputs);
             // Only merge when every output can be redirected (none is a graph output or
             // captured, and the twin produces each one the node produces).
             let ok = outs
-                .iter()
+                .clone()
                 .all(|(a, b)| a.is_empty() || (!b.is_empty() && ix.is_internal(a)));
             if !ok {
                 continue;
             }
-            for (a, b) in &outs {
+            for (a, b) in outs {
                 if !a.is_empty() {
-                    merge_value(g, &ix, a, b);
+                    patch.merge_value(&ix, a, b);
                 }
             }
-            dead.insert(i);
+            patch.remove(i);
+            merged += 1;
         }
-        let n = dead.len();
-        remove_nodes(g, &dead);
-        Ok(PassStats::new(n))
+        rw.apply(patch);
+        Ok(PassStats::new(merged))
     }
 }
 

@@ -3,9 +3,7 @@
 //! side-effect free (non-deterministic ops have no observable effect other than their output).
 
 use crate::util::Index;
-use crate::{Pass, PassError, PassStats};
-use npuc_ir::Model;
-use std::collections::HashSet;
+use crate::{GraphPatch, Pass, PassError, PassStats, Rewriter};
 
 pub struct Dce;
 
@@ -14,10 +12,11 @@ impl Pass for Dce {
         "dce"
     }
 
-    fn run(&self, m: &mut Model) -> Result<PassStats, PassError> {
-        let g = &mut m.graph;
+    fn run(&self, rw: &mut Rewriter<'_>) -> Result<PassStats, PassError> {
         let mut removed = 0;
+        // Removing a node can make its producers dead: repeat until nothing is.
         loop {
+            let g = &rw.model().graph;
             let ix = Index::new(g);
             let live = |o: &String| {
                 !o.is_empty()
@@ -25,28 +24,32 @@ impl Pass for Dce {
                         || ix.captured.contains(o)
                         || !ix.users(o).is_empty())
             };
-            let dead: HashSet<usize> = g
-                .nodes
-                .iter()
-                .enumerate()
-                .filter(|(_, n)| !n.outputs.iter().any(live))
-                .map(|(i, _)| i)
-                .collect();
-            if dead.is_empty() {
+            let mut patch = GraphPatch::new();
+            for (i, n) in g.nodes.iter().enumerate() {
+                if !n.outputs.iter().any(live) {
+                    patch.remove(i);
+                    removed += 1;
+                }
+            }
+            if patch.is_empty() {
                 break;
             }
-            removed += dead.len();
-            crate::util::remove_nodes(g, &dead);
+            rw.apply(patch);
         }
+        let g = &rw.model().graph;
         let ix = Index::new(g);
-        let before = g.initializers.len();
-        g.initializers.retain(|i| {
-            !ix.users(&i.name).is_empty()
+        let mut patch = GraphPatch::new();
+        for i in &g.initializers {
+            let read = !ix.users(&i.name).is_empty()
                 || ix.graph_outputs.contains(&i.name)
                 || ix.graph_inputs.contains(&i.name)
-                || ix.captured.contains(&i.name)
-        });
-        removed += before - g.initializers.len();
+                || ix.captured.contains(&i.name);
+            if !read {
+                patch.remove_initializer(&i.name);
+                removed += 1;
+            }
+        }
+        rw.apply(patch);
         Ok(PassStats::new(removed))
     }
 }
@@ -72,7 +75,7 @@ mod tests {
         m.graph
             .initializers
             .push(init("unused", f32s(&[1], &[1.0])));
-        let st = Dce.run(&mut m).unwrap();
+        let st = crate::apply_pass(&Dce, &mut m).unwrap();
         assert_eq!(st.changes, 3);
         assert_eq!(m.graph.nodes.len(), 2);
         assert!(m.graph.initializers.is_empty());

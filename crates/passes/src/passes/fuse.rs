@@ -10,11 +10,11 @@
 //!   HardSigmoid's alpha/beta) and `x * Sigmoid(x)` (Swish). The fused kernel computes the
 //!   same function of the same product.
 
-use crate::util::{import_npuc, is_op, remove_nodes, Index};
-use crate::{Pass, PassError, PassStats};
+use crate::util::{is_op, Index};
+use crate::{GraphPatch, Pass, PassError, PassStats, Rewriter};
 use npuc_ir::infer::{infer_model, InferResult};
-use npuc_ir::{Attr, DType, Graph, Model, Node, TypeInfo};
-use std::collections::{HashMap, HashSet};
+use npuc_ir::{Attr, DType, Graph, Node, TypeInfo};
+use std::collections::HashMap;
 
 /// A matched activation: (op name, its float parameters), the nodes it replaces, and the
 /// output value the fused node takes over.
@@ -42,15 +42,16 @@ impl Pass for MatMulBiasFusion {
         "matmul-bias-fusion"
     }
 
-    fn run(&self, m: &mut Model) -> Result<PassStats, PassError> {
+    fn run(&self, rw: &mut Rewriter<'_>) -> Result<PassStats, PassError> {
+        let m = rw.model();
         if !m.graph.nodes.iter().any(|n| is_op(n, "MatMul")) {
             return Ok(PassStats::default());
         }
         let r = infer_model(m, &HashMap::new());
-        let g = &mut m.graph;
+        let g = &m.graph;
         let ix = Index::new(g);
-        let mut edits = vec![];
-        let mut dead = HashSet::new();
+        let mut patch = GraphPatch::new();
+        let mut fused = 0;
         for (i, n) in g.nodes.iter().enumerate() {
             if !is_op(n, "MatMul") || n.inputs.len() != 2 || n.outputs.len() != 1 {
                 continue;
@@ -65,7 +66,7 @@ impl Pass for MatMulBiasFusion {
             let nn = w.shape()[1];
             let Some(ui) = ix.sole_user(y) else { continue };
             let u = &g.nodes[ui];
-            if !is_op(u, "Add") || u.outputs.len() != 1 || dead.contains(&ui) {
+            if !is_op(u, "Add") || u.outputs.len() != 1 {
                 continue;
             }
             let Some(c) = crate::util::other_input(u, y) else {
@@ -89,18 +90,15 @@ impl Pass for MatMulBiasFusion {
             f.domain = "npuc".into();
             f.inputs = vec![n.inputs[0].clone(), n.inputs[1].clone(), c.to_string()];
             f.outputs = u.outputs.clone();
-            edits.push((i, f));
-            dead.insert(ui);
+            if patch.fuse(i, f, &[ui]) {
+                fused += 1;
+            }
         }
-        let k = edits.len();
-        for (i, f) in edits {
-            g.nodes[i] = f;
+        if fused > 0 {
+            patch.import_domain("npuc");
         }
-        remove_nodes(g, &dead);
-        if k > 0 {
-            import_npuc(m);
-        }
-        Ok(PassStats::new(k))
+        rw.apply(patch);
+        Ok(PassStats::new(fused))
     }
 }
 
@@ -156,23 +154,24 @@ impl Pass for ActivationFusion {
         "activation-fusion"
     }
 
-    fn run(&self, m: &mut Model) -> Result<PassStats, PassError> {
+    fn run(&self, rw: &mut Rewriter<'_>) -> Result<PassStats, PassError> {
         let base = |n: &Node| {
             (n.domain.is_empty() && ["Conv", "Gemm", "MatMul"].contains(&n.op_type.as_str()))
                 || (n.domain == "npuc"
                     && n.op_type == "FusedMatMul"
                     && n.attr("activation").is_none())
         };
+        let m = rw.model();
         if !m.graph.nodes.iter().any(base) {
             return Ok(PassStats::default());
         }
         let r = infer_model(m, &HashMap::new());
-        let g = &mut m.graph;
+        let g = &m.graph;
         let ix = Index::new(g);
-        let mut edits = vec![];
-        let mut dead = HashSet::new();
+        let mut patch = GraphPatch::new();
+        let mut fused = 0;
         for (i, n) in g.nodes.iter().enumerate() {
-            if !base(n) || n.outputs.len() != 1 || dead.contains(&i) {
+            if !base(n) || n.outputs.len() != 1 {
                 continue;
             }
             let y = &n.outputs[0];
@@ -229,9 +228,6 @@ impl Pass for ActivationFusion {
             let Some(((act, params), gone, out)) = found else {
                 continue;
             };
-            if gone.iter().any(|k| dead.contains(k)) {
-                continue;
-            }
             let mut f = n.clone();
             f.domain = "npuc".into();
             f.op_type = match n.op_type.as_str() {
@@ -247,18 +243,15 @@ impl Pass for ActivationFusion {
                     .push(("activation_params".into(), Attr::Floats(params)));
             }
             f.outputs = vec![out];
-            dead.extend(gone);
-            edits.push((i, f));
+            if patch.fuse(i, f, &gone) {
+                fused += 1;
+            }
         }
-        let k = edits.len();
-        for (i, f) in edits {
-            g.nodes[i] = f;
+        if fused > 0 {
+            patch.import_domain("npuc");
         }
-        remove_nodes(g, &dead);
-        if k > 0 {
-            import_npuc(m);
-        }
-        Ok(PassStats::new(k))
+        rw.apply(patch);
+        Ok(PassStats::new(fused))
     }
 }
 

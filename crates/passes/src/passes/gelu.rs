@@ -4,10 +4,10 @@
 //! `npuc` domain op for older models). Constants must match to float precision and every
 //! intermediate value must be read only inside the pattern.
 
-use crate::util::{import_npuc, is_op, other_input, remove_nodes, runnable_domain, Index};
-use crate::{Pass, PassError, PassStats};
-use npuc_ir::{Graph, Model, Node};
-use std::collections::HashSet;
+use crate::patch::fuse_patterns;
+use crate::util::{is_op, other_input, runnable_domain, Index};
+use crate::{Pass, PassError, PassStats, Rewriter};
+use npuc_ir::{Graph, Node};
 
 pub struct GeluFusion;
 
@@ -88,42 +88,26 @@ impl Pass for GeluFusion {
         "gelu-fusion"
     }
 
-    fn run(&self, m: &mut Model) -> Result<PassStats, PassError> {
+    fn run(&self, rw: &mut Rewriter<'_>) -> Result<PassStats, PassError> {
+        let m = rw.model();
         if !m.graph.nodes.iter().any(|n| is_op(n, "Erf")) {
             return Ok(PassStats::default());
         }
         let Some(domain) = runnable_domain(m, "Gelu") else {
             return Ok(PassStats::default());
         };
-        let g = &mut m.graph;
-        let ix = Index::new(g);
-        let mut dead = HashSet::new();
-        let mut edits = vec![];
-        for (i, n) in g.nodes.iter().enumerate() {
+        let fused = fuse_patterns(rw, domain, |g, ix, i| {
+            let n = &g.nodes[i];
             if !is_op(n, "Erf") {
-                continue;
+                return None;
             }
-            let Some((x, out, nodes)) = matches(g, &ix, i) else {
-                continue;
-            };
-            if nodes.iter().any(|k| dead.contains(k)) {
-                continue;
-            }
+            let (x, out, nodes) = matches(g, ix, i)?;
             let mut f = Node::new("Gelu", &[x.as_str()], &[out.as_str()]);
             f.domain = domain.into();
             f.name = n.name.clone();
-            edits.push((i, f));
-            dead.extend(nodes.into_iter().filter(|&k| k != i));
-        }
-        let k = edits.len();
-        for (i, f) in edits {
-            g.nodes[i] = f;
-        }
-        remove_nodes(g, &dead);
-        if k > 0 && domain == "npuc" {
-            import_npuc(m);
-        }
-        Ok(PassStats::new(k))
+            Some((i, f, nodes))
+        });
+        Ok(PassStats::new(fused))
     }
 }
 
@@ -160,7 +144,7 @@ mod tests {
         if npuc_runtime::registry().find("", "Gelu", 20).is_none() {
             // Gelu's kernel comes with the elementwise family; without it the pass must not fire.
             let mut opt = m.clone();
-            assert_eq!(GeluFusion.run(&mut opt).unwrap().changes, 0);
+            assert_eq!(crate::apply_pass(&GeluFusion, &mut opt).unwrap().changes, 0);
             return;
         }
         let (opt, n) = check_pass(&GeluFusion, &m, &[("x", data(&[2, 8], 11))]);

@@ -5,11 +5,11 @@
 //! Readers of the output are redirected to the input; when the output is a graph output its
 //! name is kept by renaming the input's producer instead.
 
-use crate::util::{is_op, merge_value, remove_nodes, Index};
-use crate::{Pass, PassError, PassStats};
+use crate::util::{is_op, Index};
+use crate::{GraphPatch, Pass, PassError, PassStats, Rewriter};
 use npuc_ir::infer::{infer_model, InferResult};
-use npuc_ir::{Dim, Model, Node, TypeInfo};
-use std::collections::{HashMap, HashSet};
+use npuc_ir::{Dim, Node, TypeInfo};
+use std::collections::HashMap;
 
 pub struct IdentityElim;
 
@@ -92,7 +92,8 @@ impl Pass for IdentityElim {
         "identity-elim"
     }
 
-    fn run(&self, m: &mut Model) -> Result<PassStats, PassError> {
+    fn run(&self, rw: &mut Rewriter<'_>) -> Result<PassStats, PassError> {
+        let m = rw.model();
         let needs_types = m.graph.nodes.iter().any(|n| {
             ["Cast", "Reshape", "Expand", "Transpose"].contains(&n.op_type.as_str())
                 && n.domain.is_empty()
@@ -102,31 +103,35 @@ impl Pass for IdentityElim {
         } else {
             InferResult::default()
         };
-        let g = &mut m.graph;
-        let mut dead = HashSet::new();
-        let mut ix = Index::new(g);
         let mut i = 0;
         let mut changes = 0;
-        while i < g.nodes.len() {
-            let n = &g.nodes[i];
-            if is_identity(n, &ix, g, &r) {
-                let x = n.inputs[0].clone();
-                let y = n.outputs[0].clone();
-                if is_op(n, "Dropout") && n.outputs.get(1).is_some_and(|o| !o.is_empty()) {
-                    // The mask is unused; drop it so the merge does not see two outputs.
-                    g.nodes[i].outputs.truncate(1);
+        // One merge per patch: a merge renames values, so the next match is looked for in
+        // the graph (and index) it leaves (identities are few).
+        'scan: loop {
+            let g = &rw.model().graph;
+            let ix = Index::new(g);
+            let mut patch = GraphPatch::new();
+            while i < g.nodes.len() {
+                let n = &g.nodes[i];
+                if is_identity(n, &ix, g, &r) {
+                    let (x, y) = (&n.inputs[0], &n.outputs[0]);
+                    if is_op(n, "Dropout") && n.outputs.get(1).is_some_and(|o| !o.is_empty()) {
+                        // The mask is unused; drop it so the merge does not see two outputs.
+                        let mut single = n.clone();
+                        single.outputs.truncate(1);
+                        patch.replace(i, single);
+                    }
+                    if patch.merge_value(&ix, y, x) {
+                        patch.remove(i);
+                        rw.apply(patch);
+                        changes += 1;
+                        continue 'scan;
+                    }
                 }
-                if merge_value(g, &ix, &y, &x) {
-                    changes += 1;
-                    dead.insert(i);
-                    // Renames invalidate the index; rebuild it (identities are few).
-                    remove_nodes(g, &dead);
-                    dead.clear();
-                    ix = Index::new(g);
-                    continue;
-                }
+                i += 1;
             }
-            i += 1;
+            rw.apply(patch);
+            break;
         }
         Ok(PassStats::new(changes))
     }

@@ -28,8 +28,8 @@
 //! It runs once, after the fixed point of the other passes (the fusions it builds on need
 //! shape inference, which `npuc.ConvNhwc` does not have).
 
-use crate::util::{fresh_name, import_npuc, is_op, Index};
-use crate::{Pass, PassError, PassStats};
+use crate::util::{fresh_name, is_op, Index};
+use crate::{GraphPatch, Pass, PassError, PassStats, Rewriter};
 use npuc_ir::{Attr, DType, Model, Node, Tensor, TypeInfo};
 use std::collections::{HashMap, HashSet};
 
@@ -196,15 +196,15 @@ impl Pass for LayoutNhwc {
         "layout-nhwc"
     }
 
-    fn run(&self, m: &mut Model) -> Result<PassStats, PassError> {
-        let changes = convert(m);
+    fn run(&self, rw: &mut Rewriter<'_>) -> Result<PassStats, PassError> {
+        let (changes, patch) = convert(rw.model());
         if changes > 0 {
-            import_npuc(m);
+            rw.apply(patch);
             // Transpose pairs the rewrite created around existing transposes cancel here.
             for _ in 0..4 {
-                let a = super::reshape::ReshapeFold.run(m)?.changes;
-                let b = super::identity::IdentityElim.run(m)?.changes;
-                let c = super::dce::Dce.run(m)?.changes;
+                let a = super::reshape::ReshapeFold.run(rw)?.changes;
+                let b = super::identity::IdentityElim.run(rw)?.changes;
+                let c = super::dce::Dce.run(rw)?.changes;
                 if a + b + c == 0 {
                     break;
                 }
@@ -214,14 +214,14 @@ impl Pass for LayoutNhwc {
     }
 }
 
-/// Finds and rewrites the chains; returns the number of nodes converted.
-fn convert(m: &mut Model) -> usize {
+/// Finds the chains and plans their rewrite; returns the number of nodes converted.
+fn convert(m: &Model) -> (usize, GraphPatch) {
     let g = &m.graph;
     if !g.nodes.iter().any(|n| {
         (is_op(n, "Conv") || (n.domain == "npuc" && n.op_type == "FusedConv"))
             && n.inputs.len() >= 2
     }) {
-        return 0;
+        return (0, GraphPatch::new());
     }
     let ix = Index::new(g);
     let kinds: Vec<Option<Kind>> = g.nodes.iter().map(|n| classify(g, &ix, n)).collect();
@@ -382,13 +382,13 @@ fn convert(m: &mut Model) -> usize {
         }
     }
     if chosen.is_empty() {
-        return 0;
+        return (0, GraphPatch::new());
     }
     rewrite(m, &chosen)
 }
 
-/// Rewrites the chosen member nodes to NHWC with boundary transposes.
-fn rewrite(m: &mut Model, chosen: &HashSet<usize>) -> usize {
+/// Plans the chosen member nodes in NHWC with boundary transposes.
+fn rewrite(m: &Model, chosen: &HashSet<usize>) -> (usize, GraphPatch) {
     let g = &m.graph;
     let ix = Index::new(g);
     let mut taken = HashSet::new();
@@ -402,15 +402,13 @@ fn rewrite(m: &mut Model, chosen: &HashSet<usize>) -> usize {
         let name = fresh(g, &mut taken, o);
         nhwc.insert(o.clone(), name);
     }
-    let mut new_inits: Vec<(String, Tensor)> = vec![];
-    let mut out_nodes: Vec<Node> = Vec::with_capacity(g.nodes.len() + 8);
+    let mut patch = GraphPatch::new();
     // Entry transposes already emitted: NCHW name -> NHWC name.
     let mut entered: HashMap<String, String> = HashMap::new();
     let mut const_names: HashMap<String, String> = HashMap::new();
     let mut converted = 0;
     for (i, n) in g.nodes.iter().enumerate() {
         if !chosen.contains(&i) {
-            out_nodes.push(n.clone());
             continue;
         }
         converted += 1;
@@ -434,7 +432,7 @@ fn rewrite(m: &mut Model, chosen: &HashSet<usize>) -> usize {
                         Some(nm) => nm.clone(),
                         None => {
                             let nm = fresh(g, &mut taken, s);
-                            new_inits.push((nm.clone(), p));
+                            patch.add_initializer(nm.clone(), p);
                             const_names.insert(s.clone(), nm.clone());
                             nm
                         }
@@ -457,7 +455,8 @@ fn rewrite(m: &mut Model, chosen: &HashSet<usize>) -> usize {
                         Some(y) => y,
                         None => {
                             let nm = fresh(g, &mut taken, s);
-                            out_nodes.push(
+                            patch.insert_before(
+                                i,
                                 Node::new("Transpose", &[s], &[&nm])
                                     .with_attr("perm", Attr::Ints(TO_NHWC.to_vec())),
                             );
@@ -492,25 +491,21 @@ fn rewrite(m: &mut Model, chosen: &HashSet<usize>) -> usize {
             }
             _ => {}
         }
-        out_nodes.push(t);
+        patch.replace(i, t);
         // A value leaving the chain keeps its name, in NCHW.
         let leaves = ix.graph_outputs.contains(&o)
             || ix.captured.contains(&o)
             || ix.users(&o).iter().any(|u| !chosen.contains(u));
         if leaves {
-            out_nodes.push(
+            patch.insert_after(
+                i,
                 Node::new("Transpose", &[&nhwc[&o]], &[&o])
                     .with_attr("perm", Attr::Ints(TO_NCHW.to_vec())),
             );
         }
     }
-    let g = &mut m.graph;
-    g.nodes = out_nodes;
-    for (name, t) in new_inits {
-        g.initializers
-            .push(npuc_ir::Initializer { name, tensor: t });
-    }
-    converted
+    patch.import_domain("npuc");
+    (converted, patch)
 }
 
 #[cfg(test)]
@@ -553,7 +548,7 @@ mod tests {
         ];
         let x = data(&[1, 3, 10, 12], 9);
         let want = run(&m, &[("x", x.clone())]);
-        let st = LayoutNhwc.run(&mut m).unwrap();
+        let st = crate::apply_pass(&LayoutNhwc, &mut m).unwrap();
         assert_eq!(st.changes, 10, "every node but MaxPool converts");
         let count = |op: &str| m.graph.nodes.iter().filter(|n| n.op_type == op).count();
         assert_eq!(count("ConvNhwc"), 3);
@@ -573,7 +568,7 @@ mod tests {
             }
         }
         // Idempotent: nothing left to convert.
-        assert_eq!(LayoutNhwc.run(&mut m).unwrap().changes, 0);
+        assert_eq!(crate::apply_pass(&LayoutNhwc, &mut m).unwrap().changes, 0);
     }
 
     /// A lone conv does not pay for two transposes.
@@ -588,7 +583,7 @@ mod tests {
             init("w1", data(&[4, 3, 3, 3], 1)),
             init("b1", data(&[4], 2)),
         ];
-        assert_eq!(LayoutNhwc.run(&mut m).unwrap().changes, 0);
+        assert_eq!(crate::apply_pass(&LayoutNhwc, &mut m).unwrap().changes, 0);
     }
 
     /// Grouped (non-depthwise) convs and non-constant weights break chains.
@@ -611,7 +606,7 @@ mod tests {
             init("b2", data(&[4], 4)),
             init("b3", data(&[4], 5)),
         ];
-        assert_eq!(LayoutNhwc.run(&mut m).unwrap().changes, 0);
+        assert_eq!(crate::apply_pass(&LayoutNhwc, &mut m).unwrap().changes, 0);
     }
 
     /// Concat along channels remaps its axis; a Transpose(.., [0,3,1,2]) entering cancels.
@@ -632,7 +627,7 @@ mod tests {
         ];
         let x = data(&[1, 5, 7, 4], 9);
         let want = run(&m, &[("xh", x.clone())]);
-        assert!(LayoutNhwc.run(&mut m).unwrap().changes > 0);
+        assert!(crate::apply_pass(&LayoutNhwc, &mut m).unwrap().changes > 0);
         let tr: Vec<&Node> = m
             .graph
             .nodes

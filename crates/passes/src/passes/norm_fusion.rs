@@ -6,10 +6,10 @@
 //! `npuc` domain op for older models). The fused op computes the same mean and biased
 //! variance over the same axis. Every intermediate must be read only inside the pattern.
 
-use crate::util::{import_npuc, is_op, other_input, remove_nodes, runnable_domain, Index};
-use crate::{Pass, PassError, PassStats};
-use npuc_ir::{Attr, Graph, Model, Node};
-use std::collections::HashSet;
+use crate::patch::fuse_patterns;
+use crate::util::{is_op, other_input, runnable_domain, Index};
+use crate::{Pass, PassError, PassStats, Rewriter};
+use npuc_ir::{Attr, Graph, Node};
 
 pub struct LayerNormFusion;
 
@@ -125,44 +125,28 @@ impl Pass for LayerNormFusion {
         "layernorm-fusion"
     }
 
-    fn run(&self, m: &mut Model) -> Result<PassStats, PassError> {
+    fn run(&self, rw: &mut Rewriter<'_>) -> Result<PassStats, PassError> {
+        let m = rw.model();
         if !m.graph.nodes.iter().any(|n| is_op(n, "ReduceMean")) {
             return Ok(PassStats::default());
         }
         let Some(domain) = runnable_domain(m, "LayerNormalization") else {
             return Ok(PassStats::default());
         };
-        let g = &mut m.graph;
-        let ix = Index::new(g);
-        let mut dead = HashSet::new();
-        let mut edits = vec![];
-        for (i, n) in g.nodes.iter().enumerate() {
+        let fused = fuse_patterns(rw, domain, |g, ix, i| {
+            let n = &g.nodes[i];
             if !is_op(n, "Sub") {
-                continue;
+                return None;
             }
-            let Some((x, gamma, beta, eps, out, nodes)) = matches(g, &ix, i) else {
-                continue;
-            };
-            if nodes.iter().any(|k| dead.contains(k)) {
-                continue;
-            }
+            let (x, gamma, beta, eps, out, nodes) = matches(g, ix, i)?;
             let mut f = Node::new("LayerNormalization", &[&x, &gamma, &beta], &[&out])
                 .with_attr("axis", Attr::Int(-1))
                 .with_attr("epsilon", Attr::Float(eps));
             f.domain = domain.into();
             f.name = n.name.clone();
-            edits.push((i, f));
-            dead.extend(nodes.into_iter().filter(|&k| k != i));
-        }
-        let k = edits.len();
-        for (i, f) in edits {
-            g.nodes[i] = f;
-        }
-        remove_nodes(g, &dead);
-        if k > 0 && domain == "npuc" {
-            import_npuc(m);
-        }
-        Ok(PassStats::new(k))
+            Some((i, f, nodes))
+        });
+        Ok(PassStats::new(fused))
     }
 }
 
@@ -170,6 +154,7 @@ impl Pass for LayerNormFusion {
 mod tests {
     use super::*;
     use crate::passes::testutil::*;
+    use npuc_ir::Model;
 
     /// The exporter's decomposed LayerNorm over the last axis of `x[2, 3, 8]`, its square
     /// written as `square(d, p)`.
@@ -215,7 +200,12 @@ mod tests {
         }
         // (Its "variance" can be negative, so only the rewrite count is checked.)
         let mut other = decomposed(Node::new("Mul", &["d", "other"], &["p"]));
-        assert_eq!(LayerNormFusion.run(&mut other).unwrap().changes, 0);
+        assert_eq!(
+            crate::apply_pass(&LayerNormFusion, &mut other)
+                .unwrap()
+                .changes,
+            0
+        );
     }
 }
 
@@ -310,47 +300,31 @@ impl Pass for RmsNormFusion {
         "rmsnorm-fusion"
     }
 
-    fn run(&self, m: &mut Model) -> Result<PassStats, PassError> {
+    fn run(&self, rw: &mut Rewriter<'_>) -> Result<PassStats, PassError> {
+        let m = rw.model();
         if !m.graph.nodes.iter().any(|n| is_op(n, "ReduceMean")) {
             return Ok(PassStats::default());
         }
         let Some(domain) = runnable_domain(m, "RMSNormalization") else {
             return Ok(PassStats::default());
         };
-        let g = &mut m.graph;
-        let ix = Index::new(g);
-        let mut dead = HashSet::new();
-        let mut edits = vec![];
-        for (i, n) in g.nodes.iter().enumerate() {
+        let fused = fuse_patterns(rw, domain, |g, ix, i| {
+            let n = &g.nodes[i];
             if !is_op(n, "Pow") && !is_op(n, "Mul") {
-                continue;
+                return None;
             }
-            let Some((x, gamma, eps, out, nodes)) = rms_matches(g, &ix, i) else {
-                continue;
-            };
-            if nodes.iter().any(|k| dead.contains(k)) {
-                continue;
-            }
+            let (x, gamma, eps, out, nodes) = rms_matches(g, ix, i)?;
             // The fused node takes the place of the last node of the pattern (the gamma Mul),
             // where x and gamma are both available.
-            let last = *nodes.last().expect("pattern nodes");
+            let last = *nodes.last()?;
             let mut f = Node::new("RMSNormalization", &[&x, &gamma], &[&out])
                 .with_attr("axis", Attr::Int(-1))
                 .with_attr("epsilon", Attr::Float(eps));
             f.domain = domain.into();
             f.name = g.nodes[last].name.clone();
-            edits.push((last, f));
-            dead.extend(nodes.into_iter().filter(|&k| k != last));
-        }
-        let k = edits.len();
-        for (i, f) in edits {
-            g.nodes[i] = f;
-        }
-        remove_nodes(g, &dead);
-        if k > 0 && domain == "npuc" {
-            import_npuc(m);
-        }
-        Ok(PassStats::new(k))
+            Some((last, f, nodes))
+        });
+        Ok(PassStats::new(fused))
     }
 }
 

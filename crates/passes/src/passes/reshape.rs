@@ -10,8 +10,8 @@
 //! The inner node must be read only by the outer one (otherwise nothing is saved).
 
 use crate::util::{is_op, Index};
-use crate::{Pass, PassError, PassStats};
-use npuc_ir::{Attr, Graph, Model, Node};
+use crate::{GraphPatch, Pass, PassError, PassStats, Rewriter};
+use npuc_ir::{Attr, Graph, Node};
 
 pub struct ReshapeFold;
 
@@ -29,10 +29,12 @@ impl Pass for ReshapeFold {
         "layout-fold"
     }
 
-    fn run(&self, m: &mut Model) -> Result<PassStats, PassError> {
-        let g = &mut m.graph;
+    fn run(&self, rw: &mut Rewriter<'_>) -> Result<PassStats, PassError> {
+        let g = &rw.model().graph;
         let ix = Index::new(g);
-        let mut edits: Vec<(usize, Node)> = vec![];
+        let mut patch = GraphPatch::new();
+        let mut folded = 0;
+        // Nodes an earlier fold read or replaced: a chain folds one pair per run.
         let mut touched = std::collections::HashSet::new();
         for (i, n) in g.nodes.iter().enumerate() {
             let Some(x) = n.input(0) else { continue };
@@ -90,13 +92,11 @@ impl Pass for ReshapeFold {
             };
             touched.insert(i);
             touched.insert(pi);
-            edits.push((i, new));
+            patch.replace(i, new);
+            folded += 1;
         }
-        let k = edits.len();
-        for (i, n) in edits {
-            g.nodes[i] = n;
-        }
-        Ok(PassStats::new(k))
+        rw.apply(patch);
+        Ok(PassStats::new(folded))
     }
 }
 

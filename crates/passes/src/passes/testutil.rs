@@ -86,7 +86,7 @@ pub fn assert_close(a: &[Tensor], b: &[Tensor]) {
 pub fn check_pass(pass: &dyn crate::Pass, m: &Model, feeds: &[(&str, Tensor)]) -> (Model, usize) {
     let before = run(m, feeds);
     let mut opt = m.clone();
-    let st = pass.run(&mut opt).unwrap();
+    let st = crate::apply_pass(pass, &mut opt).unwrap();
     let after = run(&opt, feeds);
     assert_close(&before, &after);
     (opt, st.changes)
