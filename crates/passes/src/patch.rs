@@ -277,21 +277,36 @@ impl<'m> Rewriter<'m> {
     }
 }
 
-/// Runs a pattern fusion over the main graph: `fusion(g, ix, i)` looks for the pattern around
-/// node `i` and returns the index the fused node takes, the fused node and the pattern's nodes.
-/// Of overlapping matches the first wins. The `npuc` domain is imported when `domain` is it
-/// and something was fused. Returns the number fused.
+/// Runs a pattern fusion producing `fused_op` over the main graph, when some node is a
+/// `guard_op` (the pattern cannot occur otherwise) and the runtime can run `fused_op` at the
+/// model's opset (see [`crate::util::runnable_domain`]). `fusion(g, ix, i, domain)` looks for
+/// the pattern around node `i` and returns the index the fused node takes, the fused node and
+/// the pattern's nodes. Of overlapping matches the first wins. The `npuc` domain is imported
+/// when the fused op is emitted in it. Returns the number fused.
 pub fn fuse_patterns(
     rw: &mut Rewriter<'_>,
-    domain: &'static str,
-    fusion: impl Fn(&Graph, &Index, usize) -> Option<(usize, Node, Vec<usize>)>,
+    guard_op: &str,
+    fused_op: &str,
+    fusion: impl Fn(&Graph, &Index, usize, &'static str) -> Option<(usize, Node, Vec<usize>)>,
 ) -> usize {
-    let g = &rw.model().graph;
+    let m = rw.model();
+    if !m
+        .graph
+        .nodes
+        .iter()
+        .any(|n| crate::util::is_op(n, guard_op))
+    {
+        return 0;
+    }
+    let Some(domain) = crate::util::runnable_domain(m, fused_op) else {
+        return 0;
+    };
+    let g = &m.graph;
     let ix = Index::new(g);
     let mut patch = GraphPatch::new();
     let mut fused = 0;
     for i in 0..g.nodes.len() {
-        if let Some((at, node, nodes)) = fusion(g, &ix, i) {
+        if let Some((at, node, nodes)) = fusion(g, &ix, i, domain) {
             if patch.fuse(at, node, &nodes) {
                 fused += 1;
             }

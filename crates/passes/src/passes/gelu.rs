@@ -5,7 +5,7 @@
 //! intermediate value must be read only inside the pattern.
 
 use crate::patch::fuse_patterns;
-use crate::util::{is_op, other_input, runnable_domain, Index};
+use crate::util::{is_op, other_input, Index};
 use crate::{Pass, PassError, PassStats, Rewriter};
 use npuc_ir::{Graph, Node};
 
@@ -89,14 +89,7 @@ impl Pass for GeluFusion {
     }
 
     fn run(&self, rw: &mut Rewriter<'_>) -> Result<PassStats, PassError> {
-        let m = rw.model();
-        if !m.graph.nodes.iter().any(|n| is_op(n, "Erf")) {
-            return Ok(PassStats::default());
-        }
-        let Some(domain) = runnable_domain(m, "Gelu") else {
-            return Ok(PassStats::default());
-        };
-        let fused = fuse_patterns(rw, domain, |g, ix, i| {
+        let fused = fuse_patterns(rw, "Erf", "Gelu", |g, ix, i, domain| {
             let n = &g.nodes[i];
             if !is_op(n, "Erf") {
                 return None;

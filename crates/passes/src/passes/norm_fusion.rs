@@ -7,7 +7,7 @@
 //! variance over the same axis. Every intermediate must be read only inside the pattern.
 
 use crate::patch::fuse_patterns;
-use crate::util::{is_op, other_input, runnable_domain, Index};
+use crate::util::{is_op, other_input, Index};
 use crate::{Pass, PassError, PassStats, Rewriter};
 use npuc_ir::{Attr, Graph, Node};
 
@@ -126,26 +126,24 @@ impl Pass for LayerNormFusion {
     }
 
     fn run(&self, rw: &mut Rewriter<'_>) -> Result<PassStats, PassError> {
-        let m = rw.model();
-        if !m.graph.nodes.iter().any(|n| is_op(n, "ReduceMean")) {
-            return Ok(PassStats::default());
-        }
-        let Some(domain) = runnable_domain(m, "LayerNormalization") else {
-            return Ok(PassStats::default());
-        };
-        let fused = fuse_patterns(rw, domain, |g, ix, i| {
-            let n = &g.nodes[i];
-            if !is_op(n, "Sub") {
-                return None;
-            }
-            let (x, gamma, beta, eps, out, nodes) = matches(g, ix, i)?;
-            let mut f = Node::new("LayerNormalization", &[&x, &gamma, &beta], &[&out])
-                .with_attr("axis", Attr::Int(-1))
-                .with_attr("epsilon", Attr::Float(eps));
-            f.domain = domain.into();
-            f.name = n.name.clone();
-            Some((i, f, nodes))
-        });
+        let fused = fuse_patterns(
+            rw,
+            "ReduceMean",
+            "LayerNormalization",
+            |g, ix, i, domain| {
+                let n = &g.nodes[i];
+                if !is_op(n, "Sub") {
+                    return None;
+                }
+                let (x, gamma, beta, eps, out, nodes) = matches(g, ix, i)?;
+                let mut f = Node::new("LayerNormalization", &[&x, &gamma, &beta], &[&out])
+                    .with_attr("axis", Attr::Int(-1))
+                    .with_attr("epsilon", Attr::Float(eps));
+                f.domain = domain.into();
+                f.name = n.name.clone();
+                Some((i, f, nodes))
+            },
+        );
         Ok(PassStats::new(fused))
     }
 }
@@ -301,14 +299,7 @@ impl Pass for RmsNormFusion {
     }
 
     fn run(&self, rw: &mut Rewriter<'_>) -> Result<PassStats, PassError> {
-        let m = rw.model();
-        if !m.graph.nodes.iter().any(|n| is_op(n, "ReduceMean")) {
-            return Ok(PassStats::default());
-        }
-        let Some(domain) = runnable_domain(m, "RMSNormalization") else {
-            return Ok(PassStats::default());
-        };
-        let fused = fuse_patterns(rw, domain, |g, ix, i| {
+        let fused = fuse_patterns(rw, "ReduceMean", "RMSNormalization", |g, ix, i, domain| {
             let n = &g.nodes[i];
             if !is_op(n, "Pow") && !is_op(n, "Mul") {
                 return None;
