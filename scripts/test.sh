@@ -4,6 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
+# Check the graph after every optimization pass (names, order, types, op contracts) in the
+# release-built tests too; a broken pass fails with its name.
+export NPUC_VERIFY_PASSES=1
 cargo test --release --workspace --no-fail-fast
 cargo xtask conformance
 cargo xtask conformance --compiled

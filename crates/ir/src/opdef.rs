@@ -246,6 +246,20 @@ pub fn all() -> Vec<&'static OpDef> {
     TABLE.read().unwrap_or_else(|e| e.into_inner()).clone()
 }
 
+/// The op contracts of every registered definition: a node whose op has an [`OpDef`] must
+/// satisfy [`OpDef::check`]; ops without one (ONNX ops, checked by inference) pass. This is
+/// what the pass manager's between-pass verifier applies by default.
+pub struct RegisteredOps;
+
+impl crate::verify::OpContracts for RegisteredOps {
+    fn check(&self, node: &Node, _types: &crate::infer::InferResult) -> Result<(), String> {
+        match lookup(&node.domain, &node.op_type) {
+            Some(def) => def.check(node).map_err(|e| e.to_string()),
+            None => Ok(()),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

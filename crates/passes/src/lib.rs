@@ -23,7 +23,8 @@ pub mod util;
 pub use patch::{GraphPatch, Rewriter};
 pub use quant_lower::lower_quantized;
 
-use npuc_ir::{Model, NoContracts, OpContracts};
+use npuc_ir::opdef::RegisteredOps;
+use npuc_ir::{Model, OpContracts};
 use std::collections::HashSet;
 use std::time::Instant;
 
@@ -127,7 +128,7 @@ pub(crate) fn run_verified<T>(
     verify: bool,
     f: impl FnOnce(&mut Rewriter<'_>) -> Result<T, PassError>,
 ) -> Result<T, PassError> {
-    let verifier = verify.then(|| PassVerifier::new(model, &NoContracts));
+    let verifier = verify.then(|| PassVerifier::new(model, &RegisteredOps));
     let mut rw = Rewriter::new(model);
     let out = f(&mut rw)?;
     let edited = rw.edited();
@@ -309,7 +310,7 @@ pub struct PassManager {
     max_iterations: usize,
     /// Check the model after every pass (see [`verify_by_default`]).
     verify: bool,
-    /// Op contracts the checks apply (none until an op registry provides them).
+    /// Op contracts the checks apply (default: every registered `OpDef`, [`RegisteredOps`]).
     contracts: Box<dyn OpContracts>,
 }
 
@@ -320,7 +321,7 @@ impl PassManager {
             late: vec![],
             max_iterations: max_iterations.max(1),
             verify: verify_by_default(),
-            contracts: Box::new(NoContracts),
+            contracts: Box::new(RegisteredOps),
         }
     }
 

@@ -290,3 +290,66 @@ fn every_pass_leaves_real_models_valid() {
         optimize_verified(&m).unwrap_or_else(|e| panic!("{f}: {e}"));
     }
 }
+
+/// `test.Scale(x, factor?) -> y` with a required int attribute `k`: an npuc-style op known
+/// only through its registered definition.
+fn same_as_first(n: &npuc_ir::infer::NodeIn) -> npuc_ir::infer::R<Vec<TypeInfo>> {
+    Ok(vec![n.ty(0).cloned().unwrap_or(TypeInfo::Tensor {
+        dtype: None,
+        shape: None,
+    })])
+}
+
+static SCALE: npuc_ir::opdef::OpDef = npuc_ir::opdef::OpDef {
+    domain: "test",
+    name: "Scale",
+    inputs: &[
+        npuc_ir::opdef::Param::required("x"),
+        npuc_ir::opdef::Param::optional("factor"),
+    ],
+    outputs: &[npuc_ir::opdef::Param::required("y")],
+    attrs: &[npuc_ir::opdef::AttrDef::required("k", "int")],
+    infer: same_as_first,
+};
+
+/// Replaces the Relu with `test.Scale` but forgets the required attribute `k`: every value is
+/// still defined and typed, only the op's own contract is broken.
+struct ContractBreaker;
+
+impl Pass for ContractBreaker {
+    fn name(&self) -> &'static str {
+        "contract-breaker"
+    }
+    fn run(&self, rw: &mut Rewriter<'_>) -> Result<PassStats, PassError> {
+        let g = &rw.model().graph;
+        let Some(i) = g.nodes.iter().position(|n| n.op_type == "Relu") else {
+            return Ok(PassStats::default());
+        };
+        let mut scale = Node::new("Scale", &["a"], &["y"]);
+        scale.domain = "test".into();
+        scale.name = "scale".into();
+        let mut patch = GraphPatch::new();
+        patch.replace(i, scale);
+        rw.apply(patch);
+        Ok(PassStats::new(1))
+    }
+}
+
+#[test]
+fn a_broken_op_contract_names_the_pass_and_the_op() {
+    npuc_ir::opdef::register(&[&SCALE]);
+    let mut m = small_model();
+    m.opset_imports.push(OpsetImport {
+        domain: "test".into(),
+        version: 1,
+    });
+    let err = pipeline(Box::new(ContractBreaker), true)
+        .run(&mut m)
+        .expect_err("the node breaks test.Scale's contract")
+        .to_string();
+    assert!(
+        err.starts_with("pass 'contract-breaker' left an invalid graph")
+            && err.contains("test.Scale: required attribute 'k' is missing"),
+        "{err}"
+    );
+}
