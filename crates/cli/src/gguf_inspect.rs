@@ -7,21 +7,6 @@ use serde_json::{json, Map, Value as Json};
 use std::collections::BTreeMap;
 use std::path::Path;
 
-/// Whether `path` looks like a GGUF file (by extension, or by its magic when it exists).
-pub fn is_gguf(path: &Path) -> bool {
-    if path
-        .extension()
-        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
-    {
-        return true;
-    }
-    let mut magic = [0u8; 4];
-    std::fs::File::open(path)
-        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic))
-        .is_ok()
-        && &magic == b"GGUF"
-}
-
 /// Arrays longer than this are shown as a summary (type, length, first items).
 const ARRAY_SHOWN: usize = 16;
 

@@ -9,7 +9,7 @@ pub mod compile_cmd;
 pub mod flags;
 pub mod gguf_inspect;
 pub mod llm_cmd;
-pub mod npy;
+pub use npuc_npy as npy;
 pub mod ocr;
 pub mod progress;
 pub mod verify;

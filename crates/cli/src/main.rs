@@ -163,7 +163,7 @@ fn main() {
                         "an artifact's input shapes were bound when it was compiled",
                     )
                     .and_then(|_| npuc_cli::artifact::inspect(&model, json, verify))
-            } else if npuc_cli::gguf_inspect::is_gguf(&model) {
+            } else if npuc_driver::llm::is_gguf(&model) {
                 given
                     .reject(
                         &["input_shape", "dim", "verify"],
@@ -177,7 +177,7 @@ fn main() {
             };
             r.and_then(|_| {
                 // Quantized-tensor report: ONNX models and artifacts only.
-                if json || npuc_cli::gguf_inspect::is_gguf(&model) {
+                if json || npuc_driver::llm::is_gguf(&model) {
                     Ok(())
                 } else {
                     print_quant_report(&model)

@@ -9,11 +9,8 @@ use anyhow::Result;
 pub use npuc_llm::compile::LlmCompileOptions;
 use std::path::Path;
 
-/// True for paths the LLM compiler handles (`.gguf`).
-pub fn is_gguf(path: &Path) -> bool {
-    path.extension()
-        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
-}
+/// True for models the LLM compiler handles (GGUF, by magic bytes).
+pub use npuc_gguf::is_gguf;
 
 /// Compiles a GGUF model into the artifact `out` (written atomically).
 pub fn compile_gguf(

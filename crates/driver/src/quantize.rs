@@ -14,7 +14,7 @@ use npuc_quant::{
     encodings, CalibMethod, CalibSource, Granularity, ImagePreprocess, Overrides, QuantOptions,
     Scheme,
 };
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -277,19 +277,7 @@ pub fn quantize_model(
             anyhow!("--quantize {} needs calibration data: --calib DIR|input_list.txt (or --encodings ENC.json)", q.scheme.as_deref().unwrap_or(""))
         })?;
         let src = CalibSource::detect(src_path, q.preprocess()?)?;
-        let inits: HashSet<&str> = m
-            .graph
-            .initializers
-            .iter()
-            .map(|i| i.name.as_str())
-            .collect();
-        let inputs: Vec<npuc_ir::ValueInfo> = m
-            .graph
-            .inputs
-            .iter()
-            .filter(|i| !inits.contains(i.name.as_str()))
-            .cloned()
-            .collect();
+        let inputs: Vec<npuc_ir::ValueInfo> = m.graph.real_inputs().into_iter().cloned().collect();
         let files = src.list(&inputs, q.max_samples)?;
         let n = files.len();
         progress.calibrated(0, n);

@@ -2,7 +2,9 @@
 //! `tests/kernels.rs` compare them. Only called after `crate::has_avx2()` said yes.
 
 use crate::dequant::scale_min_k4;
-use crate::dot::DotFn;
+/// A row dot product over raw blocks: the function-pointer type `dot` dispatches through, spelled
+/// out here (identical type) so that this module depends on no other kernel module.
+type DotFn = fn(&[u8], &[u8]) -> f32;
 use crate::{f16_at, GgmlType, QK_K};
 use std::arch::x86_64::*;
 

@@ -5,10 +5,12 @@
 //! before it is used, so a truncated or corrupted file gives a [`GgufError`] naming the offset,
 //! key or tensor, never a panic or a huge allocation.
 
+mod meta_json;
 mod read;
 mod value;
 pub mod write;
 
+pub use meta_json::{GgufMetaJson, MetaJsonError};
 pub use read::{GgufFile, TensorInfo};
 pub use value::{MetaValue, ValueType};
 
@@ -19,6 +21,22 @@ use thiserror::Error;
 pub const DEFAULT_ALIGNMENT: u64 = 32;
 /// `GGUF` in little-endian byte order.
 pub const MAGIC: [u8; 4] = *b"GGUF";
+
+/// Whether `path` is to be read as a GGUF model: its first four bytes are [`MAGIC`], or it is
+/// named `*.gguf` (then a file with other bytes, or a missing one, gets the GGUF loader's error
+/// naming the file and the magic it found, not an ONNX parse error).
+pub fn is_gguf(path: &std::path::Path) -> bool {
+    if path
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+    {
+        return true;
+    }
+    let mut magic = [0u8; 4];
+    std::fs::File::open(path)
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic))
+        .is_ok_and(|()| magic == MAGIC)
+}
 
 #[derive(Debug, Error)]
 pub enum GgufError {

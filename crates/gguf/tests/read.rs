@@ -185,3 +185,22 @@ fn errors_name_the_problem() {
         "{msg}"
     );
 }
+
+#[test]
+fn gguf_is_detected_by_magic_or_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let renamed = dir.path().join("model.bin");
+    std::fs::write(&renamed, b"GGUF\x03\x00\x00\x00rest").unwrap();
+    assert!(
+        npuc_gguf::is_gguf(&renamed),
+        "GGUF magic under another name"
+    );
+    let onnx = dir.path().join("model.onnx");
+    std::fs::write(&onnx, b"\x08\x07\x12\x04onnx").unwrap();
+    assert!(!npuc_gguf::is_gguf(&onnx));
+    assert!(
+        npuc_gguf::is_gguf(&dir.path().join("missing.GGUF")),
+        "a .gguf name goes to the GGUF loader, whose error names the file"
+    );
+    assert!(!npuc_gguf::is_gguf(&dir.path().join("missing.onnx")));
+}

@@ -3,7 +3,7 @@ use thiserror::Error;
 
 #[derive(Debug, Error, Clone, PartialEq)]
 pub enum IrError {
-    #[error("shape {shape:?} holds {} elements but {len} were given", crate::tensor::checked_numel(shape).map_or("more than 2^64".to_string(), |n| n.to_string()))]
+    #[error("shape {shape:?} holds {} elements but {len} were given", crate::numel::checked_numel(shape).map_or("more than 2^64".to_string(), |n| n.to_string()))]
     ShapeData { shape: Vec<usize>, len: usize },
     #[error("shape {shape:?} has more elements than this machine can address (the product of its dimensions overflows)")]
     ShapeOverflow { shape: Vec<usize> },

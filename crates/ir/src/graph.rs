@@ -393,9 +393,14 @@ impl Graph {
             .map(|i| &i.tensor)
     }
 
+    /// The names of the graph's initializers.
+    pub fn initializer_names(&self) -> HashSet<&str> {
+        self.initializers.iter().map(|i| i.name.as_str()).collect()
+    }
+
     /// Graph inputs that are not also initializers (ONNX IR < 4 lists initializers as inputs too).
     pub fn real_inputs(&self) -> Vec<&ValueInfo> {
-        let inits: HashSet<&str> = self.initializers.iter().map(|i| i.name.as_str()).collect();
+        let inits = self.initializer_names();
         self.inputs
             .iter()
             .filter(|i| !inits.contains(i.name.as_str()))

@@ -8,6 +8,7 @@ pub mod ggml;
 pub mod graph;
 pub mod infer;
 pub mod lowp;
+pub mod numel;
 pub mod opdef;
 pub mod tensor;
 pub mod verify;

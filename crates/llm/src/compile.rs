@@ -33,12 +33,6 @@ impl Default for LlmCompileOptions {
     }
 }
 
-/// True for paths the LLM compiler handles (`.gguf`).
-pub fn is_gguf(path: &Path) -> bool {
-    path.extension()
-        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
-}
-
 /// What was written.
 #[derive(Clone, Debug)]
 pub struct LlmCompileSummary {

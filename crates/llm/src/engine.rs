@@ -6,9 +6,9 @@
 //! at the call's positions.
 
 use crate::build::{self, BuildOptions, Precision, Variant, WeightMode};
-use crate::meta::GgufMetaJson;
 use crate::{bail, LlmError, Result};
 use npuc_gguf::GgufFile;
+use npuc_gguf::GgufMetaJson;
 use npuc_ir::{f16, DType, Model, Tensor};
 use npuc_runtime::{Session, SessionOptions, Value};
 use std::path::Path;

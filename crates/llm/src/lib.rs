@@ -11,12 +11,11 @@
 pub mod build;
 pub mod compile;
 pub mod engine;
-pub mod meta;
 pub mod ops;
 
 pub use build::{build, BuildOptions, Hparams, Precision, Variant, WeightMode};
 pub use engine::{Engine, EngineOptions};
-pub use meta::GgufMetaJson;
+pub use npuc_gguf::GgufMetaJson;
 pub use ops::register as register_ops;
 
 use thiserror::Error;
@@ -26,6 +25,8 @@ use thiserror::Error;
 pub enum LlmError {
     #[error(transparent)]
     Gguf(#[from] npuc_gguf::GgufError),
+    #[error(transparent)]
+    MetaJson(#[from] npuc_gguf::MetaJsonError),
     #[error(transparent)]
     Ir(#[from] npuc_ir::IrError),
     #[error(transparent)]

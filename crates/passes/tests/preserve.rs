@@ -257,43 +257,9 @@ fn conformance_outputs_preserved() {
     );
 }
 
-/// Minimal `.npy` reader (little-endian f32/f64/i64/i32, C order).
+/// Reads a `.npy` reference array (through `npuc-npy`).
 fn read_npy(p: &Path) -> Tensor {
-    let b = std::fs::read(p).expect("read npy");
-    assert_eq!(&b[..6], b"\x93NUMPY");
-    let (hlen, start) = if b[6] == 1 {
-        (u16::from_le_bytes([b[8], b[9]]) as usize, 10)
-    } else {
-        (u32::from_le_bytes([b[8], b[9], b[10], b[11]]) as usize, 12)
-    };
-    let h = std::str::from_utf8(&b[start..start + hlen]).expect("npy header");
-    assert!(!h.contains("'fortran_order': True"));
-    let descr = h
-        .split("'descr':")
-        .nth(1)
-        .and_then(|s| s.split('\'').nth(1))
-        .expect("descr");
-    let shape_s = h
-        .split("'shape':")
-        .nth(1)
-        .and_then(|s| s.split('(').nth(1))
-        .and_then(|s| s.split(')').next())
-        .expect("shape");
-    let shape: Vec<usize> = shape_s
-        .split(',')
-        .map(str::trim)
-        .filter(|s| !s.is_empty())
-        .map(|s| s.parse().expect("dim"))
-        .collect();
-    let data = &b[start + hlen..];
-    let dt = match descr {
-        "<f4" => DType::F32,
-        "<f8" => DType::F64,
-        "<i8" => DType::I64,
-        "<i4" => DType::I32,
-        other => panic!("unsupported npy dtype {other}"),
-    };
-    Tensor::from_le_bytes_copy(dt, shape, data).expect("npy data")
+    npuc_npy::read_npy(p).unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// A real model with its reference feeds and onnxruntime's outputs, each with onnxruntime's own

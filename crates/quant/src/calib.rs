@@ -147,10 +147,7 @@ impl CalibSource {
                 .find(|v| &v.name == name)
                 .ok_or_else(|| anyhow!("the model has no input '{name}'"))?;
             let t = match self {
-                CalibSource::NpyDir(_) => parse_npy(
-                    &std::fs::read(file).with_context(|| format!("reading {}", file.display()))?,
-                )
-                .with_context(|| format!("{} is not a valid .npy file", file.display()))?,
+                CalibSource::NpyDir(_) => npuc_npy::read_npy(file)?,
                 CalibSource::InputList(_) => read_raw(file, vi)?,
                 CalibSource::Images(_, pre) => load_image(file, pre)?,
             };
@@ -354,78 +351,6 @@ fn check_type(t: &Tensor, vi: &ValueInfo, file: &Path) -> Result<()> {
         }
     }
     Ok(())
-}
-
-/// Parses `.npy` bytes (little-endian, C order; f32/f64/f16/ints/bool).
-pub fn parse_npy(b: &[u8]) -> Result<Tensor> {
-    if b.len() < 10 || &b[..6] != b"\x93NUMPY" {
-        bail!("missing the \\x93NUMPY magic");
-    }
-    let (hlen, start) = match b[6] {
-        1 => (u16::from_le_bytes([b[8], b[9]]) as usize, 10),
-        2 | 3 if b.len() >= 12 => (u32::from_le_bytes([b[8], b[9], b[10], b[11]]) as usize, 12),
-        v => bail!("unsupported .npy version {v}"),
-    };
-    let header = b
-        .get(start..start + hlen)
-        .ok_or_else(|| anyhow!("truncated header"))?;
-    let header = std::str::from_utf8(header).map_err(|_| anyhow!("header is not text"))?;
-    let field = |k: &str| -> Option<&str> {
-        let i = header.find(&format!("'{k}'"))? + k.len() + 2;
-        Some(
-            header[i..]
-                .trim_start()
-                .trim_start_matches(':')
-                .trim_start(),
-        )
-    };
-    let descr = field("descr")
-        .and_then(|s| s.strip_prefix('\''))
-        .and_then(|s| s.split('\'').next())
-        .ok_or_else(|| anyhow!("no descr"))?;
-    if field("fortran_order").is_some_and(|s| s.starts_with("True")) {
-        bail!("Fortran-order arrays are not supported; save with np.ascontiguousarray");
-    }
-    let shape_s = field("shape")
-        .and_then(|s| s.strip_prefix('('))
-        .and_then(|s| s.split(')').next())
-        .ok_or_else(|| anyhow!("no shape"))?;
-    let shape: Vec<usize> = shape_s
-        .split(',')
-        .map(|x| x.trim())
-        .filter(|x| !x.is_empty())
-        .map(|x| {
-            x.parse::<usize>()
-                .map_err(|_| anyhow!("bad shape '{shape_s}'"))
-        })
-        .collect::<Result<_>>()?;
-    if descr.starts_with('>') {
-        bail!("big-endian arrays are not supported");
-    }
-    let dt = match descr.trim_start_matches(['<', '|', '=']) {
-        "f4" => DType::F32,
-        "f8" => DType::F64,
-        "f2" => DType::F16,
-        "i1" => DType::I8,
-        "u1" => DType::U8,
-        "i2" => DType::I16,
-        "u2" => DType::U16,
-        "i4" => DType::I32,
-        "i8" => DType::I64,
-        "b1" => DType::Bool,
-        d => bail!("unsupported dtype '{d}'"),
-    };
-    let data = &b[start + hlen..];
-    let need = npuc_ir::checked_numel(&shape)
-        .and_then(|n| n.checked_mul(dt.size()))
-        .with_context(|| format!("shape {shape:?} overflows (more elements than addressable)"))?;
-    if data.len() < need {
-        bail!(
-            "{} data bytes, shape {shape:?} of {dt} needs {need}",
-            data.len()
-        );
-    }
-    Tensor::from_le_bytes_copy(dt, shape, &data[..need]).map_err(|e| anyhow!("{e}"))
 }
 
 /// Decodes and preprocesses one image (bilinear resize with half-pixel centres).

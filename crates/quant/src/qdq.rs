@@ -885,12 +885,7 @@ fn onnx_dtype_code(d: DType) -> i64 {
 /// missing names.
 pub fn check_names(m: &Model, enc: &Encodings) -> Result<()> {
     let names = tensor_names(&m.graph);
-    let inits: HashSet<&str> = m
-        .graph
-        .initializers
-        .iter()
-        .map(|i| i.name.as_str())
-        .collect();
+    let inits = m.graph.initializer_names();
     let missing: Vec<&str> = enc
         .activations
         .keys()

@@ -2,7 +2,7 @@
 
 use crate::buffers::{Pool, PoolGuard};
 use crate::error::{Result, RtError};
-use crate::kernel::{registry, Inputs, KernelFn, OpCtx};
+use crate::kernel::{registry, Inputs, KernelFn, OpCtx, StepHost};
 use crate::value::Value;
 use npuc_ir::{subgraphs, Attr, DType, Dim, Function, Graph, Model, Node, TypeInfo, ValueInfo};
 use std::any::Any;
@@ -72,6 +72,31 @@ impl Frame<'_> {
     }
 }
 
+impl StepHost for Frame<'_> {
+    fn run_subgraph(
+        &self,
+        node_index: usize,
+        attr: &str,
+        inputs: Vec<Value>,
+        threads: usize,
+    ) -> Result<Vec<Value>> {
+        let sub = self
+            .plan
+            .subplan(node_index, attr)
+            .ok_or_else(|| RtError::msg(format!("attribute '{attr}' holds no graph")))?;
+        sub.run_with_outer(inputs, Some(self), threads)
+    }
+    fn subgraph_input_count(&self, node_index: usize, attr: &str) -> Option<usize> {
+        self.plan.subplan(node_index, attr).map(|p| p.input_count())
+    }
+    fn input_is_const(&self, node_index: usize, input: usize) -> bool {
+        self.plan.input_is_const(node_index, input)
+    }
+    fn step_cache(&self, node_index: usize) -> &OnceLock<Arc<dyn Any + Send + Sync>> {
+        self.plan.step_cache(node_index)
+    }
+}
+
 #[derive(Clone)]
 pub struct OpsetMap(pub HashMap<String, i64>);
 
@@ -120,7 +145,7 @@ impl Plan {
             let s = slot(&init.name, &mut slot_of);
             consts.push((s, Value::tensor(init.tensor.clone())));
         }
-        let inits: HashSet<&str> = g.initializers.iter().map(|i| i.name.as_str()).collect();
+        let inits = g.initializer_names();
         let mut inputs = vec![];
         for vi in &g.inputs {
             let s = slot(&vi.name, &mut slot_of);
@@ -400,9 +425,8 @@ impl Plan {
                     node: &st.node,
                     opset: st.opset,
                     threads,
-                    plan: self,
+                    host: &frame,
                     node_index: si,
-                    frame: &frame,
                 };
                 (st.kernel)(&ctx, Inputs::new(vals)).map_err(|e| with_node(e, &st.node))?
             };
@@ -581,12 +605,7 @@ pub struct Session {
 impl Session {
     pub fn new(m: &Model, opts: SessionOptions) -> Result<Session> {
         let plan = Plan::for_model(m)?;
-        let inits: HashSet<&str> = m
-            .graph
-            .initializers
-            .iter()
-            .map(|i| i.name.as_str())
-            .collect();
+        let inits = m.graph.initializer_names();
         Ok(Session {
             plan,
             inputs: m

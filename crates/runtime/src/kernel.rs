@@ -2,13 +2,12 @@
 //! that maps (domain, op, opset) to kernels.
 
 use crate::error::{Result, RtError};
-use crate::exec::{Frame, Plan};
 use crate::value::Value;
 use npuc_ir::opdef::OpDef;
 use npuc_ir::{Node, Tensor};
 use std::any::Any;
 use std::collections::BTreeMap;
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, OnceLock, RwLock};
 
 /// A node's inputs. Absent optional inputs are `None`. Values are owned by this struct, so a
 /// kernel may take a tensor and reuse its buffer when it holds the only reference.
@@ -85,25 +84,37 @@ pub struct OpCtx<'a> {
     /// Opset version of the node's domain imported by the model.
     pub opset: i64,
     pub threads: usize,
-    pub(crate) plan: &'a Plan,
+    pub(crate) host: &'a dyn StepHost,
     pub(crate) node_index: usize,
-    pub(crate) frame: &'a Frame<'a>,
+}
+
+/// What a running kernel may ask of the executor that runs it: its subgraphs, which of its
+/// inputs are constant, its per-node cache. A trait (implemented by the executor's `Frame`) so
+/// that this kernel interface does not depend on the executor module.
+pub(crate) trait StepHost: Sync {
+    fn run_subgraph(
+        &self,
+        node_index: usize,
+        attr: &str,
+        inputs: Vec<Value>,
+        threads: usize,
+    ) -> Result<Vec<Value>>;
+    fn subgraph_input_count(&self, node_index: usize, attr: &str) -> Option<usize>;
+    fn input_is_const(&self, node_index: usize, input: usize) -> bool;
+    fn step_cache(&self, node_index: usize) -> &OnceLock<Arc<dyn Any + Send + Sync>>;
 }
 
 impl OpCtx<'_> {
     /// Runs the subgraph held by attribute `attr` with the given inputs (in the subgraph's input
     /// order); values of enclosing graphs are visible to it.
     pub fn run_subgraph(&self, attr: &str, inputs: Vec<Value>) -> Result<Vec<Value>> {
-        let sub = self
-            .plan
-            .subplan(self.node_index, attr)
-            .ok_or_else(|| RtError::msg(format!("attribute '{attr}' holds no graph")))?;
-        sub.run_with_outer(inputs, Some(self.frame), self.threads)
+        self.host
+            .run_subgraph(self.node_index, attr, inputs, self.threads)
     }
     /// Whether input `i` is a constant of the running graph (an initializer that no feed can
     /// replace): data derived only from constant inputs may be cached with [`OpCtx::cached`].
     pub fn input_is_const(&self, i: usize) -> bool {
-        self.plan.input_is_const(self.node_index, i)
+        self.host.input_is_const(self.node_index, i)
     }
 
     /// Data this node derives from its constant inputs (prepacked weights, requantization
@@ -111,7 +122,7 @@ impl OpCtx<'_> {
     /// same plan. `init` must depend only on inputs for which [`OpCtx::input_is_const`] holds
     /// and on attributes; a cached value of another type is an error, not a panic.
     pub fn cached<T: Any + Send + Sync>(&self, init: impl FnOnce() -> Result<T>) -> Result<Arc<T>> {
-        let cell = self.plan.step_cache(self.node_index);
+        let cell = self.host.step_cache(self.node_index);
         let any = match cell.get() {
             Some(v) => v.clone(),
             None => {
@@ -126,9 +137,7 @@ impl OpCtx<'_> {
     }
     /// Number of inputs the subgraph at `attr` declares.
     pub fn subgraph_input_count(&self, attr: &str) -> Option<usize> {
-        self.plan
-            .subplan(self.node_index, attr)
-            .map(|p| p.input_count())
+        self.host.subgraph_input_count(self.node_index, attr)
     }
 }
 

@@ -15,14 +15,12 @@ mod bpe;
 mod chat;
 mod fxhash;
 mod hf;
-mod meta_json;
 mod special;
 mod spm;
 mod vocab;
 
 pub use bpe::PreType;
 pub use chat::ChatMessage;
-pub use meta_json::{is_tokenizer_key, metadata_from_json, metadata_to_json};
 pub use vocab::TokenType;
 
 use npuc_gguf::{GgufFile, MetaValue};
@@ -56,6 +54,9 @@ pub enum TokenizerError {
     /// Reading the GGUF file failed.
     #[error(transparent)]
     Gguf(#[from] npuc_gguf::GgufError),
+    /// Metadata JSON (as an artifact stores it) that is not valid GGUF metadata.
+    #[error(transparent)]
+    MetaJson(#[from] npuc_gguf::MetaJsonError),
 }
 
 /// Result alias of this crate.
@@ -140,9 +141,10 @@ impl Tokenizer {
         Self::from_metadata_named(&name, meta)
     }
 
-    /// Builds a tokenizer from the JSON made by [`metadata_to_json`] (what an artifact stores).
+    /// Builds a tokenizer from GGUF metadata in its JSON form ([`npuc_gguf::GgufMetaJson`], what
+    /// an LLM artifact stores).
     pub fn from_metadata_json(json: &serde_json::Value) -> Result<Tokenizer> {
-        Self::from_metadata(&metadata_from_json(json)?)
+        Self::from_metadata(&npuc_gguf::GgufMetaJson::from_json(json)?.entries)
     }
 
     /// Like [`Tokenizer::from_metadata`] with an explicit model name for error messages.

@@ -172,7 +172,8 @@ fn long_text_is_fast_and_consistent() {
 fn metadata_json_round_trip() {
     let tok = gemma();
     let gguf = npuc_gguf::GgufFile::open(npuc_testsupport::gemma3_gguf()).unwrap();
-    let json = npuc_tokenizer::metadata_to_json(&gguf.metadata);
+    let json =
+        npuc_gguf::GgufMetaJson::filtered(&gguf.metadata, &["tokenizer.", "general."]).to_json();
     let text = serde_json::to_string(&json).unwrap();
     eprintln!("gemma3 tokenizer metadata as JSON: {} bytes", text.len());
     let back = Tokenizer::from_metadata_json(&serde_json::from_str(&text).unwrap()).unwrap();

@@ -327,22 +327,16 @@ fn metadata_json_round_trip() {
         let gguf =
             npuc_gguf::GgufFile::open(fixtures().join(model).join(format!("{model}-F32.gguf")))
                 .unwrap();
-        let json = npuc_tokenizer::metadata_to_json(&gguf.metadata);
-        // Only tokenizer keys travel; the text survives serialization.
-        let obj = json.as_object().unwrap();
-        assert!(obj.keys().all(|k| npuc_tokenizer::is_tokenizer_key(k)));
-        assert!(obj.contains_key("tokenizer.ggml.tokens"));
-        let back: Value = serde_json::from_str(&serde_json::to_string(&json).unwrap()).unwrap();
-        let meta = npuc_tokenizer::metadata_from_json(&back).unwrap();
-        for (k, v) in &meta {
-            let orig = gguf.get(k).unwrap();
-            match (orig.as_f32_array(), v.as_f32_array()) {
-                (Some(a), Some(b)) if orig.as_str_array().is_none() => {
-                    assert_eq!(a, b, "{model}: {k}")
-                }
-                _ => assert_eq!(orig.to_string(), v.to_string(), "{model}: {k}"),
-            }
-        }
+        let kept = npuc_gguf::GgufMetaJson::filtered(&gguf.metadata, &["tokenizer.", "general."]);
+        assert!(kept.get("tokenizer.ggml.tokens").is_some());
+        let text = serde_json::to_string(&kept.to_json()).unwrap();
+        let back: Value = serde_json::from_str(&text).unwrap();
+        // Every value comes back with its GGUF type and bits.
+        assert_eq!(
+            npuc_gguf::GgufMetaJson::from_json(&back).unwrap(),
+            kept,
+            "{model}"
+        );
         let a = tokenizer(model);
         let b = Tokenizer::from_metadata_json(&back).unwrap();
         for (text, with, _) in cases(model) {
@@ -354,16 +348,17 @@ fn metadata_json_round_trip() {
             (b.bos(), b.eos(), b.add_bos(), b.eog_ids())
         );
     }
-    let e = npuc_tokenizer::metadata_from_json(&serde_json::json!([1, 2]))
+    let e = Tokenizer::from_metadata_json(&serde_json::json!([1, 2]))
         .unwrap_err()
         .to_string();
-    assert!(e.contains("expected a JSON object"), "{e}");
-    let e = npuc_tokenizer::metadata_from_json(
-        &serde_json::json!({"tokenizer.ggml.token_type": [1, "x", 2.5]}),
-    )
+    assert!(e.contains("is not [key, {type, value}]"), "{e}");
+    let e = Tokenizer::from_metadata_json(&serde_json::json!([[
+        "tokenizer.ggml.token_type",
+        {"type": "array", "value": {"type": "i32", "value": [1, "x", 2]}}
+    ]]))
     .unwrap_err()
     .to_string();
-    assert!(e.contains("tokenizer.ggml.token_type[1]"), "{e}");
+    assert!(e.contains("metadata 'tokenizer.ggml.token_type'"), "{e}");
 }
 
 /// SentencePiece itself (tests/fixtures/llm/tokenizer/make_spm_refs.py) on 300 lines and the

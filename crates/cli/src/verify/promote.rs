@@ -97,7 +97,7 @@ fn q_dtype(m: &Model, n: &npuc_ir::Node) -> Option<DType> {
 /// weights of at most 8 bits whose float value the reference model holds under the same name.
 pub fn candidates(m: &Model, reference: &Model) -> Vec<Candidate> {
     let g = &m.graph;
-    let inits: HashSet<&str> = g.initializers.iter().map(|i| i.name.as_str()).collect();
+    let inits = g.initializer_names();
     let mut readers: HashMap<&str, Vec<usize>> = HashMap::new();
     for (i, n) in g.nodes.iter().enumerate() {
         if let Some(x) = n.input(0) {
@@ -673,12 +673,7 @@ pub fn suggest(inp: &SuggestInput, log: &mut dyn FnMut(&str)) -> Result<(Suggest
 /// The scheme of a QDQ model as `w<bits>a<bits>`, from its weight and activation zero points;
 /// `None` when it cannot tell (no Q/DQ nodes).
 pub fn model_scheme(m: &Model) -> Option<String> {
-    let inits: HashSet<&str> = m
-        .graph
-        .initializers
-        .iter()
-        .map(|i| i.name.as_str())
-        .collect();
+    let inits = m.graph.initializer_names();
     let bits = |dt: DType| match dt {
         DType::U8 | DType::I8 => Some(8),
         DType::U16 | DType::I16 => Some(16),

@@ -17,37 +17,9 @@ pub fn fixture(rel: &str) -> PathBuf {
         .join(rel)
 }
 
-/// Reads a little-endian f32 `.npy` (C order); returns (shape, data).
-pub fn read_npy_f32(path: &PathBuf) -> (Vec<usize>, Vec<f32>) {
-    let b = std::fs::read(path).unwrap();
-    assert_eq!(&b[..6], b"\x93NUMPY");
-    let (hlen, hstart) = if b[6] == 1 {
-        (u16::from_le_bytes([b[8], b[9]]) as usize, 10)
-    } else {
-        (u32::from_le_bytes([b[8], b[9], b[10], b[11]]) as usize, 12)
-    };
-    let header = std::str::from_utf8(&b[hstart..hstart + hlen]).unwrap();
-    assert!(
-        header.contains("'<f4'") && header.contains("'fortran_order': False"),
-        "{header}"
-    );
-    let shape_str = header
-        .split("'shape': (")
-        .nth(1)
-        .unwrap()
-        .split(')')
-        .next()
-        .unwrap();
-    let shape: Vec<usize> = shape_str
-        .split(',')
-        .filter(|s| !s.trim().is_empty())
-        .map(|s| s.trim().parse().unwrap())
-        .collect();
-    let data = b[hstart + hlen..]
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect();
-    (shape, data)
+/// Reads an f32 `.npy` (through `npuc-npy`); returns (shape, data).
+pub fn read_npy_f32(path: &std::path::Path) -> (Vec<usize>, Vec<f32>) {
+    npuc_npy::read_f32(path).unwrap_or_else(|e| panic!("{e}"))
 }
 
 struct Layer {

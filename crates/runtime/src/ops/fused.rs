@@ -167,9 +167,8 @@ fn delegate(ctx: &OpCtx, ins: Inputs, op: &str) -> Result<Vec<Value>> {
         node: ctx.node,
         opset: MAX_OPSET,
         threads: ctx.threads,
-        plan: ctx.plan,
+        host: ctx.host,
         node_index: ctx.node_index,
-        frame: ctx.frame,
     };
     (e.kernel)(&inner, ins)
 }

@@ -12,6 +12,7 @@ pub mod norm;
 pub mod qlinear;
 pub mod qsoftmax;
 pub mod quant;
+pub mod real;
 pub mod reduce;
 pub mod rnn;
 pub mod sequence;

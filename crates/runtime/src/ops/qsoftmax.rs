@@ -22,7 +22,7 @@ use crate::bail;
 use crate::error::Result;
 use crate::kernel::{Inputs, OpCtx, Registry};
 use crate::kernels::qconvert::{self, Isa, QInt};
-use crate::ops::norm::sum_of;
+use crate::ops::real::sum_of;
 use crate::value::Value;
 use npuc_ir::infer::rules::tt;
 use npuc_ir::opdef::{AttrDef, OpDef, Param};

@@ -156,7 +156,7 @@ pub fn reduce(x: &Tensor, axes: &[i64], keepdims: bool, kind: ReduceKind) -> Res
         };
         let out: Vec<f32> = data
             .chunks_exact(plan.count)
-            .map(|row| crate::ops::norm::sum_of(row) / div)
+            .map(|row| crate::ops::real::sum_of(row) / div)
             .collect();
         return Ok(Tensor::from_vec(out_shape, out)?);
     }

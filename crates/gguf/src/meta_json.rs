@@ -1,9 +1,22 @@
-//! The GGUF metadata an engine keeps for the tokenizer (`tokenizer.*` keys, arrays included),
-//! and its lossless JSON form stored in compiled artifacts.
+//! GGUF metadata entries and their lossless JSON form: the one JSON form of GGUF metadata
+//! (an LLM artifact stores the tokenizer's keys this way, and the tokenizer is rebuilt from it
+//! without the GGUF). Every value keeps its GGUF type.
 
-use crate::{bail, Result};
-use npuc_gguf::{MetaValue, ValueType};
+use crate::{MetaValue, ValueType};
 use serde_json::{json, Value as Json};
+
+/// Why JSON does not hold valid metadata (the message names the key).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct MetaJsonError(String);
+
+type Result<T> = std::result::Result<T, MetaJsonError>;
+
+macro_rules! bail {
+    ($($t:tt)*) => {
+        return Err(MetaJsonError(format!($($t)*)))
+    };
+}
 
 /// GGUF metadata entries (key order kept) with a typed JSON round-trip: every value keeps its
 /// GGUF type, so `Tokenizer::from_metadata` sees the same values from a `.npuc` as from the GGUF.
@@ -64,7 +77,7 @@ fn scalar_json(v: &MetaValue) -> Json {
 
 fn scalar_from(t: ValueType, v: &Json, key: &str) -> Result<MetaValue> {
     let bad = || {
-        crate::LlmError::msg(format!(
+        MetaJsonError(format!(
             "metadata '{key}': {v} is not a valid {}",
             type_name(t)
         ))
@@ -134,16 +147,16 @@ impl GgufMetaJson {
     /// Parses what [`GgufMetaJson::to_json`] wrote.
     pub fn from_json(j: &Json) -> Result<GgufMetaJson> {
         let Some(list) = j.as_array() else {
-            bail!("tokenizer metadata must be a JSON list of [key, value] pairs");
+            bail!("GGUF metadata must be a JSON list of [key, {{type, value}}] pairs");
         };
         let mut entries = Vec::with_capacity(list.len());
         for e in list {
             let (Some(k), Some(tv)) = (e.get(0).and_then(|k| k.as_str()), e.get(1)) else {
-                bail!("tokenizer metadata entry {e} is not [key, {{type, value}}]");
+                bail!("GGUF metadata entry {e} is not [key, {{type, value}}]");
             };
             let t = tv.get("type").and_then(|t| t.as_str()).and_then(type_of);
             let (Some(t), Some(v)) = (t, tv.get("value")) else {
-                bail!("tokenizer metadata '{k}' has no valid type/value");
+                bail!("GGUF metadata '{k}' has no valid type/value");
             };
             entries.push((k.to_string(), scalar_from(t, v, k)?));
         }

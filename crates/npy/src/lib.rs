@@ -1,4 +1,8 @@
-//! Reading and writing NumPy `.npy` files (format versions 1-3, little-endian, C order).
+//! Reading and writing NumPy `.npy` files (format versions 1-3, little-endian, C order): the
+//! one implementation the CLI (inputs, outputs, verify samples), the calibration loader and the
+//! tests share. Errors name the file and what is wrong with it; a header or shape that does not
+//! match the bytes is an error, never a panic.
+#![forbid(unsafe_code)]
 
 use npuc_ir::{DType, Tensor};
 use std::path::Path;
@@ -112,10 +116,13 @@ pub fn parse_npy(bytes: &[u8], name: &str) -> Result<Tensor, NpyError> {
         })
         .collect::<Result<_, _>>()?;
     let data = &bytes[hstart + hlen..];
-    let need = shape
-        .iter()
-        .try_fold(dtype.size(), |a, &d| a.checked_mul(d))
-        .ok_or_else(|| err("shape overflows".into()))?;
+    let need = npuc_ir::checked_numel(&shape)
+        .and_then(|n| n.checked_mul(dtype.size()))
+        .ok_or_else(|| {
+            err(format!(
+                "shape {shape:?} overflows (more elements than addressable)"
+            ))
+        })?;
     if data.len() < need {
         return Err(err(format!(
             "data holds {} bytes but {dtype} {shape:?} needs {need} (truncated file?)",
@@ -125,12 +132,24 @@ pub fn parse_npy(bytes: &[u8], name: &str) -> Result<Tensor, NpyError> {
     Tensor::from_le_bytes_copy(dtype, shape, &data[..need]).map_err(|e| err(e.to_string()))
 }
 
+/// Reads a `.npy` file.
 pub fn read_npy(path: &Path) -> Result<Tensor, NpyError> {
     let bytes = std::fs::read(path).map_err(|e| NpyError::Io {
         path: path.display().to_string(),
         source: e,
     })?;
     parse_npy(&bytes, &path.display().to_string())
+}
+
+/// Reads a `.npy` file of f32 values as (shape, values); another dtype is an error naming the
+/// file (reference arrays in tests are compared as f32).
+pub fn read_f32(path: &Path) -> Result<(Vec<usize>, Vec<f32>), NpyError> {
+    let t = read_npy(path)?;
+    let vals = t.as_slice::<f32>().map_err(|e| NpyError::Format {
+        path: path.display().to_string(),
+        msg: format!("expected f32 values: {e}"),
+    })?;
+    Ok((t.shape().to_vec(), vals.to_vec()))
 }
 
 /// Serialises a tensor as .npy (version 1.0). bf16 is widened to f32 (NumPy has no bf16).
@@ -192,6 +211,27 @@ mod tests {
         let b = npy_bytes(&t).unwrap();
         for cut in [0, 5, 9, 20, b.len() - 1] {
             assert!(parse_npy(&b[..cut], "x").is_err(), "cut at {cut}");
+        }
+    }
+
+    proptest::proptest! {
+        /// Any bytes, and any mutation of a valid file, give a tensor or an error, never a panic.
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..300)) {
+            let _ = parse_npy(&bytes, "fuzz");
+            let mut valid = npy_bytes(&Tensor::from_vec(vec![2, 2], vec![1.0f32, 2.0, 3.0, 4.0]).unwrap()).unwrap();
+            for (i, b) in bytes.iter().enumerate() {
+                let at = (i * 7 + *b as usize) % valid.len();
+                valid[at] = *b;
+            }
+            let _ = parse_npy(&valid, "fuzz");
+        }
+
+        #[test]
+        fn round_trip_any_shape(dims in proptest::collection::vec(0usize..5, 0..4), seed in 0i32..1000) {
+            let n: usize = dims.iter().product();
+            let t = Tensor::from_vec(dims.clone(), (0..n as i32).map(|v| v * seed).collect::<Vec<i32>>()).unwrap();
+            proptest::prop_assert_eq!(parse_npy(&npy_bytes(&t).unwrap(), "t").unwrap(), t);
         }
     }
 }
