@@ -41,19 +41,30 @@ fn assert_bit_equal(got: &Tensor, want: &Tensor, what: &str) {
 
 #[test]
 fn driver_open_matches_npuc_run_bit_for_bit() {
-    for case in ["mlp_w8a8", "gemm_w8a8", "attention_w8a8"] {
+    // Products lowered without optimizing (each case runs unoptimized first); the optimized
+    // artifact must lower as many.
+    let mut lowered_unoptimized = 0;
+    for (case, optimize) in ["mlp_w8a8", "gemm_w8a8", "attention_w8a8"]
+        .into_iter()
+        .flat_map(|c| [(c, false), (c, true)])
+    {
         let dir = fixture(case);
         let tmp = tempfile::tempdir().unwrap();
         let artifact = tmp.path().join(format!("{case}.npuc"));
+        // Both `npuc compile` (optimized: the optimizer keeps the DequantizeLinear of quantized
+        // weights) and `npuc compile --no-optimize`.
         npuc_driver::compile(
             &[(case.to_string(), dir.join("model.onnx"))],
-            // Unoptimized (`npuc compile --no-optimize`): the float optimizer folds the
-            // DequantizeLinear of constant weights, leaving no quantized product to lower.
-            &npuc_driver::CompileOptions::default(),
+            &npuc_driver::CompileOptions {
+                optimize,
+                ..Default::default()
+            },
             &artifact,
             &mut |_: &str| {},
         )
         .unwrap_or_else(|e| panic!("{case}: compile: {e:#}"));
+        let case = format!("{case} (optimize: {optimize})");
+        let case = case.as_str();
 
         let opened = npuc_driver::open(&artifact, &npuc_driver::OpenOptions::default())
             .unwrap_or_else(|e| panic!("{case}: open: {e:#}"));
@@ -61,6 +72,14 @@ fn driver_open_matches_npuc_run_bit_for_bit() {
         // it lowers the quantized products.
         assert!(opened.prepared.quantized, "{case}: has Q/DQ nodes");
         assert!(opened.prepared.lowered > 0, "{case}: products lowered");
+        if optimize {
+            assert_eq!(
+                opened.prepared.lowered, lowered_unoptimized,
+                "{case}: the optimized artifact lowers as many products as the unoptimized one"
+            );
+        } else {
+            lowered_unoptimized = opened.prepared.lowered;
+        }
         let input = opened.session.inputs()[0].name.clone();
         let input_file = dir.join("input_0.npy");
         let x = npuc_cli::npy::read_npy(&input_file).unwrap();

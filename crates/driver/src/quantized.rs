@@ -63,6 +63,7 @@ fn cleanup(model: &mut Model) -> Result<()> {
     // each); shape arithmetic is tiny.
     pm.add(Box::new(const_fold::ConstFold {
         max_bytes: 64 << 20,
+        keep_dequantize: false,
     }));
     pm.add(Box::new(identity::IdentityElim));
     pm.add(Box::new(reshape::ReshapeFold));

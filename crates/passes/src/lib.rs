@@ -353,6 +353,7 @@ impl PassManager {
         let mut all: Vec<Box<dyn Pass>> = vec![
             Box::new(const_fold::ConstFold {
                 max_bytes: opts.max_fold_bytes,
+                keep_dequantize: true,
             }),
             Box::new(identity::IdentityElim),
             Box::new(reshape::ReshapeFold),

@@ -173,6 +173,7 @@ impl QuantLower {
         Dce.run(rw)?;
         crate::passes::const_fold::ConstFold {
             max_bytes: 64 << 20,
+            keep_dequantize: false,
         }
         .run(rw)?;
         let luts = if luts {

@@ -10,6 +10,11 @@
 //!
 //! Results larger than `max_bytes` are only folded when they are no larger than the node's
 //! constant inputs together, so `ConstantOfShape`/`Expand`/`Tile` never blow up the model.
+//!
+//! With `keep_dequantize` (the standard pipeline), a `DequantizeLinear` of a constant stays: in
+//! a QDQ graph it is what marks the weight as quantized (folding it would leave float weights
+//! 4x the size and nothing for the integer lowering to match). The load-time lowering folds
+//! the ones that stay in float afterwards (`keep_dequantize: false`).
 
 use crate::util::{is_pure, Index};
 use crate::{GraphPatch, Pass, PassError, PassStats, Rewriter};
@@ -20,6 +25,8 @@ use std::collections::{HashMap, HashSet};
 
 pub struct ConstFold {
     pub max_bytes: usize,
+    /// Leave `DequantizeLinear` (ONNX or `com.microsoft`) of constants unfolded.
+    pub keep_dequantize: bool,
 }
 
 /// Bytes of a tensor's payload (strings counted by length).
@@ -101,6 +108,11 @@ fn known_tensor(k: &Known) -> Option<Tensor> {
     }
 }
 
+/// A `DequantizeLinear` of the ONNX or `com.microsoft` domain.
+fn is_dequantize(n: &Node) -> bool {
+    n.op_type == "DequantizeLinear" && matches!(n.domain.as_str(), "" | "ai.onnx" | "com.microsoft")
+}
+
 impl ConstFold {
     fn fold_by_runtime(&self, m: &Model) -> GraphPatch {
         let mut patch = GraphPatch::new();
@@ -122,6 +134,9 @@ impl ConstFold {
         let reg = npuc_runtime::registry();
         for i in order {
             let n = &m.graph.nodes[i];
+            if self.keep_dequantize && is_dequantize(n) {
+                continue;
+            }
             if !is_pure(n)
                 || n.outputs.iter().all(|o| o.is_empty())
                 || n.outputs.iter().any(|o| ix.captured.contains(o))
@@ -262,7 +277,10 @@ mod tests {
         );
         m.graph.initializers.push(init("w", data(&[3, 2], 7)));
         let (opt, n) = check_pass(
-            &ConstFold { max_bytes: 1 << 20 },
+            &ConstFold {
+                max_bytes: 1 << 20,
+                keep_dequantize: true,
+            },
             &m,
             &[("x", data(&[2, 2], 2))],
         );
@@ -291,11 +309,55 @@ mod tests {
             .initializers
             .push(init("shape", i64s(&[1], &[1 << 20])));
         let (opt, n) = check_pass(
-            &ConstFold { max_bytes: 1 << 16 },
+            &ConstFold {
+                max_bytes: 1 << 16,
+                keep_dequantize: true,
+            },
             &m,
             &[("x", data(&[2], 2))],
         );
         assert_eq!(n, 0);
         assert_eq!(opt.graph.nodes.len(), 5);
+    }
+
+    #[test]
+    fn keeps_the_dequantize_of_a_quantized_weight() {
+        let mut m = model(
+            vec![
+                Node::new("DequantizeLinear", &["wq", "ws", "wz"], &["w"]),
+                Node::new("MatMul", &["x", "w"], &["y"]),
+            ],
+            &[("x", &[2, 2])],
+            &["y"],
+        );
+        m.graph.initializers.push(init(
+            "wq",
+            Tensor::from_vec(vec![2, 2], vec![1i8, -2, 3, -4]).unwrap(),
+        ));
+        m.graph
+            .initializers
+            .push(init("ws", Tensor::scalar(0.5f32)));
+        m.graph.initializers.push(init("wz", Tensor::scalar(0i8)));
+        let feeds = [("x", data(&[2, 2], 3))];
+        let (kept, n) = check_pass(
+            &ConstFold {
+                max_bytes: 1 << 20,
+                keep_dequantize: true,
+            },
+            &m,
+            &feeds,
+        );
+        assert_eq!(n, 0);
+        assert_eq!(ops(&kept), ["DequantizeLinear", "MatMul"]);
+        let (folded, n) = check_pass(
+            &ConstFold {
+                max_bytes: 1 << 20,
+                keep_dequantize: false,
+            },
+            &m,
+            &feeds,
+        );
+        assert_eq!(n, 1);
+        assert_eq!(ops(&folded), ["MatMul"]);
     }
 }
