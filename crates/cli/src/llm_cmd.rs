@@ -76,8 +76,11 @@ impl ChatTemplate for Tok<'_> {
 /// Numerical path of the engine.
 #[derive(Clone, Copy, Debug, ValueEnum)]
 pub enum PrecisionArg {
-    /// Q8 activations in quantized matmuls (llama.cpp's CPU path), f16 KV cache.
+    /// Built for speed (the default): Q8 activations in quantized matmuls, multi-row integer
+    /// kernels, f16 KV cache, vectorized attention; rounds differently from llama.cpp.
     Fast,
+    /// llama.cpp's AVX2 CPU arithmetic op by op (logits bit-identical to it; a test instrument).
+    Parity,
     /// Dequantized weights, f32 activations and KV cache.
     Exact,
 }
@@ -316,6 +319,7 @@ pub fn load(args: &ModelArgs) -> Result<(Engine, Tokenizer)> {
         ctx: args.ctx,
         precision: match args.precision {
             PrecisionArg::Fast => Precision::Fast,
+            PrecisionArg::Parity => Precision::Parity,
             PrecisionArg::Exact => Precision::Exact,
         },
         ..Default::default()

@@ -101,7 +101,7 @@ enum Cmd {
         /// LLMs: context length.
         #[arg(long)]
         ctx: Option<usize>,
-        /// LLMs: `fast` or `exact`.
+        /// LLMs: `fast` (default), `parity` (llama.cpp's arithmetic) or `exact` (f32).
         #[arg(long, value_enum, default_value = "fast")]
         precision: npuc_cli::llm_cmd::PrecisionArg,
         /// LLMs: graph variants, e.g. `ar1,ar32`.

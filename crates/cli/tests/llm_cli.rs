@@ -173,9 +173,9 @@ fn gemma3_prompt_ids_match_llama_cpp_and_exact_greedy_matches_transformers() {
     assert_eq!(ids(&j["tokens"]), ids(&hf["greedy_ids"]), "{so}");
 }
 
-/// Fast path (8-bit activation blocks, f16 KV cache) vs llama.cpp's greedy ids.
+/// Parity precision (llama.cpp's arithmetic op by op) vs llama.cpp's greedy ids.
 #[test]
-fn gemma3_greedy_matches_llama_cpp() {
+fn gemma3_parity_greedy_matches_llama_cpp() {
     let model = gemma();
     let refs =
         json(&std::fs::read_to_string(fixtures().join("gemma3/gemma3_270m_greedy.json")).unwrap());
@@ -189,6 +189,8 @@ fn gemma3_greedy_matches_llama_cpp() {
             "48",
             "--temperature",
             "0",
+            "--precision",
+            "parity",
             "--json",
         ]);
         let j = json(&so);

@@ -1,5 +1,5 @@
 //! LLM compile (`npuc compile MODEL.gguf --variants ar1,ar32,ar128,full --ctx 1024
-//! [--precision fast|exact]`) through [`npuc_llm::compile`]: one graph per AR variant in one
+//! [--precision fast|parity|exact]`) through [`npuc_llm::compile`]: one graph per AR variant in one
 //! artifact, the GGUF weights stored once, model facts and tokenizer metadata in the graphs'
 //! metadata.
 

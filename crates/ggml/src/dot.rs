@@ -323,6 +323,16 @@ fn q3_k_q8_k(w: &[u8], x: &[u8]) -> f32 {
 /// Q4_K x Q8_K as llama.cpp computes it on AVX2 machines, where it repacks Q4_K weights
 /// (tensors with a multiple of 8 rows, i.e. all real ones) into 8-row interleaved blocks: per
 /// block the exact integer sums, then two f32 FMA chains (scales, mins) subtracted at the end.
+/// [`q4_k_q8_k`] for the multi-row twins (`rows.rs`).
+pub(crate) fn q4_k_q8_k_pub(w: &[u8], x: &[u8]) -> f32 {
+    q4_k_q8_k(w, x)
+}
+
+/// [`q6_k_q8_k_tiled`] for the multi-row twins (`rows.rs`).
+pub(crate) fn q6_k_q8_k_tiled_pub(w: &[u8], x: &[u8]) -> f32 {
+    q6_k_q8_k_tiled(w, x)
+}
+
 fn q4_k_q8_k(w: &[u8], x: &[u8]) -> f32 {
     let (mut acc, mut acc_m) = (0f32, 0f32);
     for (wb, xb) in w.chunks_exact(144).zip(x.chunks_exact(292)) {

@@ -23,6 +23,8 @@ mod dequant;
 mod dot;
 mod matmul;
 mod quantize;
+mod rows;
+mod vecf32;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
@@ -35,6 +37,11 @@ pub use dot::{vec_dot, vec_dot_scalar, vec_dot_type};
 pub use matmul::{gather_rows, matmul, matmul_batch, matmul_scalar, MatMulMode};
 pub use quantize::{
     quantize_activations, quantize_row, quantize_row_q8_0, quantize_row_q8_1, quantize_row_q8_K,
+};
+pub use rows::{vec_dot_rows, vec_dot_rows_scalar};
+pub use vecf32::{
+    dot_rows, dot_rows_scalar, f16_to_f32_row, f16_to_f32_row_scalar, round_f16_row,
+    round_f16_row_scalar, weighted_sum, weighted_sum_scalar,
 };
 
 /// Elements per block of the K-quants.

@@ -2,6 +2,7 @@
 //! gathers (embedding lookup).
 
 use crate::dot::{batch_fn, best_fn, scalar_fn, vec_dot_type, DotFn};
+use crate::rows::{rows_fn, RowsFn};
 use crate::{bail, dequantize_row, quantize_activations, row_bytes, GgmlType, Result};
 use rayon::prelude::*;
 
@@ -14,6 +15,11 @@ pub enum MatMulMode {
     /// Weights are dequantized (a few rows at a time) and multiplied with the f32 activations
     /// in f32.
     Exact,
+    /// The fast path: activations quantized once per product like [`MatMulMode::ActQuant`],
+    /// multiplied by the multi-row kernels (one weight row against four activation rows per
+    /// call; the same value for a row whatever the batch). Types without a multi-row kernel
+    /// take the one-row kernels.
+    Fast,
 }
 
 /// Below this many weight elements (n·k) a product runs on one thread: spreading it costs more
@@ -134,14 +140,24 @@ fn matmul_impl(
     }
     let par = threads > 1 && n * k >= PAR_MIN_WEIGHTS && n >= 2 * threads;
     let dot = vec_dot_type(ty).zip(if scalar { scalar_fn(ty) } else { best_fn(ty) });
-    match (mode, dot) {
-        (MatMulMode::ActQuant, Some((vt, f))) => {
-            let xrb = row_bytes(vt, k)?;
-            let mut xq = vec![0u8; m * xrb];
-            for (xr, qr) in x.chunks_exact(k).zip(xq.chunks_exact_mut(xrb)) {
-                quantize_activations(vt, xr, qr)?;
-            }
+    if mode == MatMulMode::Fast {
+        if let (Some(vt), Some(rf)) = (vec_dot_type(ty), rows_fn(ty, scalar)) {
+            let (xq, xrb) = quantize_rows(vt, x, k, m)?;
             let xq = &xq;
+            let rows = |n0: usize, out: &mut [f32]| multi_rows(rf, w, wrb, n0, xq, xrb, m, out);
+            run_rows(n, m, y, par, threads, rows);
+            return Ok(());
+        }
+    }
+    match (mode, dot) {
+        (MatMulMode::ActQuant | MatMulMode::Fast, Some((vt, f))) => {
+            let (xq, xrb) = quantize_rows(vt, x, k, m)?;
+            let xq = &xq;
+            let batch_rows = if mode == MatMulMode::Fast {
+                0
+            } else {
+                batch_rows
+            };
             let (fg, grouped) = batch_fn(ty, batch_rows, scalar).unwrap_or((f, 0));
             let fs = (f, fg, grouped);
             let rows = |n0: usize, out: &mut [f32]| quant_rows(fs, w, wrb, n0, xq, xrb, m, out);
@@ -160,6 +176,16 @@ fn matmul_impl(
         }
     }
     Ok(())
+}
+
+/// The `m` rows of `x` (`k` values each) quantized to `vt`, and the bytes per quantized row.
+fn quantize_rows(vt: GgmlType, x: &[f32], k: usize, m: usize) -> Result<(Vec<u8>, usize)> {
+    let xrb = row_bytes(vt, k)?;
+    let mut xq = vec![0u8; m * xrb];
+    for (xr, qr) in x.chunks_exact(k).zip(xq.chunks_exact_mut(xrb)) {
+        quantize_activations(vt, xr, qr)?;
+    }
+    Ok((xq, xrb))
 }
 
 /// Splits the `n` output columns into chunks (over threads when `par`), lets `rows(n0, out)`
@@ -223,6 +249,40 @@ fn quant_rows(
             for i in i0..i1 {
                 let dot = if i < grouped { fg } else { f };
                 out[j * m + i] = dot(wr, &xq[i * xrb..(i + 1) * xrb]);
+            }
+        }
+    }
+}
+
+/// The fast path for weight rows `n0 .. n0 + out.len() / m`: each weight row against blocks of
+/// up to four activation rows (`out` is `[rows][m]`).
+#[allow(clippy::too_many_arguments)]
+fn multi_rows(
+    rf: RowsFn,
+    w: &[u8],
+    wrb: usize,
+    n0: usize,
+    xq: &[u8],
+    xrb: usize,
+    m: usize,
+    out: &mut [f32],
+) {
+    let nr = out.len() / m;
+    let wc = &w[n0 * wrb..(n0 + nr) * wrb];
+    let mut res = [0f32; 4];
+    for i0 in (0..m).step_by(M_BLOCK) {
+        let i1 = (i0 + M_BLOCK).min(m);
+        for (j, wr) in wc.chunks_exact(wrb).enumerate() {
+            let mut i = i0;
+            while i < i1 {
+                let c = (i1 - i).min(4);
+                let xs: [&[u8]; 4] = std::array::from_fn(|r| {
+                    let row = i + r.min(c - 1);
+                    &xq[row * xrb..(row + 1) * xrb]
+                });
+                rf(wr, &xs[..c], &mut res[..c]);
+                out[j * m + i..j * m + i + c].copy_from_slice(&res[..c]);
+                i += c;
             }
         }
     }

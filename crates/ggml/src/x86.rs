@@ -260,13 +260,31 @@ pub(crate) fn q6_k_q8_k_tiled(w: &[u8], x: &[u8]) -> f32 {
     unsafe { q6_k_q8_k_avx2::<true>(w, x) }
 }
 
+/// The 6-bit quants (0..63) of half-block `n` of a Q6_K block, as four 32-byte quarters.
+#[inline(always)]
+unsafe fn q6_k_quants(wb: &[u8], n: usize) -> [__m256i; 4] {
+    let m4 = _mm256_set1_epi8(0x0F);
+    let m3 = _mm256_set1_epi8(0x03);
+    let b1 = load32(wb, 64 * n);
+    let b2 = load32(wb, 64 * n + 32);
+    let bh = load32(wb, 128 + 32 * n);
+    let h0 = _mm256_slli_epi16(_mm256_and_si256(bh, m3), 4);
+    let h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bh, 2), m3), 4);
+    let h2 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bh, 4), m3), 4);
+    let h3 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bh, 6), m3), 4);
+    [
+        _mm256_or_si256(_mm256_and_si256(b1, m4), h0),
+        _mm256_or_si256(_mm256_and_si256(b2, m4), h1),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b1, 4), m4), h2),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b2, 4), m4), h3),
+    ]
+}
+
 /// `TILED`: per block the exact integer total times the weight scale, FMA'd with the
 /// activation scale in one scalar chain (the integer part is order-free, so this equals the
 /// scalar twin bit for bit) instead of eight f32 lanes.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q6_k_q8_k_avx2<const TILED: bool>(w: &[u8], x: &[u8]) -> f32 {
-    let m4 = _mm256_set1_epi8(0x0F);
-    let m3 = _mm256_set1_epi8(0x03);
     let mut acc = _mm256_setzero_ps();
     let mut acc_tiled = 0f32;
     for (wb, xb) in w.chunks_exact(210).zip(x.chunks_exact(292)) {
@@ -279,19 +297,7 @@ unsafe fn q6_k_q8_k_avx2<const TILED: bool>(w: &[u8], x: &[u8]) -> f32 {
         let offset = _mm256_slli_epi32(_mm256_madd_epi16(bsums, _mm256_cvtepi8_epi16(scales)), 5);
         let mut sumi = _mm256_setzero_si256();
         for n in 0..2 {
-            let b1 = load32(wb, 64 * n);
-            let b2 = load32(wb, 64 * n + 32);
-            let bh = load32(wb, 128 + 32 * n);
-            let h0 = _mm256_slli_epi16(_mm256_and_si256(bh, m3), 4);
-            let h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bh, 2), m3), 4);
-            let h2 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bh, 4), m3), 4);
-            let h3 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bh, 6), m3), 4);
-            let q = [
-                _mm256_or_si256(_mm256_and_si256(b1, m4), h0),
-                _mm256_or_si256(_mm256_and_si256(b2, m4), h1),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b1, 4), m4), h2),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b2, 4), m4), h3),
-            ];
+            let q = q6_k_quants(wb, n);
             for (t, &qt) in q.iter().enumerate() {
                 // Unsigned quants (0..63) times q8: |pair sums| <= 2*63*128, no saturation.
                 let p = _mm256_maddubs_epi16(qt, load32(xb, 4 + 128 * n + 32 * t));
@@ -340,4 +346,408 @@ unsafe fn f16_f16_avx2(w: &[u8], x: &[u8]) -> f32 {
         i += 1;
     }
     s
+}
+
+/// f16 → f32 (twin of `vecf32::f16_to_f32_row_scalar`).
+pub(crate) fn f16_to_f32_row(src: &[u16], dst: &mut [f32]) {
+    // SAFETY: only reachable when `has_avx2()` confirmed AVX2, FMA and F16C.
+    unsafe { f16_to_f32_row_avx2(src, dst) }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn f16_to_f32_row_avx2(src: &[u16], dst: &mut [f32]) {
+    let n = src.len().min(dst.len());
+    let mut i = 0;
+    while i + 8 <= n {
+        // SAFETY: i + 8 <= n <= both lengths: 8 u16 read from src[i..], 8 f32 written to dst[i..].
+        unsafe {
+            let h = _mm_loadu_si128(src.as_ptr().add(i) as *const __m128i);
+            _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+        }
+        i += 8;
+    }
+    while i < n {
+        dst[i] = half::f16::from_bits(src[i]).to_f32();
+        i += 1;
+    }
+}
+
+/// f32 → nearest f16 → f32 (twin of `vecf32::round_f16_row_scalar`).
+pub(crate) fn round_f16_row(src: &[f32], dst: &mut [f32]) {
+    // SAFETY: only reachable when `has_avx2()` confirmed AVX2, FMA and F16C.
+    unsafe { round_f16_row_avx2(src, dst) }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn round_f16_row_avx2(src: &[f32], dst: &mut [f32]) {
+    let n = src.len().min(dst.len());
+    let mut i = 0;
+    while i + 8 <= n {
+        // SAFETY: i + 8 <= n <= both lengths: 8 f32 read from src[i..] and written to dst[i..].
+        unsafe {
+            let v = _mm256_loadu_ps(src.as_ptr().add(i));
+            let h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
+            _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+        }
+        i += 8;
+    }
+    while i < n {
+        dst[i] = half::f16::from_f32(src[i]).to_f32();
+        i += 1;
+    }
+}
+
+/// One row's dot product with `q` in the lane order of `vecf32::dot_rows_scalar`.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_row_avx2(r: &[f32], q: &[f32]) -> f32 {
+    let d = q.len().min(r.len());
+    let full = d / 8 * 8;
+    let mut acc = _mm256_setzero_ps();
+    let mut i = 0;
+    while i < full {
+        // SAFETY: i + 8 <= full <= d <= both lengths.
+        unsafe {
+            acc = _mm256_fmadd_ps(
+                _mm256_loadu_ps(r.as_ptr().add(i)),
+                _mm256_loadu_ps(q.as_ptr().add(i)),
+                acc,
+            );
+        }
+        i += 8;
+    }
+    let mut s = hsum(acc);
+    for i in full..d {
+        s += r[i] * q[i];
+    }
+    s
+}
+
+/// `out[t] = rows[t] · q` (twin of `vecf32::dot_rows_scalar`).
+pub(crate) fn dot_rows(rows: &[f32], q: &[f32], out: &mut [f32]) {
+    // SAFETY: only reachable when `has_avx2()` confirmed AVX2 and FMA.
+    unsafe { dot_rows_avx2(rows, q, out) }
+}
+
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_rows_avx2(rows: &[f32], q: &[f32], out: &mut [f32]) {
+    let d = q.len();
+    let t_n = out.len().min(rows.len().checked_div(d).unwrap_or(0));
+    let full = d / 8 * 8;
+    let mut t = 0;
+    // Four rows at a time: four independent FMA chains hide the FMA latency; each row's
+    // result is the single-row order.
+    while t + 4 <= t_n && full == d {
+        let base = rows.as_ptr();
+        let (mut a0, mut a1, mut a2, mut a3) = (
+            _mm256_setzero_ps(),
+            _mm256_setzero_ps(),
+            _mm256_setzero_ps(),
+            _mm256_setzero_ps(),
+        );
+        let mut i = 0;
+        while i < d {
+            // SAFETY: rows t..t+4 end at (t + 4) * d <= t_n * d <= rows.len(); i + 8 <= d = q.len().
+            unsafe {
+                let qv = _mm256_loadu_ps(q.as_ptr().add(i));
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(base.add(t * d + i)), qv, a0);
+                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(base.add((t + 1) * d + i)), qv, a1);
+                a2 = _mm256_fmadd_ps(_mm256_loadu_ps(base.add((t + 2) * d + i)), qv, a2);
+                a3 = _mm256_fmadd_ps(_mm256_loadu_ps(base.add((t + 3) * d + i)), qv, a3);
+            }
+            i += 8;
+        }
+        out[t] = hsum(a0);
+        out[t + 1] = hsum(a1);
+        out[t + 2] = hsum(a2);
+        out[t + 3] = hsum(a3);
+        t += 4;
+    }
+    while t < t_n {
+        out[t] = dot_row_avx2(&rows[t * d..(t + 1) * d], q);
+        t += 1;
+    }
+}
+
+/// `out[j] = Σ_t p[t] · rows[t][j]` (twin of `vecf32::weighted_sum_scalar`).
+pub(crate) fn weighted_sum(p: &[f32], rows: &[f32], out: &mut [f32]) {
+    // SAFETY: only reachable when `has_avx2()` confirmed AVX2 and FMA.
+    unsafe { weighted_sum_avx2(p, rows, out) }
+}
+
+#[target_feature(enable = "avx2,fma")]
+unsafe fn weighted_sum_avx2(p: &[f32], rows: &[f32], out: &mut [f32]) {
+    let d = out.len();
+    let t_n = p.len().min(rows.len().checked_div(d).unwrap_or(0));
+    let base = rows.as_ptr();
+    let mut j = 0;
+    // 32 outputs (four registers) per pass over the rows.
+    while j + 32 <= d {
+        let (mut a0, mut a1, mut a2, mut a3) = (
+            _mm256_setzero_ps(),
+            _mm256_setzero_ps(),
+            _mm256_setzero_ps(),
+            _mm256_setzero_ps(),
+        );
+        for (t, &w) in p[..t_n].iter().enumerate() {
+            let wv = _mm256_set1_ps(w);
+            // SAFETY: t < t_n so row t ends at (t + 1) * d <= rows.len(); j + 32 <= d.
+            unsafe {
+                let r = base.add(t * d + j);
+                a0 = _mm256_fmadd_ps(wv, _mm256_loadu_ps(r), a0);
+                a1 = _mm256_fmadd_ps(wv, _mm256_loadu_ps(r.add(8)), a1);
+                a2 = _mm256_fmadd_ps(wv, _mm256_loadu_ps(r.add(16)), a2);
+                a3 = _mm256_fmadd_ps(wv, _mm256_loadu_ps(r.add(24)), a3);
+            }
+        }
+        // SAFETY: j + 32 <= d = out.len().
+        unsafe {
+            let o = out.as_mut_ptr().add(j);
+            _mm256_storeu_ps(o, a0);
+            _mm256_storeu_ps(o.add(8), a1);
+            _mm256_storeu_ps(o.add(16), a2);
+            _mm256_storeu_ps(o.add(24), a3);
+        }
+        j += 32;
+    }
+    while j + 8 <= d {
+        let mut a = _mm256_setzero_ps();
+        for (t, &w) in p[..t_n].iter().enumerate() {
+            // SAFETY: row t ends at (t + 1) * d <= rows.len(); j + 8 <= d.
+            unsafe {
+                a = _mm256_fmadd_ps(_mm256_set1_ps(w), _mm256_loadu_ps(base.add(t * d + j)), a);
+            }
+        }
+        // SAFETY: j + 8 <= d = out.len().
+        unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(j), a) };
+        j += 8;
+    }
+    while j < d {
+        let mut acc = 0f32;
+        for (t, &w) in p[..t_n].iter().enumerate() {
+            acc = w.mul_add(rows[t * d + j], acc);
+        }
+        out[j] = acc;
+        j += 1;
+    }
+}
+
+// ---- Multi-row kernels (twins: `rows.rs`): one weight row, up to four activation rows. ----
+
+/// `(weight row, activation rows, outputs)`, as `rows::RowsFn`.
+type RowsFn = fn(&[u8], &[&[u8]], &mut [f32]);
+
+const T_Q8_0: u8 = 0;
+const T_Q4_0: u8 = 1;
+const T_Q5_0: u8 = 2;
+const T_Q4_1: u8 = 3;
+
+/// The multi-row AVX2 kernel for `ty`, when there is one.
+pub(crate) fn rows_fn(ty: GgmlType) -> Option<RowsFn> {
+    Some(match ty {
+        GgmlType::Q8_0 => rows_q8_0,
+        GgmlType::Q4_0 => rows_q4_0,
+        GgmlType::Q5_0 => rows_q5_0,
+        GgmlType::Q4_1 => rows_q4_1,
+        GgmlType::Q4_K => rows_q4_k,
+        GgmlType::Q6_K => rows_q6_k,
+        _ => return None,
+    })
+}
+
+/// Calls `$f::<R>` with the activation rows as an array of `R = $x.len()` (1..=4) rows.
+macro_rules! by_rows {
+    ($f:ident $(::<$t:ident>)?, $w:expr, $x:expr, $out:expr) => {{
+        let (w, x, out): (&[u8], &[&[u8]], &mut [f32]) = ($w, $x, $out);
+        // SAFETY: only handed out by `rows::rows_fn` after `has_avx2()` confirmed AVX2, FMA, F16C.
+        unsafe {
+            match x.len() {
+                0 => {}
+                1 => $f::<$($t,)? 1>(w, [x[0]], out),
+                2 => $f::<$($t,)? 2>(w, [x[0], x[1]], out),
+                3 => $f::<$($t,)? 3>(w, [x[0], x[1], x[2]], out),
+                _ => $f::<$($t,)? 4>(w, [x[0], x[1], x[2], x[3]], out),
+            }
+        }
+    }};
+}
+
+fn rows_q8_0(w: &[u8], x: &[&[u8]], out: &mut [f32]) {
+    by_rows!(rows32_avx2::<T_Q8_0>, w, x, out)
+}
+fn rows_q4_0(w: &[u8], x: &[&[u8]], out: &mut [f32]) {
+    by_rows!(rows32_avx2::<T_Q4_0>, w, x, out)
+}
+fn rows_q5_0(w: &[u8], x: &[&[u8]], out: &mut [f32]) {
+    by_rows!(rows32_avx2::<T_Q5_0>, w, x, out)
+}
+fn rows_q4_1(w: &[u8], x: &[&[u8]], out: &mut [f32]) {
+    by_rows!(rows32_avx2::<T_Q4_1>, w, x, out)
+}
+fn rows_q4_k(w: &[u8], x: &[&[u8]], out: &mut [f32]) {
+    by_rows!(rows_q4_k_avx2, w, x, out)
+}
+fn rows_q6_k(w: &[u8], x: &[&[u8]], out: &mut [f32]) {
+    by_rows!(rows_q6_k_avx2, w, x, out)
+}
+
+/// The f16 at `b[at..at + 2]` as f32 with one F16C conversion (same value as `f16_at`).
+#[inline(always)]
+unsafe fn f16c(b: &[u8], at: usize) -> f32 {
+    let bits = u16::from_le_bytes([b[at], b[at + 1]]);
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+}
+
+/// 32-value blocks (`T`: Q8_0, Q4_0, Q5_0 with Q8_0 activations; Q4_1 with Q8_1): per block the
+/// weight quants are unpacked once, then each row's eight integer lanes are FMA'd into its own
+/// eight f32 lanes.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rows32_avx2<const T: u8, const R: usize>(w: &[u8], x: [&[u8]; R], out: &mut [f32]) {
+    let (wbs, xbs) = match T {
+        T_Q8_0 => (34, 34),
+        T_Q4_0 => (18, 34),
+        T_Q5_0 => (22, 34),
+        _ => (20, 36),
+    };
+    let nb = w.len() / wbs;
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_setzero_ps(); R];
+    let mut extra = [0f32; R];
+    for b in 0..nb {
+        let wb = &w[b * wbs..(b + 1) * wbs];
+        let dw = f16c(wb, 0);
+        let qw = match T {
+            T_Q8_0 => load32(wb, 2),
+            T_Q4_0 => _mm256_sub_epi8(nibbles(wb, 2), _mm256_set1_epi8(8)),
+            T_Q5_0 => {
+                let qh = u32::from_le_bytes([wb[2], wb[3], wb[4], wb[5]]);
+                let hi =
+                    _mm256_andnot_si256(bytes_from_bits_32(qh), _mm256_set1_epi8(0xF0u8 as i8));
+                _mm256_or_si256(nibbles(wb, 6), hi)
+            }
+            _ => nibbles(wb, 4),
+        };
+        // maddubs needs an unsigned operand: |w| with w's sign moved onto x (Q4_1's quants
+        // are unsigned already). No pair sum saturates: |w| <= 128, |x| <= 127.
+        let aw = if T == T_Q4_1 {
+            qw
+        } else {
+            _mm256_sign_epi8(qw, qw)
+        };
+        for r in 0..R {
+            let xb = &x[r][b * xbs..(b + 1) * xbs];
+            let xq = load32(xb, xbs - 32);
+            let sx = if T == T_Q4_1 {
+                xq
+            } else {
+                _mm256_sign_epi8(xq, qw)
+            };
+            let lanes = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones);
+            let d = _mm256_set1_ps(dw * f16c(xb, 0));
+            acc[r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(lanes), acc[r]);
+            if T == T_Q4_1 {
+                extra[r] += f16c(wb, 2) * f16c(xb, 2);
+            }
+        }
+    }
+    for r in 0..R {
+        out[r] = hsum(acc[r]) + extra[r];
+    }
+}
+
+/// Q4_K x Q8_K rows: the scales and the unpacked quants of each 64-value sub-block are shared
+/// by the rows; each row's block total is an exact integer, FMA'd once per block.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rows_q4_k_avx2<const R: usize>(w: &[u8], x: [&[u8]; R], out: &mut [f32]) {
+    let m4 = _mm256_set1_epi8(0x0F);
+    let nb = w.len() / 144;
+    let mut acc = [0f32; R];
+    let mut acc_m = [0f32; R];
+    for b in 0..nb {
+        let wb = &w[b * 144..(b + 1) * 144];
+        let mut sc = [0i16; 8];
+        let mut mn = [0i16; 8];
+        for j in 0..8 {
+            let (s, m) = scale_min_k4(j, &wb[4..16]);
+            sc[j] = s as i16;
+            mn[j] = m as i16;
+        }
+        // SAFETY: `mn` is 8 i16 = 16 readable bytes.
+        let mins = unsafe { _mm_loadu_si128(mn.as_ptr() as *const __m128i) };
+        let mut sumi = [_mm256_setzero_si256(); R];
+        for j in 0..4 {
+            let q4 = load32(wb, 16 + 32 * j);
+            let q4l = _mm256_and_si256(q4, m4);
+            let q4h = _mm256_and_si256(_mm256_srli_epi16(q4, 4), m4);
+            let (s1, s2) = (
+                _mm256_set1_epi16(sc[2 * j]),
+                _mm256_set1_epi16(sc[2 * j + 1]),
+            );
+            for r in 0..R {
+                let xb = &x[r][b * 292..(b + 1) * 292];
+                let pl = _mm256_maddubs_epi16(q4l, load32(xb, 4 + 64 * j));
+                let ph = _mm256_maddubs_epi16(q4h, load32(xb, 4 + 64 * j + 32));
+                let p = _mm256_add_epi32(_mm256_madd_epi16(s1, pl), _mm256_madd_epi16(s2, ph));
+                sumi[r] = _mm256_add_epi32(sumi[r], p);
+            }
+        }
+        let (dw, dminw) = (f16c(wb, 0), f16c(wb, 2));
+        for r in 0..R {
+            let xb = &x[r][b * 292..(b + 1) * 292];
+            let (yd, bsums) = q8k_d_bsums(xb);
+            let pairs = _mm_hadd_epi16(
+                _mm256_castsi256_si128(bsums),
+                _mm256_extracti128_si256(bsums, 1),
+            );
+            let pm = _mm_madd_epi16(mins, pairs);
+            let pm = _mm_add_epi32(pm, _mm_shuffle_epi32(pm, 0b01_00_11_10));
+            let pm = _mm_add_epi32(pm, _mm_shuffle_epi32(pm, 0b10_11_00_01));
+            let summs = _mm_cvtsi128_si32(pm);
+            acc[r] = (hsum_i32(sumi[r]) as f32).mul_add(dw * yd, acc[r]);
+            acc_m[r] = (summs as f32).mul_add(dminw * yd, acc_m[r]);
+        }
+    }
+    for r in 0..R {
+        out[r] = acc[r] - acc_m[r];
+    }
+}
+
+/// Q6_K x Q8_K rows: the 6-bit quants of each half-block are unpacked once for the rows; each
+/// row's block total is an exact integer (the -32 offset through the activation block sums),
+/// times the weight scale, FMA'd with the activation scale once per block.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rows_q6_k_avx2<const R: usize>(w: &[u8], x: [&[u8]; R], out: &mut [f32]) {
+    let nb = w.len() / 210;
+    let mut acc = [0f32; R];
+    for b in 0..nb {
+        let wb = &w[b * 210..(b + 1) * 210];
+        let sc = &wb[192..208];
+        // SAFETY: `sc` is 16 readable bytes.
+        let scales = unsafe { _mm_loadu_si128(sc.as_ptr() as *const __m128i) };
+        let scales16 = _mm256_cvtepi8_epi16(scales);
+        let mut sumi = [_mm256_setzero_si256(); R];
+        for n in 0..2 {
+            let q = q6_k_quants(wb, n);
+            for (t, &qt) in q.iter().enumerate() {
+                let g = 8 * n + 2 * t;
+                let s = _mm256_set_m128i(
+                    _mm_set1_epi16(sc[g + 1] as i8 as i16),
+                    _mm_set1_epi16(sc[g] as i8 as i16),
+                );
+                for r in 0..R {
+                    // Unsigned quants (0..63) times q8: |pair sums| <= 2*63*128, no saturation.
+                    let p = _mm256_maddubs_epi16(qt, load32(x[r], b * 292 + 4 + 128 * n + 32 * t));
+                    sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(s, p));
+                }
+            }
+        }
+        let dw = f16c(wb, 208);
+        for r in 0..R {
+            let xb = &x[r][b * 292..(b + 1) * 292];
+            let (yd, bsums) = q8k_d_bsums(xb);
+            let offset = _mm256_slli_epi32(_mm256_madd_epi16(bsums, scales16), 5);
+            let isum = hsum_i32(_mm256_sub_epi32(sumi[r], offset));
+            acc[r] = (dw * isum as f32).mul_add(yd, acc[r]);
+        }
+    }
+    out[..R].copy_from_slice(&acc);
 }

@@ -271,3 +271,93 @@ fn bad_lengths_are_errors() {
         "{e}"
     );
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// The attention vector kernels (AVX2 when the CPU has it) equal their scalar twins bit for
+    /// bit, for any length (tails included).
+    #[test]
+    fn attention_vector_kernels_equal_scalar_twins(
+        d in 1usize..80,
+        t in 0usize..11,
+        vals in prop::collection::vec(-1000f32..1000.0, 1..64),
+    ) {
+        let v = |i: usize| vals[i % vals.len()] * (1.0 + (i % 7) as f32 * 0.13);
+        let rows: Vec<f32> = (0..t * d).map(v).collect();
+        let q: Vec<f32> = (0..d).map(|i| v(i + 3) / 100.0).collect();
+        let p: Vec<f32> = (0..t).map(|i| v(i + 5).abs() / 1000.0).collect();
+        let (mut a, mut b) = (vec![0f32; t], vec![0f32; t]);
+        dot_rows(&rows, &q, &mut a);
+        dot_rows_scalar(&rows, &q, &mut b);
+        prop_assert_eq!(a.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), b.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+        let (mut a, mut b) = (vec![1f32; d], vec![2f32; d]);
+        weighted_sum(&p, &rows, &mut a);
+        weighted_sum_scalar(&p, &rows, &mut b);
+        prop_assert_eq!(a.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), b.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+        let (mut a, mut b) = (vec![0f32; rows.len()], vec![0f32; rows.len()]);
+        round_f16_row(&rows, &mut a);
+        round_f16_row_scalar(&rows, &mut b);
+        prop_assert_eq!(a.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), b.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+        let bits: Vec<u16> = rows.iter().map(|&x| half::f16::from_f32(x).to_bits()).collect();
+        let (mut a, mut b) = (vec![0f32; bits.len()], vec![0f32; bits.len()]);
+        f16_to_f32_row(&bits, &mut a);
+        f16_to_f32_row_scalar(&bits, &mut b);
+        prop_assert_eq!(a.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), b.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+        // And the dot products are dot products (f64 reference, relative to the magnitudes).
+        let mut s = vec![0f32; t];
+        dot_rows_scalar(&rows, &q, &mut s);
+        for (ti, got) in s.iter().enumerate() {
+            let (want, mag) = f64_dot(&rows[ti * d..(ti + 1) * d], &q);
+            prop_assert!((*got as f64 - want).abs() <= 1e-5 * mag + 1e-30, "{} vs {}", got, want);
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+
+    /// The multi-row kernels of the fast path: SIMD equals the scalar twin bit for bit, a row's
+    /// value does not depend on how many rows share the call, and it is the dot product (f64
+    /// reference of the dequantized operands).
+    #[test]
+    fn multi_row_kernels_equal_scalar_twins(
+        ti in 0usize..6,
+        nb in 1usize..4,
+        rows in 1usize..5,
+        seed in prop::collection::vec(any::<u8>(), 1..64),
+        scales in prop::collection::vec(-0.05f32..0.05, 1..16),
+        x in prop::collection::vec(-4.0f32..4.0, 1..64),
+    ) {
+        use GgmlType::*;
+        let ty = [Q8_0, Q4_0, Q5_0, Q4_1, Q4_K, Q6_K][ti];
+        let (k, w) = weight_row(ty, nb, &seed, &scales);
+        let vt = vec_dot_type(ty).unwrap();
+        let xq: Vec<Vec<u8>> = (0..rows).map(|r| {
+            let xs: Vec<f32> = (0..k).map(|i| x[(i + 7 * r) % x.len()] * (1.0 + (i % 7) as f32 * 0.1)).collect();
+            let mut q = vec![0u8; vt.row_bytes(k).unwrap()];
+            quantize_row(vt, &xs, &mut q).unwrap();
+            q
+        }).collect();
+        let xs: Vec<&[u8]> = xq.iter().map(|v| v.as_slice()).collect();
+        let (mut simd, mut twin) = (vec![0f32; rows], vec![0f32; rows]);
+        prop_assert!(vec_dot_rows(ty, &w, &xs, k, &mut simd).unwrap());
+        prop_assert!(vec_dot_rows_scalar(ty, &w, &xs, k, &mut twin).unwrap());
+        prop_assert_eq!(simd.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            twin.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "{}", ty);
+        for r in 0..rows {
+            let mut one = [0f32];
+            vec_dot_rows(ty, &w, &xs[r..r + 1], k, &mut one).unwrap();
+            prop_assert_eq!(one[0].to_bits(), simd[r].to_bits(), "{} row {} alone", ty, r);
+            let reference = vec_dot_scalar(ty, &w, xs[r], k).unwrap();
+            let mut wd = vec![0f32; k];
+            dequantize_row(ty, &w, &mut wd).unwrap();
+            let mut xd = vec![0f32; k];
+            dequantize_row(vt, xs[r], &mut xd).unwrap();
+            let (_, mag) = f64_dot(&wd, &xd);
+            // Q4_1's min term uses Q8_1's f16 `s` in both kernels: same as the one-row kernel.
+            prop_assert!((simd[r] as f64 - reference as f64).abs() <= 4e-6 * mag + 1e-30,
+                "{}: multi-row {} vs one-row scalar {} (magnitude {})", ty, simd[r], reference, mag);
+        }
+    }
+}

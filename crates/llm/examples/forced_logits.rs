@@ -29,8 +29,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let precision = match a[2].as_str() {
         "fast" => Precision::Fast,
+        "parity" => Precision::Parity,
         "exact" => Precision::Exact,
-        p => return Err(format!("precision '{p}' is not fast or exact").into()),
+        p => return Err(format!("precision '{p}' is not fast, parity or exact").into()),
     };
     let threads = a.get(6).map_or(Ok(2), |t| t.parse())?;
     let opts = EngineOptions {

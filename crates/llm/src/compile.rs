@@ -1,4 +1,4 @@
-//! The LLM artifact compiler behind `npuc compile MODEL.gguf --variants ar1,ar32,ar128,full --ctx 1024 [--precision fast|exact]`:
+//! The LLM artifact compiler behind `npuc compile MODEL.gguf --variants ar1,ar32,ar128,full --ctx 1024 [--precision fast|parity|exact]`:
 //! one graph per AR variant in one artifact, the GGUF weights stored once (every variant uses
 //! the same initializer names and bytes, which the artifact writer deduplicates), plus the
 //! model facts (`npuc.llm`, per graph) and the tokenizer's GGUF metadata as JSON

@@ -263,11 +263,9 @@ impl Engine {
             let idx = self.pick(rest.len(), all_logits)?;
             let n = self.sessions[idx].1;
             let count = n.min(rest.len());
-            let logits = self.run_chunk(idx, &rest[..count])?;
-            if all_logits {
-                out.extend_from_slice(&logits[..count * vocab]);
-            } else if count == rest.len() {
-                out.extend_from_slice(&logits[(count - 1) * vocab..count * vocab]);
+            let logits = self.run_chunk(idx, &rest[..count], all_logits)?;
+            if all_logits || count == rest.len() {
+                out.extend_from_slice(&logits);
             }
             rest = &rest[count..];
         }
@@ -334,8 +332,9 @@ impl Engine {
     }
 
     /// Runs session `idx` on `toks` (padded to its N), updates the caches and the position,
-    /// and returns its logits `[N, vocab]`.
-    fn run_chunk(&mut self, idx: usize, toks: &[u32]) -> Result<Vec<f32>> {
+    /// and returns the logits of every real token (`all_logits`, `[toks.len(), vocab]`) or of
+    /// the last one (`[vocab]`).
+    fn run_chunk(&mut self, idx: usize, toks: &[u32], all_logits: bool) -> Result<Vec<f32>> {
         let (ctx, pos) = (self.ctx(), self.position);
         let n = self.sessions[idx].1;
         let count = toks.len();
@@ -383,6 +382,19 @@ impl Engine {
             feeds.push((
                 "token_count".to_string(),
                 Value::tensor(Tensor::from_vec(vec![1], vec![count as i64])?),
+            ));
+        }
+        // Graphs whose output head computes only the wanted rows take the first one.
+        let from = if all_logits { 0 } else { count - 1 };
+        if self.sessions[idx]
+            .2
+            .inputs()
+            .iter()
+            .any(|i| i.name == "logits_from")
+        {
+            feeds.push((
+                "logits_from".to_string(),
+                Value::tensor(Tensor::from_vec(vec![1], vec![from as i64])?),
             ));
         }
         for l in 0..self.shape.n_layers {
@@ -447,7 +459,15 @@ impl Engine {
             bail!("the graph has no 'logits' output");
         };
         self.position += count;
-        Ok(logits.as_slice::<f32>()?.to_vec())
+        let vocab = self.vocab();
+        let rows = logits.as_slice::<f32>()?;
+        if rows.len() < count * vocab {
+            bail!(
+                "logits hold {} values, expected at least {count} x {vocab}",
+                rows.len()
+            );
+        }
+        Ok(rows[from * vocab..count * vocab].to_vec())
     }
 }
 

@@ -1,5 +1,5 @@
 //! Gemma 3 270M (Q4_K_M GGUF from the data cache; fails with the fetch command when absent):
-//! Exact precision against transformers' float32 logits of the same weights, Fast precision
+//! Exact precision against transformers' float32 logits of the same weights, Parity precision
 //! against llama.cpp's greedy continuations.
 
 mod common;
@@ -72,7 +72,7 @@ fn exact_last_logits_match_transformers() {
 #[test]
 /// Bit-identical logits with llama.cpp (AVX2 build, its defaults: flash attention, tiled K-quant
 /// batch kernel) give the same greedy ids for every reference prompt.
-fn fast_greedy_matches_llama_cpp() {
+fn parity_greedy_matches_llama_cpp() {
     let path = model();
     let refs: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(fixtures().join("gemma3/gemma3_270m_greedy.json")).unwrap(),
@@ -88,7 +88,7 @@ fn fast_greedy_matches_llama_cpp() {
     let mut e = Engine::from_gguf(
         &path,
         &opts(
-            Precision::Fast,
+            Precision::Parity,
             &[Variant::Ar(1), Variant::Ar(32), Variant::Ar(128)],
         ),
     )
@@ -123,6 +123,6 @@ fn fast_greedy_matches_llama_cpp() {
         total += want.len();
         prompts_ok += usize::from(prefix == want.len());
     }
-    eprintln!("gemma3 fast: {same}/{total} tokens, {prompts_ok}/{n_prompts} prompts identical");
+    eprintln!("gemma3 parity: {same}/{total} tokens, {prompts_ok}/{n_prompts} prompts identical");
     assert_eq!(prompts_ok, n_prompts, "{same}/{total} tokens match");
 }

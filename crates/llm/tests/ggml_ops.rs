@@ -209,11 +209,11 @@ fn malformed_inputs_give_clear_errors() {
     );
     assert!(e.contains("wide"), "{e}");
     let e = err_of(
-        matmul_node("Q8_0", k as i64, 2, false),
+        matmul_node("Q8_0", k as i64, 3, false),
         &["x", "w"],
         vec![("x", x()), ("w", w())],
     );
-    assert!(e.contains("act_quant must be 0 or 1"), "{e}");
+    assert!(e.contains("act_quant must be 0, 1 or 2"), "{e}");
     let xbad = t(Tensor::from_vec(vec![1, 32], vec![0.5f32; 32]).unwrap());
     let e = err_of(
         matmul_node("Q8_0", k as i64, 1, false),

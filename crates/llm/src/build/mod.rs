@@ -23,36 +23,48 @@ pub const SUPPORTED: &[&str] = &["llama", "qwen2", "gemma3"];
 /// Numerics of a build.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Precision {
-    /// llama.cpp's CPU numerics: activations quantized inside quantized matmuls
-    /// (`act_quant = 1`), f16 KV cache.
+    /// The default, built for speed: activations quantized to 8 bits inside quantized matmuls
+    /// (each row once per product, integer dot products, multi-row kernels), f16 KV cache, a
+    /// vectorized attention with f32 accumulation. Free to round differently from llama.cpp;
+    /// its quality is measured (perplexity and top-1 agreement against llama.cpp).
     #[default]
     Fast,
+    /// llama.cpp's AVX2 CPU numerics op by op (a test instrument: logits bit-identical to
+    /// llama.cpp's): its batch grouping of K-quant products, its flash attention's f16 value
+    /// accumulator, its rope recurrence and GELU table.
+    Parity,
     /// f32 everywhere: dequantized weights times f32 activations, f32 KV cache.
     Exact,
 }
 
 impl Precision {
-    /// Parses `fast` / `exact`.
+    /// Parses `fast` / `parity` / `exact`.
     pub fn parse(s: &str) -> Result<Precision> {
         match s {
             "fast" => Ok(Precision::Fast),
+            "parity" => Ok(Precision::Parity),
             "exact" => Ok(Precision::Exact),
-            _ => bail!("unknown precision '{s}' (expected fast or exact)"),
+            _ => bail!("unknown precision '{s}' (expected fast, parity or exact)"),
         }
     }
     /// The KV cache element type.
     pub fn kv_dtype(self) -> DType {
         match self {
-            Precision::Fast => DType::F16,
+            Precision::Fast | Precision::Parity => DType::F16,
             Precision::Exact => DType::F32,
         }
     }
-    /// `fast` / `exact`.
+    /// `fast` / `parity` / `exact`.
     pub fn name(self) -> &'static str {
         match self {
             Precision::Fast => "fast",
+            Precision::Parity => "parity",
             Precision::Exact => "exact",
         }
+    }
+    /// Whether quantized products quantize their activations (fast and parity).
+    pub fn act_quant(self) -> bool {
+        self != Precision::Exact
     }
 }
 
@@ -399,13 +411,23 @@ pub fn build_with(g: &GgufFile, hp: &Hparams, opts: &BuildOptions) -> Result<Mod
         ValueInfo::new("positions", Some(TypeInfo::tensor(DType::I64, &[n]))),
         ValueInfo::new("attn_mask", Some(TypeInfo::tensor(DType::F32, &[n, c]))),
     ];
-    if opts.precision == Precision::Fast
+    if opts.precision.act_quant()
         && b.nodes
             .iter()
             .any(|nd| nd.inputs.iter().any(|i| i == "token_count"))
     {
         inputs.push(ValueInfo::new(
             "token_count",
+            Some(TypeInfo::tensor(DType::I64, &[1])),
+        ));
+    }
+    if b.nodes
+        .iter()
+        .any(|nd| nd.inputs.iter().any(|i| i == "logits_from"))
+    {
+        // The first row whose logits are computed (earlier rows are zero).
+        inputs.push(ValueInfo::new(
+            "logits_from",
             Some(TypeInfo::tensor(DType::I64, &[1])),
         ));
     }
@@ -659,6 +681,22 @@ impl Builder<'_> {
         n_out: usize,
         k: usize,
     ) -> Result<String> {
+        self.linear_rows(x, name, bias, n_out, k, false)
+    }
+
+    /// [`Builder::linear`]; `head`: the output head, which computes only the rows from the
+    /// graph input `logits_from` on (the rows whose logits the caller wants: the last token's
+    /// when generating), and rounds each row as a product of its own (llama.cpp runs its head
+    /// only for the rows whose logits it returns).
+    fn linear_rows(
+        &mut self,
+        x: &str,
+        name: &str,
+        bias: Option<&str>,
+        n_out: usize,
+        k: usize,
+        head: bool,
+    ) -> Result<String> {
         let t = self.expect_shape(name, &[n_out, k])?.clone();
         let bias = match bias {
             Some(b) => Some(self.param(b, n_out)?),
@@ -674,22 +712,33 @@ impl Builder<'_> {
                 tensor,
             });
         }
-        let fast = self.opts.precision == Precision::Fast;
+        let act_quant = self.opts.precision.act_quant();
+        let parity = self.opts.precision == Precision::Parity;
         let out = self.fresh("linear");
         Ok(match self.mode {
             WeightMode::Ggml => {
-                // Real-token count: padding rows are skipped and llama.cpp's batch grouping kept.
-                let token_count = fast.then_some("token_count");
+                // Real-token count: padding rows are skipped (and, for parity, llama.cpp's
+                // batch grouping kept).
+                let token_count = act_quant.then_some("token_count");
                 let node = ops::ggml::GGML_MATMUL
                     .node(&out)
                     .input("x", x)
                     .input("w", name)
                     .opt_input("bias", bias)
                     .opt_input("token_count", token_count)
+                    .opt_input("row_start", (head && act_quant).then_some("logits_from"))
                     .output("y", &out)
                     .attr("ggml_type", Attr::String(t.ggml_type.name().into()))
                     .attr("k", Attr::Int(k as i64))
-                    .attr("act_quant", Attr::Int(i64::from(fast)));
+                    .attr(
+                        "act_quant",
+                        Attr::Int(match self.opts.precision {
+                            Precision::Exact => 0,
+                            Precision::Parity => 1,
+                            Precision::Fast => 2,
+                        }),
+                    )
+                    .attr("batch", Attr::Int(i64::from(parity && !head)));
                 self.push_node(node)?
             }
             _ => {
@@ -807,7 +856,8 @@ impl Builder<'_> {
             } else {
                 freqs.clone().or(linear.clone())
             };
-            let ggml_rope = i64::from(self.opts.precision == Precision::Fast);
+            let parity = self.opts.precision == Precision::Parity;
+            let ggml_rope = i64::from(parity);
             let rope = |x: &str, out: &str| {
                 ops::transformer::ROPE
                     .node(out)
@@ -842,7 +892,6 @@ impl Builder<'_> {
             let pv = format!("past_value.{l}");
             let att = self.fresh("attn");
             let window = if swa { hp.window as i64 } else { 0 };
-            let fast = self.opts.precision == Precision::Fast;
             let a = self.push_node(
                 ops::transformer::CACHED_ATTENTION
                     .node(&att)
@@ -856,10 +905,10 @@ impl Builder<'_> {
                     .output("out", &att)
                     .attr("scale", Attr::Float(hp.attn_scale))
                     .attr("window", Attr::Int(window))
-                    .attr("ggml", Attr::Int(i64::from(fast)))
+                    .attr("ggml", Attr::Int(i64::from(parity)))
                     .attr(
                         "prescale",
-                        Attr::Int(i64::from(fast && hp.arch == "gemma3")),
+                        Attr::Int(i64::from(parity && hp.arch == "gemma3")),
                     ),
             )?;
             let mut o = self.linear(&a, &p("attn_output.weight"), None, e, h * d)?;
@@ -875,7 +924,7 @@ impl Builder<'_> {
                     let s = self.op("Sigmoid", &[&gate], vec![]);
                     self.op("Mul", &[&gate, &s], vec![])
                 }
-                Act::GeluTanh if self.opts.precision == Precision::Fast => {
+                Act::GeluTanh if self.opts.precision.act_quant() => {
                     // ggml's CPU GELU is a table over f16 inputs holding f16 outputs
                     // (GGML_GELU_FP16); npuc.GeluF16 evaluates it the same way.
                     let out = self.fresh("gelu_f16");
@@ -914,14 +963,7 @@ impl Builder<'_> {
                 )
                 .into());
         }
-        let logits = self.linear(&xn, head, None, vocab, e)?;
-        // llama.cpp runs the output head only for the rows whose logits it returns (one row
-        // when generating), so each row rounds like a single-token product.
-        if let Some(nd) = self.nodes.iter_mut().rev().find(|nd| nd.name == logits) {
-            if nd.op_type == "GgmlMatMul" {
-                nd.attrs.push(("batch".to_string(), Attr::Int(0)));
-            }
-        }
+        let logits = self.linear_rows(&xn, head, None, vocab, e, true)?;
         self.push("Identity", "", &[&logits], "logits", vec![]);
         Ok(())
     }

@@ -2,11 +2,14 @@
 //!
 //! - `GgmlMatMul(X f32 [..., K], W[, bias f32 [N]][, token_count i64 [1]]) -> Y f32 [..., N]`,
 //!   `Y = X · Wᵀ`; with `token_count` only that many leading rows are computed (the rest, the
-//!   padding of a static-shape AR-n graph, are zero) and they round as one llama.cpp batch. `W` holds
+//!   padding of a static-shape AR-n graph, are zero) and they round as one llama.cpp batch; with
+//!   `row_start` (i64 [1]) the rows before it are zero too (an output head computing only the
+//!   rows whose logits are wanted). `W` holds
 //!   N rows of K elements: a u8 `[N, row_bytes]` tensor of raw GGUF blocks, or (for the plain
 //!   types) an f32/f16/bf16 `[N, K]` tensor. Attributes: `ggml_type` (GgmlType name), `k`
 //!   (logical row length), `act_quant` (1, the default: activations quantized like llama.cpp
-//!   and integer dot products; 0: exact, dequantized weights and f32 math), `batch` (1, the
+//!   and its integer dot products; 2: the fast path, activations quantized the same way and
+//!   multiplied by multi-row kernels; 0: exact, dequantized weights and f32 math), `batch` (1, the
 //!   default: the real rows round as one llama.cpp batch; 0: each row as a product of its own).
 //! - `GgmlGather(W, ids i64/i32 [...]) -> f32 [..., K]`: rows of `W` dequantized exactly
 //!   (embedding lookup). Attributes `ggml_type`, `k`.
@@ -35,6 +38,7 @@ pub static GGML_MATMUL: OpDef = OpDef {
         Param::required("w"),
         Param::optional("bias"),
         Param::optional("token_count"),
+        Param::optional("row_start"),
     ],
     outputs: &[Param::required("y")],
     attrs: &[
@@ -147,7 +151,8 @@ fn ggml_matmul(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     let mode = match node.int_or("act_quant", 1)? {
         0 => MatMulMode::Exact,
         1 => MatMulMode::ActQuant,
-        v => bail!("attribute act_quant must be 0 or 1, got {v}"),
+        2 => MatMulMode::Fast,
+        v => bail!("attribute act_quant must be 0, 1 or 2, got {v}"),
     };
     let x = ins.tensor(0)?;
     let (w, n) = weight_bytes(ins.tensor(1)?, ty, k)?;
@@ -172,22 +177,35 @@ fn ggml_matmul(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         }
         None => m,
     };
+    // Optional input 4: the first row computed (an output head skipping the rows whose logits
+    // nobody reads).
+    let start = match ins.opt_tensor(4) {
+        Some(t) => {
+            let v = t.to_i64_vec()?;
+            match v.as_slice() {
+                [s] if *s >= 0 => (*s as usize).min(rows),
+                _ => bail!("row_start must be one non-negative integer, got {v:?}"),
+            }
+        }
+        None => 0,
+    };
     // `batch=0`: every row rounds as a product of its own (llama.cpp's output head).
     let batch_rows = match node.int_or("batch", 1)? {
         0 => 0,
-        1 => rows,
+        1 => rows - start,
         v => bail!("attribute batch must be 0 or 1, got {v}"),
     };
+    // Zeroed pages from the allocator: rows nobody computes are never touched.
     let mut y = vec![0f32; m * n];
     npuc_ggml::matmul_batch(
         ty,
         w,
         n,
         k,
-        &xv[..rows * k],
-        rows,
+        &xv[start * k..rows * k],
+        rows - start,
         batch_rows,
-        &mut y[..rows * n],
+        &mut y[start * n..rows * n],
         mode,
         ctx.threads,
     )
@@ -201,7 +219,7 @@ fn ggml_matmul(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
             );
         }
         let bv = b.as_slice::<f32>()?;
-        for row in y.chunks_exact_mut(n) {
+        for row in y[start * n..rows * n].chunks_exact_mut(n) {
             for (v, b) in row.iter_mut().zip(bv) {
                 *v += b;
             }

@@ -280,40 +280,6 @@ impl<'a> Cache<'a> {
     }
 }
 
-/// `a · b` with 8 independent accumulators (vectorises; f32 sums like ggml's CPU dot).
-#[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for ((a, &xv), &yv) in acc.iter_mut().zip(x).zip(y) {
-            *a = xv.mul_add(yv, *a);
-        }
-    }
-    let mut s = 0f32;
-    for (x, y) in ra.iter().zip(rb) {
-        s = x.mul_add(*y, s);
-    }
-    hsum8(&acc) + s
-}
-
-/// Horizontal sum of 8 lanes in the order of an AVX `extract + movehl + movehdup` reduction
-/// (what ggml's tinyBLAS does after its FMA loop): `((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7))`.
-#[inline]
-fn hsum8(a: &[f32; 8]) -> f32 {
-    let t = [a[0] + a[4], a[1] + a[5], a[2] + a[6], a[3] + a[7]];
-    (t[0] + t[2]) + (t[1] + t[3])
-}
-
-/// `out += w * v`.
-#[inline]
-fn axpy(out: &mut [f32], w: f32, v: &[f32]) {
-    for (o, &x) in out.iter_mut().zip(v) {
-        *o = w.mul_add(x, *o);
-    }
-}
-
 /// `a · b` in the order of ggml's AVX2 `ggml_vec_dot_f16` / `ggml_vec_dot_f32` (the dot
 /// product of its flash-attention loop): four 8-lane FMA accumulators over 32-element steps
 /// (element `i` goes to accumulator `(i % 32) / 8`, lane `i % 8`), reduced as its
@@ -427,6 +393,30 @@ fn cached_attention(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         scale
     };
     let group = h / kvh;
+    if !ggml {
+        let mut out = vec![0f32; n * h * d];
+        let a = AttnArgs {
+            n,
+            h,
+            kvh,
+            d,
+            c,
+            qs,
+            kns,
+            vns,
+            pk: &pk,
+            pv: &pv,
+            src: &src,
+            positions: &positions,
+            mask,
+            scale,
+            window,
+            half,
+            threads: ctx.threads,
+        };
+        attention_f32(&a, &mut out);
+        return Ok(vec![Value::tensor(Tensor::from_vec(vec![n, h * d], out)?)]);
+    }
     let mut out = vec![0f32; n * h * d];
     // One task per (token, head): a disjoint D-slice of the output.
     let task = |(idx, o): (usize, &mut [f32]), scratch: &mut Scratch| {
@@ -448,149 +438,69 @@ fn cached_attention(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
             qrow.iter_mut().for_each(|v| *v = r16(*v));
         }
         row.resize(d, 0.0);
-        if ggml {
-            // ggml's CPU flash attention (what llama.cpp runs by default), one query row at a
-            // time: slots in order, masked ones skipped; an online softmax with libm `expf`
-            // (Rust's f32::exp calls the same function); the value accumulator rescaled when
-            // the maximum grows and kept in the cache's precision (f16: rounded after every
-            // FMA), the sum updated with one FMA; one f32 reciprocal at the end.
-            let key = |p: usize, row: &mut Vec<f32>| {
-                if src[p] != u32::MAX {
-                    let j = src[p] as usize;
-                    let k = &kns[(j * kvh + g) * d..(j * kvh + g + 1) * d];
-                    row.clear();
-                    row.extend(k.iter().map(|&v| if half { r16(v) } else { v }));
-                } else {
-                    let off = (g * c + p) * d;
-                    row.clear();
-                    match pk {
-                        Cache::F32(s) => row.extend_from_slice(&s[off..off + d]),
-                        Cache::F16(s) => row.extend(s[off..off + d].iter().map(|v| v.to_f32())),
-                    }
-                }
-            };
-            let round = |v: f32| if half { r16(v) } else { v };
-            let mut vrow = std::mem::take(scores);
-            let (mut big_s, mut big_m) = (0f32, f32::NEG_INFINITY);
-            o.iter_mut().for_each(|v| *v = 0.0);
-            for (p, &m) in mrow[..end].iter().enumerate() {
-                if m == f32::NEG_INFINITY || (window > 0 && positions[i] - p as i64 >= window) {
-                    continue;
-                }
-                key(p, row);
-                let mut sc = dot_ggml(row, qrow);
-                if !prescale {
-                    sc *= scale;
-                }
-                sc += m;
-                let (mut ms, mut vs) = (1f32, 1f32);
-                if sc > big_m {
-                    let old = big_m;
-                    big_m = sc;
-                    ms = (old - big_m).exp();
-                    o.iter_mut().for_each(|v| *v = round(*v * ms));
-                } else {
-                    vs = (sc - big_m).exp();
-                }
-                vrow.clear();
-                if src[p] != u32::MAX {
-                    let j = src[p] as usize;
-                    let v = &vns[(j * kvh + g) * d..(j * kvh + g + 1) * d];
-                    vrow.extend(v.iter().map(|&x| round(x)));
-                } else {
-                    let off = (g * c + p) * d;
-                    match pv {
-                        Cache::F32(s) => vrow.extend_from_slice(&s[off..off + d]),
-                        Cache::F16(s) => vrow.extend(s[off..off + d].iter().map(|v| v.to_f32())),
-                    }
-                }
-                for (acc, &x) in o.iter_mut().zip(vrow.iter()) {
-                    *acc = round(x.mul_add(vs, *acc));
-                }
-                big_s = big_s.mul_add(ms, vs);
-            }
-            let inv = if big_s == 0.0 { 0.0 } else { 1.0 / big_s };
-            o.iter_mut().for_each(|v| *v *= inv);
-            *scores = vrow;
-            return;
-        }
-        scores.clear();
-        scores.resize(end, f32::NEG_INFINITY);
-        let pi = positions[i];
-        let mut maxv = f32::NEG_INFINITY;
-        for (p, &m) in mrow[..end].iter().enumerate() {
-            if m == f32::NEG_INFINITY || (window > 0 && pi - p as i64 >= window) {
-                continue;
-            }
-            let kr: &[f32] = if src[p] != u32::MAX {
+        // ggml's CPU flash attention (what llama.cpp runs by default), one query row at a
+        // time: slots in order, masked ones skipped; an online softmax with libm `expf`
+        // (Rust's f32::exp calls the same function); the value accumulator rescaled when
+        // the maximum grows and kept in the cache's precision (f16: rounded after every
+        // FMA), the sum updated with one FMA; one f32 reciprocal at the end.
+        let key = |p: usize, row: &mut Vec<f32>| {
+            if src[p] != u32::MAX {
                 let j = src[p] as usize;
                 let k = &kns[(j * kvh + g) * d..(j * kvh + g + 1) * d];
-                if half {
-                    row.iter_mut().zip(k).for_each(|(r, v)| *r = r16(*v));
-                    row
-                } else {
-                    k
-                }
+                row.clear();
+                row.extend(k.iter().map(|&v| if half { r16(v) } else { v }));
             } else {
                 let off = (g * c + p) * d;
+                row.clear();
                 match pk {
-                    Cache::F32(s) => &s[off..off + d],
-                    Cache::F16(s) => {
-                        row.iter_mut()
-                            .zip(&s[off..off + d])
-                            .for_each(|(r, v)| *r = v.to_f32());
-                        row
-                    }
+                    Cache::F32(s) => row.extend_from_slice(&s[off..off + d]),
+                    Cache::F16(s) => row.extend(s[off..off + d].iter().map(|v| v.to_f32())),
                 }
-            };
-            let qk = dot(qrow, kr);
-            let sc = if prescale { qk + m } else { qk * scale + m };
-            scores[p] = sc;
-            maxv = maxv.max(sc);
-        }
+            }
+        };
+        let round = |v: f32| if half { r16(v) } else { v };
+        let mut vrow = std::mem::take(scores);
+        let (mut big_s, mut big_m) = (0f32, f32::NEG_INFINITY);
         o.iter_mut().for_each(|v| *v = 0.0);
-        if maxv == f32::NEG_INFINITY {
-            return; // nothing visible (cannot happen with a well-formed mask)
-        }
-        // Sum in f64 and one f32 reciprocal.
-        let mut sum = 0f64;
-        for s in scores.iter_mut() {
-            let e = if *s == f32::NEG_INFINITY {
-                0.0
-            } else {
-                (*s - maxv).exp()
-            };
-            *s = e;
-            sum += e as f64;
-        }
-        let inv = (1.0 / sum) as f32;
-        for (p, &e) in scores.iter().enumerate() {
-            if e == 0.0 {
+        for (p, &m) in mrow[..end].iter().enumerate() {
+            if m == f32::NEG_INFINITY || (window > 0 && positions[i] - p as i64 >= window) {
                 continue;
             }
-            let w = if half { r16(e * inv) } else { e * inv };
+            key(p, row);
+            let mut sc = dot_ggml(row, qrow);
+            if !prescale {
+                sc *= scale;
+            }
+            sc += m;
+            let (mut ms, mut vs) = (1f32, 1f32);
+            if sc > big_m {
+                let old = big_m;
+                big_m = sc;
+                ms = (old - big_m).exp();
+                o.iter_mut().for_each(|v| *v = round(*v * ms));
+            } else {
+                vs = (sc - big_m).exp();
+            }
+            vrow.clear();
             if src[p] != u32::MAX {
                 let j = src[p] as usize;
                 let v = &vns[(j * kvh + g) * d..(j * kvh + g + 1) * d];
-                if half {
-                    for (ov, &x) in o.iter_mut().zip(v) {
-                        *ov = w.mul_add(r16(x), *ov);
-                    }
-                } else {
-                    axpy(o, w, v);
-                }
+                vrow.extend(v.iter().map(|&x| round(x)));
             } else {
                 let off = (g * c + p) * d;
                 match pv {
-                    Cache::F32(s) => axpy(o, w, &s[off..off + d]),
-                    Cache::F16(s) => {
-                        for (ov, x) in o.iter_mut().zip(&s[off..off + d]) {
-                            *ov = w.mul_add(x.to_f32(), *ov);
-                        }
-                    }
+                    Cache::F32(s) => vrow.extend_from_slice(&s[off..off + d]),
+                    Cache::F16(s) => vrow.extend(s[off..off + d].iter().map(|v| v.to_f32())),
                 }
             }
+            for (acc, &x) in o.iter_mut().zip(vrow.iter()) {
+                *acc = round(x.mul_add(vs, *acc));
+            }
+            big_s = big_s.mul_add(ms, vs);
         }
+        let inv = if big_s == 0.0 { 0.0 } else { 1.0 / big_s };
+        o.iter_mut().for_each(|v| *v *= inv);
+        *scores = vrow;
     };
     let work = n * h * d * mask.len().max(1) / n.max(1);
     if ctx.threads > 1 && n * h > 1 && work > 1 << 16 {
@@ -604,6 +514,136 @@ fn cached_attention(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         }
     }
     Ok(vec![Value::tensor(Tensor::from_vec(vec![n, h * d], out)?)])
+}
+
+/// The inputs of [`attention_f32`], validated by [`cached_attention`].
+struct AttnArgs<'a> {
+    n: usize,
+    h: usize,
+    kvh: usize,
+    d: usize,
+    c: usize,
+    qs: &'a [f32],
+    kns: &'a [f32],
+    vns: &'a [f32],
+    pk: &'a Cache<'a>,
+    pv: &'a Cache<'a>,
+    /// Which of this call's tokens writes each slot (`u32::MAX`: the cache's entry).
+    src: &'a [u32],
+    positions: &'a [i64],
+    mask: &'a [f32],
+    scale: f32,
+    window: i64,
+    /// f16 caches: this call's keys and values are rounded to f16, as the cache will hold them.
+    half: bool,
+    threads: usize,
+}
+
+/// Attention with f32 arithmetic through `npuc-ggml`'s vector kernels (AVX2 when the CPU has
+/// it): the visible keys and values of each KV head are converted to f32 once per call (not
+/// once per query head and token), then each (token, head) computes all its scores with one
+/// `dot_rows`, a softmax (f64 sum, one reciprocal) and one `weighted_sum` of the value rows.
+fn attention_f32(a: &AttnArgs, out: &mut [f32]) {
+    let (n, h, kvh, d, c) = (a.n, a.h, a.kvh, a.d, a.c);
+    // Visible range of each row: the mask's first and last visible slot (window included).
+    let span = |i: usize| -> (usize, usize) {
+        let mrow = &a.mask[i * c..(i + 1) * c];
+        let end = mrow
+            .iter()
+            .rposition(|m| *m != f32::NEG_INFINITY)
+            .map_or(0, |p| p + 1);
+        let mut lo = mrow[..end]
+            .iter()
+            .position(|m| *m != f32::NEG_INFINITY)
+            .unwrap_or(end);
+        if a.window > 0 {
+            let first = a.positions[i] - a.window + 1;
+            lo = lo.max(first.clamp(0, end as i64) as usize);
+        }
+        (lo, end)
+    };
+    let spans: Vec<(usize, usize)> = (0..n).map(span).collect();
+    let end_max = spans.iter().map(|s| s.1).max().unwrap_or(0);
+    // f32 keys and values [KVH, end_max, D].
+    let mut kf = vec![0f32; kvh * end_max * d];
+    let mut vf = vec![0f32; kvh * end_max * d];
+    let fill = |dst: &mut [f32], new: &[f32], cache: &Cache, g: usize| {
+        for (p, row) in dst.chunks_exact_mut(d).enumerate() {
+            if a.src[p] != u32::MAX {
+                let j = a.src[p] as usize;
+                let nr = &new[(j * kvh + g) * d..(j * kvh + g + 1) * d];
+                if a.half {
+                    npuc_ggml::round_f16_row(nr, row);
+                } else {
+                    row.copy_from_slice(nr);
+                }
+            } else {
+                let off = (g * c + p) * d;
+                match cache {
+                    Cache::F32(s) => row.copy_from_slice(&s[off..off + d]),
+                    Cache::F16(s) => {
+                        npuc_ggml::f16_to_f32_row(bytemuck::cast_slice(&s[off..off + d]), row)
+                    }
+                }
+            }
+        }
+    };
+    if end_max > 0 {
+        for g in 0..kvh {
+            let r = g * end_max * d..(g + 1) * end_max * d;
+            fill(&mut kf[r.clone()], a.kns, a.pk, g);
+            fill(&mut vf[r], a.vns, a.pv, g);
+        }
+    }
+    let group = h / kvh;
+    let task = |(idx, o): (usize, &mut [f32]), scores: &mut Vec<f32>| {
+        let (i, hh) = (idx / h, idx % h);
+        let g = hh / group;
+        let (lo, end) = spans[i];
+        o.iter_mut().for_each(|v| *v = 0.0);
+        if lo >= end {
+            return; // nothing visible (cannot happen with a well-formed mask)
+        }
+        let q = &a.qs[(i * h + hh) * d..(i * h + hh + 1) * d];
+        let keys = &kf[(g * end_max + lo) * d..(g * end_max + end) * d];
+        let vals = &vf[(g * end_max + lo) * d..(g * end_max + end) * d];
+        scores.resize(end - lo, 0.0);
+        npuc_ggml::dot_rows(keys, q, scores);
+        let mrow = &a.mask[i * c + lo..i * c + end];
+        let mut maxv = f32::NEG_INFINITY;
+        for (s, &m) in scores.iter_mut().zip(mrow) {
+            // `prescale` (q scaled before the product) is the same scores up to rounding.
+            *s = *s * a.scale + m;
+            maxv = maxv.max(*s);
+        }
+        if maxv == f32::NEG_INFINITY {
+            return;
+        }
+        let mut sum = 0f64;
+        for s in scores.iter_mut() {
+            let e = if *s == f32::NEG_INFINITY {
+                0.0
+            } else {
+                (*s - maxv).exp()
+            };
+            *s = e;
+            sum += e as f64;
+        }
+        let inv = (1.0 / sum) as f32;
+        scores.iter_mut().for_each(|s| *s *= inv);
+        npuc_ggml::weighted_sum(scores, vals, o);
+    };
+    let work = n * h * d * end_max;
+    if a.threads > 1 && n * h > 1 && work > 1 << 16 {
+        out.par_chunks_mut(d)
+            .enumerate()
+            .for_each_init(Vec::new, |s, t| task(t, s));
+    } else {
+        let mut s = Vec::new();
+        for t in out.chunks_mut(d).enumerate() {
+            task(t, &mut s);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -630,11 +670,11 @@ mod tests {
     }
 
     #[test]
-    fn dot_matches_naive() {
+    fn dot_ggml_matches_naive() {
         let a: Vec<f32> = (0..37).map(|i| (i as f32 * 0.37).sin()).collect();
         let b: Vec<f32> = (0..37).map(|i| (i as f32 * 0.11).cos()).collect();
         let r: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
-        assert!((dot(&a, &b) - r).abs() < 1e-5);
+        assert!((dot_ggml(&a, &b) - r).abs() < 1e-5);
     }
 
     #[test]
