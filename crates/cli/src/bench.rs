@@ -9,6 +9,56 @@ use std::path::Path;
 use std::time::Instant;
 
 /// Peak resident set size of this process (VmHWM), when the OS reports it.
+/// Environment variable that makes the `npuc` binary run [`bandwidth_probe`] and exit.
+pub const BANDWIDTH_PROBE_ENV: &str = "NPUC_BANDWIDTH_PROBE_THREADS";
+
+/// Read bandwidth (bytes/s) with `threads` threads over a 256 MiB buffer: the best of five
+/// passes, each thread summing its own contiguous part.
+pub fn bandwidth_probe(threads: usize) -> f64 {
+    let threads = threads.max(1);
+    let words: usize = 256 << 17; // 256 MiB of u64
+    let buf: Vec<u64> = (0..words as u64).collect();
+    let part = words.div_ceil(threads);
+    let mut best = 0f64;
+    for _ in 0..5 {
+        let t = std::time::Instant::now();
+        let total: u64 = std::thread::scope(|s| {
+            let hs: Vec<_> = buf
+                .chunks(part)
+                .map(|c| {
+                    s.spawn(move || {
+                        // Eight independent sums so the loop is bound by loads, not by adds.
+                        let mut acc = [0u64; 8];
+                        for ch in c.chunks_exact(8) {
+                            for (a, v) in acc.iter_mut().zip(ch) {
+                                *a = a.wrapping_add(*v);
+                            }
+                        }
+                        acc.iter().fold(0u64, |x, y| x.wrapping_add(*y))
+                    })
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| h.join().unwrap_or(0))
+                .fold(0, u64::wrapping_add)
+        });
+        std::hint::black_box(total);
+        best = best.max((words * 8) as f64 / t.elapsed().as_secs_f64());
+    }
+    best
+}
+
+/// [`bandwidth_probe`] in a child `npuc` process (its buffer stays out of this process's RSS);
+/// `None` when the child cannot run.
+pub fn read_bandwidth(threads: usize) -> Option<f64> {
+    let exe = std::env::current_exe().ok()?;
+    let out = std::process::Command::new(exe)
+        .env(BANDWIDTH_PROBE_ENV, threads.to_string())
+        .output()
+        .ok()?;
+    String::from_utf8(out.stdout).ok()?.trim().parse().ok()
+}
+
 pub fn peak_rss_bytes() -> Option<u64> {
     let s = std::fs::read_to_string("/proc/self/status").ok()?;
     let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;

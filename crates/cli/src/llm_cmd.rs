@@ -585,6 +585,7 @@ pub fn bench_cmd(a: &LlmBenchArgs) -> Result<()> {
         prompt[0] = b;
     }
     let gen_tokens: Vec<u32> = (0..a.gen).map(|_| next()).collect();
+    let weight_bytes = engine.decode_weight_bytes();
     let mut lm = Lm(&mut engine);
     if a.prompt_len + a.gen > lm.ctx() {
         bail!(
@@ -616,6 +617,18 @@ pub fn bench_cmd(a: &LlmBenchArgs) -> Result<()> {
     let pp = median(&mut pp);
     let tg = if tg.is_empty() { 0.0 } else { median(&mut tg) };
     let rss = crate::bench::peak_rss_bytes();
+    // Decode is bound by reading the weights once per token: the roofline is read bandwidth
+    // (measured now, with the same threads) / weight bytes per token.
+    let bw = if a.gen > 0 {
+        crate::bench::read_bandwidth(
+            a.model
+                .threads
+                .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
+        )
+    } else {
+        None
+    };
+    let roofline = bw.map(|b| b / weight_bytes.max(1) as f64);
     if a.json {
         println!(
             "{}",
@@ -623,6 +636,9 @@ pub fn bench_cmd(a: &LlmBenchArgs) -> Result<()> {
                 "model": a.model.model.display().to_string(), "threads": a.model.threads, "load_s": load_s,
                 "prompt_len": a.prompt_len, "gen": a.gen, "runs": a.runs,
                 "prefill_tokens_per_s": pp, "decode_tokens_per_s": tg, "peak_rss_bytes": rss,
+                "weight_bytes_per_token": weight_bytes, "read_bandwidth_bytes_per_s": bw,
+                "decode_roofline_tokens_per_s": roofline,
+                "roofline_share": roofline.map(|r| tg / r),
             })
         );
     } else {
@@ -630,6 +646,18 @@ pub fn bench_cmd(a: &LlmBenchArgs) -> Result<()> {
         println!("pp{}: {pp:.1} tokens/s", a.prompt_len);
         if a.gen > 0 {
             println!("tg{}: {tg:.1} tokens/s", a.gen);
+            match (bw, roofline) {
+                (Some(b), Some(r)) => println!(
+                    "decode reads {:.1} MB of weights per token; read bandwidth {:.1} GB/s: roofline {r:.1} tokens/s, {:.0}% reached",
+                    weight_bytes as f64 / 1e6,
+                    b / 1e9,
+                    100.0 * tg / r
+                ),
+                _ => println!(
+                    "decode reads {:.1} MB of weights per token",
+                    weight_bytes as f64 / 1e6
+                ),
+            }
         }
         if let Some(r) = rss {
             println!("peak RSS: {:.1} MB", r as f64 / 1e6);

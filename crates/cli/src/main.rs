@@ -136,6 +136,13 @@ enum Cmd {
 }
 
 fn main() {
+    // `npuc bench` measures read bandwidth in a child process of its own (so the probe's buffer
+    // never counts in the benchmark's peak RSS): see `npuc_cli::bench::read_bandwidth`.
+    if let Some(t) = std::env::var_os(npuc_cli::bench::BANDWIDTH_PROBE_ENV) {
+        let threads = t.to_str().and_then(|s| s.parse().ok()).unwrap_or(1);
+        println!("{}", npuc_cli::bench::bandwidth_probe(threads));
+        return;
+    }
     let command = Cli::command();
     let matches = command.clone().get_matches();
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());

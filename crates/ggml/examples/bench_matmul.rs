@@ -2,10 +2,11 @@
 //! `cargo run --release -p npuc-ggml --example bench_matmul [-- --quick]`.
 //!
 //! For each weight type, shape (n x k), batch m (1 = decode, 128 = prefill) and thread count,
-//! prints the median time per call, weight bandwidth (GB/s) and GFLOP/s (2·m·n·k / time),
-//! plus the scalar kernels' time for the ratio SIMD / scalar.
+//! prints the median time per call of the fast path (multi-row kernels), its weight bandwidth
+//! (GB/s) and GFLOP/s (2·m·n·k / time), and the time of llama.cpp's kernels (parity path,
+//! `MatMulMode::ActQuant`) for the ratio.
 
-use npuc_ggml::{matmul, matmul_scalar, GgmlType, MatMulMode};
+use npuc_ggml::{matmul, GgmlType, MatMulMode};
 use std::time::Instant;
 
 /// Random-looking but well-formed blocks: f16 scale fields set to small finite values.
@@ -22,6 +23,7 @@ fn weights(ty: GgmlType, n: usize, k: usize) -> Vec<u8> {
         .collect();
     let fields: &[usize] = match ty {
         GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q5_0 => &[0],
+        GgmlType::Q4_1 => &[0, 2],
         GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
         GgmlType::Q6_K => &[208],
         GgmlType::F16 => {
@@ -52,7 +54,7 @@ fn time(
     x: &[f32],
     m: usize,
     threads: usize,
-    scalar: bool,
+    mode: MatMulMode,
 ) -> f64 {
     let mut y = vec![0f32; m * n];
     let work = (m * n * k) as f64;
@@ -60,11 +62,7 @@ fn time(
     let mut ts = Vec::new();
     for _ in 0..iters.max(3) {
         let t = Instant::now();
-        if scalar {
-            matmul_scalar(ty, w, n, k, x, m, &mut y, MatMulMode::ActQuant, threads).unwrap();
-        } else {
-            matmul(ty, w, n, k, x, m, &mut y, MatMulMode::ActQuant, threads).unwrap();
-        }
+        matmul(ty, w, n, k, x, m, &mut y, mode, threads).unwrap();
         ts.push(t.elapsed().as_secs_f64());
     }
     ts.sort_by(|a, b| a.partial_cmp(b).unwrap());
@@ -73,6 +71,8 @@ fn time(
 
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
+    // `--type NAME`: only that weight type.
+    let only: Option<String> = std::env::args().skip_while(|a| a != "--type").nth(1);
     let pool2 = rayon::ThreadPoolBuilder::new()
         .num_threads(2)
         .build()
@@ -83,17 +83,24 @@ fn main() {
         (2048, 640),
         (640, 1024),
         (640, 2048),
+        (4864, 896),
+        (896, 4864),
         (262144, 640),
+        (151936, 896),
     ];
     let types = [
+        GgmlType::Q4_1,
         GgmlType::Q8_0,
         GgmlType::Q5_0,
         GgmlType::Q4_K,
         GgmlType::Q6_K,
         GgmlType::F16,
     ];
-    println!("type  n x k         m    thr  ms/call    GB/s   GFLOP/s  scalar_ms  simd/scalar");
+    println!("type  n x k         m    thr  ms/call    GB/s   GFLOP/s  parity_ms  parity/fast");
     for ty in types {
+        if only.as_deref().is_some_and(|o| o != ty.name()) {
+            continue;
+        }
         for &(n, k) in shapes {
             if ty.row_bytes(k).is_none() {
                 println!(
@@ -103,21 +110,21 @@ fn main() {
                 );
                 continue;
             }
-            if quick && n == 262144 {
+            if quick && n > 100_000 {
                 continue;
             }
             let w = weights(ty, n, k);
             for m in [1usize, 128] {
-                if n == 262144 && m == 128 {
+                if n > 100_000 && m == 128 {
                     continue; // 43 GFLOP per call: the decode case is the one that matters.
                 }
                 let x: Vec<f32> = (0..m * k)
                     .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
                     .collect();
                 for threads in [1usize, 2] {
-                    let run = |scalar| pool2.install(|| time(ty, &w, n, k, &x, m, threads, scalar));
-                    let t = run(false);
-                    let ts = if threads == 1 { run(true) } else { f64::NAN };
+                    let run = |mode| pool2.install(|| time(ty, &w, n, k, &x, m, threads, mode));
+                    let t = run(MatMulMode::Fast);
+                    let ts = run(MatMulMode::ActQuant);
                     println!(
                         "{:5} {:>6}x{:<5} {m:>4} {threads:>4} {:>8.3} {:>7.2} {:>8.2} {:>10.3} {:>8.2}x",
                         ty.name(),

@@ -26,6 +26,17 @@ pub enum MatMulMode {
 /// (rayon's fork-join is ~20 µs) than it saves.
 const PAR_MIN_WEIGHTS: usize = 1 << 18;
 
+/// How many weight rows ahead of the current decode tile its rows are requested (see `prefetch`).
+const PREFETCH_AHEAD: usize = 8;
+
+/// Brings `bytes` into the caches ahead of use (a no-op without the x86 kernels).
+fn prefetch(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    crate::x86::prefetch(bytes);
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = bytes;
+}
+
 /// Rows of W dequantized at once by the exact path: keeps the f32 tile about 128 KiB.
 const EXACT_TILE_FLOATS: usize = 32 * 1024;
 
@@ -254,8 +265,9 @@ fn quant_rows(
     }
 }
 
-/// The fast path for weight rows `n0 .. n0 + out.len() / m`: each weight row against blocks of
-/// up to four activation rows (`out` is `[rows][m]`).
+/// The fast path for weight rows `n0 .. n0 + out.len() / m` (`out` is `[rows][m]`): tiles of
+/// up to 4 weight rows x 1 activation row when decoding (m = 1: four independent accumulator
+/// chains, the activation block loaded once for four rows), of 2 x 4 otherwise.
 #[allow(clippy::too_many_arguments)]
 fn multi_rows(
     rf: RowsFn,
@@ -268,11 +280,23 @@ fn multi_rows(
     out: &mut [f32],
 ) {
     let nr = out.len() / m;
-    let wc = &w[n0 * wrb..(n0 + nr) * wrb];
-    let mut res = [0f32; 4];
+    let wrow = |j: usize| &w[(n0 + j) * wrb..(n0 + j + 1) * wrb];
+    let mut res = [0f32; 16];
+    let rw_max = if m == 1 { 4 } else { 2 };
     for i0 in (0..m).step_by(M_BLOCK) {
         let i1 = (i0 + M_BLOCK).min(m);
-        for (j, wr) in wc.chunks_exact(wrb).enumerate() {
+        let mut j = 0;
+        while j < nr {
+            let cw = (nr - j).min(rw_max);
+            if m == 1 {
+                // A later tile's weight rows, requested while this tile is computed.
+                let (a, b) = (
+                    (j + PREFETCH_AHEAD).min(nr),
+                    (j + PREFETCH_AHEAD + cw).min(nr),
+                );
+                prefetch(&w[(n0 + a) * wrb..(n0 + b) * wrb]);
+            }
+            let ws: [&[u8]; 4] = std::array::from_fn(|a| wrow(j + a.min(cw - 1)));
             let mut i = i0;
             while i < i1 {
                 let c = (i1 - i).min(4);
@@ -280,10 +304,14 @@ fn multi_rows(
                     let row = i + r.min(c - 1);
                     &xq[row * xrb..(row + 1) * xrb]
                 });
-                rf(wr, &xs[..c], &mut res[..c]);
-                out[j * m + i..j * m + i + c].copy_from_slice(&res[..c]);
+                rf(&ws[..cw], &xs[..c], &mut res[..cw * c]);
+                for a in 0..cw {
+                    out[(j + a) * m + i..(j + a) * m + i + c]
+                        .copy_from_slice(&res[a * c..(a + 1) * c]);
+                }
                 i += c;
             }
+            j += cw;
         }
     }
 }

@@ -14,8 +14,9 @@
 use crate::dot::hsum8;
 use crate::{f16_at, GgmlType};
 
-/// `(weight row, activation rows, outputs)`: `out[r] = w · x[r]` for `r < x.len() <= 4`.
-pub(crate) type RowsFn = fn(&[u8], &[&[u8]], &mut [f32]);
+/// `(weight rows, activation rows, outputs)`: `out[i * x.len() + r] = w[i] · x[r]` for
+/// `i < w.len() <= 4`, `r < x.len() <= 4`.
+pub(crate) type RowsFn = fn(&[&[u8]], &[&[u8]], &mut [f32]);
 
 /// The multi-row kernel for `ty` on this CPU (`scalar`: the portable twin), when there is one.
 pub(crate) fn rows_fn(ty: GgmlType, scalar: bool) -> Option<RowsFn> {
@@ -37,9 +38,11 @@ pub(crate) fn rows_fn(ty: GgmlType, scalar: bool) -> Option<RowsFn> {
     })
 }
 
-fn each_row(f: fn(&[u8], &[u8]) -> f32, w: &[u8], x: &[&[u8]], out: &mut [f32]) {
-    for (o, xr) in out.iter_mut().zip(x) {
-        *o = f(w, xr);
+fn each_row(f: fn(&[u8], &[u8]) -> f32, w: &[&[u8]], x: &[&[u8]], out: &mut [f32]) {
+    for (i, wr) in w.iter().enumerate() {
+        for (r, xr) in x.iter().enumerate() {
+            out[i * x.len() + r] = f(wr, xr);
+        }
     }
 }
 
@@ -109,7 +112,14 @@ impl Block32 for Q4_1 {
 }
 
 /// Scalar twin of the AVX2 32-value-block kernels (see the module docs for the order).
-fn rows_scalar<B: Block32>(w: &[u8], x: &[&[u8]], out: &mut [f32]) {
+fn rows_scalar<B: Block32>(w: &[&[u8]], x: &[&[u8]], out: &mut [f32]) {
+    for (i, wr) in w.iter().enumerate() {
+        let o = &mut out[i * x.len()..(i + 1) * x.len()];
+        row_scalar::<B>(wr, x, o);
+    }
+}
+
+fn row_scalar<B: Block32>(w: &[u8], x: &[&[u8]], out: &mut [f32]) {
     let xq = B::XB - 32;
     for (o, xr) in out.iter_mut().zip(x) {
         let mut acc = [0f32; 8];
@@ -131,24 +141,29 @@ fn rows_scalar<B: Block32>(w: &[u8], x: &[&[u8]], out: &mut [f32]) {
     }
 }
 
-fn check_rows(ty: GgmlType, w: &[u8], x: &[&[u8]], k: usize, out: &[f32]) -> crate::Result<()> {
+fn check_rows(ty: GgmlType, w: &[&[u8]], x: &[&[u8]], k: usize, out: &[f32]) -> crate::Result<()> {
     let Some(vt) = crate::vec_dot_type(ty) else {
         crate::bail!("no integer dot product for ggml type {ty}");
     };
     let (wb, xb) = (crate::row_bytes(ty, k)?, crate::row_bytes(vt, k)?);
-    if w.len() != wb || x.iter().any(|r| r.len() != xb) || x.len() > 4 || out.len() != x.len() {
+    if w.iter().any(|r| r.len() != wb)
+        || x.iter().any(|r| r.len() != xb)
+        || !(1..=4).contains(&w.len())
+        || !(1..=4).contains(&x.len())
+        || out.len() != w.len() * x.len()
+    {
         crate::bail!(
-            "{ty} multi-row dot of length {k}: a {wb}-byte weight row, 1..=4 {vt} rows of {xb} bytes and one output per row expected"
+            "{ty} multi-row dot of length {k}: 1..=4 weight rows of {wb} bytes, 1..=4 {vt} rows of {xb} bytes and one output per pair expected"
         );
     }
     Ok(())
 }
 
-/// `out[r] = w · x[r]` for up to four activation rows with the fastest multi-row kernel
-/// (`Ok(false)` when `ty` has none: use [`crate::vec_dot`]).
+/// `out[i * x.len() + r] = w[i] · x[r]` for tiles of up to four weight rows by four activation
+/// rows with the fastest multi-row kernel (`Ok(false)` when `ty` has none: use [`crate::vec_dot`]).
 pub fn vec_dot_rows(
     ty: GgmlType,
-    w: &[u8],
+    w: &[&[u8]],
     x: &[&[u8]],
     k: usize,
     out: &mut [f32],
@@ -159,7 +174,7 @@ pub fn vec_dot_rows(
 /// [`vec_dot_rows`] with the scalar twins (the bit-exact reference of the SIMD kernels).
 pub fn vec_dot_rows_scalar(
     ty: GgmlType,
-    w: &[u8],
+    w: &[&[u8]],
     x: &[&[u8]],
     k: usize,
     out: &mut [f32],
@@ -169,7 +184,7 @@ pub fn vec_dot_rows_scalar(
 
 fn dot_rows_with(
     ty: GgmlType,
-    w: &[u8],
+    w: &[&[u8]],
     x: &[&[u8]],
     k: usize,
     out: &mut [f32],

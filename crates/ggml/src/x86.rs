@@ -531,10 +531,10 @@ unsafe fn weighted_sum_avx2(p: &[f32], rows: &[f32], out: &mut [f32]) {
     }
 }
 
-// ---- Multi-row kernels (twins: `rows.rs`): one weight row, up to four activation rows. ----
+// ---- Multi-row kernels (twins: `rows.rs`): tiles of up to 4 weight rows x 4 activation rows. ----
 
-/// `(weight row, activation rows, outputs)`, as `rows::RowsFn`.
-type RowsFn = fn(&[u8], &[&[u8]], &mut [f32]);
+/// `(weight rows, activation rows, outputs [weight row][activation row])`, as `rows::RowsFn`.
+type RowsFn = fn(&[&[u8]], &[&[u8]], &mut [f32]);
 
 const T_Q8_0: u8 = 0;
 const T_Q4_0: u8 = 1;
@@ -554,40 +554,61 @@ pub(crate) fn rows_fn(ty: GgmlType) -> Option<RowsFn> {
     })
 }
 
-/// Calls `$f::<R>` with the activation rows as an array of `R = $x.len()` (1..=4) rows.
-macro_rules! by_rows {
+/// Calls `$f::<RW, RX>` with the weight and activation rows as arrays (1..=4 each).
+macro_rules! by_tile {
     ($f:ident $(::<$t:ident>)?, $w:expr, $x:expr, $out:expr) => {{
-        let (w, x, out): (&[u8], &[&[u8]], &mut [f32]) = ($w, $x, $out);
-        // SAFETY: only handed out by `rows::rows_fn` after `has_avx2()` confirmed AVX2, FMA, F16C.
-        unsafe {
-            match x.len() {
-                0 => {}
-                1 => $f::<$($t,)? 1>(w, [x[0]], out),
-                2 => $f::<$($t,)? 2>(w, [x[0], x[1]], out),
-                3 => $f::<$($t,)? 3>(w, [x[0], x[1], x[2]], out),
-                _ => $f::<$($t,)? 4>(w, [x[0], x[1], x[2], x[3]], out),
+        let (w, x, out): (&[&[u8]], &[&[u8]], &mut [f32]) = ($w, $x, $out);
+        macro_rules! rx {
+            ($rw:literal, $wa:expr) => {
+                match x.len() {
+                    1 => $f::<$($t,)? $rw, 1>($wa, [x[0]], out),
+                    2 => $f::<$($t,)? $rw, 2>($wa, [x[0], x[1]], out),
+                    3 => $f::<$($t,)? $rw, 3>($wa, [x[0], x[1], x[2]], out),
+                    _ => $f::<$($t,)? $rw, 4>($wa, [x[0], x[1], x[2], x[3]], out),
+                }
+            };
+        }
+        if !x.is_empty() {
+            // SAFETY: only handed out by `rows::rows_fn` after `has_avx2()` confirmed AVX2, FMA
+            // and F16C; the kernels check the row lengths they read.
+            unsafe {
+                match w.len() {
+                    0 => {}
+                    1 => rx!(1, [w[0]]),
+                    2 => rx!(2, [w[0], w[1]]),
+                    3 => rx!(3, [w[0], w[1], w[2]]),
+                    _ => rx!(4, [w[0], w[1], w[2], w[3]]),
+                }
             }
         }
     }};
 }
 
-fn rows_q8_0(w: &[u8], x: &[&[u8]], out: &mut [f32]) {
-    by_rows!(rows32_avx2::<T_Q8_0>, w, x, out)
+fn rows_q8_0(w: &[&[u8]], x: &[&[u8]], out: &mut [f32]) {
+    by_tile!(tile32_avx2::<T_Q8_0>, w, x, out)
 }
-fn rows_q4_0(w: &[u8], x: &[&[u8]], out: &mut [f32]) {
-    by_rows!(rows32_avx2::<T_Q4_0>, w, x, out)
+fn rows_q4_0(w: &[&[u8]], x: &[&[u8]], out: &mut [f32]) {
+    by_tile!(tile32_avx2::<T_Q4_0>, w, x, out)
 }
-fn rows_q5_0(w: &[u8], x: &[&[u8]], out: &mut [f32]) {
-    by_rows!(rows32_avx2::<T_Q5_0>, w, x, out)
+fn rows_q5_0(w: &[&[u8]], x: &[&[u8]], out: &mut [f32]) {
+    by_tile!(tile32_avx2::<T_Q5_0>, w, x, out)
 }
-fn rows_q4_1(w: &[u8], x: &[&[u8]], out: &mut [f32]) {
-    by_rows!(rows32_avx2::<T_Q4_1>, w, x, out)
+fn rows_q4_1(w: &[&[u8]], x: &[&[u8]], out: &mut [f32]) {
+    by_tile!(tile32_avx2::<T_Q4_1>, w, x, out)
 }
-fn rows_q4_k(w: &[u8], x: &[&[u8]], out: &mut [f32]) {
-    by_rows!(rows_q4_k_avx2, w, x, out)
+fn rows_q4_k(w: &[&[u8]], x: &[&[u8]], out: &mut [f32]) {
+    by_tile!(tile_q4_k_avx2, w, x, out)
 }
-fn rows_q6_k(w: &[u8], x: &[&[u8]], out: &mut [f32]) {
-    by_rows!(rows_q6_k_avx2, w, x, out)
+fn rows_q6_k(w: &[&[u8]], x: &[&[u8]], out: &mut [f32]) {
+    by_tile!(tile_q6_k_avx2, w, x, out)
+}
+
+/// Blocks in a tile: the fewest whole blocks any of its rows holds (rows of one product all
+/// hold the same number).
+fn tile_blocks(w: &[&[u8]], wbs: usize, x: &[&[u8]], xbs: usize) -> usize {
+    let nw = w.iter().map(|r| r.len() / wbs).min().unwrap_or(0);
+    let nx = x.iter().map(|r| r.len() / xbs).min().unwrap_or(0);
+    nw.min(nx)
 }
 
 /// The f16 at `b[at..at + 2]` as f32 with one F16C conversion (same value as `f16_at`).
@@ -597,157 +618,249 @@ unsafe fn f16c(b: &[u8], at: usize) -> f32 {
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
 }
 
-/// 32-value blocks (`T`: Q8_0, Q4_0, Q5_0 with Q8_0 activations; Q4_1 with Q8_1): per block the
-/// weight quants are unpacked once, then each row's eight integer lanes are FMA'd into its own
-/// eight f32 lanes.
+/// 32 bytes at `p` (unaligned).
+#[inline(always)]
+unsafe fn ld32(p: *const u8) -> __m256i {
+    // SAFETY: the caller guarantees 32 readable bytes at `p`.
+    unsafe { _mm256_loadu_si256(p as *const __m256i) }
+}
+
+/// The f16 at `p` as f32 (one F16C conversion; the same value as `f16_at`).
+#[inline(always)]
+unsafe fn f16p(p: *const u8) -> f32 {
+    // SAFETY: the caller guarantees 2 readable bytes at `p`.
+    let bits = unsafe { (p as *const u16).read_unaligned() };
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+}
+
+/// 32-value blocks (`T`: Q8_0, Q4_0, Q5_0 with Q8_0 activations; Q4_1 with Q8_1): per block each
+/// weight row is unpacked once and each activation row loaded once for the whole tile; every
+/// (weight, activation) pair has its own eight f32 lanes, FMA'd once per block.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows32_avx2<const T: u8, const R: usize>(w: &[u8], x: [&[u8]; R], out: &mut [f32]) {
+unsafe fn tile32_avx2<const T: u8, const RW: usize, const RX: usize>(
+    w: [&[u8]; RW],
+    x: [&[u8]; RX],
+    out: &mut [f32],
+) {
     let (wbs, xbs) = match T {
         T_Q8_0 => (34, 34),
         T_Q4_0 => (18, 34),
         T_Q5_0 => (22, 34),
         _ => (20, 36),
     };
-    let nb = w.len() / wbs;
+    let nb = tile_blocks(&w, wbs, &x, xbs);
     let ones = _mm256_set1_epi16(1);
-    let mut acc = [_mm256_setzero_ps(); R];
-    let mut extra = [0f32; R];
+    let mut acc = [[_mm256_setzero_ps(); RX]; RW];
+    let mut extra = [[0f32; RX]; RW];
     for b in 0..nb {
-        let wb = &w[b * wbs..(b + 1) * wbs];
-        let dw = f16c(wb, 0);
-        let qw = match T {
-            T_Q8_0 => load32(wb, 2),
-            T_Q4_0 => _mm256_sub_epi8(nibbles(wb, 2), _mm256_set1_epi8(8)),
-            T_Q5_0 => {
-                let qh = u32::from_le_bytes([wb[2], wb[3], wb[4], wb[5]]);
-                let hi =
-                    _mm256_andnot_si256(bytes_from_bits_32(qh), _mm256_set1_epi8(0xF0u8 as i8));
-                _mm256_or_si256(nibbles(wb, 6), hi)
-            }
-            _ => nibbles(wb, 4),
-        };
-        // maddubs needs an unsigned operand: |w| with w's sign moved onto x (Q4_1's quants
-        // are unsigned already). No pair sum saturates: |w| <= 128, |x| <= 127.
-        let aw = if T == T_Q4_1 {
-            qw
-        } else {
-            _mm256_sign_epi8(qw, qw)
-        };
-        for r in 0..R {
-            let xb = &x[r][b * xbs..(b + 1) * xbs];
-            let xq = load32(xb, xbs - 32);
-            let sx = if T == T_Q4_1 {
-                xq
-            } else {
-                _mm256_sign_epi8(xq, qw)
+        // SAFETY (all pointer reads below): b < nb, so block b of every row lies inside its
+        // slice (`tile_blocks`), and each read stays inside its block.
+        let mut aw = [_mm256_setzero_si256(); RW];
+        let mut sw = [_mm256_setzero_si256(); RW];
+        let mut dw = [0f32; RW];
+        let mut mw = [0f32; RW];
+        for i in 0..RW {
+            let wb = unsafe { w[i].as_ptr().add(b * wbs) };
+            dw[i] = unsafe { f16p(wb) };
+            let qw = match T {
+                T_Q8_0 => unsafe { ld32(wb.add(2)) },
+                T_Q4_0 => {
+                    let t = unsafe { _mm_loadu_si128(wb.add(2) as *const __m128i) };
+                    let n = _mm256_and_si256(
+                        _mm256_set_m128i(_mm_srli_epi16(t, 4), t),
+                        _mm256_set1_epi8(0x0F),
+                    );
+                    _mm256_sub_epi8(n, _mm256_set1_epi8(8))
+                }
+                T_Q5_0 => {
+                    let qh = unsafe { (wb.add(2) as *const u32).read_unaligned() };
+                    let t = unsafe { _mm_loadu_si128(wb.add(6) as *const __m128i) };
+                    let n = _mm256_and_si256(
+                        _mm256_set_m128i(_mm_srli_epi16(t, 4), t),
+                        _mm256_set1_epi8(0x0F),
+                    );
+                    let hi =
+                        _mm256_andnot_si256(bytes_from_bits_32(qh), _mm256_set1_epi8(0xF0u8 as i8));
+                    _mm256_or_si256(n, hi)
+                }
+                _ => {
+                    mw[i] = unsafe { f16p(wb.add(2)) };
+                    let t = unsafe { _mm_loadu_si128(wb.add(4) as *const __m128i) };
+                    _mm256_and_si256(
+                        _mm256_set_m128i(_mm_srli_epi16(t, 4), t),
+                        _mm256_set1_epi8(0x0F),
+                    )
+                }
             };
-            let lanes = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones);
-            let d = _mm256_set1_ps(dw * f16c(xb, 0));
-            acc[r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(lanes), acc[r]);
-            if T == T_Q4_1 {
-                extra[r] += f16c(wb, 2) * f16c(xb, 2);
-            }
+            // maddubs needs an unsigned operand: |w| with w's sign moved onto x (Q4_1's quants
+            // are unsigned already). No pair sum saturates: |w| <= 128, |x| <= 127.
+            sw[i] = qw;
+            aw[i] = if T == T_Q4_1 {
+                qw
+            } else {
+                _mm256_sign_epi8(qw, qw)
+            };
         }
-    }
-    for r in 0..R {
-        out[r] = hsum(acc[r]) + extra[r];
-    }
-}
-
-/// Q4_K x Q8_K rows: the scales and the unpacked quants of each 64-value sub-block are shared
-/// by the rows; each row's block total is an exact integer, FMA'd once per block.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows_q4_k_avx2<const R: usize>(w: &[u8], x: [&[u8]; R], out: &mut [f32]) {
-    let m4 = _mm256_set1_epi8(0x0F);
-    let nb = w.len() / 144;
-    let mut acc = [0f32; R];
-    let mut acc_m = [0f32; R];
-    for b in 0..nb {
-        let wb = &w[b * 144..(b + 1) * 144];
-        let mut sc = [0i16; 8];
-        let mut mn = [0i16; 8];
-        for j in 0..8 {
-            let (s, m) = scale_min_k4(j, &wb[4..16]);
-            sc[j] = s as i16;
-            mn[j] = m as i16;
-        }
-        // SAFETY: `mn` is 8 i16 = 16 readable bytes.
-        let mins = unsafe { _mm_loadu_si128(mn.as_ptr() as *const __m128i) };
-        let mut sumi = [_mm256_setzero_si256(); R];
-        for j in 0..4 {
-            let q4 = load32(wb, 16 + 32 * j);
-            let q4l = _mm256_and_si256(q4, m4);
-            let q4h = _mm256_and_si256(_mm256_srli_epi16(q4, 4), m4);
-            let (s1, s2) = (
-                _mm256_set1_epi16(sc[2 * j]),
-                _mm256_set1_epi16(sc[2 * j + 1]),
-            );
-            for r in 0..R {
-                let xb = &x[r][b * 292..(b + 1) * 292];
-                let pl = _mm256_maddubs_epi16(q4l, load32(xb, 4 + 64 * j));
-                let ph = _mm256_maddubs_epi16(q4h, load32(xb, 4 + 64 * j + 32));
-                let p = _mm256_add_epi32(_mm256_madd_epi16(s1, pl), _mm256_madd_epi16(s2, ph));
-                sumi[r] = _mm256_add_epi32(sumi[r], p);
-            }
-        }
-        let (dw, dminw) = (f16c(wb, 0), f16c(wb, 2));
-        for r in 0..R {
-            let xb = &x[r][b * 292..(b + 1) * 292];
-            let (yd, bsums) = q8k_d_bsums(xb);
-            let pairs = _mm_hadd_epi16(
-                _mm256_castsi256_si128(bsums),
-                _mm256_extracti128_si256(bsums, 1),
-            );
-            let pm = _mm_madd_epi16(mins, pairs);
-            let pm = _mm_add_epi32(pm, _mm_shuffle_epi32(pm, 0b01_00_11_10));
-            let pm = _mm_add_epi32(pm, _mm_shuffle_epi32(pm, 0b10_11_00_01));
-            let summs = _mm_cvtsi128_si32(pm);
-            acc[r] = (hsum_i32(sumi[r]) as f32).mul_add(dw * yd, acc[r]);
-            acc_m[r] = (summs as f32).mul_add(dminw * yd, acc_m[r]);
-        }
-    }
-    for r in 0..R {
-        out[r] = acc[r] - acc_m[r];
-    }
-}
-
-/// Q6_K x Q8_K rows: the 6-bit quants of each half-block are unpacked once for the rows; each
-/// row's block total is an exact integer (the -32 offset through the activation block sums),
-/// times the weight scale, FMA'd with the activation scale once per block.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows_q6_k_avx2<const R: usize>(w: &[u8], x: [&[u8]; R], out: &mut [f32]) {
-    let nb = w.len() / 210;
-    let mut acc = [0f32; R];
-    for b in 0..nb {
-        let wb = &w[b * 210..(b + 1) * 210];
-        let sc = &wb[192..208];
-        // SAFETY: `sc` is 16 readable bytes.
-        let scales = unsafe { _mm_loadu_si128(sc.as_ptr() as *const __m128i) };
-        let scales16 = _mm256_cvtepi8_epi16(scales);
-        let mut sumi = [_mm256_setzero_si256(); R];
-        for n in 0..2 {
-            let q = q6_k_quants(wb, n);
-            for (t, &qt) in q.iter().enumerate() {
-                let g = 8 * n + 2 * t;
-                let s = _mm256_set_m128i(
-                    _mm_set1_epi16(sc[g + 1] as i8 as i16),
-                    _mm_set1_epi16(sc[g] as i8 as i16),
-                );
-                for r in 0..R {
-                    // Unsigned quants (0..63) times q8: |pair sums| <= 2*63*128, no saturation.
-                    let p = _mm256_maddubs_epi16(qt, load32(x[r], b * 292 + 4 + 128 * n + 32 * t));
-                    sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(s, p));
+        for r in 0..RX {
+            let xb = unsafe { x[r].as_ptr().add(b * xbs) };
+            let xq = unsafe { ld32(xb.add(xbs - 32)) };
+            let dx = unsafe { f16p(xb) };
+            let sx = if T == T_Q4_1 {
+                unsafe { f16p(xb.add(2)) }
+            } else {
+                0.0
+            };
+            for i in 0..RW {
+                let y = if T == T_Q4_1 {
+                    xq
+                } else {
+                    _mm256_sign_epi8(xq, sw[i])
+                };
+                let lanes = _mm256_madd_epi16(_mm256_maddubs_epi16(aw[i], y), ones);
+                let d = _mm256_set1_ps(dw[i] * dx);
+                acc[i][r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(lanes), acc[i][r]);
+                if T == T_Q4_1 {
+                    extra[i][r] += mw[i] * sx;
                 }
             }
         }
-        let dw = f16c(wb, 208);
-        for r in 0..R {
-            let xb = &x[r][b * 292..(b + 1) * 292];
-            let (yd, bsums) = q8k_d_bsums(xb);
-            let offset = _mm256_slli_epi32(_mm256_madd_epi16(bsums, scales16), 5);
-            let isum = hsum_i32(_mm256_sub_epi32(sumi[r], offset));
-            acc[r] = (dw * isum as f32).mul_add(yd, acc[r]);
+    }
+    for i in 0..RW {
+        for r in 0..RX {
+            out[i * RX + r] = hsum(acc[i][r]) + extra[i][r];
         }
     }
-    out[..R].copy_from_slice(&acc);
+}
+
+/// Q4_K x Q8_K tiles: each weight row's scales and unpacked 64-value sub-blocks are shared by
+/// the activation rows; each pair's block total is an exact integer, FMA'd once per block.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile_q4_k_avx2<const RW: usize, const RX: usize>(
+    w: [&[u8]; RW],
+    x: [&[u8]; RX],
+    out: &mut [f32],
+) {
+    let m4 = _mm256_set1_epi8(0x0F);
+    let nb = tile_blocks(&w, 144, &x, 292);
+    let mut acc = [[0f32; RX]; RW];
+    let mut acc_m = [[0f32; RX]; RW];
+    for b in 0..nb {
+        for i in 0..RW {
+            let wb = &w[i][b * 144..(b + 1) * 144];
+            let mut sc = [0i16; 8];
+            let mut mn = [0i16; 8];
+            for j in 0..8 {
+                let (s, m) = scale_min_k4(j, &wb[4..16]);
+                sc[j] = s as i16;
+                mn[j] = m as i16;
+            }
+            // SAFETY: `mn` is 8 i16 = 16 readable bytes.
+            let mins = unsafe { _mm_loadu_si128(mn.as_ptr() as *const __m128i) };
+            let mut sumi = [_mm256_setzero_si256(); RX];
+            for j in 0..4 {
+                let q4 = load32(wb, 16 + 32 * j);
+                let q4l = _mm256_and_si256(q4, m4);
+                let q4h = _mm256_and_si256(_mm256_srli_epi16(q4, 4), m4);
+                let (s1, s2) = (
+                    _mm256_set1_epi16(sc[2 * j]),
+                    _mm256_set1_epi16(sc[2 * j + 1]),
+                );
+                for r in 0..RX {
+                    // SAFETY: b < nb: block b of row r is inside it (`tile_blocks`), and
+                    // 4 + 64 * j + 64 <= 292.
+                    let xq = unsafe { x[r].as_ptr().add(b * 292 + 4 + 64 * j) };
+                    let pl = _mm256_maddubs_epi16(q4l, unsafe { ld32(xq) });
+                    let ph = _mm256_maddubs_epi16(q4h, unsafe { ld32(xq.add(32)) });
+                    let p = _mm256_add_epi32(_mm256_madd_epi16(s1, pl), _mm256_madd_epi16(s2, ph));
+                    sumi[r] = _mm256_add_epi32(sumi[r], p);
+                }
+            }
+            let (dw, dminw) = (f16c(wb, 0), f16c(wb, 2));
+            for r in 0..RX {
+                let xb = &x[r][b * 292..(b + 1) * 292];
+                let (yd, bsums) = q8k_d_bsums(xb);
+                let pairs = _mm_hadd_epi16(
+                    _mm256_castsi256_si128(bsums),
+                    _mm256_extracti128_si256(bsums, 1),
+                );
+                let pm = _mm_madd_epi16(mins, pairs);
+                let pm = _mm_add_epi32(pm, _mm_shuffle_epi32(pm, 0b01_00_11_10));
+                let pm = _mm_add_epi32(pm, _mm_shuffle_epi32(pm, 0b10_11_00_01));
+                let summs = _mm_cvtsi128_si32(pm);
+                acc[i][r] = (hsum_i32(sumi[r]) as f32).mul_add(dw * yd, acc[i][r]);
+                acc_m[i][r] = (summs as f32).mul_add(dminw * yd, acc_m[i][r]);
+            }
+        }
+    }
+    for i in 0..RW {
+        for r in 0..RX {
+            out[i * RX + r] = acc[i][r] - acc_m[i][r];
+        }
+    }
+}
+
+/// Q6_K x Q8_K tiles: each weight row's 6-bit quants are unpacked once per half-block for the
+/// activation rows; each pair's block total is an exact integer (the -32 offset through the
+/// activation block sums), times the weight scale, FMA'd with the activation scale per block.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile_q6_k_avx2<const RW: usize, const RX: usize>(
+    w: [&[u8]; RW],
+    x: [&[u8]; RX],
+    out: &mut [f32],
+) {
+    let nb = tile_blocks(&w, 210, &x, 292);
+    let mut acc = [[0f32; RX]; RW];
+    for b in 0..nb {
+        for i in 0..RW {
+            let wb = &w[i][b * 210..(b + 1) * 210];
+            let sc = &wb[192..208];
+            // SAFETY: `sc` is 16 readable bytes.
+            let scales = unsafe { _mm_loadu_si128(sc.as_ptr() as *const __m128i) };
+            let scales16 = _mm256_cvtepi8_epi16(scales);
+            let mut sumi = [_mm256_setzero_si256(); RX];
+            for n in 0..2 {
+                let q = q6_k_quants(wb, n);
+                for (t, &qt) in q.iter().enumerate() {
+                    let g = 8 * n + 2 * t;
+                    let s = _mm256_set_m128i(
+                        _mm_set1_epi16(sc[g + 1] as i8 as i16),
+                        _mm_set1_epi16(sc[g] as i8 as i16),
+                    );
+                    for r in 0..RX {
+                        // SAFETY: b < nb: block b of row r is inside it (`tile_blocks`), and
+                        // 4 + 128 * n + 32 * t + 32 <= 292.
+                        let xq = unsafe { ld32(x[r].as_ptr().add(b * 292 + 4 + 128 * n + 32 * t)) };
+                        // Unsigned quants (0..63) times q8: |pair sums| <= 2*63*128, no saturation.
+                        let p = _mm256_maddubs_epi16(qt, xq);
+                        sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(s, p));
+                    }
+                }
+            }
+            let dw = f16c(wb, 208);
+            for r in 0..RX {
+                let xb = &x[r][b * 292..(b + 1) * 292];
+                let (yd, bsums) = q8k_d_bsums(xb);
+                let offset = _mm256_slli_epi32(_mm256_madd_epi16(bsums, scales16), 5);
+                let isum = hsum_i32(_mm256_sub_epi32(sumi[r], offset));
+                acc[i][r] = (dw * isum as f32).mul_add(yd, acc[i][r]);
+            }
+        }
+    }
+    for i in 0..RW {
+        for r in 0..RX {
+            out[i * RX + r] = acc[i][r];
+        }
+    }
+}
+
+/// Asks the CPU to bring `bytes` into the caches (one prefetch per 64-byte line): the fast path's
+/// decode tiles read four weight rows side by side, short streams the hardware prefetcher does
+/// not follow, so the next tile is requested while this one is computed.
+pub(crate) fn prefetch(bytes: &[u8]) {
+    let mut off = 0;
+    while off < bytes.len() {
+        // SAFETY: prefetching is a hint that never faults; the address is inside `bytes`.
+        unsafe { _mm_prefetch(bytes.as_ptr().add(off) as *const i8, _MM_HINT_T0) };
+        off += 64;
+    }
 }

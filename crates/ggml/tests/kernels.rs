@@ -325,6 +325,7 @@ proptest! {
         ti in 0usize..6,
         nb in 1usize..4,
         rows in 1usize..5,
+        wrows in 1usize..5,
         seed in prop::collection::vec(any::<u8>(), 1..64),
         scales in prop::collection::vec(-0.05f32..0.05, 1..16),
         x in prop::collection::vec(-4.0f32..4.0, 1..64),
@@ -340,14 +341,26 @@ proptest! {
             q
         }).collect();
         let xs: Vec<&[u8]> = xq.iter().map(|v| v.as_slice()).collect();
-        let (mut simd, mut twin) = (vec![0f32; rows], vec![0f32; rows]);
-        prop_assert!(vec_dot_rows(ty, &w, &xs, k, &mut simd).unwrap());
-        prop_assert!(vec_dot_rows_scalar(ty, &w, &xs, k, &mut twin).unwrap());
+        // A tile of `wrows` weight rows: the row itself and byte-rotated copies (scales kept).
+        let wv: Vec<Vec<u8>> = (0..wrows).map(|i| {
+            let mut v = w.clone();
+            let ts = ty.type_size();
+            for blk in v.chunks_exact_mut(ts) {
+                let keep: Vec<(usize, [u8; 2])> = scale_fields(ty).iter().map(|&a| (a, [blk[a], blk[a + 1]])).collect();
+                blk.rotate_left(i % ts);
+                for (a, b) in keep { blk[a..a + 2].copy_from_slice(&b); }
+            }
+            v
+        }).collect();
+        let ws: Vec<&[u8]> = wv.iter().map(|v| v.as_slice()).collect();
+        let (mut simd, mut twin) = (vec![0f32; wrows * rows], vec![0f32; wrows * rows]);
+        prop_assert!(vec_dot_rows(ty, &ws, &xs, k, &mut simd).unwrap());
+        prop_assert!(vec_dot_rows_scalar(ty, &ws, &xs, k, &mut twin).unwrap());
         prop_assert_eq!(simd.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
             twin.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "{}", ty);
         for r in 0..rows {
             let mut one = [0f32];
-            vec_dot_rows(ty, &w, &xs[r..r + 1], k, &mut one).unwrap();
+            vec_dot_rows(ty, &ws[..1], &xs[r..r + 1], k, &mut one).unwrap();
             prop_assert_eq!(one[0].to_bits(), simd[r].to_bits(), "{} row {} alone", ty, r);
             let reference = vec_dot_scalar(ty, &w, xs[r], k).unwrap();
             let mut wd = vec![0f32; k];

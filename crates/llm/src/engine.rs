@@ -68,6 +68,8 @@ pub struct Engine {
     meta: GgufMetaJson,
     /// Times a cache had to be copied because a reference outlived a run (should stay 0).
     cache_copies: usize,
+    /// Weight bytes one decode step reads (every product's weights; one row of each gather).
+    decode_weight_bytes: u64,
 }
 
 impl Engine {
@@ -149,6 +151,11 @@ impl Engine {
         crate::ops::register();
         let mut shape: Option<Shape> = None;
         let mut sessions = vec![];
+        let decode_weight_bytes = models
+            .iter()
+            .map(|(_, m)| weight_bytes_per_step(m))
+            .max()
+            .unwrap_or(0);
         for (v, m) in models {
             let s = shape_of(&m)?;
             if let Some(prev) = &shape {
@@ -193,12 +200,19 @@ impl Engine {
             position: 0,
             meta,
             cache_copies: 0,
+            decode_weight_bytes,
         })
     }
 
     /// Cache slots.
     pub fn ctx(&self) -> usize {
         self.shape.ctx
+    }
+    /// Weight bytes one decode step reads from memory: all the weights of the matrix products
+    /// (the output head included) and one row of each embedding gather. Decode speed cannot
+    /// exceed read bandwidth / this.
+    pub fn decode_weight_bytes(&self) -> u64 {
+        self.decode_weight_bytes
     }
     /// Vocabulary size (length of a logits row).
     pub fn vocab(&self) -> usize {
@@ -469,6 +483,30 @@ impl Engine {
         }
         Ok(rows[from * vocab..count * vocab].to_vec())
     }
+}
+
+/// Weight bytes a step of `m` reads (see [`Engine::decode_weight_bytes`]).
+fn weight_bytes_per_step(m: &Model) -> u64 {
+    let g = &m.graph;
+    let size = |name: &str| {
+        g.initializers.iter().find(|i| i.name == name).map(|i| {
+            let t = &i.tensor;
+            let bytes = (t.len() * t.dtype().size()) as u64;
+            (bytes, t.shape().first().copied().unwrap_or(1))
+        })
+    };
+    g.nodes
+        .iter()
+        .map(
+            |n| match (n.op_type.as_str(), n.inputs.first(), n.inputs.get(1)) {
+                ("GgmlMatMul" | "Gemm" | "MatMul", _, Some(w)) => size(w).map_or(0, |(b, _)| b),
+                ("GgmlGather" | "Gather", Some(w), _) => {
+                    size(w).map_or(0, |(b, rows)| b / rows.max(1) as u64)
+                }
+                _ => 0,
+            },
+        )
+        .sum()
 }
 
 /// Writes rows `0..count` of `new [KVH, N, D]` into `cache [KVH, C, D]` at slots `pos..`.
