@@ -22,6 +22,7 @@
 mod dequant;
 mod dot;
 mod matmul;
+mod pool;
 mod quantize;
 mod rows;
 mod vecf32;
@@ -43,6 +44,12 @@ pub use vecf32::{
     dot_rows, dot_rows_scalar, f16_to_f32_row, f16_to_f32_row_scalar, round_f16_row,
     round_f16_row_scalar, weighted_sum, weighted_sum_scalar,
 };
+
+/// Runs `f(0) .. f(tasks - 1)` on this thread and up to `threads - 1` warm workers of the
+/// kernels' spin-then-park pool (the one the matrix products use), returning when all are done.
+pub fn parallel_for(tasks: usize, threads: usize, f: &(dyn Fn(usize) + Sync)) {
+    pool::pool().run(tasks, threads, f)
+}
 
 /// Elements per block of the K-quants.
 pub use npuc_ir::ggml::QK_K;

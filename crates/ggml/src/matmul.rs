@@ -4,7 +4,6 @@
 use crate::dot::{batch_fn, best_fn, scalar_fn, vec_dot_type, DotFn};
 use crate::rows::{rows_fn, RowsFn};
 use crate::{bail, dequantize_row, quantize_activations, row_bytes, GgmlType, Result};
-use rayon::prelude::*;
 
 /// How [`matmul`] treats activations.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -205,27 +204,30 @@ fn run_rows<F>(n: usize, m: usize, y: &mut [f32], par: bool, threads: usize, row
 where
     F: Fn(usize, &mut [f32]) + Sync,
 {
+    // Chunks of whole 4-row tiles, a few per thread so uneven progress evens out.
+    let chunk = n.div_ceil(threads * 4).max(16).next_multiple_of(4);
+    let split = |buf: &mut [f32], per_row: usize| {
+        if par {
+            let parts: Vec<std::sync::Mutex<&mut [f32]>> = buf
+                .chunks_mut(chunk * per_row)
+                .map(std::sync::Mutex::new)
+                .collect();
+            crate::pool::pool().run(parts.len(), threads, &|c| {
+                if let Ok(mut out) = parts[c].lock() {
+                    rows(c * chunk, &mut out);
+                }
+            });
+        } else {
+            rows(0, buf);
+        }
+    };
     if m == 1 {
         // y is one row: a chunk of columns is contiguous, no transpose needed.
-        if par {
-            let chunk = n.div_ceil(threads * 4).max(16);
-            y.par_chunks_mut(chunk)
-                .enumerate()
-                .for_each(|(c, out)| rows(c * chunk, out));
-        } else {
-            rows(0, y);
-        }
+        split(y, 1);
         return;
     }
     let mut yt = vec![0f32; n * m];
-    if par {
-        let chunk = n.div_ceil(threads * 4).max(16);
-        yt.par_chunks_mut(chunk * m)
-            .enumerate()
-            .for_each(|(c, out)| rows(c * chunk, out));
-    } else {
-        rows(0, &mut yt);
-    }
+    split(&mut yt, m);
     for (j, col) in yt.chunks_exact(m).enumerate() {
         for (i, v) in col.iter().enumerate() {
             y[i * n + j] = *v;

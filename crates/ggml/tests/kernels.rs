@@ -374,3 +374,33 @@ proptest! {
         }
     }
 }
+
+/// The kernels' pool runs every task exactly once per job, job after job (warm and after its
+/// workers parked), with nested jobs running inline.
+#[test]
+fn pool_runs_every_task_once() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    for round in 0..2000 {
+        let tasks = 1 + round % 37;
+        let hits: Vec<AtomicUsize> = (0..tasks).map(|_| AtomicUsize::new(0)).collect();
+        parallel_for(tasks, 2, &|i| {
+            hits[i].fetch_add(1, Ordering::Relaxed);
+            if round % 100 == 0 {
+                // A nested job runs on the calling thread.
+                let inner = AtomicUsize::new(0);
+                parallel_for(3, 2, &|_| {
+                    inner.fetch_add(1, Ordering::Relaxed);
+                });
+                assert_eq!(inner.load(Ordering::Relaxed), 3);
+            }
+        });
+        assert!(
+            hits.iter().all(|h| h.load(Ordering::Relaxed) == 1),
+            "round {round}"
+        );
+        if round == 1000 {
+            // Let the workers go through yield and park.
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
+}

@@ -635,9 +635,18 @@ fn attention_f32(a: &AttnArgs, out: &mut [f32]) {
     };
     let work = n * h * d * end_max;
     if a.threads > 1 && n * h > 1 && work > 1 << 16 {
-        out.par_chunks_mut(d)
-            .enumerate()
-            .for_each_init(Vec::new, |s, t| task(t, s));
+        // One pool task per a few (token, head) pairs, on the kernels' warm pool.
+        let per = (n * h).div_ceil(a.threads * 4).max(1);
+        let parts: Vec<std::sync::Mutex<&mut [f32]>> =
+            out.chunks_mut(per * d).map(std::sync::Mutex::new).collect();
+        npuc_ggml::parallel_for(parts.len(), a.threads, &|c| {
+            if let Ok(mut o) = parts[c].lock() {
+                let mut s = Vec::new();
+                for (k, od) in o.chunks_mut(d).enumerate() {
+                    task((c * per + k, od), &mut s);
+                }
+            }
+        });
     } else {
         let mut s = Vec::new();
         for t in out.chunks_mut(d).enumerate() {
