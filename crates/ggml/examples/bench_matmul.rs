@@ -73,10 +73,6 @@ fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
     // `--type NAME`: only that weight type.
     let only: Option<String> = std::env::args().skip_while(|a| a != "--type").nth(1);
-    let pool2 = rayon::ThreadPoolBuilder::new()
-        .num_threads(2)
-        .build()
-        .unwrap();
     let shapes: &[(usize, usize)] = &[
         (1024, 640),
         (256, 640),
@@ -122,7 +118,7 @@ fn main() {
                     .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
                     .collect();
                 for threads in [1usize, 2] {
-                    let run = |mode| pool2.install(|| time(ty, &w, n, k, &x, m, threads, mode));
+                    let run = |mode| time(ty, &w, n, k, &x, m, threads, mode);
                     let t = run(MatMulMode::Fast);
                     let ts = run(MatMulMode::ActQuant);
                     println!(

@@ -22,7 +22,7 @@ pub enum MatMulMode {
 }
 
 /// Below this many weight elements (n·k) a product runs on one thread: spreading it costs more
-/// (rayon's fork-join is ~20 µs) than it saves.
+/// (a fork-join costs microseconds) than it saves.
 const PAR_MIN_WEIGHTS: usize = 1 << 18;
 
 /// How many weight rows ahead of the current decode tile its rows are requested (see `prefetch`).
@@ -44,7 +44,7 @@ const EXACT_TILE_FLOATS: usize = 32 * 1024;
 const M_BLOCK: usize = 16;
 
 /// `y[m, n] = x[m, k] · wᵀ`, where `w` holds `n` rows of `k` elements of `ty` (raw GGUF blocks)
-/// and all of `x`, `y` are row-major f32. `threads` caps the rayon parallelism (1 = this
+/// and all of `x`, `y` are row-major f32. `threads` caps the pool parallelism (1 = this
 /// thread only); small products always run on one thread.
 #[allow(clippy::too_many_arguments)]
 pub fn matmul(

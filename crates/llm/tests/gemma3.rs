@@ -126,3 +126,63 @@ fn parity_greedy_matches_llama_cpp() {
     eprintln!("gemma3 parity: {same}/{total} tokens, {prompts_ok}/{n_prompts} prompts identical");
     assert_eq!(prompts_ok, n_prompts, "{same}/{total} tokens match");
 }
+
+#[test]
+/// Fast precision (the default, free to round differently from llama.cpp): teacher-forced top-1
+/// agreement with llama.cpp. llama.cpp's greedy continuation of each reference prompt is, at every
+/// step, the argmax of its logits for that prefix, evaluated as llama.cpp did (the prompt as one
+/// batch, then one token per call); feeding llama.cpp's ids the same way, npuc's argmax must pick
+/// the same id at >= 90% of the 192 positions. The floor catches a broken fast kernel (a wrong
+/// block decode or attention gives near-random ids, well under 50%), not rounding: fast rounds
+/// differently by design and flips near-ties of these continuations (measured 182/192 on
+/// 2026-11-27; issue 15's fidelity bar, 99% over the perplexity text, is measured by
+/// `benches/`-side scripts, not asserted here).
+fn fast_teacher_forced_top1_agrees_with_llama_cpp() {
+    let path = model();
+    let refs: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("gemma3/gemma3_270m_greedy.json")).unwrap(),
+    )
+    .unwrap();
+    let ids = |v: &serde_json::Value| -> Vec<u32> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect()
+    };
+    let mut e = Engine::from_gguf(
+        &path,
+        &opts(
+            Precision::Fast,
+            &[Variant::Ar(1), Variant::Ar(32), Variant::Ar(128)],
+        ),
+    )
+    .unwrap();
+    let (mut same, mut total) = (0, 0);
+    for p in refs["prompts"].as_array().unwrap() {
+        let prompt = ids(&p["prompt_ids_bos"]);
+        let gen = ids(&p["gen_ids"]);
+        e.reset();
+        let mut logits = e.forward(&prompt, false).unwrap();
+        for (t, want) in gen.iter().enumerate() {
+            let got = argmax(&logits);
+            if got != *want {
+                eprintln!(
+                    "  prompt of {} tokens, step {t}: npuc {got} llama.cpp {want}",
+                    prompt.len()
+                );
+            }
+            same += usize::from(got == *want);
+            total += 1;
+            if t + 1 < gen.len() {
+                logits = e.forward(&[*want], false).unwrap();
+            }
+        }
+    }
+    let share = same as f64 / total as f64;
+    eprintln!(
+        "gemma3 fast: teacher-forced top-1 agreement with llama.cpp {same}/{total} ({:.1}%)",
+        share * 100.0
+    );
+    assert!(share >= 0.90, "{same}/{total} positions agree");
+}
