@@ -135,8 +135,7 @@ fn parity_greedy_matches_llama_cpp() {
 /// the same id at >= 90% of the 192 positions. The floor catches a broken fast kernel (a wrong
 /// block decode or attention gives near-random ids, well under 50%), not rounding: fast rounds
 /// differently by design and flips near-ties of these continuations (measured 182/192 on
-/// 2026-11-27; issue 15's fidelity bar, 99% over the perplexity text, is measured by
-/// `benches/`-side scripts, not asserted here).
+/// 2026-11-27; issue 15's fidelity bar, 99% over the perplexity text, is not asserted here).
 fn fast_teacher_forced_top1_agrees_with_llama_cpp() {
     let path = model();
     let refs: serde_json::Value = serde_json::from_str(
