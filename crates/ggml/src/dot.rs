@@ -46,6 +46,16 @@ pub(crate) fn scalar_fn(ty: GgmlType) -> Option<DotFn> {
     })
 }
 
+/// Whether `ty` has a SIMD one-row kernel on this CPU.
+pub(crate) fn has_simd_dot(ty: GgmlType) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if crate::has_avx2() {
+        return crate::x86::avx2_fn(ty).is_some();
+    }
+    let _ = ty;
+    false
+}
+
 /// The fastest kernel for `ty` on this CPU.
 pub(crate) fn best_fn(ty: GgmlType) -> Option<DotFn> {
     #[cfg(target_arch = "x86_64")]

@@ -4,18 +4,16 @@
 //! is exactly what a one-row call computes, so row counts and thread splits never change a value.
 //!
 //! Rounding (the scalar twins here are the bit-exact references of the AVX2 kernels in `x86.rs`):
-//! - 32-value blocks (Q4_0, Q4_1, Q5_0, Q8_0 with Q8_0/Q8_1 activations): eight f32 lanes, lane
-//!   `l` accumulating with one FMA per block `d_w·d_x × (exact integer sum of the products of
-//!   values 4l..4l+3)`, reduced ((0+4)+(2+6))+((1+5)+(3+7)); Q4_1 adds `m_w·s_x` per block to a
-//!   separate f32 sum.
+//! - 32-value blocks (Q4_0, Q4_1, Q5_0, Q8_0 with Q8_0/Q8_1 activations): the exact integer dot
+//!   product of each block, FMA'd with `d_w·d_x` into one f32 sum per (weight row, activation
+//!   row); Q4_1 adds `m_w·s_x` per block to a second sum, added at the end.
 //! - K-quants (Q4_K, Q6_K with Q8_K activations): the exact integer dot product of each 256-value
 //!   block, then one scalar FMA per block (as `dot::q4_k_q8_k` and `dot::q6_k_q8_k_tiled`).
 
-use crate::dot::hsum8;
 use crate::{f16_at, GgmlType};
 
 /// `(weight rows, activation rows, outputs)`: `out[i * x.len() + r] = w[i] · x[r]` for
-/// `i < w.len() <= 4`, `r < x.len() <= 4`.
+/// `i < w.len() <= 8`, `r < x.len() <= 4`.
 pub(crate) type RowsFn = fn(&[&[u8]], &[&[u8]], &mut [f32]);
 
 /// The multi-row kernel for `ty` on this CPU (`scalar`: the portable twin), when there is one.
@@ -36,6 +34,15 @@ pub(crate) fn rows_fn(ty: GgmlType, scalar: bool) -> Option<RowsFn> {
         GgmlType::Q6_K => |w, x, out| each_row(crate::dot::q6_k_q8_k_tiled_pub, w, x, out),
         _ => return None,
     })
+}
+
+/// Weight rows per decode tile (one activation row): eight for the 32-value-block kernels
+/// (their eight-pair layout), four for the K-quants.
+pub(crate) fn decode_tile_rows(ty: GgmlType) -> usize {
+    match ty {
+        GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q4_1 => 8,
+        _ => 4,
+    }
 }
 
 fn each_row(f: fn(&[u8], &[u8]) -> f32, w: &[&[u8]], x: &[&[u8]], out: &mut [f32]) {
@@ -122,22 +129,17 @@ fn rows_scalar<B: Block32>(w: &[&[u8]], x: &[&[u8]], out: &mut [f32]) {
 fn row_scalar<B: Block32>(w: &[u8], x: &[&[u8]], out: &mut [f32]) {
     let xq = B::XB - 32;
     for (o, xr) in out.iter_mut().zip(x) {
-        let mut acc = [0f32; 8];
-        let mut extra = 0f32;
+        let (mut acc, mut extra) = (0f32, 0f32);
         for (wb, xb) in w.chunks_exact(B::WB).zip(xr.chunks_exact(B::XB)) {
             let q = B::values(wb);
+            let isum: i32 = (0..32).map(|i| q[i] * xb[xq + i] as i8 as i32).sum();
             let d = f16_at(wb, 0) * f16_at(xb, 0);
-            for (l, a) in acc.iter_mut().enumerate() {
-                let lane: i32 = (4 * l..4 * l + 4)
-                    .map(|i| q[i] * xb[xq + i] as i8 as i32)
-                    .sum();
-                *a = d.mul_add(lane as f32, *a);
-            }
+            acc = d.mul_add(isum as f32, acc);
             if let Some(e) = B::extra(wb, xb) {
                 extra += e;
             }
         }
-        *o = hsum8(&acc) + extra;
+        *o = acc + extra;
     }
 }
 
@@ -148,18 +150,18 @@ fn check_rows(ty: GgmlType, w: &[&[u8]], x: &[&[u8]], k: usize, out: &[f32]) -> 
     let (wb, xb) = (crate::row_bytes(ty, k)?, crate::row_bytes(vt, k)?);
     if w.iter().any(|r| r.len() != wb)
         || x.iter().any(|r| r.len() != xb)
-        || !(1..=4).contains(&w.len())
+        || !(1..=8).contains(&w.len())
         || !(1..=4).contains(&x.len())
         || out.len() != w.len() * x.len()
     {
         crate::bail!(
-            "{ty} multi-row dot of length {k}: 1..=4 weight rows of {wb} bytes, 1..=4 {vt} rows of {xb} bytes and one output per pair expected"
+            "{ty} multi-row dot of length {k}: 1..=8 weight rows of {wb} bytes, 1..=4 {vt} rows of {xb} bytes and one output per pair expected"
         );
     }
     Ok(())
 }
 
-/// `out[i * x.len() + r] = w[i] · x[r]` for tiles of up to four weight rows by four activation
+/// `out[i * x.len() + r] = w[i] · x[r]` for tiles of up to eight weight rows by four activation
 /// rows with the fastest multi-row kernel (`Ok(false)` when `ty` has none: use [`crate::vec_dot`]).
 pub fn vec_dot_rows(
     ty: GgmlType,

@@ -585,22 +585,38 @@ macro_rules! by_tile {
 }
 
 fn rows_q8_0(w: &[&[u8]], x: &[&[u8]], out: &mut [f32]) {
-    by_tile!(tile32_avx2::<T_Q8_0>, w, x, out)
+    tile32::<T_Q8_0>(w, x, out)
 }
 fn rows_q4_0(w: &[&[u8]], x: &[&[u8]], out: &mut [f32]) {
-    by_tile!(tile32_avx2::<T_Q4_0>, w, x, out)
+    tile32::<T_Q4_0>(w, x, out)
 }
 fn rows_q5_0(w: &[&[u8]], x: &[&[u8]], out: &mut [f32]) {
-    by_tile!(tile32_avx2::<T_Q5_0>, w, x, out)
+    tile32::<T_Q5_0>(w, x, out)
 }
 fn rows_q4_1(w: &[&[u8]], x: &[&[u8]], out: &mut [f32]) {
-    by_tile!(tile32_avx2::<T_Q4_1>, w, x, out)
+    tile32::<T_Q4_1>(w, x, out)
 }
 fn rows_q4_k(w: &[&[u8]], x: &[&[u8]], out: &mut [f32]) {
-    by_tile!(tile_q4_k_avx2, w, x, out)
+    let nx = x.len();
+    for (c, wc) in w.chunks(4).enumerate() {
+        by_tile!(
+            tile_q4_k_avx2,
+            wc,
+            x,
+            &mut out[c * 4 * nx..(c * 4 + wc.len()) * nx]
+        )
+    }
 }
 fn rows_q6_k(w: &[&[u8]], x: &[&[u8]], out: &mut [f32]) {
-    by_tile!(tile_q6_k_avx2, w, x, out)
+    let nx = x.len();
+    for (c, wc) in w.chunks(4).enumerate() {
+        by_tile!(
+            tile_q6_k_avx2,
+            wc,
+            x,
+            &mut out[c * 4 * nx..(c * 4 + wc.len()) * nx]
+        )
+    }
 }
 
 /// Blocks in a tile: the fewest whole blocks any of its rows holds (rows of one product all
@@ -633,14 +649,66 @@ unsafe fn f16p(p: *const u8) -> f32 {
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
 }
 
-/// 32-value blocks (`T`: Q8_0, Q4_0, Q5_0 with Q8_0 activations; Q4_1 with Q8_1): per block each
-/// weight row is unpacked once and each activation row loaded once for the whole tile; every
-/// (weight, activation) pair has its own eight f32 lanes, FMA'd once per block.
+/// A tile of 32-value-block products, padded to one of the two 8-pair layouts the kernel has:
+/// 8 weight rows x 1 activation row (decode) or 2 x 4 (prefill); padding repeats the last row
+/// and its results are dropped.
+fn tile32<const T: u8>(w: &[&[u8]], x: &[&[u8]], out: &mut [f32]) {
+    let (nw, nx) = (w.len(), x.len());
+    if nw == 0 || nx == 0 {
+        return;
+    }
+    let mut res = [0f32; 8];
+    // SAFETY (both calls): only handed out by `rows::rows_fn` after `has_avx2()` confirmed AVX2,
+    // FMA and F16C; the kernel checks the row lengths it reads.
+    if nx == 1 {
+        for (c, wc) in w.chunks(8).enumerate() {
+            let ws: [&[u8]; 8] = std::array::from_fn(|i| wc[i.min(wc.len() - 1)]);
+            unsafe { tile32_pairs8::<T, 8, 1>(ws, [x[0]], &mut res) };
+            out[c * 8..c * 8 + wc.len()].copy_from_slice(&res[..wc.len()]);
+        }
+        return;
+    }
+    for (c, wc) in w.chunks(2).enumerate() {
+        let ws: [&[u8]; 2] = std::array::from_fn(|i| wc[i.min(wc.len() - 1)]);
+        for (xc_i, xc) in x.chunks(4).enumerate() {
+            let xs: [&[u8]; 4] = std::array::from_fn(|r| xc[r.min(xc.len() - 1)]);
+            unsafe { tile32_pairs8::<T, 2, 4>(ws, xs, &mut res) };
+            for (i, _) in wc.iter().enumerate() {
+                for (r, _) in xc.iter().enumerate() {
+                    out[(c * 2 + i) * nx + xc_i * 4 + r] = res[i * 4 + r];
+                }
+            }
+        }
+    }
+}
+
+/// Sums the eight i32 lanes of each of the eight vectors: lane `p` of the result is the total
+/// of `v[p]` (exact integer arithmetic, any order).
+#[inline(always)]
+unsafe fn sum_lanes8(v: &[__m256i; 8]) -> __m256i {
+    let h01 = _mm256_hadd_epi32(v[0], v[1]);
+    let h23 = _mm256_hadd_epi32(v[2], v[3]);
+    let h45 = _mm256_hadd_epi32(v[4], v[5]);
+    let h67 = _mm256_hadd_epi32(v[6], v[7]);
+    let q0 = _mm256_hadd_epi32(h01, h23);
+    let q1 = _mm256_hadd_epi32(h45, h67);
+    _mm256_add_epi32(
+        _mm256_permute2x128_si256(q0, q1, 0x20),
+        _mm256_permute2x128_si256(q0, q1, 0x31),
+    )
+}
+
+/// 32-value blocks (`T`: Q8_0, Q4_0, Q5_0 with Q8_0 activations; Q4_1 with Q8_1), eight
+/// (weight row, activation row) pairs at once, pair `p` = (`p / RX`, `p % RX`), `RW * RX = 8`:
+/// per block each weight row is unpacked once and each activation row loaded once; each pair's
+/// exact integer block total (sign trick + maddubs + madd, then one horizontal reduction for all
+/// eight pairs) is FMA'd with `d_w · d_x` into lane `p` of one f32 accumulator; Q4_1 adds
+/// `m_w · s_x` per block into a second one. The scalar twin is `rows::row_scalar`.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile32_avx2<const T: u8, const RW: usize, const RX: usize>(
+unsafe fn tile32_pairs8<const T: u8, const RW: usize, const RX: usize>(
     w: [&[u8]; RW],
     x: [&[u8]; RX],
-    out: &mut [f32],
+    out: &mut [f32; 8],
 ) {
     let (wbs, xbs) = match T {
         T_Q8_0 => (34, 34),
@@ -650,18 +718,28 @@ unsafe fn tile32_avx2<const T: u8, const RW: usize, const RX: usize>(
     };
     let nb = tile_blocks(&w, wbs, &x, xbs);
     let ones = _mm256_set1_epi16(1);
-    let mut acc = [[_mm256_setzero_ps(); RX]; RW];
-    let mut extra = [[0f32; RX]; RW];
+    let mut acc = _mm256_setzero_ps();
+    let mut extra = _mm256_setzero_ps();
     for b in 0..nb {
         // SAFETY (all pointer reads below): b < nb, so block b of every row lies inside its
         // slice (`tile_blocks`), and each read stays inside its block.
-        let mut aw = [_mm256_setzero_si256(); RW];
-        let mut sw = [_mm256_setzero_si256(); RW];
-        let mut dw = [0f32; RW];
-        let mut mw = [0f32; RW];
+        let mut dx = [0f32; RX];
+        let mut sx = [0f32; RX];
+        let mut xq = [_mm256_setzero_si256(); RX];
+        for r in 0..RX {
+            let xb = unsafe { x[r].as_ptr().add(b * xbs) };
+            dx[r] = unsafe { f16p(xb) };
+            if T == T_Q4_1 {
+                sx[r] = unsafe { f16p(xb.add(2)) };
+            }
+            xq[r] = unsafe { ld32(xb.add(xbs - 32)) };
+        }
+        let mut lanes = [_mm256_setzero_si256(); 8];
+        let mut dp = [0f32; 8];
+        let mut ep = [0f32; 8];
         for i in 0..RW {
             let wb = unsafe { w[i].as_ptr().add(b * wbs) };
-            dw[i] = unsafe { f16p(wb) };
+            let dw = unsafe { f16p(wb) };
             let qw = match T {
                 T_Q8_0 => unsafe { ld32(wb.add(2)) },
                 T_Q4_0 => {
@@ -684,7 +762,6 @@ unsafe fn tile32_avx2<const T: u8, const RW: usize, const RX: usize>(
                     _mm256_or_si256(n, hi)
                 }
                 _ => {
-                    mw[i] = unsafe { f16p(wb.add(2)) };
                     let t = unsafe { _mm_loadu_si128(wb.add(4) as *const __m128i) };
                     _mm256_and_si256(
                         _mm256_set_m128i(_mm_srli_epi16(t, 4), t),
@@ -692,44 +769,43 @@ unsafe fn tile32_avx2<const T: u8, const RW: usize, const RX: usize>(
                     )
                 }
             };
+            let mw = if T == T_Q4_1 {
+                unsafe { f16p(wb.add(2)) }
+            } else {
+                0.0
+            };
             // maddubs needs an unsigned operand: |w| with w's sign moved onto x (Q4_1's quants
             // are unsigned already). No pair sum saturates: |w| <= 128, |x| <= 127.
-            sw[i] = qw;
-            aw[i] = if T == T_Q4_1 {
+            let aw = if T == T_Q4_1 {
                 qw
             } else {
                 _mm256_sign_epi8(qw, qw)
             };
-        }
-        for r in 0..RX {
-            let xb = unsafe { x[r].as_ptr().add(b * xbs) };
-            let xq = unsafe { ld32(xb.add(xbs - 32)) };
-            let dx = unsafe { f16p(xb) };
-            let sx = if T == T_Q4_1 {
-                unsafe { f16p(xb.add(2)) }
-            } else {
-                0.0
-            };
-            for i in 0..RW {
+            for r in 0..RX {
                 let y = if T == T_Q4_1 {
-                    xq
+                    xq[r]
                 } else {
-                    _mm256_sign_epi8(xq, sw[i])
+                    _mm256_sign_epi8(xq[r], qw)
                 };
-                let lanes = _mm256_madd_epi16(_mm256_maddubs_epi16(aw[i], y), ones);
-                let d = _mm256_set1_ps(dw[i] * dx);
-                acc[i][r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(lanes), acc[i][r]);
+                let p = i * RX + r;
+                lanes[p] = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, y), ones);
+                dp[p] = dw * dx[r];
                 if T == T_Q4_1 {
-                    extra[i][r] += mw[i] * sx;
+                    ep[p] = mw * sx[r];
                 }
             }
         }
-    }
-    for i in 0..RW {
-        for r in 0..RX {
-            out[i * RX + r] = hsum(acc[i][r]) + extra[i][r];
+        let sums = _mm256_cvtepi32_ps(sum_lanes8(&lanes));
+        // SAFETY: `dp` and `ep` are 8 readable f32.
+        let d = unsafe { _mm256_loadu_ps(dp.as_ptr()) };
+        acc = _mm256_fmadd_ps(d, sums, acc);
+        if T == T_Q4_1 {
+            // SAFETY: as above.
+            extra = _mm256_add_ps(extra, unsafe { _mm256_loadu_ps(ep.as_ptr()) });
         }
     }
+    // SAFETY: `out` is 8 writable f32.
+    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), _mm256_add_ps(acc, extra)) };
 }
 
 /// Q4_K x Q8_K tiles: each weight row's scales and unpacked 64-value sub-blocks are shared by

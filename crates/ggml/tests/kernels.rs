@@ -325,7 +325,7 @@ proptest! {
         ti in 0usize..6,
         nb in 1usize..4,
         rows in 1usize..5,
-        wrows in 1usize..5,
+        wrows in 1usize..9,
         seed in prop::collection::vec(any::<u8>(), 1..64),
         scales in prop::collection::vec(-0.05f32..0.05, 1..16),
         x in prop::collection::vec(-4.0f32..4.0, 1..64),
