@@ -37,7 +37,8 @@ pub use dequant::{dequantize_row, dequantize_row_scalar};
 pub use dot::{vec_dot, vec_dot_scalar, vec_dot_type};
 pub use matmul::{gather_rows, matmul, matmul_batch, matmul_scalar, MatMulMode};
 pub use quantize::{
-    quantize_activations, quantize_row, quantize_row_q8_0, quantize_row_q8_1, quantize_row_q8_K,
+    quantize_activations, quantize_activations_scalar, quantize_row, quantize_row_q8_0,
+    quantize_row_q8_1, quantize_row_q8_K,
 };
 pub use rows::{vec_dot_rows, vec_dot_rows_scalar};
 pub use vecf32::{

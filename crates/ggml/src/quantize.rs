@@ -78,6 +78,7 @@ pub fn quantize_row_q8_1(x: &[f32], out: &mut [u8]) -> Result<()> {
 /// `iscale = -127 / max` (max = the value of largest magnitude), `q = min(127,
 /// nearest_int(iscale * x))`, f32 `d = 1 / iscale`, and the 16 sums of 16 quants.
 #[allow(non_snake_case)]
+#[inline(always)]
 pub fn quantize_row_q8_K(x: &[f32], out: &mut [u8]) -> Result<()> {
     check(GgmlType::Q8_K, x, out)?;
     for (xb, ob) in x.chunks_exact(QK_K).zip(out.chunks_exact_mut(292)) {
@@ -213,6 +214,23 @@ pub fn quantize_row(ty: GgmlType, x: &[f32], out: &mut [u8]) -> Result<()> {
 /// path llama.cpp really takes keeps near-tie greedy tokens identical. Q8_K has no x86-specific
 /// quantizer in ggml (it uses the reference) and F16 is a plain conversion.
 pub fn quantize_activations(vec_ty: GgmlType, x: &[f32], out: &mut [u8]) -> Result<()> {
+    #[cfg(target_arch = "x86_64")]
+    if crate::has_avx2() {
+        return crate::x86::quantize_activations(vec_ty, x, out);
+    }
+    quantize_activations_body(vec_ty, x, out)
+}
+
+/// [`quantize_activations`] compiled for the baseline CPU (the reference of its AVX2 twin).
+pub fn quantize_activations_scalar(vec_ty: GgmlType, x: &[f32], out: &mut [u8]) -> Result<()> {
+    quantize_activations_body(vec_ty, x, out)
+}
+
+/// The body of [`quantize_activations`], inlined into its AVX2 twin (`x86.rs`) so the same
+/// code compiles with SSE4.1 rounding instructions and AVX2 vectors (the same IEEE operations,
+/// so the same bytes) instead of libm calls per value.
+#[inline(always)]
+pub(crate) fn quantize_activations_body(vec_ty: GgmlType, x: &[f32], out: &mut [u8]) -> Result<()> {
     match vec_ty {
         GgmlType::Q8_0 => {
             check(GgmlType::Q8_0, x, out)?;

@@ -940,3 +940,22 @@ pub(crate) fn prefetch(bytes: &[u8]) {
         off += 64;
     }
 }
+
+/// `quantize::quantize_activations` compiled for AVX2 (twin: the same body compiled without).
+pub(crate) fn quantize_activations(
+    vec_ty: GgmlType,
+    x: &[f32],
+    out: &mut [u8],
+) -> crate::Result<()> {
+    // SAFETY: only reachable when `has_avx2()` confirmed AVX2, FMA and F16C.
+    unsafe { quantize_activations_avx2(vec_ty, x, out) }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn quantize_activations_avx2(
+    vec_ty: GgmlType,
+    x: &[f32],
+    out: &mut [u8],
+) -> crate::Result<()> {
+    crate::quantize::quantize_activations_body(vec_ty, x, out)
+}

@@ -404,3 +404,25 @@ fn pool_runs_every_task_once() {
         }
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+
+    /// The activation quantizers compiled for AVX2 write the same bytes as the baseline build.
+    #[test]
+    fn activation_quantizers_equal_scalar_twins(
+        ti in 0usize..3,
+        nb in 1usize..3,
+        x in prop::collection::vec(-100.0f32..100.0, 1..64),
+        scale in prop::sample::select(vec![0.0f32, 1e-6, 1.0, 37.5]),
+    ) {
+        let vt = [GgmlType::Q8_0, GgmlType::Q8_1, GgmlType::Q8_K][ti];
+        let k = nb * 256;
+        let xs: Vec<f32> = (0..k).map(|i| x[i % x.len()] * scale * (1.0 + (i % 5) as f32 * 0.25)).collect();
+        let rb = vt.row_bytes(k).unwrap();
+        let (mut a, mut b) = (vec![0u8; rb], vec![0u8; rb]);
+        quantize_activations(vt, &xs, &mut a).unwrap();
+        quantize_activations_scalar(vt, &xs, &mut b).unwrap();
+        prop_assert_eq!(a, b, "{}", vt);
+    }
+}
