@@ -261,6 +261,7 @@ pub(crate) fn quantize_activations_body(vec_ty: GgmlType, x: &[f32], out: &mut [
             }
             Ok(())
         }
+        GgmlType::Q8_K => quantize_row_q8_K(x, out),
         _ => quantize_row(vec_ty, x, out),
     }
 }

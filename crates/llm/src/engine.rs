@@ -277,10 +277,16 @@ impl Engine {
             let idx = self.pick(rest.len(), all_logits)?;
             let n = self.sessions[idx].1;
             let count = n.min(rest.len());
-            let logits = self.run_chunk(idx, &rest[..count], all_logits)?;
-            if all_logits || count == rest.len() {
-                out.extend_from_slice(&logits);
-            }
+            // Only the last chunk's last row is wanted unless every row is.
+            let want = if all_logits {
+                Rows::All
+            } else if count == rest.len() {
+                Rows::Last
+            } else {
+                Rows::None
+            };
+            let logits = self.run_chunk(idx, &rest[..count], want)?;
+            out.extend_from_slice(&logits);
             rest = &rest[count..];
         }
         Ok(out)
@@ -346,9 +352,9 @@ impl Engine {
     }
 
     /// Runs session `idx` on `toks` (padded to its N), updates the caches and the position,
-    /// and returns the logits of every real token (`all_logits`, `[toks.len(), vocab]`) or of
-    /// the last one (`[vocab]`).
-    fn run_chunk(&mut self, idx: usize, toks: &[u32], all_logits: bool) -> Result<Vec<f32>> {
+    /// and returns the logits of the rows `want` asks for (`All`: `[toks.len(), vocab]`,
+    /// `Last`: `[vocab]`, `None`: empty; graphs without `logits_from` compute them all anyway).
+    fn run_chunk(&mut self, idx: usize, toks: &[u32], want: Rows) -> Result<Vec<f32>> {
         let (ctx, pos) = (self.ctx(), self.position);
         let n = self.sessions[idx].1;
         let count = toks.len();
@@ -399,7 +405,11 @@ impl Engine {
             ));
         }
         // Graphs whose output head computes only the wanted rows take the first one.
-        let from = if all_logits { 0 } else { count - 1 };
+        let from = match want {
+            Rows::All => 0,
+            Rows::Last => count - 1,
+            Rows::None => count,
+        };
         if self.sessions[idx]
             .2
             .inputs()
@@ -483,6 +493,14 @@ impl Engine {
         }
         Ok(rows[from * vocab..count * vocab].to_vec())
     }
+}
+
+/// Which logits rows a chunk returns.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Rows {
+    All,
+    Last,
+    None,
 }
 
 /// Weight bytes a step of `m` reads (see [`Engine::decode_weight_bytes`]).
