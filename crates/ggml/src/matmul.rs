@@ -156,7 +156,7 @@ fn matmul_impl(
     let one_row_simd = m == 1 && !scalar && crate::dot::has_simd_dot(ty);
     if mode == MatMulMode::Fast && !one_row_simd {
         if let (Some(vt), Some(rf)) = (vec_dot_type(ty), rows_fn(ty, scalar)) {
-            let (xq, xrb) = quantize_rows(vt, x, k, m)?;
+            let (xq, xrb) = quantize_rows(vt, x, k, m, if par { threads } else { 1 })?;
             let xq = &xq;
             let tile = decode_tile_rows(ty);
             let rows =
@@ -167,7 +167,7 @@ fn matmul_impl(
     }
     match (mode, dot) {
         (MatMulMode::ActQuant | MatMulMode::Fast, Some((vt, f))) => {
-            let (xq, xrb) = quantize_rows(vt, x, k, m)?;
+            let (xq, xrb) = quantize_rows(vt, x, k, m, if par { threads } else { 1 })?;
             let xq = &xq;
             let batch_rows = if mode == MatMulMode::Fast {
                 0
@@ -195,14 +195,50 @@ fn matmul_impl(
 }
 
 /// The `m` rows of `x` (`k` values each) quantized to `vt`, and the bytes per quantized row.
-fn quantize_rows(vt: GgmlType, x: &[f32], k: usize, m: usize) -> Result<(Vec<u8>, usize)> {
+/// Rows are quantized in parallel (blocks of [`QUANT_ROWS`]) when `threads > 1` and there are
+/// several blocks.
+fn quantize_rows(
+    vt: GgmlType,
+    x: &[f32],
+    k: usize,
+    m: usize,
+    threads: usize,
+) -> Result<(Vec<u8>, usize)> {
     let xrb = row_bytes(vt, k)?;
     let mut xq = vec![0u8; m * xrb];
-    for (xr, qr) in x.chunks_exact(k).zip(xq.chunks_exact_mut(xrb)) {
-        quantize_activations(vt, xr, qr)?;
+    let quantize = |xs: &[f32], qs: &mut [u8]| -> Result<()> {
+        for (xr, qr) in xs.chunks_exact(k).zip(qs.chunks_exact_mut(xrb)) {
+            quantize_activations(vt, xr, qr)?;
+        }
+        Ok(())
+    };
+    if threads > 1 && m > QUANT_ROWS {
+        let parts: Vec<std::sync::Mutex<&mut [u8]>> = xq
+            .chunks_mut(QUANT_ROWS * xrb)
+            .map(std::sync::Mutex::new)
+            .collect();
+        let failed = std::sync::Mutex::new(None);
+        crate::pool::pool().run(parts.len(), threads, &|c| {
+            if let Ok(mut q) = parts[c].lock() {
+                let xs = &x[c * QUANT_ROWS * k..((c + 1) * QUANT_ROWS).min(m) * k];
+                if let Err(e) = quantize(xs, &mut q) {
+                    if let Ok(mut f) = failed.lock() {
+                        *f = Some(e);
+                    }
+                }
+            }
+        });
+        if let Some(e) = failed.into_inner().ok().flatten() {
+            return Err(e);
+        }
+    } else {
+        quantize(x, &mut xq)?;
     }
     Ok((xq, xrb))
 }
+
+/// Activation rows quantized per parallel task.
+const QUANT_ROWS: usize = 8;
 
 /// Splits the `n` output columns into chunks (over threads when `par`), lets `rows(n0, out)`
 /// fill `out` (`[chunk rows][m]`, i.e. transposed) and writes the result into `y[m, n]`.
@@ -234,10 +270,28 @@ where
     }
     let mut yt = vec![0f32; n * m];
     split(&mut yt, m);
-    for (j, col) in yt.chunks_exact(m).enumerate() {
-        for (i, v) in col.iter().enumerate() {
-            y[i * n + j] = *v;
+    // The transpose back, by blocks of output rows (in parallel when the product was).
+    let rows_per = m.div_ceil(threads * 2).max(1);
+    let back = |i0: usize, ys: &mut [f32]| {
+        for (di, yr) in ys.chunks_exact_mut(n).enumerate() {
+            let i = i0 + di;
+            for (j, v) in yr.iter_mut().enumerate() {
+                *v = yt[j * m + i];
+            }
         }
+    };
+    if par && m > 1 {
+        let parts: Vec<std::sync::Mutex<&mut [f32]>> = y
+            .chunks_mut(rows_per * n)
+            .map(std::sync::Mutex::new)
+            .collect();
+        crate::pool::pool().run(parts.len(), threads, &|c| {
+            if let Ok(mut ys) = parts[c].lock() {
+                back(c * rows_per, &mut ys);
+            }
+        });
+    } else {
+        back(0, y);
     }
 }
 
