@@ -641,14 +641,6 @@ unsafe fn ld32(p: *const u8) -> __m256i {
     unsafe { _mm256_loadu_si256(p as *const __m256i) }
 }
 
-/// The f16 at `p` as f32 (one F16C conversion; the same value as `f16_at`).
-#[inline(always)]
-unsafe fn f16p(p: *const u8) -> f32 {
-    // SAFETY: the caller guarantees 2 readable bytes at `p`.
-    let bits = unsafe { (p as *const u16).read_unaligned() };
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
-}
-
 /// A tile of 32-value-block products, padded to one of the two 8-pair layouts the kernel has:
 /// 8 weight rows x 1 activation row (decode) or 2 x 4 (prefill); padding repeats the last row
 /// and its results are dropped.
@@ -698,6 +690,40 @@ unsafe fn sum_lanes8(v: &[__m256i; 8]) -> __m256i {
     )
 }
 
+/// Sets 16-bit lane `i` (0..8) of `v` to `bits`.
+#[inline(always)]
+unsafe fn insert_u16(v: __m128i, i: usize, bits: i32) -> __m128i {
+    match i {
+        0 => _mm_insert_epi16(v, bits, 0),
+        1 => _mm_insert_epi16(v, bits, 1),
+        2 => _mm_insert_epi16(v, bits, 2),
+        3 => _mm_insert_epi16(v, bits, 3),
+        4 => _mm_insert_epi16(v, bits, 4),
+        5 => _mm_insert_epi16(v, bits, 5),
+        6 => _mm_insert_epi16(v, bits, 6),
+        _ => _mm_insert_epi16(v, bits, 7),
+    }
+}
+
+/// The eight products `a[p / RX] * b[p % RX]` of a pair layout (`RW * RX = 8`; `a` holds the RW
+/// weight-side values, `b`'s low lanes the RX activation-side ones), each one f32 multiply.
+#[inline(always)]
+unsafe fn pair_products<const RW: usize, const RX: usize>(a: __m256, b: __m128) -> __m256 {
+    if RX == 1 {
+        // 8 x 1: weight row p times the one activation row.
+        _mm256_mul_ps(a, _mm256_set1_ps(_mm_cvtss_f32(b)))
+    } else {
+        // 2 x 4: [a0 * b0..b3, a1 * b0..b3].
+        let a0 = _mm_set1_ps(_mm256_cvtss_f32(a));
+        let a1 = _mm_shuffle_ps(
+            _mm256_castps256_ps128(a),
+            _mm256_castps256_ps128(a),
+            0b01_01_01_01,
+        );
+        _mm256_mul_ps(_mm256_set_m128(a1, a0), _mm256_set_m128(b, b))
+    }
+}
+
 /// 32-value blocks (`T`: Q8_0, Q4_0, Q5_0 with Q8_0 activations; Q4_1 with Q8_1), eight
 /// (weight row, activation row) pairs at once, pair `p` = (`p / RX`, `p % RX`), `RW * RX = 8`:
 /// per block each weight row is unpacked once and each activation row loaded once; each pair's
@@ -723,23 +749,42 @@ unsafe fn tile32_pairs8<const T: u8, const RW: usize, const RX: usize>(
     for b in 0..nb {
         // SAFETY (all pointer reads below): b < nb, so block b of every row lies inside its
         // slice (`tile_blocks`), and each read stays inside its block.
-        let mut dx = [0f32; RX];
-        let mut sx = [0f32; RX];
+        // Activation blocks: quants, and the f16 scales (Q4_1: and sums) gathered into one
+        // register for a single conversion.
         let mut xq = [_mm256_setzero_si256(); RX];
+        let mut dxh = _mm_setzero_si128();
+        let mut sxh = _mm_setzero_si128();
         for r in 0..RX {
             let xb = unsafe { x[r].as_ptr().add(b * xbs) };
-            dx[r] = unsafe { f16p(xb) };
-            if T == T_Q4_1 {
-                sx[r] = unsafe { f16p(xb.add(2)) };
-            }
             xq[r] = unsafe { ld32(xb.add(xbs - 32)) };
+            let (d16, s16) = unsafe {
+                (
+                    (xb as *const u16).read_unaligned() as i32,
+                    (xb.add(2) as *const u16).read_unaligned() as i32,
+                )
+            };
+            dxh = insert_u16(dxh, r, d16);
+            if T == T_Q4_1 {
+                sxh = insert_u16(sxh, r, s16);
+            }
         }
+        let dx = _mm_cvtph_ps(dxh);
+        let sx = _mm_cvtph_ps(sxh);
         let mut lanes = [_mm256_setzero_si256(); 8];
-        let mut dp = [0f32; 8];
-        let mut ep = [0f32; 8];
+        let mut dwh = _mm_setzero_si128();
+        let mut mwh = _mm_setzero_si128();
         for i in 0..RW {
             let wb = unsafe { w[i].as_ptr().add(b * wbs) };
-            let dw = unsafe { f16p(wb) };
+            let (d16, m16) = unsafe {
+                (
+                    (wb as *const u16).read_unaligned() as i32,
+                    (wb.add(2) as *const u16).read_unaligned() as i32,
+                )
+            };
+            dwh = insert_u16(dwh, i, d16);
+            if T == T_Q4_1 {
+                mwh = insert_u16(mwh, i, m16);
+            }
             let qw = match T {
                 T_Q8_0 => unsafe { ld32(wb.add(2)) },
                 T_Q4_0 => {
@@ -769,11 +814,6 @@ unsafe fn tile32_pairs8<const T: u8, const RW: usize, const RX: usize>(
                     )
                 }
             };
-            let mw = if T == T_Q4_1 {
-                unsafe { f16p(wb.add(2)) }
-            } else {
-                0.0
-            };
             // maddubs needs an unsigned operand: |w| with w's sign moved onto x (Q4_1's quants
             // are unsigned already). No pair sum saturates: |w| <= 128, |x| <= 127.
             let aw = if T == T_Q4_1 {
@@ -787,21 +827,17 @@ unsafe fn tile32_pairs8<const T: u8, const RW: usize, const RX: usize>(
                 } else {
                     _mm256_sign_epi8(xq[r], qw)
                 };
-                let p = i * RX + r;
-                lanes[p] = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, y), ones);
-                dp[p] = dw * dx[r];
-                if T == T_Q4_1 {
-                    ep[p] = mw * sx[r];
-                }
+                lanes[i * RX + r] = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, y), ones);
             }
         }
         let sums = _mm256_cvtepi32_ps(sum_lanes8(&lanes));
-        // SAFETY: `dp` and `ep` are 8 readable f32.
-        let d = unsafe { _mm256_loadu_ps(dp.as_ptr()) };
+        // Pair p's scale d_w[p / RX] * d_x[p % RX] (and Q4_1's m_w * s_x) as one vector.
+        let dw = _mm256_cvtph_ps(dwh);
+        let d = pair_products::<RW, RX>(dw, dx);
         acc = _mm256_fmadd_ps(d, sums, acc);
         if T == T_Q4_1 {
-            // SAFETY: as above.
-            extra = _mm256_add_ps(extra, unsafe { _mm256_loadu_ps(ep.as_ptr()) });
+            let mw = _mm256_cvtph_ps(mwh);
+            extra = _mm256_add_ps(extra, pair_products::<RW, RX>(mw, sx));
         }
     }
     // SAFETY: `out` is 8 writable f32.
