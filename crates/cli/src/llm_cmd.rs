@@ -568,8 +568,25 @@ pub fn bench_cmd(a: &LlmBenchArgs) -> Result<()> {
     if a.runs == 0 || a.prompt_len == 0 {
         bail!("--runs and --prompt-len must be at least 1");
     }
+    // Like llama-bench, the KV cache holds the prompt and the generated tokens (at least the
+    // largest AR variant) unless --ctx says otherwise; artifacts keep their compiled context.
+    let mut margs = a.model.clone();
+    if margs.ctx.is_none() && !is_llm_artifact(&margs.model) {
+        let largest = match &margs.variants {
+            Some(v) => Variant::parse_list(v)?
+                .iter()
+                .filter_map(|v| match v {
+                    Variant::Ar(n) => Some(*n),
+                    _ => None,
+                })
+                .max()
+                .unwrap_or(1),
+            None => 32,
+        };
+        margs.ctx = Some((a.prompt_len + a.gen).max(largest));
+    }
     let t0 = Instant::now();
-    let (mut engine, tok) = load(&a.model)?;
+    let (mut engine, tok) = load(&margs)?;
     let load_s = t0.elapsed().as_secs_f64();
     let vocab = tok.vocab_size().min(engine.vocab()) as u64;
     // Deterministic pseudo-random tokens (llama-bench also uses random tokens), BOS first if the model adds it.
