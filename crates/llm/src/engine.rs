@@ -185,6 +185,7 @@ impl Engine {
         };
         // Largest first: the variant choice walks this list.
         sessions.sort_by_key(|(_, n, _)| std::cmp::Reverse(*n));
+        check_cache_fits(&shape)?;
         let caches = (0..2 * shape.n_layers)
             .map(|_| {
                 Arc::new(Tensor::zeros(
@@ -492,6 +493,39 @@ impl Engine {
             );
         }
         Ok(rows[from * vocab..count * vocab].to_vec())
+    }
+}
+
+/// Refuses a KV cache larger than the memory the system has available, before allocating it,
+/// saying how much it needs.
+fn check_cache_fits(s: &Shape) -> Result<()> {
+    let need = [2, s.n_layers, s.kvh, s.ctx, s.head_dim, s.kv.size()]
+        .iter()
+        .try_fold(1u128, |a, &b| a.checked_mul(b as u128));
+    let available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
+        m.lines()
+            .find(|l| l.starts_with("MemAvailable:"))
+            .and_then(|l| l.split_whitespace().nth(1)?.parse::<u128>().ok())
+            .map(|kb| kb * 1024)
+    });
+    match (need, available) {
+        (None, _) => bail!(
+            "a KV cache of {} slots ({} layers) is too large to address; lower --ctx",
+            s.ctx,
+            s.n_layers
+        ),
+        (Some(n), Some(a)) if n > a => bail!(
+            "the KV cache of {} slots needs {:.2} GB ({} layers x K and V x {} KV heads x {} x {} {}), but only {:.2} GB of memory is available; lower --ctx",
+            s.ctx,
+            n as f64 / 1e9,
+            s.n_layers,
+            s.kvh,
+            s.ctx,
+            s.head_dim,
+            s.kv,
+            a as f64 / 1e9
+        ),
+        _ => Ok(()),
     }
 }
 

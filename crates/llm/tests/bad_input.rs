@@ -91,3 +91,26 @@ fn missing_key() {
         "{e}"
     );
 }
+
+/// A context whose KV cache cannot fit in memory is refused before anything is allocated, with
+/// the size it needs.
+#[test]
+fn context_larger_than_memory_is_refused() {
+    let path = fixtures().join("tiny-qwen2/tiny-qwen2-F32.gguf");
+    for ctx in [1usize << 40, usize::MAX / 2] {
+        let opts = npuc_llm::EngineOptions {
+            threads: 1,
+            ctx: Some(ctx),
+            variants: vec![npuc_llm::Variant::Ar(1)],
+            precision: Precision::Exact,
+        };
+        let e = match npuc_llm::Engine::from_gguf(&path, &opts) {
+            Ok(_) => panic!("a context of {ctx} slots must be refused"),
+            Err(e) => e.to_string(),
+        };
+        assert!(
+            e.contains("lower --ctx") && (e.contains("GB") || e.contains("too large")),
+            "{e}"
+        );
+    }
+}
