@@ -203,11 +203,12 @@ fn gemma3_parity_greedy_matches_llama_cpp() {
     }
 }
 
-/// llama-perplexity -c 512 on ppl_text.txt: 13.5372 +/- 0.35626 over 43 chunks; ours within 1 %.
+/// llama-perplexity -c 512 on ppl_text.txt: 13.5372 +/- 0.35626 over 43 chunks; ours (the default,
+/// fast precision) within 0.5 % (issue 15's bar for the fast path; measured 13.5387 on 2026-11-27).
 /// Slow (43 x 512 tokens of prefill): `cargo test --release -p npuc-cli --test llm_cli -- --ignored`.
 #[test]
 #[ignore = "slow (~1-3 min in release); run with --ignored"]
-fn gemma3_perplexity_within_1_percent_of_llama_cpp() {
+fn gemma3_perplexity_within_half_a_percent_of_llama_cpp() {
     let model = gemma();
     let text = fixtures().join("gemma3/ppl_text.txt");
     let r = json(&std::fs::read_to_string(fixtures().join("gemma3/gemma3_270m_ppl.json")).unwrap());
@@ -224,7 +225,7 @@ fn gemma3_perplexity_within_1_percent_of_llama_cpp() {
     assert_eq!(j["chunks"].as_u64(), r["chunks"].as_u64(), "{se}");
     let (got, want) = (j["ppl"].as_f64().unwrap(), r["ppl"].as_f64().unwrap());
     assert!(
-        (got - want).abs() / want < 0.01,
+        (got - want).abs() / want < 0.005,
         "PPL {got} vs llama.cpp {want}"
     );
 }
