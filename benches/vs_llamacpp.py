@@ -46,7 +46,9 @@ def npuc(binary, model, threads):
             for k in ("weight_bytes_per_token", "read_bandwidth_bytes_per_s", "roofline_share"):
                 if k in j:
                     res[k] = j[k]
-        rss_max = max(rss_max or 0, rss or 0)
+        # npuc's own high-water mark (VmHWM): the wrapper's figure would include the bandwidth
+        # probe `npuc bench` runs in a child process of its own.
+        rss_max = max(rss_max or 0, j.get("peak_rss_bytes") or rss or 0)
     return res, rss_max
 
 
