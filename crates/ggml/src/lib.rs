@@ -52,6 +52,31 @@ pub fn parallel_for(tasks: usize, threads: usize, f: &(dyn Fn(usize) + Sync)) {
     pool::pool().run(tasks, threads, f)
 }
 
+/// Runs `f(c, piece)` for every `chunk`-sized piece `c` of `buf` on this thread and up to
+/// `threads - 1` workers of the kernels' pool (this thread alone when `threads <= 1`).
+pub fn parallel_chunks_mut<T: Send>(
+    buf: &mut [T],
+    chunk: usize,
+    threads: usize,
+    f: &(dyn Fn(usize, &mut [T]) + Sync),
+) {
+    let chunk = chunk.max(1);
+    if threads <= 1 || buf.len() <= chunk {
+        for (c, piece) in buf.chunks_mut(chunk).enumerate() {
+            f(c, piece);
+        }
+        return;
+    }
+    // One lock per piece (never contended: each task takes its own) hands out disjoint `&mut`s.
+    let pieces: Vec<std::sync::Mutex<&mut [T]>> =
+        buf.chunks_mut(chunk).map(std::sync::Mutex::new).collect();
+    pool::pool().run(pieces.len(), threads, &|c| {
+        if let Ok(mut piece) = pieces[c].lock() {
+            f(c, &mut piece);
+        }
+    });
+}
+
 /// Elements per block of the K-quants.
 pub use npuc_ir::ggml::QK_K;
 

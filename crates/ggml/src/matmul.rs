@@ -200,8 +200,7 @@ fn matmul_impl(
 }
 
 /// The `m` rows of `x` (`k` values each) quantized to `vt`, and the bytes per quantized row.
-/// Rows are quantized in parallel (blocks of [`QUANT_ROWS`]) when `threads > 1` and there are
-/// several blocks.
+/// Rows are quantized in parallel (blocks of [`QUANT_ROWS`]) when `threads > 1`.
 fn quantize_rows(
     vt: GgmlType,
     x: &[f32],
@@ -217,27 +216,17 @@ fn quantize_rows(
         }
         Ok(())
     };
-    if threads > 1 && m > QUANT_ROWS {
-        let parts: Vec<std::sync::Mutex<&mut [u8]>> = xq
-            .chunks_mut(QUANT_ROWS * xrb)
-            .map(std::sync::Mutex::new)
-            .collect();
-        let failed = std::sync::Mutex::new(None);
-        crate::pool::pool().run(parts.len(), threads, &|c| {
-            if let Ok(mut q) = parts[c].lock() {
-                let xs = &x[c * QUANT_ROWS * k..((c + 1) * QUANT_ROWS).min(m) * k];
-                if let Err(e) = quantize(xs, &mut q) {
-                    if let Ok(mut f) = failed.lock() {
-                        *f = Some(e);
-                    }
-                }
+    let failed = std::sync::Mutex::new(None);
+    crate::parallel_chunks_mut(&mut xq, QUANT_ROWS * xrb, threads, &|c, q| {
+        let xs = &x[c * QUANT_ROWS * k..((c + 1) * QUANT_ROWS).min(m) * k];
+        if let Err(e) = quantize(xs, q) {
+            if let Ok(mut f) = failed.lock() {
+                *f = Some(e);
             }
-        });
-        if let Some(e) = failed.into_inner().ok().flatten() {
-            return Err(e);
         }
-    } else {
-        quantize(x, &mut xq)?;
+    });
+    if let Some(e) = failed.into_inner().ok().flatten() {
+        return Err(e);
     }
     Ok((xq, xrb))
 }
@@ -253,20 +242,11 @@ where
 {
     // Chunks of whole 4-row tiles, a few per thread so uneven progress evens out.
     let chunk = n.div_ceil(threads * 4).max(16).next_multiple_of(4);
+    let threads = if par { threads } else { 1 };
     let split = |buf: &mut [f32], per_row: usize| {
-        if par {
-            let parts: Vec<std::sync::Mutex<&mut [f32]>> = buf
-                .chunks_mut(chunk * per_row)
-                .map(std::sync::Mutex::new)
-                .collect();
-            crate::pool::pool().run(parts.len(), threads, &|c| {
-                if let Ok(mut out) = parts[c].lock() {
-                    rows(c * chunk, &mut out);
-                }
-            });
-        } else {
-            rows(0, buf);
-        }
+        crate::parallel_chunks_mut(buf, chunk * per_row, threads, &|c, out| {
+            rows(c * chunk, out)
+        });
     };
     if m == 1 {
         // y is one row: a chunk of columns is contiguous, no transpose needed.
@@ -285,19 +265,7 @@ where
             }
         }
     };
-    if par && m > 1 {
-        let parts: Vec<std::sync::Mutex<&mut [f32]>> = y
-            .chunks_mut(rows_per * n)
-            .map(std::sync::Mutex::new)
-            .collect();
-        crate::pool::pool().run(parts.len(), threads, &|c| {
-            if let Ok(mut ys) = parts[c].lock() {
-                back(c * rows_per, &mut ys);
-            }
-        });
-    } else {
-        back(0, y);
-    }
+    crate::parallel_chunks_mut(y, rows_per * n, threads, &|c, ys| back(c * rows_per, ys));
 }
 
 /// Weight rows `n0 .. n0 + out.len() / m` times every quantized activation row; `out` is

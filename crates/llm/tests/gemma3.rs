@@ -22,6 +22,27 @@ fn opts(precision: Precision, variants: &[Variant]) -> EngineOptions {
     }
 }
 
+/// llama.cpp's greedy references: (prompt ids with BOS, generated ids) per prompt.
+fn greedy_refs() -> Vec<(Vec<u32>, Vec<u32>)> {
+    let refs: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("gemma3/gemma3_270m_greedy.json")).unwrap(),
+    )
+    .unwrap();
+    let ids = |v: &serde_json::Value| -> Vec<u32> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect()
+    };
+    refs["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| (ids(&p["prompt_ids_bos"]), ids(&p["gen_ids"])))
+        .collect()
+}
+
 /// Greedy continuation of `prompt` for `n` tokens.
 fn greedy(e: &mut Engine, prompt: &[u32], n: usize) -> Vec<u32> {
     e.reset();
@@ -74,17 +95,7 @@ fn exact_last_logits_match_transformers() {
 /// batch kernel) give the same greedy ids for every reference prompt.
 fn parity_greedy_matches_llama_cpp() {
     let path = model();
-    let refs: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(fixtures().join("gemma3/gemma3_270m_greedy.json")).unwrap(),
-    )
-    .unwrap();
-    let ids = |v: &serde_json::Value| -> Vec<u32> {
-        v.as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_u64().unwrap() as u32)
-            .collect()
-    };
+    let refs = greedy_refs();
     let mut e = Engine::from_gguf(
         &path,
         &opts(
@@ -94,10 +105,8 @@ fn parity_greedy_matches_llama_cpp() {
     )
     .unwrap();
     let (mut same, mut total, mut prompts_ok) = (0, 0, 0);
-    let n_prompts = refs["prompts"].as_array().unwrap().len();
-    for p in refs["prompts"].as_array().unwrap() {
-        let prompt = ids(&p["prompt_ids_bos"]);
-        let want = ids(&p["gen_ids"]);
+    let n_prompts = refs.len();
+    for (prompt, want) in refs {
         let t0 = std::time::Instant::now();
         let got = greedy(&mut e, &prompt, want.len());
         let secs = t0.elapsed().as_secs_f64();
@@ -138,17 +147,7 @@ fn parity_greedy_matches_llama_cpp() {
 /// 2026-11-27; issue 15's fidelity bar, 99% over the perplexity text, is not asserted here).
 fn fast_teacher_forced_top1_agrees_with_llama_cpp() {
     let path = model();
-    let refs: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(fixtures().join("gemma3/gemma3_270m_greedy.json")).unwrap(),
-    )
-    .unwrap();
-    let ids = |v: &serde_json::Value| -> Vec<u32> {
-        v.as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_u64().unwrap() as u32)
-            .collect()
-    };
+    let refs = greedy_refs();
     let mut e = Engine::from_gguf(
         &path,
         &opts(
@@ -158,11 +157,9 @@ fn fast_teacher_forced_top1_agrees_with_llama_cpp() {
     )
     .unwrap();
     let (mut same, mut total) = (0, 0);
-    for p in refs["prompts"].as_array().unwrap() {
-        let prompt = ids(&p["prompt_ids_bos"]);
-        let gen = ids(&p["gen_ids"]);
+    for (prompt, gen) in &refs {
         e.reset();
-        let mut logits = e.forward(&prompt, false).unwrap();
+        let mut logits = e.forward(prompt, false).unwrap();
         for (t, want) in gen.iter().enumerate() {
             let got = argmax(&logits);
             if got != *want {

@@ -634,25 +634,19 @@ fn attention_f32(a: &AttnArgs, out: &mut [f32]) {
         npuc_ggml::weighted_sum(scores, vals, o);
     };
     let work = n * h * d * end_max;
-    if a.threads > 1 && n * h > 1 && work > 1 << 16 {
-        // One pool task per a few (token, head) pairs, on the kernels' warm pool.
-        let per = (n * h).div_ceil(a.threads * 4).max(1);
-        let parts: Vec<std::sync::Mutex<&mut [f32]>> =
-            out.chunks_mut(per * d).map(std::sync::Mutex::new).collect();
-        npuc_ggml::parallel_for(parts.len(), a.threads, &|c| {
-            if let Ok(mut o) = parts[c].lock() {
-                let mut s = Vec::new();
-                for (k, od) in o.chunks_mut(d).enumerate() {
-                    task((c * per + k, od), &mut s);
-                }
-            }
-        });
+    // A few (token, head) pairs per task, on the kernels' warm pool (one thread for small calls).
+    let threads = if n * h > 1 && work > 1 << 16 {
+        a.threads
     } else {
+        1
+    };
+    let per = (n * h).div_ceil(threads * 4).max(1);
+    npuc_ggml::parallel_chunks_mut(out, per * d, threads, &|c, o| {
         let mut s = Vec::new();
-        for t in out.chunks_mut(d).enumerate() {
-            task(t, &mut s);
+        for (k, od) in o.chunks_mut(d).enumerate() {
+            task((c * per + k, od), &mut s);
         }
-    }
+    });
 }
 
 #[cfg(test)]
