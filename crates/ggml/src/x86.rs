@@ -6,7 +6,7 @@ use crate::dequant::scale_min_k4;
 /// out here (identical type) so that this module depends on no other kernel module.
 type DotFn = fn(&[u8], &[u8]) -> f32;
 use crate::gemm::{MR, NR};
-use crate::{f16_at, GgmlType, QK_K};
+use crate::{GgmlType, QK_K};
 use std::arch::x86_64::*;
 
 /// Horizontal sum of 8 f32 lanes in the order ((0+4)+(2+6))+((1+5)+(3+7)).
@@ -118,7 +118,7 @@ fn q8_0_q8_0(w: &[u8], x: &[u8]) -> f32 {
 unsafe fn q8_0_q8_0_avx2(w: &[u8], x: &[u8]) -> f32 {
     let mut acc = _mm256_setzero_ps();
     for (wb, xb) in w.chunks_exact(34).zip(x.chunks_exact(34)) {
-        let d = _mm256_set1_ps(f16_at(wb, 0) * f16_at(xb, 0));
+        let d = _mm256_set1_ps(f16c(wb, 0) * f16c(xb, 0));
         let q = mul_sum_i8_pairs_float(load32(wb, 2), load32(xb, 2));
         acc = _mm256_fmadd_ps(d, q, acc);
     }
@@ -135,7 +135,7 @@ unsafe fn q4_0_q8_0_avx2(w: &[u8], x: &[u8]) -> f32 {
     let mut acc = _mm256_setzero_ps();
     let off = _mm256_set1_epi8(8);
     for (wb, xb) in w.chunks_exact(18).zip(x.chunks_exact(34)) {
-        let d = _mm256_set1_ps(f16_at(wb, 0) * f16_at(xb, 0));
+        let d = _mm256_set1_ps(f16c(wb, 0) * f16c(xb, 0));
         let qw = _mm256_sub_epi8(nibbles(wb, 2), off);
         let q = mul_sum_i8_pairs_float(qw, load32(xb, 2));
         acc = _mm256_fmadd_ps(d, q, acc);
@@ -152,7 +152,7 @@ fn q5_0_q8_0(w: &[u8], x: &[u8]) -> f32 {
 unsafe fn q5_0_q8_0_avx2(w: &[u8], x: &[u8]) -> f32 {
     let mut acc = _mm256_setzero_ps();
     for (wb, xb) in w.chunks_exact(22).zip(x.chunks_exact(34)) {
-        let d = _mm256_set1_ps(f16_at(wb, 0) * f16_at(xb, 0));
+        let d = _mm256_set1_ps(f16c(wb, 0) * f16c(xb, 0));
         let qh = u32::from_le_bytes([wb[2], wb[3], wb[4], wb[5]]);
         // q - 16 = nibble when the 5th bit is set, nibble | 0xF0 (nibble - 16) when not.
         let hi = _mm256_andnot_si256(bytes_from_bits_32(qh), _mm256_set1_epi8(0xF0u8 as i8));
@@ -197,8 +197,8 @@ unsafe fn q4_k_q8_k_avx2<const GROUPED: bool>(w: &[u8], x: &[u8]) -> f32 {
     let (mut acc, mut acc_m) = (0f32, 0f32);
     for (wb, xb) in w.chunks_exact(144).zip(x.chunks_exact(292)) {
         let (yd, bsums) = q8k_d_bsums(xb);
-        let d = f16_at(wb, 0) * yd;
-        let dmin = f16_at(wb, 2) * yd;
+        let d = f16c(wb, 0) * yd;
+        let dmin = f16c(wb, 2) * yd;
         let mut sc = [0i16; 8];
         let mut mn = [0i16; 8];
         for j in 0..8 {
@@ -290,7 +290,7 @@ unsafe fn q6_k_q8_k_avx2<const TILED: bool>(w: &[u8], x: &[u8]) -> f32 {
     let mut acc_tiled = 0f32;
     for (wb, xb) in w.chunks_exact(210).zip(x.chunks_exact(292)) {
         let (yd, bsums) = q8k_d_bsums(xb);
-        let d = yd * f16_at(wb, 208);
+        let d = yd * f16c(wb, 208);
         let sc = &wb[192..208];
         // SAFETY: `sc` is 16 readable bytes.
         let scales = unsafe { _mm_loadu_si128(sc.as_ptr() as *const __m128i) };
@@ -313,7 +313,7 @@ unsafe fn q6_k_q8_k_avx2<const TILED: bool>(w: &[u8], x: &[u8]) -> f32 {
         let sumi = _mm256_sub_epi32(sumi, offset);
         if TILED {
             let isum = hsum_i32(sumi);
-            acc_tiled = (f16_at(wb, 208) * isum as f32).mul_add(yd, acc_tiled);
+            acc_tiled = (f16c(wb, 208) * isum as f32).mul_add(yd, acc_tiled);
         } else {
             acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
         }
@@ -343,7 +343,7 @@ unsafe fn f16_f16_avx2(w: &[u8], x: &[u8]) -> f32 {
     }
     let mut s = hsum(acc);
     while i < n {
-        s += f16_at(w, 2 * i) * f16_at(x, 2 * i);
+        s += f16c(w, 2 * i) * f16c(x, 2 * i);
         i += 1;
     }
     s
@@ -1082,7 +1082,7 @@ unsafe fn nibble_halves(q: __m128i) -> (__m128i, __m128i) {
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dq_q8_0(b: &[u8], y: &mut [f32]) {
-    let d = _mm256_set1_ps(f16_at(b, 0));
+    let d = _mm256_set1_ps(f16c(b, 0));
     for h in 0..2 {
         // SAFETY: a Q8_0 block is 34 bytes: quants at 2..34.
         unsafe { put16_mul(&mut y[16 * h..], load16(b, 2 + 16 * h), d) };
@@ -1091,7 +1091,7 @@ unsafe fn dq_q8_0(b: &[u8], y: &mut [f32]) {
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dq_q4_0(b: &[u8], y: &mut [f32]) {
-    let d = _mm256_set1_ps(f16_at(b, 0));
+    let d = _mm256_set1_ps(f16c(b, 0));
     // SAFETY: a Q4_0 block is 18 bytes: quants at 2..18.
     let (lo, hi) = unsafe { nibble_halves(load16(b, 2)) };
     let eight = _mm_set1_epi8(8);
@@ -1104,7 +1104,7 @@ unsafe fn dq_q4_0(b: &[u8], y: &mut [f32]) {
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dq_q5_0(b: &[u8], y: &mut [f32]) {
-    let d = _mm256_set1_ps(f16_at(b, 0));
+    let d = _mm256_set1_ps(f16c(b, 0));
     let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
     // Byte j of the 32: 0x10 when bit j of qh is set.
     let high = _mm256_and_si256(bytes_from_bits_32(qh), _mm256_set1_epi8(0x10));
@@ -1122,8 +1122,8 @@ unsafe fn dq_q5_0(b: &[u8], y: &mut [f32]) {
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dq_q4_1(b: &[u8], y: &mut [f32]) {
-    let d = _mm256_set1_ps(f16_at(b, 0));
-    let m = _mm256_set1_ps(f16_at(b, 2));
+    let d = _mm256_set1_ps(f16c(b, 0));
+    let m = _mm256_set1_ps(f16c(b, 2));
     // SAFETY: a Q4_1 block is 20 bytes: quants at 4..20.
     let (lo, hi) = unsafe { nibble_halves(load16(b, 4)) };
     // SAFETY: 32 values in `y`.
@@ -1135,8 +1135,8 @@ unsafe fn dq_q4_1(b: &[u8], y: &mut [f32]) {
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dq_q4_k(b: &[u8], y: &mut [f32]) {
-    let d = f16_at(b, 0);
-    let min = f16_at(b, 2);
+    let d = f16c(b, 0);
+    let min = f16c(b, 2);
     let sc = &b[4..16];
     for j in 0..QK_K / 64 {
         let (s1, m1) = scale_min_k4(2 * j, sc);
@@ -1163,7 +1163,7 @@ unsafe fn dq_q4_k(b: &[u8], y: &mut [f32]) {
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dq_q6_k(b: &[u8], y: &mut [f32]) {
-    let d = f16_at(b, 208);
+    let d = f16c(b, 208);
     let (m4, m3, off) = (_mm_set1_epi8(0x0F), _mm_set1_epi8(3), _mm_set1_epi8(32));
     for n in 0..2 {
         let sc = &b[192 + 8 * n..192 + 8 * n + 8];
