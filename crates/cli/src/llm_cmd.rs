@@ -76,8 +76,9 @@ impl ChatTemplate for Tok<'_> {
 /// Numerical path of the engine.
 #[derive(Clone, Copy, Debug, ValueEnum)]
 pub enum PrecisionArg {
-    /// Built for speed (the default): Q8 activations in quantized matmuls, multi-row integer
-    /// kernels, f16 KV cache, vectorized attention; rounds differently from llama.cpp.
+    /// Built for speed (the default): prompts through f32 products over weights dequantized
+    /// panel by panel, token steps through Q8 activations and integer kernels, f16 KV cache,
+    /// vectorized attention; rounds differently from llama.cpp.
     Fast,
     /// llama.cpp's AVX2 CPU arithmetic op by op (logits bit-identical to it; a test instrument).
     Parity,
@@ -329,18 +330,18 @@ pub fn load(args: &ModelArgs) -> Result<(Engine, Tokenizer)> {
     }
     let path = &args.model;
     let is_artifact = is_llm_artifact(path);
-    let engine = if is_artifact {
+    let mut engine = if is_artifact {
         Engine::from_artifact(path, &opts)
     } else {
         Engine::from_gguf(path, &opts)
     }
     .with_context(|| format!("loading '{}'", path.display()))?;
-    let mut tok = if is_artifact {
-        Tokenizer::from_metadata(&engine.metadata().entries)
-    } else {
-        Tokenizer::from_gguf_path(path)
-    }
-    .with_context(|| format!("tokenizer of '{}'", path.display()))?;
+    // The tokenizer from the metadata the engine read (the GGUF's tokenizer keys, or the
+    // artifact's copy of them), not from a second parse of the file; then only its own tables stay.
+    let meta = engine.take_metadata();
+    let mut tok = Tokenizer::from_metadata_named(&path.display().to_string(), &meta.entries)
+        .with_context(|| format!("tokenizer of '{}'", path.display()))?;
+    drop(meta);
     if let Some(t) = &args.chat_template {
         let text = if Path::new(t).is_file() {
             std::fs::read_to_string(t).with_context(|| format!("reading chat template '{t}'"))?
