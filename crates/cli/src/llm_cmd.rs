@@ -103,7 +103,7 @@ pub struct ModelArgs {
     /// Chat template (a file path, or the template text itself) replacing the model's.
     #[arg(long)]
     pub chat_template: Option<String>,
-    /// Graph variants to build (GGUF) or use (artifact), e.g. `ar1,ar32,ar128` (default: the engine's).
+    /// Graph variants to build (GGUF) or use (artifact), e.g. `ar1,ar32,ar128` (default: ar1,ar32,ar128).
     #[arg(long)]
     pub variants: Option<String>,
 }
@@ -582,7 +582,7 @@ pub fn bench_cmd(a: &LlmBenchArgs) -> Result<()> {
                 })
                 .max()
                 .unwrap_or(1),
-            None => 32,
+            None => 128,
         };
         margs.ctx = Some((a.prompt_len + a.gen).max(largest));
     }
