@@ -220,6 +220,11 @@ pub struct PerplexityArgs {
     /// Evaluate at most this many chunks.
     #[arg(long)]
     pub chunks: Option<usize>,
+    /// Another engine's top-1 ids at the scored positions (`.npy`, 1-D integers, e.g. made by
+    /// `scripts/llamacpp/make_top1_refs.py` with llama.cpp): prints the share of positions where
+    /// npuc's argmax is the same (teacher-forced top-1 agreement).
+    #[arg(long)]
+    pub top1_ref: Option<PathBuf>,
     /// Print one JSON object at the end.
     #[arg(long)]
     pub json: bool,
@@ -520,6 +525,8 @@ pub fn perplexity_cmd(a: &PerplexityArgs) -> Result<()> {
     let n_ctx = a.model.ctx.unwrap_or(512);
     let mut margs = a.model.clone();
     margs.ctx = Some(n_ctx);
+    // The reference first: a missing or malformed file is reported before minutes of work.
+    let top1_ref = a.top1_ref.as_deref().map(read_top1_ref).transpose()?;
     let (mut engine, tok) = load(&margs)?;
     let text = std::fs::read_to_string(&a.file)
         .with_context(|| format!("reading '{}'", a.file.display()))?;
@@ -541,22 +548,69 @@ pub fn perplexity_cmd(a: &PerplexityArgs) -> Result<()> {
     eprintln!();
     let secs = t0.elapsed().as_secs_f64();
     let n_chunks = r.chunk_ppl.len();
+    let agreement = match (&top1_ref, &a.top1_ref) {
+        (Some(want), Some(path)) => {
+            if want.len() < r.top1.len() {
+                bail!(
+                    "{}: {} top-1 ids, but {n_chunks} chunks of {n_ctx} score {} positions (make it with the same text, --ctx and --chunks)",
+                    path.display(),
+                    want.len(),
+                    r.top1.len()
+                );
+            }
+            let same = r.top1.iter().zip(want).filter(|(a, b)| a == b).count();
+            Some((same, r.top1.len()))
+        }
+        _ => None,
+    };
     if a.json {
-        println!(
-            "{}",
-            serde_json::json!({
-                "ppl": r.ppl, "stderr": r.stderr, "ctx": n_ctx, "chunks": n_chunks, "scored_tokens": r.count,
-                "chunk_ppl": r.chunk_ppl, "seconds": secs,
-            })
-        );
+        let mut j = serde_json::json!({
+            "ppl": r.ppl, "stderr": r.stderr, "ctx": n_ctx, "chunks": n_chunks, "scored_tokens": r.count,
+            "chunk_ppl": r.chunk_ppl, "seconds": secs,
+        });
+        if let Some((same, total)) = agreement {
+            j["top1_agree"] = serde_json::json!(same);
+            j["top1_positions"] = serde_json::json!(total);
+        }
+        println!("{j}");
     } else {
         println!("{}", r.final_line());
+        if let Some((same, total)) = agreement {
+            println!(
+                "top-1 agreement with the reference: {same}/{total} ({:.2}%)",
+                100.0 * same as f64 / total.max(1) as f64
+            );
+        }
         eprintln!(
             "{n_chunks} chunks in {secs:.1} s ({:.1} tokens/s)",
             (n_chunks * n_ctx) as f64 / secs
         );
     }
     Ok(())
+}
+
+/// A 1-D integer `.npy` of token ids (`--top1-ref`).
+fn read_top1_ref(path: &Path) -> Result<Vec<u32>> {
+    let t = crate::npy::read_npy(path)?;
+    if t.shape().len() != 1 {
+        bail!(
+            "{}: top-1 ids must be a 1-D array, got shape {:?}",
+            path.display(),
+            t.shape()
+        );
+    }
+    let vals = t
+        .to_f64_vec()
+        .with_context(|| format!("{}: top-1 ids", path.display()))?;
+    vals.iter()
+        .enumerate()
+        .map(|(i, &v)| {
+            if v < 0.0 || v.fract() != 0.0 || v > u32::MAX as f64 {
+                bail!("{}: entry {i} ({v}) is not a token id", path.display());
+            }
+            Ok(v as u32)
+        })
+        .collect()
 }
 
 fn median(v: &mut [f64]) -> f64 {

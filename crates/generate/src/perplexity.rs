@@ -33,6 +33,9 @@ pub struct PerplexityResult {
     pub count: usize,
     /// Context length used per chunk.
     pub n_ctx: usize,
+    /// The model's top-1 (argmax of the logits; lowest id on ties) at every scored position, in
+    /// order: what a teacher-forced agreement check compares with another engine's.
+    pub top1: Vec<u32>,
 }
 
 impl PerplexityResult {
@@ -49,6 +52,17 @@ impl PerplexityResult {
     pub fn final_line(&self) -> String {
         format!("PPL = {:.4} +/- {:.5}", self.ppl, self.stderr)
     }
+}
+
+/// Index of the largest logit (the lowest on ties).
+fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &l) in row.iter().enumerate() {
+        if l > row[best] {
+            best = i;
+        }
+    }
+    best as u32
 }
 
 /// Negative log-likelihood of `target` under one logits row, llama.cpp's way (see the module docs).
@@ -107,6 +121,7 @@ pub fn perplexity<L: CausalLm + ?Sized>(
     let mut count = 0usize;
     let mut chunk_ppl = Vec::with_capacity(n_chunk);
     let mut chunk = Vec::with_capacity(n_ctx);
+    let mut top1 = Vec::with_capacity(n_chunk * n_scored);
     for k in 0..n_chunk {
         let start = k * n_ctx;
         chunk.clear();
@@ -130,16 +145,17 @@ pub fn perplexity<L: CausalLm + ?Sized>(
             );
         }
         // Row r holds the logits at position first + r, predicting chunk[first + r + 1].
-        let (s1, s2) = (0..n_scored)
+        let rows: Vec<(f64, u32)> = (0..n_scored)
             .into_par_iter()
             .map(|r| {
-                let v = nll(
-                    &logits[r * vocab..(r + 1) * vocab],
-                    chunk[first + r + 1] as usize,
-                );
-                (v, v * v)
+                let row = &logits[r * vocab..(r + 1) * vocab];
+                (nll(row, chunk[first + r + 1] as usize), argmax(row))
             })
-            .reduce(|| (0.0, 0.0), |a, b| (a.0 + b.0, a.1 + b.1));
+            .collect();
+        let (s1, s2) = rows
+            .iter()
+            .fold((0.0, 0.0), |a, &(v, _)| (a.0 + v, a.1 + v * v));
+        top1.extend(rows.iter().map(|r| r.1));
         nll_sum += s1;
         nll2_sum += s2;
         count += n_scored;
@@ -161,6 +177,7 @@ pub fn perplexity<L: CausalLm + ?Sized>(
         chunk_ppl,
         count,
         n_ctx,
+        top1,
     })
 }
 

@@ -114,17 +114,54 @@ pub(crate) fn gemm(
         return Ok(());
     }
     let (micro, dequant) = kernels(scalar);
-    // Activations as [m / 16][k][16] (zero rows past m): the micro-kernel's vector operand.
+    // Activations as [m / 16][k][16] (zero rows past m): the micro-kernel's vector operand, in
+    // this thread's reusable buffer (a fresh megabyte per product would be kept by the allocator
+    // as its threshold for returning memory grows, adding tens of MB to the peak RSS).
     let groups = m.div_ceil(NR);
-    let mut xp = vec![0f32; groups * k * NR];
-    crate::parallel_chunks_mut(&mut xp, k * NR, threads, &|g, dst| {
-        for i in 0..NR.min(m - g * NR) {
-            let row = &x[(g * NR + i) * k..(g * NR + i + 1) * k];
-            for (kk, &v) in row.iter().enumerate() {
-                dst[kk * NR + i] = v;
+    PACKED.with(|cell| {
+        let mut xp = cell.take();
+        xp.resize(groups * k * NR, 0.0);
+        crate::parallel_chunks_mut(&mut xp, k * NR, threads, &|g, dst| {
+            let rows = NR.min(m - g * NR);
+            for i in 0..rows {
+                let row = &x[(g * NR + i) * k..(g * NR + i + 1) * k];
+                for (kk, &v) in row.iter().enumerate() {
+                    dst[kk * NR + i] = v;
+                }
             }
-        }
-    });
+            if rows < NR {
+                for kk in 0..k {
+                    dst[kk * NR + rows..(kk + 1) * NR].fill(0.0);
+                }
+            }
+        });
+        let r = products(src, n, k, &xp, m, y, threads, micro, dequant);
+        cell.replace(xp);
+        r
+    })
+}
+
+thread_local! {
+    /// Packed activations of the products this thread starts (grown, never shrunk).
+    static PACKED: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
+    /// Dequantized weight rows of the tasks this thread runs.
+    static WROWS: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+/// The products of [`gemm`] over packed activations `xp`: groups of `MR` weight rows per task.
+#[allow(clippy::too_many_arguments)]
+fn products(
+    src: Rows,
+    n: usize,
+    k: usize,
+    xp: &[f32],
+    m: usize,
+    y: &mut [f32],
+    threads: usize,
+    micro: MicroFn,
+    dequant: crate::dequant::DequantFn,
+) -> Result<()> {
+    let groups = m.div_ceil(NR);
     let panels = n.div_ceil(MR);
     // A few tasks per thread so uneven progress evens out; one when running alone.
     let per_task = if threads > 1 {
@@ -143,11 +180,10 @@ pub(crate) fn gemm(
     let task = |t: usize| {
         let p0 = t * per_task * MR;
         let p1 = ((t + 1) * per_task * MR).min(n);
-        let run = || -> Result<()> {
-            let mut wd = match src {
-                Rows::Quant { .. } => vec![0f32; MR * k],
-                Rows::F32(_) => Vec::new(),
-            };
+        let run = |wd: &mut Vec<f32>| -> Result<()> {
+            if let Rows::Quant { .. } = src {
+                wd.resize(MR * k, 0.0);
+            }
             let mut tile = [0f32; MR * NR];
             for p in (p0..p1).step_by(MR) {
                 let rows = MR.min(p1 - p);
@@ -160,7 +196,7 @@ pub(crate) fn gemm(
                                 &mut wd[r * k..(r + 1) * k],
                             )?;
                         }
-                        &wd
+                        &wd[..]
                     }
                     Rows::F32(w) => &w[p * k..(p + rows) * k],
                 };
@@ -187,7 +223,10 @@ pub(crate) fn gemm(
             }
             Ok(())
         };
-        if let Err(e) = run() {
+        let mut wd = WROWS.take();
+        let r = run(&mut wd);
+        WROWS.set(wd);
+        if let Err(e) = r {
             if let Ok(mut f) = failed.lock() {
                 *f = Some(e);
             }

@@ -678,20 +678,48 @@ fn attention_batched(
     vf: &[f32],
     out: &mut [f32],
 ) -> Result<()> {
-    let (n, h, kvh, d, c) = (a.n, a.h, a.kvh, a.d, a.c);
-    let group = h / kvh;
     let lo_min = spans.iter().map(|s| s.0).min().unwrap_or(0).min(end_max);
     let len = end_max - lo_min;
-    let m = n * group;
-    let threads = a.threads.max(1);
     out.iter_mut().for_each(|v| *v = 0.0);
     if len == 0 {
         return Ok(());
     }
-    let mut qg = vec![0f32; m * d];
-    let mut scores = vec![0f32; m * len];
-    let mut vt = vec![0f32; d * len];
-    let mut og = vec![0f32; m * d];
+    // This thread's reusable buffers (fresh megabytes per call would be kept by the allocator as
+    // its threshold for returning memory grows, adding to the peak RSS).
+    let mut bufs = ATTN_BUFS.take();
+    let r = attention_batched_in(a, spans, end_max, kf, vf, out, lo_min, len, &mut bufs);
+    ATTN_BUFS.set(bufs);
+    r
+}
+
+thread_local! {
+    /// Buffers of [`attention_batched`] on this thread: query rows, scores, transposed values,
+    /// outputs (grown, never shrunk).
+    static ATTN_BUFS: std::cell::Cell<[Vec<f32>; 4]> = const {
+        std::cell::Cell::new([Vec::new(), Vec::new(), Vec::new(), Vec::new()])
+    };
+}
+
+#[allow(clippy::too_many_arguments)]
+fn attention_batched_in(
+    a: &AttnArgs,
+    spans: &[(usize, usize)],
+    end_max: usize,
+    kf: &[f32],
+    vf: &[f32],
+    out: &mut [f32],
+    lo_min: usize,
+    len: usize,
+    [qg, scores, vt, og]: &mut [Vec<f32>; 4],
+) -> Result<()> {
+    let (n, h, kvh, d, c) = (a.n, a.h, a.kvh, a.d, a.c);
+    let group = h / kvh;
+    let m = n * group;
+    let threads = a.threads.max(1);
+    qg.resize(m * d, 0.0);
+    scores.resize(m * len, 0.0);
+    vt.resize(d * len, 0.0);
+    og.resize(m * d, 0.0);
     for g in 0..kvh {
         // Row r = i * group + j is token i, head g * group + j.
         for (r, dst) in qg.chunks_exact_mut(d).enumerate() {
@@ -700,10 +728,10 @@ fn attention_batched(
         }
         let keys = &kf[(g * end_max + lo_min) * d..(g * end_max + end_max) * d];
         let vals = &vf[(g * end_max + lo_min) * d..(g * end_max + end_max) * d];
-        npuc_ggml::matmul_f32(keys, len, d, &qg, m, &mut scores, threads).map_err(ggml_err)?;
+        npuc_ggml::matmul_f32(keys, len, d, qg, m, scores, threads).map_err(ggml_err)?;
         // Masked softmax per row, in place: probabilities, 0 outside the row's visible keys.
         let rows_per = m.div_ceil(threads * 4).max(1);
-        npuc_ggml::parallel_chunks_mut(&mut scores, rows_per * len, threads, &|t, rows| {
+        npuc_ggml::parallel_chunks_mut(scores, rows_per * len, threads, &|t, rows| {
             for (dr, row) in rows.chunks_exact_mut(len).enumerate() {
                 let i = (t * rows_per + dr) / group;
                 let (lo, end) = spans[i];
@@ -730,7 +758,7 @@ fn attention_batched(
                 vt[dd * len + t] = v;
             }
         }
-        npuc_ggml::matmul_f32(&vt, d, len, &scores, m, &mut og, threads).map_err(ggml_err)?;
+        npuc_ggml::matmul_f32(vt, d, len, scores, m, og, threads).map_err(ggml_err)?;
         for (r, src) in og.chunks_exact(d).enumerate() {
             let (i, hh) = (r / group, g * group + r % group);
             out[(i * h + hh) * d..(i * h + hh + 1) * d].copy_from_slice(src);
