@@ -159,6 +159,52 @@ fn rope_angles(pos: i64, base: f64, dims: usize, factors: Option<&[f32]>, cs: &m
     }
 }
 
+/// The last angle table this thread computed: its key (positions, base bits, dims, factors) and
+/// `(cos, sin)` of each position's `dims / 2` pairs.
+type AngleTable = (
+    Vec<i64>,
+    u64,
+    usize,
+    Option<Vec<f32>>,
+    std::rc::Rc<Vec<(f32, f32)>>,
+);
+
+thread_local! {
+    static ANGLES: std::cell::RefCell<Option<AngleTable>> = const { std::cell::RefCell::new(None) };
+}
+
+/// [`rope_angles`] of every position in `pos`, `[pos.len()][dims / 2]`, from this thread's memo
+/// when the last call asked for the same table.
+fn angle_table(
+    pos: &[i64],
+    base: f64,
+    dims: usize,
+    factors: Option<&[f32]>,
+) -> std::rc::Rc<Vec<(f32, f32)>> {
+    ANGLES.with(|memo| {
+        let mut memo = memo.borrow_mut();
+        if let Some((p, b, d, f, table)) = memo.as_ref() {
+            if p == pos && *b == base.to_bits() && *d == dims && f.as_deref() == factors {
+                return table.clone();
+            }
+        }
+        let half = dims / 2;
+        let mut table = vec![(0f32, 0f32); pos.len() * half];
+        for (cs, &p) in table.chunks_exact_mut(half.max(1)).zip(pos) {
+            rope_angles(p, base, dims, factors, cs);
+        }
+        let table = std::rc::Rc::new(table);
+        *memo = Some((
+            pos.to_vec(),
+            base.to_bits(),
+            dims,
+            factors.map(|f| f.to_vec()),
+            table.clone(),
+        ));
+        table
+    })
+}
+
 /// Rotation angles as ggml's CPU rope computes them (attr `ggml=1`, the fast path that mirrors
 /// llama.cpp): `theta_scale = powf(base, -2/dims)` and the angle of pair i advanced by one f32
 /// multiplication per pair, `cosf`/`sinf` of `theta / factor` in f32.
@@ -226,6 +272,13 @@ fn rope(ctx: &OpCtx, mut ins: Inputs) -> Result<Vec<Value>> {
     let ggml = ctx.node.int_or("ggml", 0)? != 0;
     let xs = x.as_mut_slice::<f32>()?;
     let mut cs = vec![(0f32, 0f32); half];
+    // Every layer's q and k rotate by the same angles: the table of this call's positions is
+    // computed once and reused while the positions and parameters stay the same.
+    let table = if ggml {
+        std::rc::Rc::new(Vec::new())
+    } else {
+        angle_table(&pos, base, dims, factors.as_deref())
+    };
     for (t, &p) in pos.iter().enumerate() {
         if ggml {
             rope_angles_ggml(p, base as f32, dims, factors.as_deref(), &mut cs);
@@ -246,7 +299,7 @@ fn rope(ctx: &OpCtx, mut ins: Inputs) -> Result<Vec<Value>> {
             }
             continue;
         }
-        rope_angles(p, base, dims, factors.as_deref(), &mut cs);
+        let cs = &table[t * half..(t + 1) * half];
         for h in 0..heads {
             let row = &mut xs[(t * heads + h) * d..(t * heads + h + 1) * d];
             for (i, &(c, s)) in cs.iter().enumerate() {
