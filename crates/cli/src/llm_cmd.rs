@@ -9,33 +9,82 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use npuc_generate::chat::{ChatMessage, ChatSession, ChatTemplate};
 use npuc_generate::{generate, perplexity, CausalLm, GenOutput, SamplerParams, TokenText};
-use npuc_llm::{Engine, EngineOptions, Precision, Variant};
+use npuc_llm::{Bundle, BundleOptions, Engine, EngineOptions, Precision, Variant};
 use npuc_tokenizer::Tokenizer;
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-/// `CausalLm` view of the engine.
-pub struct Lm<'a>(pub &'a mut Engine);
+/// A loaded LLM: one engine over a GGUF or an LLM artifact, or a split bundle directory
+/// (`npuc build`), whose parts run in sequence.
+pub enum Model {
+    Engine(Engine),
+    Bundle(Box<Bundle>),
+}
+
+impl Model {
+    /// Vocabulary size.
+    pub fn vocab(&self) -> usize {
+        match self {
+            Model::Engine(e) => e.vocab(),
+            Model::Bundle(b) => b.vocab(),
+        }
+    }
+    /// The tokenizer's GGUF metadata.
+    pub fn metadata(&self) -> &npuc_llm::GgufMetaJson {
+        match self {
+            Model::Engine(e) => e.metadata(),
+            Model::Bundle(b) => b.metadata(),
+        }
+    }
+    /// Weight bytes one decode step reads (engines only; bundles are not benchmarked yet).
+    pub fn decode_weight_bytes(&self) -> Result<u64> {
+        match self {
+            Model::Engine(e) => Ok(e.decode_weight_bytes()),
+            Model::Bundle(b) => bail!(
+                "'{}': npuc bench does not run bundles yet; time them with `npuc generate`",
+                b.dir().display()
+            ),
+        }
+    }
+}
+
+/// `CausalLm` view of a loaded model.
+pub struct Lm<'a>(pub &'a mut Model);
 
 impl CausalLm for Lm<'_> {
     fn forward(&mut self, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>> {
-        Ok(self.0.forward(tokens, all_logits)?)
+        Ok(match &mut *self.0 {
+            Model::Engine(e) => e.forward(tokens, all_logits)?,
+            Model::Bundle(b) => b.forward(tokens, all_logits)?,
+        })
     }
     fn position(&self) -> usize {
-        self.0.position()
+        match &*self.0 {
+            Model::Engine(e) => e.position(),
+            Model::Bundle(b) => b.position(),
+        }
     }
     fn ctx(&self) -> usize {
-        self.0.ctx()
+        match &*self.0 {
+            Model::Engine(e) => e.ctx(),
+            Model::Bundle(b) => b.ctx(),
+        }
     }
     fn vocab(&self) -> usize {
         self.0.vocab()
     }
     fn reset(&mut self) {
-        self.0.reset()
+        match &mut *self.0 {
+            Model::Engine(e) => e.reset(),
+            Model::Bundle(b) => b.reset(),
+        }
     }
     fn truncate(&mut self, pos: usize) {
-        self.0.truncate(pos)
+        match &mut *self.0 {
+            Model::Engine(e) => e.truncate(pos),
+            Model::Bundle(b) => b.truncate(pos),
+        }
     }
 }
 
@@ -249,8 +298,15 @@ fn is_llm_artifact(path: &Path) -> bool {
     path.extension().is_some_and(|e| e == "npuc")
 }
 
-/// Rejects `--precision` for artifacts: their numerics were fixed when they were compiled.
+/// Rejects `--precision` for artifacts and bundles: their numerics were fixed when they were
+/// compiled.
 pub fn check_precision(model: &Path, given: &Given) -> Result<()> {
+    if npuc_llm::bundle::is_bundle(model) {
+        given.reject(
+            &["precision"],
+            "a bundle's precision per part was fixed by its pipeline file (`npuc build`)",
+        )?;
+    }
     if is_llm_artifact(model) {
         given.reject(
             &["precision"],
@@ -306,13 +362,47 @@ pub fn check_generate_flags(a: &GenerateArgs, given: &Given) -> Result<()> {
     Ok(())
 }
 
-/// Loads the engine and the tokenizer for `args.model`.
-pub fn load(args: &ModelArgs) -> Result<(Engine, Tokenizer)> {
+/// Loads the model (engine or bundle) and the tokenizer for `args.model`.
+pub fn load(args: &ModelArgs) -> Result<(Model, Tokenizer)> {
     let threads = args
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     if threads == 0 {
         bail!("--threads must be at least 1");
+    }
+    let path = &args.model;
+    if path.is_dir() {
+        if !npuc_llm::bundle::is_bundle(path) {
+            bail!(
+                "'{}' is a directory without {} (a bundle is made by `npuc build PIPELINE.toml -o DIR`)",
+                path.display(),
+                npuc_llm::bundle::MANIFEST
+            );
+        }
+        let mut ar = vec![];
+        if let Some(v) = &args.variants {
+            for v in Variant::parse_list(v)? {
+                match v {
+                    Variant::Ar(n) => ar.push(n),
+                    Variant::Full => bail!("--variants full: bundles hold AR variants only"),
+                }
+            }
+        }
+        let bundle = Bundle::open(
+            path,
+            &BundleOptions {
+                threads,
+                ctx: args.ctx,
+                ar,
+            },
+        )
+        .with_context(|| format!("loading bundle '{}'", path.display()))?;
+        let tok = tokenizer_for(
+            Tokenizer::from_metadata(&bundle.metadata().entries),
+            args,
+            bundle.vocab(),
+        )?;
+        return Ok((Model::Bundle(Box::new(bundle)), tok));
     }
     let mut opts = EngineOptions {
         threads,
@@ -327,7 +417,6 @@ pub fn load(args: &ModelArgs) -> Result<(Engine, Tokenizer)> {
     if let Some(v) = &args.variants {
         opts.variants = Variant::parse_list(v)?;
     }
-    let path = &args.model;
     let is_artifact = is_llm_artifact(path);
     let engine = if is_artifact {
         Engine::from_artifact(path, &opts)
@@ -335,12 +424,23 @@ pub fn load(args: &ModelArgs) -> Result<(Engine, Tokenizer)> {
         Engine::from_gguf(path, &opts)
     }
     .with_context(|| format!("loading '{}'", path.display()))?;
-    let mut tok = if is_artifact {
+    let tok = if is_artifact {
         Tokenizer::from_metadata(&engine.metadata().entries)
     } else {
         Tokenizer::from_gguf_path(path)
-    }
-    .with_context(|| format!("tokenizer of '{}'", path.display()))?;
+    };
+    let tok = tokenizer_for(tok, args, engine.vocab())?;
+    Ok((Model::Engine(engine), tok))
+}
+
+/// The tokenizer with `--chat-template` applied, checked against the model's vocabulary.
+fn tokenizer_for(
+    tok: npuc_tokenizer::Result<Tokenizer>,
+    args: &ModelArgs,
+    vocab: usize,
+) -> Result<Tokenizer> {
+    let path = &args.model;
+    let mut tok = tok.with_context(|| format!("tokenizer of '{}'", path.display()))?;
     if let Some(t) = &args.chat_template {
         let text = if Path::new(t).is_file() {
             std::fs::read_to_string(t).with_context(|| format!("reading chat template '{t}'"))?
@@ -349,15 +449,14 @@ pub fn load(args: &ModelArgs) -> Result<(Engine, Tokenizer)> {
         };
         tok.set_chat_template(Some(text));
     }
-    if tok.vocab_size() > engine.vocab() {
+    if tok.vocab_size() > vocab {
         bail!(
-            "'{}': the tokenizer has {} tokens but the model's output has {} logits",
+            "'{}': the tokenizer has {} tokens but the model's output has {vocab} logits",
             path.display(),
             tok.vocab_size(),
-            engine.vocab()
         );
     }
-    Ok((engine, tok))
+    Ok(tok)
 }
 
 fn json_out(out: &GenOutput, prompt: &[u32]) -> serde_json::Value {
@@ -602,7 +701,7 @@ pub fn bench_cmd(a: &LlmBenchArgs) -> Result<()> {
         prompt[0] = b;
     }
     let gen_tokens: Vec<u32> = (0..a.gen).map(|_| next()).collect();
-    let weight_bytes = engine.decode_weight_bytes();
+    let weight_bytes = engine.decode_weight_bytes()?;
     let mut lm = Lm(&mut engine);
     if a.prompt_len + a.gen > lm.ctx() {
         bail!(

@@ -561,8 +561,9 @@ fn weight_bytes_per_step(m: &Model) -> u64 {
         .sum()
 }
 
-/// Writes rows `0..count` of `new [KVH, N, D]` into `cache [KVH, C, D]` at slots `pos..`.
-fn write_kv<T: npuc_ir::Elem + Copy>(
+/// Writes rows `0..count` of `new [KVH, N, D]` into `cache [KVH, C, D]` at slots `pos..`
+/// (also used by [`crate::bundle`]).
+pub(crate) fn write_kv<T: npuc_ir::Elem + Copy>(
     cache: &mut Tensor,
     new: &Tensor,
     count: usize,
