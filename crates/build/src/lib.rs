@@ -12,12 +12,16 @@
 //! - `compile:p{i}`: the part's artifact (all its graphs, its weights once); the graphs are
 //!   rebuilt from the GGUF (cheap: weights are borrowed from the mapping, storing them per
 //!   graph would copy the model once per graph) and must match the `graph` steps' fingerprints;
-//! - `bundle`: `bundle.json` (parts, layers, weight bytes, sha256 of each part).
+//! - `bundle`: `bundle.json` (parts, layers, weight bytes, sha256 of each part);
+//! - `check` (when the pipeline has test prompts): runs the bundle greedily on each prompt and,
+//!   when every part has one precision, the unsplit model in that precision; records tokens,
+//!   max |logit difference|, cosine and top-1 agreement, and fails when the tokens differ.
 //!
 //! Finished outputs are hard-linked into the output directory. Independent steps run in
 //! parallel (`jobs`). The library prints nothing: lines go to the caller's callback.
 
 pub mod cache;
+mod check;
 pub mod pipeline;
 
 pub use pipeline::Pipeline;
@@ -143,6 +147,7 @@ enum Kind {
         part: usize,
     },
     Bundle,
+    Check,
 }
 
 impl Kind {
@@ -153,6 +158,7 @@ impl Kind {
             Kind::Graph { .. } => "graph",
             Kind::Compile { .. } => "compile",
             Kind::Bundle => "bundle",
+            Kind::Check => "check",
         }
     }
 }
@@ -198,12 +204,22 @@ fn plan(p: &Pipeline) -> Vec<Step> {
         compiles.push(steps.len() - 1);
     }
     let mut deps = vec![0];
-    deps.extend(compiles);
+    deps.extend(compiles.iter().copied());
     steps.push(Step {
         id: "bundle".into(),
         kind: Kind::Bundle,
         deps,
     });
+    if !p.test_prompts.is_empty() {
+        // source, bundle, then the parts (to assemble the bundle directory it runs).
+        let mut deps = vec![0, steps.len() - 1];
+        deps.extend(compiles);
+        steps.push(Step {
+            id: "check".into(),
+            kind: Kind::Check,
+            deps,
+        });
+    }
     steps
 }
 
@@ -266,6 +282,10 @@ fn step_key(p: &Pipeline, s: &Step, deps: &[&Record]) -> Result<String> {
                 .field("prompts", &serde_json::to_string(&p.test_prompts)?)
                 .field("ar", &format!("{:?}", p.ar))
                 .field("ctx", &format!("{:?}", p.ctx));
+        }
+        Kind::Check => {
+            k.field("prompts", &serde_json::to_string(&p.test_prompts)?)
+                .field("max_tokens", &p.test_max_tokens.to_string());
         }
     }
     Ok(k.finish())
@@ -453,6 +473,10 @@ fn execute(
             cache::write_synced(&dir.join(MANIFEST), &json)?;
             (vec![MANIFEST], format!("{} parts", m.parts.len()))
         }
+        Kind::Check => {
+            let detail = check::run(p, cache, &deps[1], &deps[2..], &dir.join("check.json"))?;
+            (vec!["check.json"], detail)
+        }
     };
     let rec = cache.commit(&s.id, kind, key, scratch, &names)?;
     Ok((rec, detail))
@@ -473,7 +497,7 @@ fn forced_steps(steps: &[Step], force: &[String]) -> Result<BTreeSet<usize>> {
             .map(|(i, _)| i)
             .collect();
         if hits.is_empty() {
-            let kinds = "source, graph, compile, bundle";
+            let kinds = "source, graph, compile, bundle, check";
             bail!(
                 "--force {f}: no such step; give a kind ({kinds}) or a step id from `npuc build --dry-run` (e.g. {})",
                 steps.last().map_or("bundle", |s| s.id.as_str())
@@ -652,14 +676,30 @@ pub fn build(p: &Pipeline, req: &BuildRequest, line: &mut dyn FnMut(&str)) -> Re
     if let Some(e) = failure {
         return Err(e);
     }
-    let bundle_rec = records[total - 1].clone().expect("bundle step done");
+    let bundle_rec = steps
+        .iter()
+        .zip(&records)
+        .find(|(s, _)| matches!(s.kind, Kind::Bundle))
+        .and_then(|(_, r)| r.clone())
+        .expect("bundle step done");
     let compile_recs: Vec<Record> = steps
         .iter()
         .zip(&records)
         .filter(|(s, _)| matches!(s.kind, Kind::Compile { .. }))
         .map(|(_, r)| r.clone().expect("done"))
         .collect();
-    let updated = materialize(&cache, &req.out_dir, &compile_recs, &bundle_rec)?;
+    let check_rec = steps
+        .iter()
+        .zip(&records)
+        .find(|(s, _)| matches!(s.kind, Kind::Check))
+        .and_then(|(_, r)| r.clone());
+    let updated = materialize(
+        &cache,
+        &req.out_dir,
+        &compile_recs,
+        &bundle_rec,
+        check_rec.as_ref(),
+    )?;
     let report = BuildReport {
         steps: reports.into_iter().flatten().collect(),
         seconds: t0.elapsed().as_secs_f64(),
@@ -695,10 +735,17 @@ fn part_summary(p: &Pipeline) -> Vec<(String, [usize; 2], u64, bool)> {
         .collect()
 }
 
-/// Links the finished outputs into `out` (`part-{i}.npuc`, `bundle.json`); each replaces its
+/// Links the finished outputs into `out` (`part-{i}.npuc`, `bundle.json`, `check.json`); each
+/// replaces its
 /// destination atomically. Stale part files of an earlier build with more parts are removed.
 /// Returns whether anything changed.
-fn materialize(cache: &Cache, out: &Path, parts: &[Record], bundle: &Record) -> Result<bool> {
+fn materialize(
+    cache: &Cache,
+    out: &Path,
+    parts: &[Record],
+    bundle: &Record,
+    check: Option<&Record>,
+) -> Result<bool> {
     let mut changed = false;
     let mut wanted = vec![];
     for (i, rec) in parts.iter().enumerate() {
@@ -709,6 +756,18 @@ fn materialize(cache: &Cache, out: &Path, parts: &[Record], bundle: &Record) -> 
     }
     let src = cache.entry_dir("bundle", &bundle.key).join(MANIFEST);
     changed |= link_into(&src, &out.join(MANIFEST))?;
+    let check_file = out.join("check.json");
+    match check {
+        Some(rec) => {
+            let src = cache.entry_dir("check", &rec.key).join("check.json");
+            changed |= link_into(&src, &check_file)?;
+        }
+        None if check_file.exists() => {
+            std::fs::remove_file(&check_file)?;
+            changed = true;
+        }
+        None => {}
+    }
     for e in std::fs::read_dir(out)? {
         let name = e?.file_name().to_string_lossy().into_owned();
         if name.starts_with("part-") && name.ends_with(".npuc") && !wanted.contains(&name) {

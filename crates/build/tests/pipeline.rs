@@ -335,3 +335,37 @@ fn budget_split_reports_parts_within_the_budget() {
     assert_eq!(p.parts[0].0.layers.start, 0);
     assert_eq!(p.parts.last().unwrap().0.layers.end, 30);
 }
+
+#[test]
+fn check_step_compares_the_bundle_with_the_unsplit_model() {
+    let tmp = tempfile::tempdir().unwrap();
+    let body = "[graphs]\nar = [1, 32]\nctx = [128]\n[split]\nparts = 3\n[test]\nprompts = [\"The capital of France is\", \"1, 2, 3,\"]\nmax_tokens = 8\n";
+    let file = pipeline(tmp.path(), "p.toml", body);
+    let out = tmp.path().join("out");
+    let r = run(&file, &out, &[]);
+    assert!(r
+        .steps
+        .iter()
+        .any(|s| s.id == "check" && s.status == Status::Ran));
+    let j: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("check.json")).unwrap()).unwrap();
+    assert_eq!(j["compared_with_unsplit"], true);
+    let prompts = j["prompts"].as_array().unwrap();
+    assert_eq!(prompts.len(), 2);
+    for p in prompts {
+        assert_eq!(p["tokens"], p["unsplit_tokens"], "{p}");
+        assert_eq!(p["tokens"].as_array().unwrap().len(), 8);
+        assert_eq!(p["top1_agreement"], 1.0);
+    }
+    // Mixed precision: generated, nothing to compare with.
+    let body = body.replace(
+        "parts = 3",
+        "parts = 3\npart_precision = [\"fast\", \"exact\", \"fast\"]",
+    );
+    let file = pipeline(tmp.path(), "p.toml", &body);
+    run(&file, &out, &[]);
+    let j: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("check.json")).unwrap()).unwrap();
+    assert_eq!(j["compared_with_unsplit"], false);
+    assert_eq!(j["prompts"][0]["tokens"].as_array().unwrap().len(), 8);
+}
