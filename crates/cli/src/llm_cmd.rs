@@ -30,13 +30,6 @@ impl Model {
             Model::Bundle(b) => b.vocab(),
         }
     }
-    /// The tokenizer's GGUF metadata.
-    pub fn metadata(&self) -> &npuc_llm::GgufMetaJson {
-        match self {
-            Model::Engine(e) => e.metadata(),
-            Model::Bundle(b) => b.metadata(),
-        }
-    }
     /// Weight bytes one decode step reads (engines only; bundles are not benchmarked yet).
     pub fn decode_weight_bytes(&self) -> Result<u64> {
         match self {
@@ -125,8 +118,9 @@ impl ChatTemplate for Tok<'_> {
 /// Numerical path of the engine.
 #[derive(Clone, Copy, Debug, ValueEnum)]
 pub enum PrecisionArg {
-    /// Built for speed (the default): Q8 activations in quantized matmuls, multi-row integer
-    /// kernels, f16 KV cache, vectorized attention; rounds differently from llama.cpp.
+    /// Built for speed (the default): prompts through f32 products over weights dequantized
+    /// panel by panel, token steps through Q8 activations and integer kernels, f16 KV cache,
+    /// vectorized attention; rounds differently from llama.cpp.
     Fast,
     /// llama.cpp's AVX2 CPU arithmetic op by op (logits bit-identical to it; a test instrument).
     Parity,
@@ -397,11 +391,14 @@ pub fn load(args: &ModelArgs) -> Result<(Model, Tokenizer)> {
             },
         )
         .with_context(|| format!("loading bundle '{}'", path.display()))?;
+        let mut bundle = bundle;
+        let meta = bundle.take_metadata();
         let tok = tokenizer_for(
-            Tokenizer::from_metadata(&bundle.metadata().entries),
+            Tokenizer::from_metadata_named(&path.display().to_string(), &meta.entries),
             args,
             bundle.vocab(),
         )?;
+        drop(meta);
         return Ok((Model::Bundle(Box::new(bundle)), tok));
     }
     let mut opts = EngineOptions {
@@ -418,17 +415,17 @@ pub fn load(args: &ModelArgs) -> Result<(Model, Tokenizer)> {
         opts.variants = Variant::parse_list(v)?;
     }
     let is_artifact = is_llm_artifact(path);
-    let engine = if is_artifact {
+    let mut engine = if is_artifact {
         Engine::from_artifact(path, &opts)
     } else {
         Engine::from_gguf(path, &opts)
     }
     .with_context(|| format!("loading '{}'", path.display()))?;
-    let tok = if is_artifact {
-        Tokenizer::from_metadata(&engine.metadata().entries)
-    } else {
-        Tokenizer::from_gguf_path(path)
-    };
+    // The tokenizer from the metadata the engine read (the GGUF's tokenizer keys, or the
+    // artifact's copy of them), not from a second parse of the file; then only its own tables stay.
+    let meta = engine.take_metadata();
+    let tok = Tokenizer::from_metadata_named(&path.display().to_string(), &meta.entries);
+    drop(meta);
     let tok = tokenizer_for(tok, args, engine.vocab())?;
     Ok((Model::Engine(engine), tok))
 }

@@ -8,10 +8,30 @@ pub(crate) const KVALUES_IQ4NL: [i8; 16] = [
     -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
 ];
 
+/// A dequantizer: [`dequantize_row`] or one of its twins.
+pub(crate) type DequantFn = fn(GgmlType, &[u8], &mut [f32]) -> Result<()>;
+
 /// Dequantizes `bytes` (whole blocks of `ty`, e.g. one or more GGUF rows) into `out`, whose
 /// length is the number of logical elements. Errors when `out.len()` is not a whole number of
 /// blocks, when `bytes` has the wrong length for it, or when `ty` is not supported.
 pub fn dequantize_row(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<()> {
+    #[cfg(target_arch = "x86_64")]
+    if crate::has_avx2() {
+        return crate::x86::dequantize_row(ty, bytes, out);
+    }
+    dequantize_body(ty, bytes, out)
+}
+
+/// [`dequantize_row`] compiled for the baseline CPU: the reference its AVX2-compiled twin is
+/// tested against (the same operations in the same order, so the same values).
+pub fn dequantize_row_scalar(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<()> {
+    dequantize_body(ty, bytes, out)
+}
+
+/// The body of [`dequantize_row`], inlined into its AVX2 twin (`x86.rs`) so the same block
+/// loops compile to vector code (prefill dequantizes every weight once per product).
+#[inline(always)]
+pub(crate) fn dequantize_body(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<()> {
     let need = row_bytes(ty, out.len())?;
     if bytes.len() != need {
         bail!(
@@ -19,6 +39,16 @@ pub fn dequantize_row(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<()>
             out.len(),
             bytes.len()
         );
+    }
+    macro_rules! blocks {
+        ($f:ident) => {
+            for (blk, o) in bytes
+                .chunks_exact(ty.type_size())
+                .zip(out.chunks_exact_mut(ty.block_size()))
+            {
+                $f(blk, o);
+            }
+        };
     }
     match ty {
         GgmlType::F32 => {
@@ -36,40 +66,26 @@ pub fn dequantize_row(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<()>
                 *o = f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16);
             }
         }
-        _ => {
-            let bs = ty.block_size();
-            let ts = ty.type_size();
-            let f: fn(&[u8], &mut [f32]) = match ty {
-                GgmlType::Q4_0 => q4_0,
-                GgmlType::Q4_1 => q4_1,
-                GgmlType::Q5_0 => q5_0,
-                GgmlType::Q5_1 => q5_1,
-                GgmlType::Q8_0 => q8_0,
-                GgmlType::Q8_1 => q8_1,
-                GgmlType::Q2_K => q2_k,
-                GgmlType::Q3_K => q3_k,
-                GgmlType::Q4_K => q4_k,
-                GgmlType::Q5_K => q5_k,
-                GgmlType::Q6_K => q6_k,
-                GgmlType::Q8_K => q8_k,
-                GgmlType::IQ4_NL => iq4_nl,
-                _ => bail!("dequantization of ggml type {ty} is not supported"),
-            };
-            for (blk, o) in bytes.chunks_exact(ts).zip(out.chunks_exact_mut(bs)) {
-                f(blk, o);
-            }
-        }
+        GgmlType::Q4_0 => blocks!(q4_0),
+        GgmlType::Q4_1 => blocks!(q4_1),
+        GgmlType::Q5_0 => blocks!(q5_0),
+        GgmlType::Q5_1 => blocks!(q5_1),
+        GgmlType::Q8_0 => blocks!(q8_0),
+        GgmlType::Q8_1 => blocks!(q8_1),
+        GgmlType::Q2_K => blocks!(q2_k),
+        GgmlType::Q3_K => blocks!(q3_k),
+        GgmlType::Q4_K => blocks!(q4_k),
+        GgmlType::Q5_K => blocks!(q5_k),
+        GgmlType::Q6_K => blocks!(q6_k),
+        GgmlType::Q8_K => blocks!(q8_k),
+        GgmlType::IQ4_NL => blocks!(iq4_nl),
+        _ => bail!("dequantization of ggml type {ty} is not supported"),
     }
     Ok(())
 }
 
-/// The same as [`dequantize_row`] (kept as the named scalar reference the SIMD paths are tested
-/// against; dequantization itself is scalar).
-pub fn dequantize_row_scalar(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<()> {
-    dequantize_row(ty, bytes, out)
-}
-
 // block_q4_0 { f16 d; u8 qs[16]; }: low nibbles are elements 0..16, high nibbles 16..32.
+#[inline(always)]
 fn q4_0(b: &[u8], y: &mut [f32]) {
     let d = f16_at(b, 0);
     let qs = &b[2..18];
@@ -82,6 +98,7 @@ fn q4_0(b: &[u8], y: &mut [f32]) {
 }
 
 // block_q4_1 { f16 d; f16 m; u8 qs[16]; }
+#[inline(always)]
 fn q4_1(b: &[u8], y: &mut [f32]) {
     let d = f16_at(b, 0);
     let m = f16_at(b, 2);
@@ -93,6 +110,7 @@ fn q4_1(b: &[u8], y: &mut [f32]) {
 }
 
 // block_q5_0 { f16 d; u8 qh[4]; u8 qs[16]; }: bit j of qh is the 5th bit of element j.
+#[inline(always)]
 fn q5_0(b: &[u8], y: &mut [f32]) {
     let d = f16_at(b, 0);
     let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
@@ -108,6 +126,7 @@ fn q5_0(b: &[u8], y: &mut [f32]) {
 }
 
 // block_q5_1 { f16 d; f16 m; u8 qh[4]; u8 qs[16]; }
+#[inline(always)]
 fn q5_1(b: &[u8], y: &mut [f32]) {
     let d = f16_at(b, 0);
     let m = f16_at(b, 2);
@@ -124,6 +143,7 @@ fn q5_1(b: &[u8], y: &mut [f32]) {
 }
 
 // block_q8_0 { f16 d; i8 qs[32]; }
+#[inline(always)]
 fn q8_0(b: &[u8], y: &mut [f32]) {
     let d = f16_at(b, 0);
     for j in 0..32 {
@@ -132,6 +152,7 @@ fn q8_0(b: &[u8], y: &mut [f32]) {
 }
 
 // block_q8_1 { f16 d; f16 s; i8 qs[32]; }
+#[inline(always)]
 fn q8_1(b: &[u8], y: &mut [f32]) {
     let d = f16_at(b, 0);
     for j in 0..32 {
@@ -141,6 +162,7 @@ fn q8_1(b: &[u8], y: &mut [f32]) {
 
 // block_q2_K { u8 scales[16]; u8 qs[64]; f16 d; f16 dmin; }: 16 groups of 16, 4-bit scale and
 // 4-bit min per group, 2-bit quants; each 32-byte half of qs holds 4 bit planes of 128 values.
+#[inline(always)]
 fn q2_k(b: &[u8], y: &mut [f32]) {
     let scales = &b[0..16];
     let d = f16_at(b, 80);
@@ -180,6 +202,7 @@ pub(crate) fn q3_k_scales(s: &[u8]) -> [i8; 16] {
 
 // block_q3_K { u8 hmask[32]; u8 qs[64]; u8 scales[12]; f16 d; }: 2 low bits in qs (layout of
 // Q2_K), the high bit in hmask (bit plane per 32 values); a cleared high bit means -4.
+#[inline(always)]
 fn q3_k(b: &[u8], y: &mut [f32]) {
     let hm = &b[0..32];
     let d_all = f16_at(b, 108);
@@ -224,6 +247,7 @@ pub(crate) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
 
 // block_q4_K { f16 d; f16 dmin; u8 scales[12]; u8 qs[128]; }: 8 sub-blocks of 32; each 32 bytes
 // of qs hold two sub-blocks (low nibbles, then high nibbles).
+#[inline(always)]
 fn q4_k(b: &[u8], y: &mut [f32]) {
     let d = f16_at(b, 0);
     let min = f16_at(b, 2);
@@ -246,6 +270,7 @@ fn q4_k(b: &[u8], y: &mut [f32]) {
 
 // block_q5_K { f16 d; f16 dmin; u8 scales[12]; u8 qh[32]; u8 qs[128]; }: Q4_K plus a 5th bit,
 // bit plane 2j / 2j+1 of qh for sub-blocks 2j / 2j+1.
+#[inline(always)]
 fn q5_k(b: &[u8], y: &mut [f32]) {
     let d = f16_at(b, 0);
     let min = f16_at(b, 2);
@@ -274,6 +299,7 @@ fn q5_k(b: &[u8], y: &mut [f32]) {
 // block_q6_K { u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d; }: per 128 values, ql holds 64
 // bytes (low nibbles: values 0..32 and 32..64; high nibbles: 64..96, 96..128), qh 32 bytes with
 // 2 bits for each of the four quarters.
+#[inline(always)]
 fn q6_k(b: &[u8], y: &mut [f32]) {
     let d = f16_at(b, 208);
     for n in 0..2 {
@@ -296,6 +322,7 @@ fn q6_k(b: &[u8], y: &mut [f32]) {
 }
 
 // block_q8_K { f32 d; i8 qs[256]; i16 bsums[16]; }
+#[inline(always)]
 fn q8_k(b: &[u8], y: &mut [f32]) {
     let d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
     for j in 0..QK_K {
@@ -304,6 +331,7 @@ fn q8_k(b: &[u8], y: &mut [f32]) {
 }
 
 // block_iq4_nl { f16 d; u8 qs[16]; }: 4-bit indices into a non-linear code book.
+#[inline(always)]
 fn iq4_nl(b: &[u8], y: &mut [f32]) {
     let d = f16_at(b, 0);
     let qs = &b[2..18];

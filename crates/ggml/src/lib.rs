@@ -21,6 +21,7 @@
 
 mod dequant;
 mod dot;
+mod gemm;
 mod matmul;
 mod pool;
 mod quantize;
@@ -35,6 +36,7 @@ pub use npuc_ir::GgmlType;
 
 pub use dequant::{dequantize_row, dequantize_row_scalar};
 pub use dot::{vec_dot, vec_dot_scalar, vec_dot_type};
+pub use gemm::{matmul_f32, matmul_f32_scalar};
 pub use matmul::{gather_rows, matmul, matmul_batch, matmul_scalar, MatMulMode};
 pub use quantize::{
     quantize_activations, quantize_activations_scalar, quantize_row, quantize_row_q8_0,

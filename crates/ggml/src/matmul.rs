@@ -30,6 +30,10 @@ const PAR_MIN_WEIGHTS: usize = 1 << 18;
 /// is read from memory once per product.
 const FAST_M_BLOCK: usize = 128;
 
+/// From this many activation rows on, the fast path dequantizes the weights panel by panel and
+/// multiplies in f32 (`gemm.rs`) instead of quantizing the activations.
+const F32_GEMM_MIN_ROWS: usize = 16;
+
 /// How many weight rows ahead of the current decode tile its rows are requested (see `prefetch`).
 const PREFETCH_AHEAD: usize = 16;
 
@@ -159,6 +163,10 @@ fn matmul_impl(
     // kernels read them as one sequential stream, which measured up to 2x faster on DRAM-resident
     // weights than tiles reading several rows side by side; tiles serve types without one.
     let one_row_simd = m == 1 && !scalar && crate::dot::has_simd_dot(ty);
+    if mode == MatMulMode::Fast && m >= F32_GEMM_MIN_ROWS {
+        let threads = if par { threads } else { 1 };
+        return crate::gemm::f32_gemm(ty, w, wrb, n, k, x, m, y, threads, scalar);
+    }
     if mode == MatMulMode::Fast && !one_row_simd {
         if let (Some(vt), Some(rf)) = (vec_dot_type(ty), rows_fn(ty, scalar)) {
             let (xq, xrb) = quantize_rows(vt, x, k, m, if par { threads } else { 1 })?;

@@ -5,7 +5,8 @@ use crate::dequant::scale_min_k4;
 /// A row dot product over raw blocks: the function-pointer type `dot` dispatches through, spelled
 /// out here (identical type) so that this module depends on no other kernel module.
 type DotFn = fn(&[u8], &[u8]) -> f32;
-use crate::{f16_at, GgmlType, QK_K};
+use crate::gemm::{MR, NR};
+use crate::{GgmlType, QK_K};
 use std::arch::x86_64::*;
 
 /// Horizontal sum of 8 f32 lanes in the order ((0+4)+(2+6))+((1+5)+(3+7)).
@@ -117,7 +118,7 @@ fn q8_0_q8_0(w: &[u8], x: &[u8]) -> f32 {
 unsafe fn q8_0_q8_0_avx2(w: &[u8], x: &[u8]) -> f32 {
     let mut acc = _mm256_setzero_ps();
     for (wb, xb) in w.chunks_exact(34).zip(x.chunks_exact(34)) {
-        let d = _mm256_set1_ps(f16_at(wb, 0) * f16_at(xb, 0));
+        let d = _mm256_set1_ps(f16c(wb, 0) * f16c(xb, 0));
         let q = mul_sum_i8_pairs_float(load32(wb, 2), load32(xb, 2));
         acc = _mm256_fmadd_ps(d, q, acc);
     }
@@ -134,7 +135,7 @@ unsafe fn q4_0_q8_0_avx2(w: &[u8], x: &[u8]) -> f32 {
     let mut acc = _mm256_setzero_ps();
     let off = _mm256_set1_epi8(8);
     for (wb, xb) in w.chunks_exact(18).zip(x.chunks_exact(34)) {
-        let d = _mm256_set1_ps(f16_at(wb, 0) * f16_at(xb, 0));
+        let d = _mm256_set1_ps(f16c(wb, 0) * f16c(xb, 0));
         let qw = _mm256_sub_epi8(nibbles(wb, 2), off);
         let q = mul_sum_i8_pairs_float(qw, load32(xb, 2));
         acc = _mm256_fmadd_ps(d, q, acc);
@@ -151,7 +152,7 @@ fn q5_0_q8_0(w: &[u8], x: &[u8]) -> f32 {
 unsafe fn q5_0_q8_0_avx2(w: &[u8], x: &[u8]) -> f32 {
     let mut acc = _mm256_setzero_ps();
     for (wb, xb) in w.chunks_exact(22).zip(x.chunks_exact(34)) {
-        let d = _mm256_set1_ps(f16_at(wb, 0) * f16_at(xb, 0));
+        let d = _mm256_set1_ps(f16c(wb, 0) * f16c(xb, 0));
         let qh = u32::from_le_bytes([wb[2], wb[3], wb[4], wb[5]]);
         // q - 16 = nibble when the 5th bit is set, nibble | 0xF0 (nibble - 16) when not.
         let hi = _mm256_andnot_si256(bytes_from_bits_32(qh), _mm256_set1_epi8(0xF0u8 as i8));
@@ -196,8 +197,8 @@ unsafe fn q4_k_q8_k_avx2<const GROUPED: bool>(w: &[u8], x: &[u8]) -> f32 {
     let (mut acc, mut acc_m) = (0f32, 0f32);
     for (wb, xb) in w.chunks_exact(144).zip(x.chunks_exact(292)) {
         let (yd, bsums) = q8k_d_bsums(xb);
-        let d = f16_at(wb, 0) * yd;
-        let dmin = f16_at(wb, 2) * yd;
+        let d = f16c(wb, 0) * yd;
+        let dmin = f16c(wb, 2) * yd;
         let mut sc = [0i16; 8];
         let mut mn = [0i16; 8];
         for j in 0..8 {
@@ -289,7 +290,7 @@ unsafe fn q6_k_q8_k_avx2<const TILED: bool>(w: &[u8], x: &[u8]) -> f32 {
     let mut acc_tiled = 0f32;
     for (wb, xb) in w.chunks_exact(210).zip(x.chunks_exact(292)) {
         let (yd, bsums) = q8k_d_bsums(xb);
-        let d = yd * f16_at(wb, 208);
+        let d = yd * f16c(wb, 208);
         let sc = &wb[192..208];
         // SAFETY: `sc` is 16 readable bytes.
         let scales = unsafe { _mm_loadu_si128(sc.as_ptr() as *const __m128i) };
@@ -312,7 +313,7 @@ unsafe fn q6_k_q8_k_avx2<const TILED: bool>(w: &[u8], x: &[u8]) -> f32 {
         let sumi = _mm256_sub_epi32(sumi, offset);
         if TILED {
             let isum = hsum_i32(sumi);
-            acc_tiled = (f16_at(wb, 208) * isum as f32).mul_add(yd, acc_tiled);
+            acc_tiled = (f16c(wb, 208) * isum as f32).mul_add(yd, acc_tiled);
         } else {
             acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
         }
@@ -342,7 +343,7 @@ unsafe fn f16_f16_avx2(w: &[u8], x: &[u8]) -> f32 {
     }
     let mut s = hsum(acc);
     while i < n {
-        s += f16_at(w, 2 * i) * f16_at(x, 2 * i);
+        s += f16c(w, 2 * i) * f16c(x, 2 * i);
         i += 1;
     }
     s
@@ -994,4 +995,274 @@ unsafe fn quantize_activations_avx2(
     out: &mut [u8],
 ) -> crate::Result<()> {
     crate::quantize::quantize_activations_body(vec_ty, x, out)
+}
+
+/// `dequant::dequantize_row` compiled for AVX2 (twin: the same body compiled without).
+pub(crate) fn dequantize_row(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> crate::Result<()> {
+    // SAFETY: only reachable when `has_avx2()` confirmed AVX2, FMA and F16C.
+    unsafe { dequantize_row_avx2(ty, bytes, out) }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dequantize_row_avx2(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> crate::Result<()> {
+    type BlockFn = unsafe fn(&[u8], &mut [f32]);
+    let f: BlockFn = match ty {
+        GgmlType::Q8_0 => dq_q8_0,
+        GgmlType::Q4_0 => dq_q4_0,
+        GgmlType::Q5_0 => dq_q5_0,
+        GgmlType::Q4_1 => dq_q4_1,
+        GgmlType::Q4_K => dq_q4_k,
+        GgmlType::Q6_K => dq_q6_k,
+        // The other types: the scalar body, compiled with AVX2 here.
+        _ => return crate::dequant::dequantize_body(ty, bytes, out),
+    };
+    let need = crate::row_bytes(ty, out.len())?;
+    if bytes.len() != need {
+        crate::bail!(
+            "{ty}: {} elements need {need} bytes, got {}",
+            out.len(),
+            bytes.len()
+        );
+    }
+    for (blk, o) in bytes
+        .chunks_exact(ty.type_size())
+        .zip(out.chunks_exact_mut(ty.block_size()))
+    {
+        // SAFETY: AVX2/F16C are enabled here; `blk` is one whole block and `o` its values.
+        unsafe { f(blk, o) };
+    }
+    Ok(())
+}
+
+/// `out[0..16] = f(v[i] as f32)` for the 16 signed bytes of `v`, eight lanes at a time.
+#[inline(always)]
+unsafe fn put16(out: &mut [f32], v: __m128i, f: impl Fn(__m256) -> __m256) {
+    assert!(out.len() >= 16);
+    let lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+    let hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
+    // SAFETY: 16 floats fit in `out` (asserted).
+    unsafe {
+        _mm256_storeu_ps(out.as_mut_ptr(), f(lo));
+        _mm256_storeu_ps(out.as_mut_ptr().add(8), f(hi));
+    }
+}
+
+/// `out[0..16] = (v[i] as f32) * s` (one rounding, like the twins' `x as f32 * d`).
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn put16_mul(out: &mut [f32], v: __m128i, s: __m256) {
+    // SAFETY: AVX2 is enabled here.
+    unsafe { put16(out, v, |q| _mm256_mul_ps(q, s)) }
+}
+
+/// `out[0..16] = (v[i] as f32) * d + m` (Q4_1: a product then a sum, never fused, like the twin).
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn put16_mul_add(out: &mut [f32], v: __m128i, d: __m256, m: __m256) {
+    // SAFETY: AVX2 is enabled here.
+    unsafe { put16(out, v, |q| _mm256_add_ps(_mm256_mul_ps(q, d), m)) }
+}
+
+/// `out[0..16] = d * (v[i] as f32) - m` (Q4_K: a product then a difference, like the twin).
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn put16_mul_sub(out: &mut [f32], v: __m128i, d: __m256, m: __m256) {
+    // SAFETY: AVX2 is enabled here.
+    unsafe { put16(out, v, |q| _mm256_sub_ps(_mm256_mul_ps(d, q), m)) }
+}
+
+/// Low and high nibbles of 16 bytes, as two vectors of 16 bytes (0..15 each).
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn nibble_halves(q: __m128i) -> (__m128i, __m128i) {
+    let m4 = _mm_set1_epi8(0x0F);
+    (
+        _mm_and_si128(q, m4),
+        _mm_and_si128(_mm_srli_epi16(q, 4), m4),
+    )
+}
+
+// Block dequantizers: the same f32 operations as `dequant.rs`'s twins, eight values per vector.
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dq_q8_0(b: &[u8], y: &mut [f32]) {
+    let d = _mm256_set1_ps(f16c(b, 0));
+    for h in 0..2 {
+        // SAFETY: a Q8_0 block is 34 bytes: quants at 2..34.
+        unsafe { put16_mul(&mut y[16 * h..], load16(b, 2 + 16 * h), d) };
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dq_q4_0(b: &[u8], y: &mut [f32]) {
+    let d = _mm256_set1_ps(f16c(b, 0));
+    // SAFETY: a Q4_0 block is 18 bytes: quants at 2..18.
+    let (lo, hi) = unsafe { nibble_halves(load16(b, 2)) };
+    let eight = _mm_set1_epi8(8);
+    // SAFETY: 32 values in `y`.
+    unsafe {
+        put16_mul(&mut y[..16], _mm_sub_epi8(lo, eight), d);
+        put16_mul(&mut y[16..], _mm_sub_epi8(hi, eight), d);
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dq_q5_0(b: &[u8], y: &mut [f32]) {
+    let d = _mm256_set1_ps(f16c(b, 0));
+    let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+    // Byte j of the 32: 0x10 when bit j of qh is set.
+    let high = _mm256_and_si256(bytes_from_bits_32(qh), _mm256_set1_epi8(0x10));
+    // SAFETY: a Q5_0 block is 22 bytes: quants at 6..22.
+    let (lo, hi) = unsafe { nibble_halves(load16(b, 6)) };
+    let sixteen = _mm_set1_epi8(16);
+    let v0 = _mm_sub_epi8(_mm_or_si128(lo, _mm256_castsi256_si128(high)), sixteen);
+    let v1 = _mm_sub_epi8(_mm_or_si128(hi, _mm256_extracti128_si256(high, 1)), sixteen);
+    // SAFETY: 32 values in `y`.
+    unsafe {
+        put16_mul(&mut y[..16], v0, d);
+        put16_mul(&mut y[16..], v1, d);
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dq_q4_1(b: &[u8], y: &mut [f32]) {
+    let d = _mm256_set1_ps(f16c(b, 0));
+    let m = _mm256_set1_ps(f16c(b, 2));
+    // SAFETY: a Q4_1 block is 20 bytes: quants at 4..20.
+    let (lo, hi) = unsafe { nibble_halves(load16(b, 4)) };
+    // SAFETY: 32 values in `y`.
+    unsafe {
+        put16_mul_add(&mut y[..16], lo, d, m);
+        put16_mul_add(&mut y[16..], hi, d, m);
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dq_q4_k(b: &[u8], y: &mut [f32]) {
+    let d = f16c(b, 0);
+    let min = f16c(b, 2);
+    let sc = &b[4..16];
+    for j in 0..QK_K / 64 {
+        let (s1, m1) = scale_min_k4(2 * j, sc);
+        let (s2, m2) = scale_min_k4(2 * j + 1, sc);
+        let (d1, m1) = (
+            _mm256_set1_ps(d * s1 as f32),
+            _mm256_set1_ps(min * m1 as f32),
+        );
+        let (d2, m2) = (
+            _mm256_set1_ps(d * s2 as f32),
+            _mm256_set1_ps(min * m2 as f32),
+        );
+        for h in 0..2 {
+            // SAFETY: a Q4_K block is 144 bytes: quants at 16..144.
+            let (lo, hi) = unsafe { nibble_halves(load16(b, 16 + 32 * j + 16 * h)) };
+            // SAFETY: 256 values in `y`.
+            unsafe {
+                put16_mul_sub(&mut y[64 * j + 16 * h..], lo, d1, m1);
+                put16_mul_sub(&mut y[64 * j + 32 + 16 * h..], hi, d2, m2);
+            }
+        }
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dq_q6_k(b: &[u8], y: &mut [f32]) {
+    let d = f16c(b, 208);
+    let (m4, m3, off) = (_mm_set1_epi8(0x0F), _mm_set1_epi8(3), _mm_set1_epi8(32));
+    for n in 0..2 {
+        let sc = &b[192 + 8 * n..192 + 8 * n + 8];
+        for h in 0..2 {
+            // Values l = 16h .. 16h + 16 of the four 32-value groups of this half.
+            // SAFETY: a Q6_K block is 210 bytes: ql at 0..128, qh at 128..192.
+            let (qa, qb, qh) = unsafe {
+                (
+                    load16(b, 64 * n + 16 * h),
+                    load16(b, 64 * n + 32 + 16 * h),
+                    load16(b, 128 + 32 * n + 16 * h),
+                )
+            };
+            let hb = |shift: i32| -> __m128i {
+                // ((qh >> shift) & 3) << 4, per byte (16-bit shifts, then masks).
+                let v = match shift {
+                    0 => qh,
+                    2 => _mm_srli_epi16(qh, 2),
+                    4 => _mm_srli_epi16(qh, 4),
+                    _ => _mm_srli_epi16(qh, 6),
+                };
+                _mm_slli_epi16(_mm_and_si128(v, m3), 4)
+            };
+            let q = [
+                _mm_or_si128(_mm_and_si128(qa, m4), hb(0)),
+                _mm_or_si128(_mm_and_si128(qb, m4), hb(2)),
+                _mm_or_si128(_mm_and_si128(_mm_srli_epi16(qa, 4), m4), hb(4)),
+                _mm_or_si128(_mm_and_si128(_mm_srli_epi16(qb, 4), m4), hb(6)),
+            ];
+            for (t, &qt) in q.iter().enumerate() {
+                let s = _mm256_set1_ps(d * sc[h + 2 * t] as i8 as f32);
+                // SAFETY: 256 values in `y`.
+                unsafe {
+                    put16_mul(
+                        &mut y[128 * n + 32 * t + 16 * h..],
+                        _mm_sub_epi8(qt, off),
+                        s,
+                    )
+                };
+            }
+        }
+    }
+}
+
+/// The f32 GEMM micro-kernel (`gemm::MicroFn`; twin `gemm::micro_scalar`): up to 6 weight rows
+/// x 16 packed activation rows, two 8-lane accumulators per weight row, one FMA chain per output
+/// in `kk` order like the twin.
+pub(crate) fn gemm_micro(
+    w: &[f32],
+    ldw: usize,
+    rows: usize,
+    xp: &[f32],
+    k: usize,
+    out: &mut [f32; MR * NR],
+) {
+    assert!(rows <= MR && xp.len() >= k * NR && (rows == 0 || w.len() >= (rows - 1) * ldw + k));
+    // SAFETY: `has_avx2()` confirmed AVX2+FMA before this kernel was chosen (`gemm::kernels`);
+    // the assert above keeps every read inside `w` and `xp`.
+    unsafe {
+        match rows {
+            1 => gemm_micro_avx2::<1>(w, ldw, xp, k, out),
+            2 => gemm_micro_avx2::<2>(w, ldw, xp, k, out),
+            3 => gemm_micro_avx2::<3>(w, ldw, xp, k, out),
+            4 => gemm_micro_avx2::<4>(w, ldw, xp, k, out),
+            5 => gemm_micro_avx2::<5>(w, ldw, xp, k, out),
+            6 => gemm_micro_avx2::<6>(w, ldw, xp, k, out),
+            _ => {}
+        }
+    }
+}
+
+#[target_feature(enable = "avx2,fma")]
+unsafe fn gemm_micro_avx2<const R: usize>(
+    w: &[f32],
+    ldw: usize,
+    xp: &[f32],
+    k: usize,
+    out: &mut [f32; MR * NR],
+) {
+    let mut acc = [[_mm256_setzero_ps(); 2]; R];
+    let (wp, xpp) = (w.as_ptr(), xp.as_ptr());
+    for kk in 0..k {
+        // SAFETY: kk < k: xp[kk * NR .. kk * NR + 16] and w[r * ldw + kk] (r < R) are inside the
+        // slices (checked by `gemm_micro`).
+        unsafe {
+            let x0 = _mm256_loadu_ps(xpp.add(kk * NR));
+            let x1 = _mm256_loadu_ps(xpp.add(kk * NR + 8));
+            for r in 0..R {
+                let wv = _mm256_broadcast_ss(&*wp.add(r * ldw + kk));
+                acc[r][0] = _mm256_fmadd_ps(wv, x0, acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(wv, x1, acc[r][1]);
+            }
+        }
+    }
+    for r in 0..R {
+        // SAFETY: r < R <= MR: 16 floats at r * NR lie inside `out`.
+        unsafe {
+            _mm256_storeu_ps(out.as_mut_ptr().add(r * NR), acc[r][0]);
+            _mm256_storeu_ps(out.as_mut_ptr().add(r * NR + 8), acc[r][1]);
+        }
+    }
 }

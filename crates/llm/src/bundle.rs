@@ -318,6 +318,11 @@ impl Bundle {
     pub fn metadata(&self) -> &GgufMetaJson {
         &self.meta
     }
+    /// Hands the tokenizer's GGUF metadata over (as [`crate::Engine::take_metadata`]):
+    /// [`Bundle::metadata`] is empty afterwards.
+    pub fn take_metadata(&mut self) -> GgufMetaJson {
+        std::mem::take(&mut self.meta)
+    }
     /// Position 0; the caches go back to the smallest context.
     pub fn reset(&mut self) {
         self.position = 0;

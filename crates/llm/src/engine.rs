@@ -240,6 +240,13 @@ impl Engine {
     pub fn metadata(&self) -> &GgufMetaJson {
         &self.meta
     }
+
+    /// Hands the tokenizer's GGUF metadata over (the engine itself never reads it), so a caller
+    /// that builds its tokenizer from it holds one copy, not three (a 262k-token vocabulary is
+    /// tens of MB): [`Engine::metadata`] is empty afterwards.
+    pub fn take_metadata(&mut self) -> GgufMetaJson {
+        std::mem::take(&mut self.meta)
+    }
     /// Position 0 (the cache contents become invisible).
     pub fn reset(&mut self) {
         self.position = 0;

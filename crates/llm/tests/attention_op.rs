@@ -64,8 +64,10 @@ fn model(window: i64, kv: DType, shapes: [&[usize]; 7]) -> Model {
     }
 }
 
-fn check(window: i64, kv: DType) {
-    let (n, h, kvh, d, c, past) = (3usize, 4usize, 2usize, 8usize, 10usize, 4usize);
+/// `n` tokens: 3 takes the per-row path, 9 (18 rows per KV head) the batched one (two products).
+fn check(window: i64, kv: DType, n: usize) {
+    let (h, kvh, d, past) = (4usize, 2usize, 8usize, 4usize);
+    let c = past + n + 3;
     let q = rnd(n * h * d, 1);
     let k = rnd(n * kvh * d, 2);
     let v = rnd(n * kvh * d, 3);
@@ -191,14 +193,16 @@ fn check(window: i64, kv: DType) {
     }
     // f16: the probabilities are rounded to f16 before the product with V (like ggml).
     let tol = if kv == DType::F16 { 2e-3 } else { 1e-5 };
-    assert!(worst <= tol, "window {window} {kv}: max diff {worst}");
+    assert!(worst <= tol, "window {window} {kv} n {n}: max diff {worst}");
 }
 
 #[test]
 fn cached_attention_matches_direct_computation() {
     for kv in [DType::F32, DType::F16] {
         for window in [0, 3] {
-            check(window, kv);
+            for n in [3, 9] {
+                check(window, kv, n);
+            }
         }
     }
 }

@@ -22,41 +22,9 @@ fn opts(precision: Precision, variants: &[Variant]) -> EngineOptions {
     }
 }
 
-/// llama.cpp's greedy references: (prompt ids with BOS, generated ids) per prompt.
+/// llama.cpp's greedy references of the Gemma fixture.
 fn greedy_refs() -> Vec<(Vec<u32>, Vec<u32>)> {
-    let refs: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(fixtures().join("gemma3/gemma3_270m_greedy.json")).unwrap(),
-    )
-    .unwrap();
-    let ids = |v: &serde_json::Value| -> Vec<u32> {
-        v.as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_u64().unwrap() as u32)
-            .collect()
-    };
-    refs["prompts"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| (ids(&p["prompt_ids_bos"]), ids(&p["gen_ids"])))
-        .collect()
-}
-
-/// Greedy continuation of `prompt` for `n` tokens.
-fn greedy(e: &mut Engine, prompt: &[u32], n: usize) -> Vec<u32> {
-    e.reset();
-    let mut logits = e.forward(prompt, false).unwrap();
-    let mut out = vec![];
-    for _ in 0..n {
-        let t = argmax(&logits);
-        out.push(t);
-        if out.len() == n {
-            break;
-        }
-        logits = e.forward(&[t], false).unwrap();
-    }
-    out
+    common::greedy_refs("gemma3/gemma3_270m_greedy.json")
 }
 
 #[test]
@@ -94,46 +62,7 @@ fn exact_last_logits_match_transformers() {
 /// Bit-identical logits with llama.cpp (AVX2 build, its defaults: flash attention, tiled K-quant
 /// batch kernel) give the same greedy ids for every reference prompt.
 fn parity_greedy_matches_llama_cpp() {
-    let path = model();
-    let refs = greedy_refs();
-    let mut e = Engine::from_gguf(
-        &path,
-        &opts(
-            Precision::Parity,
-            &[Variant::Ar(1), Variant::Ar(32), Variant::Ar(128)],
-        ),
-    )
-    .unwrap();
-    let (mut same, mut total, mut prompts_ok) = (0, 0, 0);
-    let n_prompts = refs.len();
-    for (prompt, want) in refs {
-        let t0 = std::time::Instant::now();
-        let got = greedy(&mut e, &prompt, want.len());
-        let secs = t0.elapsed().as_secs_f64();
-        eprintln!(
-            "  {} prompt + {} generated tokens in {secs:.2} s (2 threads)",
-            prompt.len(),
-            want.len()
-        );
-        let prefix = got.iter().zip(&want).take_while(|(a, b)| a == b).count();
-        if prefix < want.len() {
-            eprintln!(
-                "  first difference at step {prefix}: npuc {:?} llama.cpp {:?}",
-                &got[prefix..(prefix + 4).min(got.len())],
-                &want[prefix..(prefix + 4).min(want.len())]
-            );
-        }
-        eprintln!(
-            "prompt of {} tokens: {prefix}/{} greedy tokens identical to llama.cpp",
-            prompt.len(),
-            want.len()
-        );
-        same += prefix;
-        total += want.len();
-        prompts_ok += usize::from(prefix == want.len());
-    }
-    eprintln!("gemma3 parity: {same}/{total} tokens, {prompts_ok}/{n_prompts} prompts identical");
-    assert_eq!(prompts_ok, n_prompts, "{same}/{total} tokens match");
+    common::assert_parity_greedy("gemma3", &model(), "gemma3/gemma3_270m_greedy.json");
 }
 
 #[test]

@@ -60,6 +60,19 @@ pub fn gemma3_gguf() -> PathBuf {
     model("gemma3-270m", "gemma-3-270m-q4_k_m.gguf")
 }
 
+/// SmolLM2-135M-Instruct Q4_1 (arch `llama`).
+pub fn smollm2_gguf() -> PathBuf {
+    model("smollm2-135m", "smollm2-135m-instruct-q4_1.gguf")
+}
+
+/// Qwen2.5-Coder-0.5B-Instruct Q4_K_M (arch `qwen2`).
+pub fn qwen25_coder_gguf() -> PathBuf {
+    model(
+        "qwen2.5-coder-0.5b",
+        "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+    )
+}
+
 /// The ONNX backend test data (onnx 1.22.0).
 pub fn onnx_suite() -> PathBuf {
     cached("suite/onnx-1.22.0/data", "scripts/fetch-data.sh suite")

@@ -24,9 +24,10 @@ pub const SUPPORTED: &[&str] = &["llama", "qwen2", "gemma3"];
 /// Numerics of a build.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Precision {
-    /// The default, built for speed: activations quantized to 8 bits inside quantized matmuls
-    /// (each row once per product, integer dot products, multi-row kernels), f16 KV cache, a
-    /// vectorized attention with f32 accumulation. Free to round differently from llama.cpp;
+    /// The default, built for speed: products of 16+ rows (prompts) in f32 over weights
+    /// dequantized panel by panel, fewer rows (token steps) with activations quantized to 8 bits
+    /// and integer dot products (one-row and multi-row kernels), f16 KV cache, attention in f32
+    /// (two GEMMs per KV head for prompts, vector kernels for token steps). Free to round differently from llama.cpp;
     /// its quality is measured (perplexity and top-1 agreement against llama.cpp).
     #[default]
     Fast,

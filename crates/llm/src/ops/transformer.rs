@@ -414,7 +414,7 @@ fn cached_attention(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
             half,
             threads: ctx.threads,
         };
-        attention_f32(&a, &mut out);
+        attention_f32(&a, &mut out)?;
         return Ok(vec![Value::tensor(Tensor::from_vec(vec![n, h * d], out)?)]);
     }
     let mut out = vec![0f32; n * h * d];
@@ -543,7 +543,7 @@ struct AttnArgs<'a> {
 /// it): the visible keys and values of each KV head are converted to f32 once per call (not
 /// once per query head and token), then each (token, head) computes all its scores with one
 /// `dot_rows`, a softmax (f64 sum, one reciprocal) and one `weighted_sum` of the value rows.
-fn attention_f32(a: &AttnArgs, out: &mut [f32]) {
+fn attention_f32(a: &AttnArgs, out: &mut [f32]) -> Result<()> {
     let (n, h, kvh, d, c) = (a.n, a.h, a.kvh, a.d, a.c);
     // Visible range of each row: the mask's first and last visible slot (window included).
     let span = |i: usize| -> (usize, usize) {
@@ -596,6 +596,9 @@ fn attention_f32(a: &AttnArgs, out: &mut [f32]) {
         }
     }
     let group = h / kvh;
+    if n * group >= BATCHED_ATTENTION_ROWS && end_max > 0 {
+        return attention_batched(a, &spans, end_max, &kf, &vf, out);
+    }
     let task = |(idx, o): (usize, &mut [f32]), scores: &mut Vec<f32>| {
         let (i, hh) = (idx / h, idx % h);
         let g = hh / group;
@@ -619,18 +622,7 @@ fn attention_f32(a: &AttnArgs, out: &mut [f32]) {
         if maxv == f32::NEG_INFINITY {
             return;
         }
-        let mut sum = 0f64;
-        for s in scores.iter_mut() {
-            let e = if *s == f32::NEG_INFINITY {
-                0.0
-            } else {
-                (*s - maxv).exp()
-            };
-            *s = e;
-            sum += e as f64;
-        }
-        let inv = (1.0 / sum) as f32;
-        scores.iter_mut().for_each(|s| *s *= inv);
+        softmax_from_max(scores, maxv);
         npuc_ggml::weighted_sum(scores, vals, o);
     };
     let work = n * h * d * end_max;
@@ -647,6 +639,104 @@ fn attention_f32(a: &AttnArgs, out: &mut [f32]) {
             task((c * per + k, od), &mut s);
         }
     });
+    Ok(())
+}
+
+fn ggml_err(e: npuc_ggml::Error) -> npuc_runtime::RtError {
+    npuc_runtime::RtError::msg(e.to_string())
+}
+
+/// Scores (masked ones -inf, `maxv` their maximum, finite) to probabilities in place: f64 sum,
+/// one reciprocal.
+fn softmax_from_max(scores: &mut [f32], maxv: f32) {
+    let mut sum = 0f64;
+    for s in scores.iter_mut() {
+        let e = if *s == f32::NEG_INFINITY {
+            0.0
+        } else {
+            (*s - maxv).exp()
+        };
+        *s = e;
+        sum += e as f64;
+    }
+    let inv = (1.0 / sum) as f32;
+    scores.iter_mut().for_each(|s| *s *= inv);
+}
+
+/// From this many (token, head) rows per KV head on, attention runs as two f32 matrix products
+/// per KV head (scores, then values) on `npuc-ggml`'s GEMM instead of one vector product per row.
+const BATCHED_ATTENTION_ROWS: usize = 16;
+
+/// [`attention_f32`] for prefill: per KV head, the query rows of its heads (all tokens) times the
+/// visible keys as one product `S = Q · Kᵀ`, the masked softmax of each row, then `O = P · V`
+/// (values transposed once). Keys outside a row's visible range get probability 0.
+fn attention_batched(
+    a: &AttnArgs,
+    spans: &[(usize, usize)],
+    end_max: usize,
+    kf: &[f32],
+    vf: &[f32],
+    out: &mut [f32],
+) -> Result<()> {
+    let (n, h, kvh, d, c) = (a.n, a.h, a.kvh, a.d, a.c);
+    let group = h / kvh;
+    let lo_min = spans.iter().map(|s| s.0).min().unwrap_or(0).min(end_max);
+    let len = end_max - lo_min;
+    let m = n * group;
+    let threads = a.threads.max(1);
+    out.iter_mut().for_each(|v| *v = 0.0);
+    if len == 0 {
+        return Ok(());
+    }
+    let mut qg = vec![0f32; m * d];
+    let mut scores = vec![0f32; m * len];
+    let mut vt = vec![0f32; d * len];
+    let mut og = vec![0f32; m * d];
+    for g in 0..kvh {
+        // Row r = i * group + j is token i, head g * group + j.
+        for (r, dst) in qg.chunks_exact_mut(d).enumerate() {
+            let (i, hh) = (r / group, g * group + r % group);
+            dst.copy_from_slice(&a.qs[(i * h + hh) * d..(i * h + hh + 1) * d]);
+        }
+        let keys = &kf[(g * end_max + lo_min) * d..(g * end_max + end_max) * d];
+        let vals = &vf[(g * end_max + lo_min) * d..(g * end_max + end_max) * d];
+        npuc_ggml::matmul_f32(keys, len, d, &qg, m, &mut scores, threads).map_err(ggml_err)?;
+        // Masked softmax per row, in place: probabilities, 0 outside the row's visible keys.
+        let rows_per = m.div_ceil(threads * 4).max(1);
+        npuc_ggml::parallel_chunks_mut(&mut scores, rows_per * len, threads, &|t, rows| {
+            for (dr, row) in rows.chunks_exact_mut(len).enumerate() {
+                let i = (t * rows_per + dr) / group;
+                let (lo, end) = spans[i];
+                let mrow = &a.mask[i * c..(i + 1) * c];
+                let mut maxv = f32::NEG_INFINITY;
+                for (t, s) in row.iter_mut().enumerate() {
+                    let p = lo_min + t;
+                    *s = if p < lo || p >= end {
+                        f32::NEG_INFINITY
+                    } else {
+                        *s * a.scale + mrow[p]
+                    };
+                    maxv = maxv.max(*s);
+                }
+                if maxv == f32::NEG_INFINITY {
+                    row.iter_mut().for_each(|s| *s = 0.0);
+                    continue;
+                }
+                softmax_from_max(row, maxv);
+            }
+        });
+        for (t, vr) in vals.chunks_exact(d).enumerate() {
+            for (dd, &v) in vr.iter().enumerate() {
+                vt[dd * len + t] = v;
+            }
+        }
+        npuc_ggml::matmul_f32(&vt, d, len, &scores, m, &mut og, threads).map_err(ggml_err)?;
+        for (r, src) in og.chunks_exact(d).enumerate() {
+            let (i, hh) = (r / group, g * group + r % group);
+            out[(i * h + hh) * d..(i * h + hh + 1) * d].copy_from_slice(src);
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -1,0 +1,255 @@
+//! Prefill products in f32: `Y[m, n] = X[m, k] · Wᵀ` for many activation rows, with the weight
+//! rows dequantized six at a time (each weight once per product) and multiplied by a
+//! register-blocked micro-kernel (6 weight rows x 16 activation rows, the activations packed
+//! once per product). Once a product has a few dozen rows, dequantizing each weight once costs less
+//! than quantizing activations and reducing integer blocks per pair: the f32 FMA pipeline is
+//! the fastest arithmetic this CPU has for it (llama.cpp takes the same road for Q6_K batches),
+//! and the activations keep their f32 precision.
+
+use crate::{GgmlType, Result};
+
+/// Weight rows per micro-kernel call: 6 x 2 accumulators + 2 activation vectors + 1 broadcast
+/// fill the 16 AVX2 registers.
+pub(crate) const MR: usize = 6;
+/// Activation rows per micro-kernel call (two 8-lane vectors): activations are packed once per
+/// product as `[k][16]` groups, so the weights are dequantized row by row, contiguous, with no
+/// transposition.
+pub(crate) const NR: usize = 16;
+
+/// `out[r * NR + i] = Σ_kk w[r * ldw + kk] · xp[kk * NR + i]` for `r < rows <= MR`, `i < NR`,
+/// `kk < k`: each sum one chain of fused multiply-adds in `kk` order (so the SIMD kernel and its
+/// scalar twin agree bit for bit).
+pub(crate) type MicroFn =
+    fn(w: &[f32], ldw: usize, rows: usize, xp: &[f32], k: usize, out: &mut [f32; MR * NR]);
+
+/// The scalar twin of the micro-kernel (the reference the SIMD one is tested against).
+pub(crate) fn micro_scalar(
+    w: &[f32],
+    ldw: usize,
+    rows: usize,
+    xp: &[f32],
+    k: usize,
+    out: &mut [f32; MR * NR],
+) {
+    for r in 0..rows {
+        for i in 0..NR {
+            let mut acc = 0f32;
+            for kk in 0..k {
+                acc = w[r * ldw + kk].mul_add(xp[kk * NR + i], acc);
+            }
+            out[r * NR + i] = acc;
+        }
+    }
+}
+
+/// The micro-kernel and dequantizer of this CPU (or the scalar twins).
+pub(crate) fn kernels(scalar: bool) -> (MicroFn, crate::dequant::DequantFn) {
+    #[cfg(target_arch = "x86_64")]
+    if !scalar && crate::has_avx2() {
+        return (crate::x86::gemm_micro, crate::x86::dequantize_row);
+    }
+    let _ = scalar;
+    (micro_scalar, crate::dequant::dequantize_row_scalar)
+}
+
+/// `y`'s rows as a place every task writes its own columns of.
+struct Out {
+    ptr: *mut f32,
+    len: usize,
+}
+
+// SAFETY: tasks write disjoint column ranges of `y` (see `f32_gemm`), so sharing the pointer
+// across the pool's threads never makes two threads touch the same element.
+unsafe impl Sync for Out {}
+
+/// Where the weight rows of a product come from.
+#[derive(Clone, Copy)]
+pub(crate) enum Rows<'a> {
+    /// `n` rows of GGML blocks of `ty`, `wrb` bytes each: dequantized six at a time.
+    Quant {
+        ty: GgmlType,
+        w: &'a [u8],
+        wrb: usize,
+    },
+    /// `n` rows of `k` f32 values, read in place.
+    F32(&'a [f32]),
+}
+
+/// `y[m, n] = x[m, k] · wᵀ` with `w` holding `n` rows of `k` values of `ty` (`wrb` bytes each);
+/// groups of weight rows spread over `threads`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn f32_gemm(
+    ty: GgmlType,
+    w: &[u8],
+    wrb: usize,
+    n: usize,
+    k: usize,
+    x: &[f32],
+    m: usize,
+    y: &mut [f32],
+    threads: usize,
+    scalar: bool,
+) -> Result<()> {
+    debug_assert!(w.len() == n * wrb);
+    gemm(Rows::Quant { ty, w, wrb }, n, k, x, m, y, threads, scalar)
+}
+
+/// `y[m, n] = x[m, k] · wᵀ` for weight rows from `src`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemm(
+    src: Rows,
+    n: usize,
+    k: usize,
+    x: &[f32],
+    m: usize,
+    y: &mut [f32],
+    threads: usize,
+    scalar: bool,
+) -> Result<()> {
+    debug_assert!(x.len() == m * k && y.len() == m * n);
+    if let Rows::F32(w) = src {
+        debug_assert!(w.len() == n * k);
+    }
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    let (micro, dequant) = kernels(scalar);
+    // Activations as [m / 16][k][16] (zero rows past m): the micro-kernel's vector operand.
+    let groups = m.div_ceil(NR);
+    let mut xp = vec![0f32; groups * k * NR];
+    crate::parallel_chunks_mut(&mut xp, k * NR, threads, &|g, dst| {
+        for i in 0..NR.min(m - g * NR) {
+            let row = &x[(g * NR + i) * k..(g * NR + i + 1) * k];
+            for (kk, &v) in row.iter().enumerate() {
+                dst[kk * NR + i] = v;
+            }
+        }
+    });
+    let panels = n.div_ceil(MR);
+    // A few tasks per thread so uneven progress evens out; one when running alone.
+    let per_task = if threads > 1 {
+        panels.div_ceil(threads * 4).max(1)
+    } else {
+        panels
+    };
+    let tasks = panels.div_ceil(per_task);
+    let out = Out {
+        ptr: y.as_mut_ptr(),
+        len: y.len(),
+    };
+    // Borrowed whole (not its fields, which closures would capture one by one).
+    let out = &out;
+    let failed = std::sync::Mutex::new(None);
+    let task = |t: usize| {
+        let p0 = t * per_task * MR;
+        let p1 = ((t + 1) * per_task * MR).min(n);
+        let run = || -> Result<()> {
+            let mut wd = match src {
+                Rows::Quant { .. } => vec![0f32; MR * k],
+                Rows::F32(_) => Vec::new(),
+            };
+            let mut tile = [0f32; MR * NR];
+            for p in (p0..p1).step_by(MR) {
+                let rows = MR.min(p1 - p);
+                let wrows: &[f32] = match src {
+                    Rows::Quant { ty, w, wrb } => {
+                        for r in 0..rows {
+                            dequant(
+                                ty,
+                                &w[(p + r) * wrb..(p + r + 1) * wrb],
+                                &mut wd[r * k..(r + 1) * k],
+                            )?;
+                        }
+                        &wd
+                    }
+                    Rows::F32(w) => &w[p * k..(p + rows) * k],
+                };
+                for g in 0..groups {
+                    micro(
+                        wrows,
+                        k,
+                        rows,
+                        &xp[g * k * NR..(g + 1) * k * NR],
+                        k,
+                        &mut tile,
+                    );
+                    for i in 0..NR.min(m - g * NR) {
+                        let at = (g * NR + i) * n + p;
+                        debug_assert!(at + rows <= out.len);
+                        // SAFETY: row g * 16 + i < m and columns p .. p + rows <= p1 <= n lie
+                        // inside `y` (m x n); this task alone owns columns p0 .. p1.
+                        let dst = unsafe { std::slice::from_raw_parts_mut(out.ptr.add(at), rows) };
+                        for (r, d) in dst.iter_mut().enumerate() {
+                            *d = tile[r * NR + i];
+                        }
+                    }
+                }
+            }
+            Ok(())
+        };
+        if let Err(e) = run() {
+            if let Ok(mut f) = failed.lock() {
+                *f = Some(e);
+            }
+        }
+    };
+    crate::parallel_for(tasks, threads, &task);
+    match failed.into_inner().ok().flatten() {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+/// `y[m, n] = x[m, k] · wᵀ` for f32 operands (`w`: `n` rows of `k`), row-major, on up to
+/// `threads` threads of the kernels' pool: the fast path's f32 GEMM (6 x 16 register tiles,
+/// activations packed once). Each output is one chain of fused multiply-adds in `k` order, the
+/// same whatever the CPU or thread count.
+pub fn matmul_f32(
+    w: &[f32],
+    n: usize,
+    k: usize,
+    x: &[f32],
+    m: usize,
+    y: &mut [f32],
+    threads: usize,
+) -> Result<()> {
+    matmul_f32_with(w, n, k, x, m, y, threads, false)
+}
+
+/// [`matmul_f32`] with the scalar micro-kernel (its reference in tests).
+pub fn matmul_f32_scalar(
+    w: &[f32],
+    n: usize,
+    k: usize,
+    x: &[f32],
+    m: usize,
+    y: &mut [f32],
+    threads: usize,
+) -> Result<()> {
+    matmul_f32_with(w, n, k, x, m, y, threads, true)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn matmul_f32_with(
+    w: &[f32],
+    n: usize,
+    k: usize,
+    x: &[f32],
+    m: usize,
+    y: &mut [f32],
+    threads: usize,
+    scalar: bool,
+) -> Result<()> {
+    if Some(w.len()) != n.checked_mul(k)
+        || Some(x.len()) != m.checked_mul(k)
+        || Some(y.len()) != m.checked_mul(n)
+    {
+        crate::bail!(
+            "f32 product {m}x{k} by ({n}x{k})ᵀ: got {} weights, {} activations, {} outputs",
+            w.len(),
+            x.len(),
+            y.len()
+        );
+    }
+    gemm(Rows::F32(w), n, k, x, m, y, threads.max(1), scalar)
+}
