@@ -508,8 +508,13 @@ fn forced_steps(steps: &[Step], force: &[String]) -> Result<BTreeSet<usize>> {
     Ok(set)
 }
 
-/// A step's outcome as the scheduler sees it.
-type Outcome = (usize, Result<(Record, Status, f64, String)>);
+/// What a step's thread tells the scheduler.
+enum Msg {
+    /// Step `i` missed the cache (or was forced) and starts its work.
+    Started(usize, Status),
+    /// Step `i` ended: its record, status, seconds and summary.
+    Done(usize, Result<(Record, Status, f64, String)>),
+}
 
 /// Runs (or with `dry_run`, plans) the pipeline `p`. `line` gets the progress lines.
 pub fn build(p: &Pipeline, req: &BuildRequest, line: &mut dyn FnMut(&str)) -> Result<BuildReport> {
@@ -590,7 +595,7 @@ pub fn build(p: &Pipeline, req: &BuildRequest, line: &mut dyn FnMut(&str)) -> Re
     let mut finished = 0usize;
     let mut failure: Option<anyhow::Error> = None;
     std::thread::scope(|scope| {
-        let (tx, rx) = std::sync::mpsc::channel::<Outcome>();
+        let (tx, rx) = std::sync::mpsc::channel::<Msg>();
         let mut running = 0usize;
         loop {
             // Start every ready step, up to `jobs` at once (none after a failure).
@@ -632,31 +637,48 @@ pub fn build(p: &Pipeline, req: &BuildRequest, line: &mut dyn FnMut(&str)) -> Re
                                 Lookup::Corrupt(why) => Status::Rebuilt(why),
                             }
                         };
+                        let _ = tx.send(Msg::Started(i, status.clone()));
                         let (r, detail) = execute(p, cache, s, &key, &deps)
                             .with_context(|| format!("step {}", s.id))?;
                         Ok((r, status, t.elapsed().as_secs_f64(), detail))
                     })();
-                    let _ = tx.send((i, r));
+                    let _ = tx.send(Msg::Done(i, r));
                 });
             }
             if running == 0 {
                 break;
             }
-            let (i, r) = rx.recv().expect("a running step reports");
-            running -= 1;
-            finished += 1;
-            match r {
-                Ok((rec, status, secs, detail)) => {
+            let (i, r) = match rx.recv().expect("a running step reports") {
+                Msg::Started(i, status) => {
                     if let Status::Rebuilt(why) = &status {
                         line(&format!(
-                            "{}: cache entry corrupt ({why}); rebuilt",
+                            "{}: cache entry corrupt ({why}); rebuilding",
                             steps[i].id
                         ));
                     }
                     line(&format!(
-                        "[{finished}/{total}] {:40} {:8} {secs:7.2}s  {detail}",
+                        "  {:40} started  at {:6.2}s{}",
+                        steps[i].id,
+                        t0.elapsed().as_secs_f64(),
+                        if status == Status::Forced {
+                            " (--force)"
+                        } else {
+                            ""
+                        }
+                    ));
+                    continue;
+                }
+                Msg::Done(i, r) => (i, r),
+            };
+            running -= 1;
+            finished += 1;
+            match r {
+                Ok((rec, status, secs, detail)) => {
+                    line(&format!(
+                        "[{finished}/{total}] {:40} {:8} {secs:7.2}s  (at {:6.2}s)  {detail}",
                         steps[i].id,
                         status.label().split(' ').next().unwrap_or(""),
+                        t0.elapsed().as_secs_f64(),
                     ));
                     records[i] = Some(rec);
                     reports[i] = Some(StepReport {

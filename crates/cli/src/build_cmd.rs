@@ -97,6 +97,7 @@ pub fn inspect_bundle(dir: &Path, json: bool, verify: bool) -> Result<()> {
             .with_context(|| format!("part {} of '{}'", i + 1, dir.display()))?;
         let graphs: Vec<String> = art.graph_names().iter().map(|s| s.to_string()).collect();
         let first = art.model(graphs.first().map(|s| s.as_str()))?;
+        // The KV inputs of the first graph (every graph of a part has the same, at its ctx).
         let kv: Vec<String> = first
             .graph
             .inputs
@@ -107,6 +108,15 @@ pub fn inspect_bundle(dir: &Path, json: bool, verify: bool) -> Result<()> {
                 None => v.name.clone(),
             })
             .collect();
+        let kv_line = match (kv.first(), kv.last()) {
+            (Some(a), Some(b)) if kv.len() > 2 => format!(
+                "{} tensors in {} (graph {}): {a} ... {b}",
+                kv.len(),
+                p.file,
+                graphs.first().map_or("", |s| s.as_str())
+            ),
+            _ => kv.join(", "),
+        };
         let sha_ok = if verify {
             let got = npuc_build::cache::sha256_file(&path)?;
             Some(got == p.sha256)
@@ -114,12 +124,12 @@ pub fn inspect_bundle(dir: &Path, json: bool, verify: bool) -> Result<()> {
             None
         };
         let over = m.max_part_bytes.is_some_and(|b| p.weight_bytes > b);
-        parts.push((p, graphs, kv, sha_ok, over));
+        parts.push((p, graphs, kv, kv_line, sha_ok, over));
     }
     if json {
         let j = serde_json::json!({
             "manifest": m,
-            "parts": parts.iter().map(|(p, g, kv, sha, over)| serde_json::json!({
+            "parts": parts.iter().map(|(p, g, kv, _, sha, over)| serde_json::json!({
                 "file": p.file, "layers": p.layers, "weight_bytes": p.weight_bytes,
                 "graphs": g, "kv": kv, "sha256_ok": sha, "over_budget": over,
             })).collect::<Vec<_>>(),
@@ -140,7 +150,7 @@ pub fn inspect_bundle(dir: &Path, json: bool, verify: bool) -> Result<()> {
         if let Some(b) = m.max_part_bytes {
             println!("max_part_bytes {b}");
         }
-        for (i, (p, graphs, kv, sha, over)) in parts.iter().enumerate() {
+        for (i, (p, graphs, _, kv_line, sha, over)) in parts.iter().enumerate() {
             println!(
                 "part {} ({}): layers {}..{}, {} precision, {} weight bytes ({:.1} MiB){}{}",
                 i + 1,
@@ -158,10 +168,10 @@ pub fn inspect_bundle(dir: &Path, json: bool, verify: bool) -> Result<()> {
                 }
             );
             println!("  graphs: {}", graphs.join(", "));
-            println!("  KV: {}", kv.join(", "));
+            println!("  KV: {kv_line}");
         }
     }
-    if parts.iter().any(|(_, _, _, sha, _)| *sha == Some(false)) {
+    if parts.iter().any(|(_, _, _, _, sha, _)| *sha == Some(false)) {
         bail!(
             "'{}': a part does not match the sha256 in {MANIFEST}",
             dir.display()
