@@ -30,14 +30,11 @@ impl Model {
             Model::Bundle(b) => b.vocab(),
         }
     }
-    /// Weight bytes one decode step reads (engines only; bundles are not benchmarked yet).
-    pub fn decode_weight_bytes(&self) -> Result<u64> {
+    /// Weight bytes one decode step reads.
+    pub fn decode_weight_bytes(&self) -> u64 {
         match self {
-            Model::Engine(e) => Ok(e.decode_weight_bytes()),
-            Model::Bundle(b) => bail!(
-                "'{}': npuc bench does not run bundles yet; time them with `npuc generate`",
-                b.dir().display()
-            ),
+            Model::Engine(e) => e.decode_weight_bytes(),
+            Model::Bundle(b) => b.decode_weight_bytes(),
         }
     }
 }
@@ -665,9 +662,10 @@ pub fn bench_cmd(a: &LlmBenchArgs) -> Result<()> {
         bail!("--runs and --prompt-len must be at least 1");
     }
     // Like llama-bench, the KV cache holds the prompt and the generated tokens (at least the
-    // largest AR variant) unless --ctx says otherwise; artifacts keep their compiled context.
+    // largest AR variant) unless --ctx says otherwise; artifacts keep their compiled context,
+    // bundles pick among theirs per call.
     let mut margs = a.model.clone();
-    if margs.ctx.is_none() && !is_llm_artifact(&margs.model) {
+    if margs.ctx.is_none() && !is_llm_artifact(&margs.model) && !margs.model.is_dir() {
         let largest = match &margs.variants {
             Some(v) => Variant::parse_list(v)?
                 .iter()
@@ -698,7 +696,7 @@ pub fn bench_cmd(a: &LlmBenchArgs) -> Result<()> {
         prompt[0] = b;
     }
     let gen_tokens: Vec<u32> = (0..a.gen).map(|_| next()).collect();
-    let weight_bytes = engine.decode_weight_bytes()?;
+    let weight_bytes = engine.decode_weight_bytes();
     let mut lm = Lm(&mut engine);
     if a.prompt_len + a.gen > lm.ctx() {
         bail!(

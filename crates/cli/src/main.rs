@@ -230,35 +230,40 @@ fn main() {
             precision,
             variants,
             ..
-        } if prompt_len.is_some() || model.extension().is_some_and(|e| e == "gguf") => given
-            .reject(
-                &[
-                    "graph",
-                    "inputs",
-                    "input_shape",
-                    "dim",
-                    "simulate",
-                    "profile",
-                ],
-                "not supported when benchmarking an LLM (.gguf, or --prompt-len)",
-            )
-            .and_then(|_| npuc_cli::llm_cmd::check_precision(&model, &given))
-            .and_then(|_| {
-                npuc_cli::llm_cmd::bench_cmd(&npuc_cli::llm_cmd::LlmBenchArgs {
-                    model: npuc_cli::llm_cmd::ModelArgs {
-                        model,
-                        threads: Some(threads),
-                        ctx,
-                        precision,
-                        chat_template: None,
-                        variants,
-                    },
-                    prompt_len: prompt_len.unwrap_or(128),
-                    gen,
-                    runs: runs.min(10),
-                    json,
+        } if prompt_len.is_some()
+            || model.extension().is_some_and(|e| e == "gguf")
+            || npuc_llm::bundle::is_bundle(&model) =>
+        {
+            given
+                .reject(
+                    &[
+                        "graph",
+                        "inputs",
+                        "input_shape",
+                        "dim",
+                        "simulate",
+                        "profile",
+                    ],
+                    "not supported when benchmarking an LLM (.gguf, or --prompt-len)",
+                )
+                .and_then(|_| npuc_cli::llm_cmd::check_precision(&model, &given))
+                .and_then(|_| {
+                    npuc_cli::llm_cmd::bench_cmd(&npuc_cli::llm_cmd::LlmBenchArgs {
+                        model: npuc_cli::llm_cmd::ModelArgs {
+                            model,
+                            threads: Some(threads),
+                            ctx,
+                            precision,
+                            chat_template: None,
+                            variants,
+                        },
+                        prompt_len: prompt_len.unwrap_or(128),
+                        gen,
+                        runs: runs.min(10),
+                        json,
+                    })
                 })
-            }),
+        }
         Cmd::Bench {
             model,
             threads,

@@ -9,7 +9,7 @@
 //! context the caches move once into the next larger one.
 
 use crate::build::split::{self, HIDDEN_IN, HIDDEN_OUT};
-use crate::engine::{write_kv, TOKENIZER_KEY};
+use crate::engine::{weight_bytes_per_step, write_kv, TOKENIZER_KEY};
 use crate::{bail, GgufMetaJson, LlmError, Result};
 use npuc_ir::{f16, DType, Tensor};
 use npuc_runtime::{Session, SessionOptions, Value};
@@ -151,6 +151,8 @@ pub struct Bundle {
     meta: GgufMetaJson,
     /// Times a cache had to be copied because a reference outlived a run (should stay 0).
     cache_copies: usize,
+    /// Weight bytes one decode step reads, all parts together.
+    decode_weight_bytes: u64,
 }
 
 impl Bundle {
@@ -192,6 +194,7 @@ impl Bundle {
         }
         let mut parts = vec![];
         let mut meta = None;
+        let mut decode_weight_bytes = 0;
         let count = manifest.parts.len();
         let mut expect_start = 0;
         for (i, rec) in manifest.parts.iter().enumerate() {
@@ -210,6 +213,7 @@ impl Bundle {
             let art = npuc_format::Artifact::open(&path)?;
             let mut sessions = BTreeMap::new();
             let mut facts = None;
+            let mut part_step_bytes = 0;
             for &a in &ars {
                 for &c in &ctxs {
                     let name = split::graph_name(a, c);
@@ -240,6 +244,7 @@ impl Bundle {
                         );
                     }
                     facts = Some(f);
+                    part_step_bytes = part_step_bytes.max(weight_bytes_per_step(&m));
                     let sess = Session::new(
                         &m,
                         SessionOptions {
@@ -254,6 +259,7 @@ impl Bundle {
             let Some(f) = facts else {
                 bail!("{}: no graphs selected", path.display());
             };
+            decode_weight_bytes += part_step_bytes;
             parts.push(PartRun {
                 layers,
                 first: i == 0,
@@ -283,6 +289,7 @@ impl Bundle {
             position: 0,
             meta: meta.unwrap_or_default(),
             cache_copies: 0,
+            decode_weight_bytes,
         };
         b.alloc_caches(0);
         Ok(b)
@@ -309,6 +316,11 @@ impl Bundle {
     }
     pub fn position(&self) -> usize {
         self.position
+    }
+    /// Weight bytes one decode step reads from memory, all parts together (as
+    /// [`crate::Engine::decode_weight_bytes`]).
+    pub fn decode_weight_bytes(&self) -> u64 {
+        self.decode_weight_bytes
     }
     /// Times a KV cache had to be copied instead of updated in place.
     pub fn cache_copies(&self) -> usize {

@@ -544,8 +544,9 @@ enum Rows {
     None,
 }
 
-/// Weight bytes a step of `m` reads (see [`Engine::decode_weight_bytes`]).
-fn weight_bytes_per_step(m: &Model) -> u64 {
+/// Weight bytes a step of `m` reads (see [`Engine::decode_weight_bytes`]; also used by
+/// [`crate::bundle`]).
+pub(crate) fn weight_bytes_per_step(m: &Model) -> u64 {
     let g = &m.graph;
     let size = |name: &str| {
         g.initializers.iter().find(|i| i.name == name).map(|i| {
