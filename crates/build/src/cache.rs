@@ -99,7 +99,8 @@ pub enum Lookup {
     Hit(Record),
     /// No entry.
     Miss,
-    /// An entry whose files fail their hashes (it has been removed); says which file.
+    /// An entry whose files fail their hashes (still there: [`Cache::remove`] it before
+    /// rebuilding); says which file.
     Corrupt(String),
 }
 
@@ -110,6 +111,13 @@ pub struct Cache {
 }
 
 impl Cache {
+    /// The cache at `root` as it is, without creating or clearing anything (for `--dry-run`).
+    pub fn at(root: &Path) -> Cache {
+        Cache {
+            root: root.to_path_buf(),
+        }
+    }
+
     /// Opens (creates) the cache at `root` and clears what interrupted builds left in `tmp/`.
     pub fn open(root: &Path) -> Result<Cache> {
         let tmp = root.join("tmp");
@@ -140,11 +148,7 @@ impl Cache {
         if !rec_path.is_file() {
             return Ok(Lookup::Miss);
         }
-        let bad = |why: String| -> Result<Lookup> {
-            std::fs::remove_dir_all(&dir)
-                .with_context(|| format!("removing corrupt cache entry '{}'", dir.display()))?;
-            Ok(Lookup::Corrupt(why))
-        };
+        let bad = |why: String| -> Result<Lookup> { Ok(Lookup::Corrupt(why)) };
         let rec: Record = match std::fs::read(&rec_path)
             .map_err(|e| e.to_string())
             .and_then(|b| serde_json::from_slice(&b).map_err(|e| e.to_string()))

@@ -521,7 +521,13 @@ pub fn build(p: &Pipeline, req: &BuildRequest, line: &mut dyn FnMut(&str)) -> Re
     let t0 = Instant::now();
     let steps = plan(p);
     let forced = forced_steps(&steps, &req.force)?;
-    let cache = Cache::open(&req.out_dir.join(CACHE_DIR))?;
+    // A dry run only reads the cache: it creates nothing and leaves a running build's scratch
+    // directories alone.
+    let cache = if req.dry_run {
+        Cache::at(&req.out_dir.join(CACHE_DIR))
+    } else {
+        Cache::open(&req.out_dir.join(CACHE_DIR))?
+    };
     let total = steps.len();
     let mut records: Vec<Option<Record>> = vec![None; total];
     let mut reports: Vec<Option<StepReport>> = vec![None; total];
@@ -634,7 +640,10 @@ pub fn build(p: &Pipeline, req: &BuildRequest, line: &mut dyn FnMut(&str)) -> Re
                                     ));
                                 }
                                 Lookup::Miss => Status::Ran,
-                                Lookup::Corrupt(why) => Status::Rebuilt(why),
+                                Lookup::Corrupt(why) => {
+                                    cache.remove(kind, &key)?;
+                                    Status::Rebuilt(why)
+                                }
                             }
                         };
                         let _ = tx.send(Msg::Started(i, status.clone()));
