@@ -34,7 +34,7 @@ fn ty(t: &Option<TypeDesc>) -> String {
 }
 
 /// `TypeInfo` in the notation of [`ty`].
-fn ir_ty(t: &TypeInfo) -> String {
+pub fn ir_ty(t: &TypeInfo) -> String {
     match t {
         TypeInfo::Tensor { dtype, shape } => {
             let dims = match shape {

@@ -5,6 +5,7 @@
 
 pub mod artifact;
 pub mod bench;
+pub mod build_cmd;
 pub mod compile_cmd;
 pub mod flags;
 pub mod gguf_inspect;

@@ -9,33 +9,72 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use npuc_generate::chat::{ChatMessage, ChatSession, ChatTemplate};
 use npuc_generate::{generate, perplexity, CausalLm, GenOutput, SamplerParams, TokenText};
-use npuc_llm::{Engine, EngineOptions, Precision, Variant};
+use npuc_llm::{Bundle, BundleOptions, Engine, EngineOptions, Precision, Variant};
 use npuc_tokenizer::Tokenizer;
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-/// `CausalLm` view of the engine.
-pub struct Lm<'a>(pub &'a mut Engine);
+/// A loaded LLM: one engine over a GGUF or an LLM artifact, or a split bundle directory
+/// (`npuc build`), whose parts run in sequence.
+pub enum Model {
+    Engine(Engine),
+    Bundle(Box<Bundle>),
+}
+
+impl Model {
+    /// Vocabulary size.
+    pub fn vocab(&self) -> usize {
+        match self {
+            Model::Engine(e) => e.vocab(),
+            Model::Bundle(b) => b.vocab(),
+        }
+    }
+    /// Weight bytes one decode step reads.
+    pub fn decode_weight_bytes(&self) -> u64 {
+        match self {
+            Model::Engine(e) => e.decode_weight_bytes(),
+            Model::Bundle(b) => b.decode_weight_bytes(),
+        }
+    }
+}
+
+/// `CausalLm` view of a loaded model.
+pub struct Lm<'a>(pub &'a mut Model);
 
 impl CausalLm for Lm<'_> {
     fn forward(&mut self, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>> {
-        Ok(self.0.forward(tokens, all_logits)?)
+        Ok(match &mut *self.0 {
+            Model::Engine(e) => e.forward(tokens, all_logits)?,
+            Model::Bundle(b) => b.forward(tokens, all_logits)?,
+        })
     }
     fn position(&self) -> usize {
-        self.0.position()
+        match &*self.0 {
+            Model::Engine(e) => e.position(),
+            Model::Bundle(b) => b.position(),
+        }
     }
     fn ctx(&self) -> usize {
-        self.0.ctx()
+        match &*self.0 {
+            Model::Engine(e) => e.ctx(),
+            Model::Bundle(b) => b.ctx(),
+        }
     }
     fn vocab(&self) -> usize {
         self.0.vocab()
     }
     fn reset(&mut self) {
-        self.0.reset()
+        match &mut *self.0 {
+            Model::Engine(e) => e.reset(),
+            Model::Bundle(b) => b.reset(),
+        }
     }
     fn truncate(&mut self, pos: usize) {
-        self.0.truncate(pos)
+        match &mut *self.0 {
+            Model::Engine(e) => e.truncate(pos),
+            Model::Bundle(b) => b.truncate(pos),
+        }
     }
 }
 
@@ -255,8 +294,15 @@ fn is_llm_artifact(path: &Path) -> bool {
     path.extension().is_some_and(|e| e == "npuc")
 }
 
-/// Rejects `--precision` for artifacts: their numerics were fixed when they were compiled.
+/// Rejects `--precision` for artifacts and bundles: their numerics were fixed when they were
+/// compiled.
 pub fn check_precision(model: &Path, given: &Given) -> Result<()> {
+    if npuc_llm::bundle::is_bundle(model) {
+        given.reject(
+            &["precision"],
+            "a bundle's precision per part was fixed by its pipeline file (`npuc build`)",
+        )?;
+    }
     if is_llm_artifact(model) {
         given.reject(
             &["precision"],
@@ -312,13 +358,50 @@ pub fn check_generate_flags(a: &GenerateArgs, given: &Given) -> Result<()> {
     Ok(())
 }
 
-/// Loads the engine and the tokenizer for `args.model`.
-pub fn load(args: &ModelArgs) -> Result<(Engine, Tokenizer)> {
+/// Loads the model (engine or bundle) and the tokenizer for `args.model`.
+pub fn load(args: &ModelArgs) -> Result<(Model, Tokenizer)> {
     let threads = args
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     if threads == 0 {
         bail!("--threads must be at least 1");
+    }
+    let path = &args.model;
+    if path.is_dir() {
+        if !npuc_llm::bundle::is_bundle(path) {
+            bail!(
+                "'{}' is a directory without {} (a bundle is made by `npuc build PIPELINE.toml -o DIR`)",
+                path.display(),
+                npuc_llm::bundle::MANIFEST
+            );
+        }
+        let mut ar = vec![];
+        if let Some(v) = &args.variants {
+            for v in Variant::parse_list(v)? {
+                match v {
+                    Variant::Ar(n) => ar.push(n),
+                    Variant::Full => bail!("--variants full: bundles hold AR variants only"),
+                }
+            }
+        }
+        let bundle = Bundle::open(
+            path,
+            &BundleOptions {
+                threads,
+                ctx: args.ctx,
+                ar,
+            },
+        )
+        .with_context(|| format!("loading bundle '{}'", path.display()))?;
+        let mut bundle = bundle;
+        let meta = bundle.take_metadata();
+        let tok = tokenizer_for(
+            Tokenizer::from_metadata_named(&path.display().to_string(), &meta.entries),
+            args,
+            bundle.vocab(),
+        )?;
+        drop(meta);
+        return Ok((Model::Bundle(Box::new(bundle)), tok));
     }
     let mut opts = EngineOptions {
         threads,
@@ -333,7 +416,6 @@ pub fn load(args: &ModelArgs) -> Result<(Engine, Tokenizer)> {
     if let Some(v) = &args.variants {
         opts.variants = Variant::parse_list(v)?;
     }
-    let path = &args.model;
     let is_artifact = is_llm_artifact(path);
     let mut engine = if is_artifact {
         Engine::from_artifact(path, &opts)
@@ -344,9 +426,20 @@ pub fn load(args: &ModelArgs) -> Result<(Engine, Tokenizer)> {
     // The tokenizer from the metadata the engine read (the GGUF's tokenizer keys, or the
     // artifact's copy of them), not from a second parse of the file; then only its own tables stay.
     let meta = engine.take_metadata();
-    let mut tok = Tokenizer::from_metadata_named(&path.display().to_string(), &meta.entries)
-        .with_context(|| format!("tokenizer of '{}'", path.display()))?;
+    let tok = Tokenizer::from_metadata_named(&path.display().to_string(), &meta.entries);
     drop(meta);
+    let tok = tokenizer_for(tok, args, engine.vocab())?;
+    Ok((Model::Engine(engine), tok))
+}
+
+/// The tokenizer with `--chat-template` applied, checked against the model's vocabulary.
+fn tokenizer_for(
+    tok: npuc_tokenizer::Result<Tokenizer>,
+    args: &ModelArgs,
+    vocab: usize,
+) -> Result<Tokenizer> {
+    let path = &args.model;
+    let mut tok = tok.with_context(|| format!("tokenizer of '{}'", path.display()))?;
     if let Some(t) = &args.chat_template {
         let text = if Path::new(t).is_file() {
             std::fs::read_to_string(t).with_context(|| format!("reading chat template '{t}'"))?
@@ -355,15 +448,14 @@ pub fn load(args: &ModelArgs) -> Result<(Engine, Tokenizer)> {
         };
         tok.set_chat_template(Some(text));
     }
-    if tok.vocab_size() > engine.vocab() {
+    if tok.vocab_size() > vocab {
         bail!(
-            "'{}': the tokenizer has {} tokens but the model's output has {} logits",
+            "'{}': the tokenizer has {} tokens but the model's output has {vocab} logits",
             path.display(),
             tok.vocab_size(),
-            engine.vocab()
         );
     }
-    Ok((engine, tok))
+    Ok(tok)
 }
 
 fn json_out(out: &GenOutput, prompt: &[u32]) -> serde_json::Value {
@@ -624,9 +716,10 @@ pub fn bench_cmd(a: &LlmBenchArgs) -> Result<()> {
         bail!("--runs and --prompt-len must be at least 1");
     }
     // Like llama-bench, the KV cache holds the prompt and the generated tokens (at least the
-    // largest AR variant) unless --ctx says otherwise; artifacts keep their compiled context.
+    // largest AR variant) unless --ctx says otherwise; artifacts keep their compiled context,
+    // bundles pick among theirs per call.
     let mut margs = a.model.clone();
-    if margs.ctx.is_none() && !is_llm_artifact(&margs.model) {
+    if margs.ctx.is_none() && !is_llm_artifact(&margs.model) && !margs.model.is_dir() {
         let largest = match &margs.variants {
             Some(v) => Variant::parse_list(v)?
                 .iter()

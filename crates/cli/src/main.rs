@@ -108,7 +108,11 @@ enum Cmd {
         #[arg(long)]
         variants: Option<String>,
     },
-    /// Generate text with an LLM (`.gguf` or LLM `.npuc`): streams to stdout, speeds to stderr.
+    /// Build an LLM bundle from a pipeline file (TOML): split parts, graphs per AR x context,
+    /// cached steps (a second run does nothing).
+    Build(npuc_cli::build_cmd::BuildArgs),
+    /// Generate text with an LLM (`.gguf`, LLM `.npuc` or a bundle directory from `npuc
+    /// build`): streams to stdout, speeds to stderr.
     Generate(npuc_cli::llm_cmd::GenerateArgs),
     /// Interactive chat with an LLM; keeps the KV cache between turns (`/reset`, `/exit`).
     Chat(npuc_cli::llm_cmd::ChatArgs),
@@ -163,7 +167,14 @@ fn main() {
             dim,
             verify,
         } => {
-            let r = if npuc_driver::session::is_artifact(&model) {
+            let r = if npuc_llm::bundle::is_bundle(&model) {
+                given
+                    .reject(
+                        &["input_shape", "dim"],
+                        "a bundle's shapes were fixed by its pipeline file",
+                    )
+                    .and_then(|_| npuc_cli::build_cmd::inspect_bundle(&model, json, verify))
+            } else if npuc_driver::session::is_artifact(&model) {
                 given
                     .reject(
                         &["input_shape", "dim"],
@@ -184,7 +195,8 @@ fn main() {
             };
             r.and_then(|_| {
                 // Quantized-tensor report: ONNX models and artifacts only.
-                if json || npuc_driver::llm::is_gguf(&model) {
+                if json || npuc_driver::llm::is_gguf(&model) || npuc_llm::bundle::is_bundle(&model)
+                {
                     Ok(())
                 } else {
                     print_quant_report(&model)
@@ -218,35 +230,40 @@ fn main() {
             precision,
             variants,
             ..
-        } if prompt_len.is_some() || model.extension().is_some_and(|e| e == "gguf") => given
-            .reject(
-                &[
-                    "graph",
-                    "inputs",
-                    "input_shape",
-                    "dim",
-                    "simulate",
-                    "profile",
-                ],
-                "not supported when benchmarking an LLM (.gguf, or --prompt-len)",
-            )
-            .and_then(|_| npuc_cli::llm_cmd::check_precision(&model, &given))
-            .and_then(|_| {
-                npuc_cli::llm_cmd::bench_cmd(&npuc_cli::llm_cmd::LlmBenchArgs {
-                    model: npuc_cli::llm_cmd::ModelArgs {
-                        model,
-                        threads: Some(threads),
-                        ctx,
-                        precision,
-                        chat_template: None,
-                        variants,
-                    },
-                    prompt_len: prompt_len.unwrap_or(128),
-                    gen,
-                    runs: runs.min(10),
-                    json,
+        } if prompt_len.is_some()
+            || model.extension().is_some_and(|e| e == "gguf")
+            || npuc_llm::bundle::is_bundle(&model) =>
+        {
+            given
+                .reject(
+                    &[
+                        "graph",
+                        "inputs",
+                        "input_shape",
+                        "dim",
+                        "simulate",
+                        "profile",
+                    ],
+                    "not supported when benchmarking an LLM (.gguf, or --prompt-len)",
+                )
+                .and_then(|_| npuc_cli::llm_cmd::check_precision(&model, &given))
+                .and_then(|_| {
+                    npuc_cli::llm_cmd::bench_cmd(&npuc_cli::llm_cmd::LlmBenchArgs {
+                        model: npuc_cli::llm_cmd::ModelArgs {
+                            model,
+                            threads: Some(threads),
+                            ctx,
+                            precision,
+                            chat_template: None,
+                            variants,
+                        },
+                        prompt_len: prompt_len.unwrap_or(128),
+                        gen,
+                        runs: runs.min(10),
+                        json,
+                    })
                 })
-            }),
+        }
         Cmd::Bench {
             model,
             threads,
@@ -278,6 +295,7 @@ fn main() {
                     profile,
                 )
             }),
+        Cmd::Build(a) => npuc_cli::build_cmd::cmd(&a),
         Cmd::Generate(a) => npuc_cli::llm_cmd::check_generate_flags(&a, &given)
             .and_then(|_| npuc_cli::llm_cmd::generate_cmd(&a)),
         Cmd::Chat(a) => npuc_cli::llm_cmd::check_model_flags(&a.model, &given)

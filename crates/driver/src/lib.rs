@@ -6,12 +6,14 @@
 //!   verify, optimize, infer types, plan the arena, serialize);
 //! - [`quantize::compile_quantized`]: one ONNX model → quantized (QDQ) artifact;
 //! - [`llm::compile_gguf`]: a GGUF LLM → artifact with one graph per AR variant;
+//! - [`build::build_pipeline`]: a pipeline file → a bundle of split part artifacts (cached steps);
 //! - [`quantized::prepare`]: what a model goes through before execution (quantized lowering
 //!   and cleanup);
 //! - [`session::open`]: a model or artifact → a `Session`, exactly as `npuc run` runs it.
 //!
 //! The library prints nothing: progress and messages go to a [`Progress`].
 
+pub mod build;
 pub mod compile;
 pub mod llm;
 pub mod quantize;

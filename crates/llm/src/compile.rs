@@ -133,3 +133,96 @@ pub fn compile_gguf(
         seconds: t0.elapsed().as_secs_f64(),
     })
 }
+
+/// One part of a split model, as written by [`compile_part`].
+#[derive(Clone, Debug)]
+pub struct PartCompileSummary {
+    /// Graph names (`ar{N}_c{C}`) and node counts.
+    pub graphs: Vec<(String, usize)>,
+    /// Bytes of weights stored in the part's artifact (each weight once).
+    pub weight_bytes: u64,
+    pub file_bytes: u64,
+}
+
+/// Compiles one part of a split model (see [`crate::build::split`]) into the artifact `out`
+/// (written atomically): one graph per `(tokens, ctx)` pair, named `ar{N}_c{C}`, the part's
+/// weights stored once; the first part also carries the tokenizer's GGUF metadata.
+/// Deterministic: the same inputs give the same bytes. `check` sees each graph as built, before
+/// the tokenizer metadata is attached (a caller's consistency check; an `Err` message aborts,
+/// naming the graph).
+pub fn compile_part(
+    g: &npuc_gguf::GgufFile,
+    part: &crate::build::split::PartSpec,
+    graphs: &[(usize, usize)],
+    precision: Precision,
+    out: &Path,
+    check: &mut dyn FnMut(&str, &npuc_ir::Model) -> std::result::Result<(), String>,
+) -> Result<PartCompileSummary> {
+    use crate::build::split;
+    let hp = crate::build::hparams(g)?;
+    if graphs.is_empty() {
+        return Err(LlmError::msg(format!(
+            "part {}: no graphs to compile (give at least one AR variant and context)",
+            part.index + 1
+        )));
+    }
+    let options = serde_json::json!({
+        "llm": true,
+        "part": part.index,
+        "parts": part.count,
+        "layers": [part.layers.start, part.layers.end],
+        "graphs": graphs.iter().map(|&(n, c)| split::graph_name(n, c)).collect::<Vec<_>>(),
+        "precision": precision.name(),
+    });
+    // The host's target: these graphs run on the CPU kernels of this build.
+    let mut w = ArtifactWriter::new(Target::host(), options);
+    // The file name only: a bundle's bytes do not depend on where the GGUF lives.
+    let source = Path::new(&g.name)
+        .file_name()
+        .map(|f| f.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    w.add_source(&source, g.backing().bytes());
+    let mut names = vec![];
+    for (i, &(tokens, ctx)) in graphs.iter().enumerate() {
+        let name = split::graph_name(tokens, ctx);
+        let mut m = split::build_part(g, &hp, part, tokens, ctx, precision)?;
+        check(&name, &m).map_err(|e| {
+            LlmError::msg(format!(
+                "{}: part {} graph {name}: {e}",
+                g.name,
+                part.index + 1
+            ))
+        })?;
+        if i == 0 && part.has_embedding() {
+            let tok = GgufMetaJson::filtered(&g.metadata, TOKENIZER_PREFIXES);
+            m.metadata
+                .push((TOKENIZER_KEY.into(), tok.to_json().to_string()));
+        }
+        npuc_runtime::Plan::for_model(&m).map_err(|e| {
+            LlmError::msg(format!(
+                "{}: part {} graph {name}: {e}",
+                g.name,
+                part.index + 1
+            ))
+        })?;
+        let nodes = m.graph.nodes.len();
+        w.add_graph(
+            &name,
+            &m,
+            GraphInfo {
+                nodes_before: nodes,
+                nodes_after: nodes,
+                arena_bytes: 0,
+                source: source.clone(),
+            },
+        )?;
+        names.push((name, nodes));
+    }
+    let weight_bytes: u64 = w.meta().weights.iter().map(|wd| wd.len).sum();
+    let file_bytes = w.write(out)?;
+    Ok(PartCompileSummary {
+        graphs: names,
+        weight_bytes,
+        file_bytes,
+    })
+}

@@ -546,8 +546,9 @@ enum Rows {
     None,
 }
 
-/// Weight bytes a step of `m` reads (see [`Engine::decode_weight_bytes`]).
-fn weight_bytes_per_step(m: &Model) -> u64 {
+/// Weight bytes a step of `m` reads (see [`Engine::decode_weight_bytes`]; also used by
+/// [`crate::bundle`]).
+pub(crate) fn weight_bytes_per_step(m: &Model) -> u64 {
     let g = &m.graph;
     let size = |name: &str| {
         g.initializers.iter().find(|i| i.name == name).map(|i| {
@@ -570,8 +571,9 @@ fn weight_bytes_per_step(m: &Model) -> u64 {
         .sum()
 }
 
-/// Writes rows `0..count` of `new [KVH, N, D]` into `cache [KVH, C, D]` at slots `pos..`.
-fn write_kv<T: npuc_ir::Elem + Copy>(
+/// Writes rows `0..count` of `new [KVH, N, D]` into `cache [KVH, C, D]` at slots `pos..`
+/// (also used by [`crate::bundle`]).
+pub(crate) fn write_kv<T: npuc_ir::Elem + Copy>(
     cache: &mut Tensor,
     new: &Tensor,
     count: usize,

@@ -9,11 +9,13 @@
 //! cache at `positions` after each call.
 
 pub mod build;
+pub mod bundle;
 pub mod compile;
 pub mod engine;
 pub mod ops;
 
 pub use build::{build, BuildOptions, Hparams, Precision, Variant, WeightMode};
+pub use bundle::{Bundle, BundleOptions};
 pub use engine::{Engine, EngineOptions};
 pub use npuc_gguf::GgufMetaJson;
 pub use ops::register as register_ops;

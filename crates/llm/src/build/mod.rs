@@ -8,6 +8,7 @@
 pub mod gemma3;
 pub mod llama;
 pub mod qwen2;
+pub mod split;
 
 use crate::{bail, ops, LlmError, Result};
 use npuc_gguf::{GgufFile, TensorInfo};
@@ -385,6 +386,17 @@ pub fn build(g: &GgufFile, opts: &BuildOptions) -> Result<Model> {
 
 /// Builds the graph of one variant from already-read hyper-parameters.
 pub fn build_with(g: &GgufFile, hp: &Hparams, opts: &BuildOptions) -> Result<Model> {
+    build_layers(g, hp, opts, None)
+}
+
+/// Builds the graph of one variant: the whole model (`part` = `None`), or one part of a split
+/// model (its layers only; hidden state in/out at the cuts, see [`split`]).
+pub(crate) fn build_layers(
+    g: &GgufFile,
+    hp: &Hparams,
+    opts: &BuildOptions,
+    part: Option<&split::PartSpec>,
+) -> Result<Model> {
     // Sessions over the graph need this crate's kernels (GgmlMatMul, Rope, CachedAttention...).
     crate::ops::register();
     if opts.tokens == 0 || opts.ctx == 0 || opts.tokens > opts.ctx {
@@ -403,12 +415,31 @@ pub fn build_with(g: &GgufFile, hp: &Hparams, opts: &BuildOptions) -> Result<Mod
         inits: vec![],
         n: 0,
     };
-    b.decoder()?;
+    let whole = split::PartSpec::whole(hp.n_layers);
+    let part = part.unwrap_or(&whole);
+    if part.layers.end > hp.n_layers || part.layers.is_empty() {
+        bail!(
+            "part {} asks for layers {}..{} of a model with {} layers",
+            part.index + 1,
+            part.layers.start,
+            part.layers.end,
+            hp.n_layers
+        );
+    }
+    b.decoder(part)?;
     let (n, c) = (opts.tokens, opts.ctx);
     let (kvh, d) = (hp.n_kv_head, hp.head_dim);
     let kv = opts.precision.kv_dtype();
+    let first_input = if part.has_embedding() {
+        ValueInfo::new("input_ids", Some(TypeInfo::tensor(DType::I64, &[n])))
+    } else {
+        ValueInfo::new(
+            split::HIDDEN_IN,
+            Some(TypeInfo::tensor(DType::F32, &[n, hp.n_embd])),
+        )
+    };
     let mut inputs = vec![
-        ValueInfo::new("input_ids", Some(TypeInfo::tensor(DType::I64, &[n]))),
+        first_input,
         ValueInfo::new("positions", Some(TypeInfo::tensor(DType::I64, &[n]))),
         ValueInfo::new("attn_mask", Some(TypeInfo::tensor(DType::F32, &[n, c]))),
     ];
@@ -432,11 +463,15 @@ pub fn build_with(g: &GgufFile, hp: &Hparams, opts: &BuildOptions) -> Result<Mod
             Some(TypeInfo::tensor(DType::I64, &[1])),
         ));
     }
-    let mut outputs = vec![ValueInfo::new(
-        "logits",
-        Some(TypeInfo::tensor(DType::F32, &[n, hp.vocab])),
-    )];
-    for l in 0..hp.n_layers {
+    let mut outputs = vec![if part.has_head() {
+        ValueInfo::new("logits", Some(TypeInfo::tensor(DType::F32, &[n, hp.vocab])))
+    } else {
+        ValueInfo::new(
+            split::HIDDEN_OUT,
+            Some(TypeInfo::tensor(DType::F32, &[n, hp.n_embd])),
+        )
+    }];
+    for l in part.layers.clone() {
         for kind in ["key", "value"] {
             inputs.push(ValueInfo::new(
                 format!("past_{kind}.{l}"),
@@ -448,8 +483,29 @@ pub fn build_with(g: &GgufFile, hp: &Hparams, opts: &BuildOptions) -> Result<Mod
             ));
         }
     }
+    let mut facts = serde_json::json!({
+        "arch": hp.arch, "ctx": c, "tokens": n, "n_layers": hp.n_layers,
+        "n_kv_heads": kvh, "head_dim": d, "vocab": hp.vocab,
+        "kv_dtype": kv.name(), "precision": opts.precision.name(),
+    });
+    let name = if part.is_whole(hp.n_layers) {
+        format!("{}-n{n}-c{c}", hp.arch)
+    } else {
+        // A part's facts: which layers (and so which KV caches) it holds, and its place.
+        facts["part"] = serde_json::json!(part.index);
+        facts["parts"] = serde_json::json!(part.count);
+        facts["layer_start"] = serde_json::json!(part.layers.start);
+        facts["layer_end"] = serde_json::json!(part.layers.end);
+        facts["n_embd"] = serde_json::json!(hp.n_embd);
+        format!(
+            "{}-part{}of{}-n{n}-c{c}",
+            hp.arch,
+            part.index + 1,
+            part.count
+        )
+    };
     let graph = Graph {
-        name: format!("{}-n{n}-c{c}", hp.arch),
+        name,
         nodes: b.nodes,
         inputs,
         outputs,
@@ -471,15 +527,7 @@ pub fn build_with(g: &GgufFile, hp: &Hparams, opts: &BuildOptions) -> Result<Mod
         producer_name: "npuc-llm".into(),
         producer_version: env!("CARGO_PKG_VERSION").into(),
         graph,
-        metadata: vec![(
-            "npuc.llm".into(),
-            serde_json::json!({
-                "arch": hp.arch, "ctx": c, "tokens": n, "n_layers": hp.n_layers,
-                "n_kv_heads": kvh, "head_dim": d, "vocab": hp.vocab,
-                "kv_dtype": kv.name(), "precision": opts.precision.name(),
-            })
-            .to_string(),
-        )],
+        metadata: vec![("npuc.llm".into(), facts.to_string())],
         ..Default::default()
     })
 }
@@ -791,15 +839,22 @@ impl Builder<'_> {
         })
     }
 
-    fn decoder(&mut self) -> Result<()> {
+    /// The decoder layers of `part`: from the token embedding (first part) or the hidden-state
+    /// input, to the logits (last part) or the hidden-state output.
+    fn decoder(&mut self, part: &split::PartSpec) -> Result<()> {
         let hp = self.hp;
         let (n, e) = (self.opts.tokens, hp.n_embd);
         let (h, kvh, d) = (hp.n_head, hp.n_kv_head, hp.head_dim);
-        let mut x = self.embed()?;
-        if let Some(s) = hp.embed_scale {
-            let c = self.const_f32("embed_scale", s);
-            x = self.op("Mul", &[&x, &c], vec![]);
-        }
+        let mut x = if part.has_embedding() {
+            let mut x = self.embed()?;
+            if let Some(s) = hp.embed_scale {
+                let c = self.const_f32("embed_scale", s);
+                x = self.op("Mul", &[&x, &c], vec![]);
+            }
+            x
+        } else {
+            split::HIDDEN_IN.to_string()
+        };
         let freqs = if hp.rope_freqs {
             Some(self.param("rope_freqs.weight", hp.rope_dims / 2)?)
         } else {
@@ -828,7 +883,7 @@ impl Builder<'_> {
             RopeMode::Normal => "normal",
             RopeMode::Neox => "neox",
         };
-        for l in 0..hp.n_layers {
+        for l in part.layers.clone() {
             let p = |s: &str| format!("blk.{l}.{s}");
             let swa = hp.swa_layers[l];
             let hn = self.rms(&x, &p("attn_norm.weight"), e)?;
@@ -947,6 +1002,10 @@ impl Builder<'_> {
                 dn = self.rms(&dn, &p("post_ffw_norm.weight"), e)?;
             }
             x = self.op("Add", &[&x, &dn], vec![]);
+        }
+        if !part.has_head() {
+            self.push("Identity", "", &[&x], split::HIDDEN_OUT, vec![]);
+            return Ok(());
         }
         let xn = self.rms(&x, "output_norm.weight", e)?;
         let head = if hp.tied {

@@ -1,0 +1,154 @@
+//! The `check` step: the bundle against the unsplit model on the pipeline's test prompts.
+
+use crate::cache::{Cache, Record};
+use crate::{link_into, part_file, Pipeline};
+use anyhow::{bail, Context, Result};
+use npuc_llm::bundle::MANIFEST;
+use npuc_llm::{Bundle, BundleOptions, Engine, EngineOptions, Precision, Variant};
+use std::path::Path;
+
+fn argmax(row: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &x) in row.iter().enumerate() {
+        if x > row[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+/// Greedy decoding: the first logits row (the prompt's last token) and the tokens.
+fn greedy(
+    mut forward: impl FnMut(&[u32]) -> Result<Vec<f32>>,
+    prompt: &[u32],
+    n: usize,
+) -> Result<(Vec<f32>, Vec<u32>)> {
+    let first = forward(prompt)?;
+    let mut toks = vec![argmax(&first) as u32];
+    while toks.len() < n {
+        let row = forward(&[*toks.last().expect("non-empty")])?;
+        toks.push(argmax(&row) as u32);
+    }
+    Ok((first, toks))
+}
+
+/// Runs the check and writes `out` (JSON); returns the summary line.
+pub(crate) fn run(
+    p: &Pipeline,
+    cache: &Cache,
+    bundle: &Record,
+    parts: &[Record],
+    out: &Path,
+) -> Result<String> {
+    // The bundle as `npuc generate` sees it: a directory of its files (hard links).
+    let dir = cache.scratch()?;
+    for (i, rec) in parts.iter().enumerate() {
+        let src = cache.entry_dir("compile", &rec.key).join("part.npuc");
+        link_into(&src, &dir.path().join(part_file(i)))?;
+    }
+    link_into(
+        &cache.entry_dir("bundle", &bundle.key).join(MANIFEST),
+        &dir.path().join(MANIFEST),
+    )?;
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut b = Bundle::open(
+        dir.path(),
+        &BundleOptions {
+            threads,
+            ctx: None,
+            ar: vec![],
+        },
+    )?;
+    let tok = npuc_tokenizer::Tokenizer::from_metadata(&b.metadata().entries)
+        .context("the bundle's tokenizer")?;
+    // The unsplit model in the same precision, when the parts share one.
+    let precision: Option<Precision> = {
+        let first = p.parts[0].1;
+        p.parts.iter().all(|(_, q)| *q == first).then_some(first)
+    };
+    let mut engine = match precision {
+        Some(precision) => Some(Engine::from_gguf(
+            &p.gguf,
+            &EngineOptions {
+                threads,
+                ctx: Some(b.ctx()),
+                variants: p.ar.iter().map(|&n| Variant::Ar(n)).collect(),
+                precision,
+            },
+        )?),
+        None => None,
+    };
+    let mut results = vec![];
+    let mut worst = 0f32;
+    for prompt in &p.test_prompts {
+        let ids = tok.encode(prompt, true)?;
+        if ids.len() + p.test_max_tokens > b.ctx() {
+            bail!(
+                "test prompt {prompt:?}: {} tokens + test.max_tokens {} exceed the largest ctx {}",
+                ids.len(),
+                p.test_max_tokens,
+                b.ctx()
+            );
+        }
+        b.reset();
+        let (bl, bt) = greedy(|t| Ok(b.forward(t, false)?), &ids, p.test_max_tokens)?;
+        let text = String::from_utf8_lossy(
+            &bt.iter()
+                .flat_map(|&t| tok.token_bytes(t))
+                .collect::<Vec<u8>>(),
+        )
+        .into_owned();
+        let mut r = serde_json::json!({
+            "prompt": prompt, "prompt_tokens": ids, "tokens": bt, "text": text,
+        });
+        if let Some(e) = engine.as_mut() {
+            e.reset();
+            let (el, et) = greedy(|t| Ok(e.forward(t, false)?), &ids, p.test_max_tokens)?;
+            let max_abs = bl
+                .iter()
+                .zip(&el)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            let dot: f64 = bl
+                .iter()
+                .zip(&el)
+                .map(|(a, b)| (*a as f64) * (*b as f64))
+                .sum();
+            let na: f64 = bl.iter().map(|a| (*a as f64).powi(2)).sum::<f64>().sqrt();
+            let nb: f64 = el.iter().map(|a| (*a as f64).powi(2)).sum::<f64>().sqrt();
+            let agree = bt.iter().zip(&et).filter(|(a, b)| a == b).count();
+            worst = worst.max(max_abs);
+            r["unsplit_tokens"] = serde_json::json!(et);
+            r["first_logits_max_abs_diff"] = serde_json::json!(max_abs);
+            r["first_logits_cosine"] = serde_json::json!(dot / (na * nb).max(f64::MIN_POSITIVE));
+            r["top1_agreement"] = serde_json::json!(agree as f64 / bt.len() as f64);
+            if let Some(k) = bt.iter().zip(&et).position(|(a, b)| a != b) {
+                bail!(
+                    "test prompt {prompt:?}: the bundle's greedy token {k} is {} but the unsplit model's is {} (same precision; the split changed the numerics)",
+                    bt[k],
+                    et[k]
+                );
+            }
+        }
+        results.push(r);
+    }
+    let j = serde_json::json!({
+        "precision": precision.map(|p| p.name()),
+        "compared_with_unsplit": precision.is_some(),
+        "max_tokens": p.test_max_tokens,
+        "prompts": results,
+    });
+    crate::cache::write_synced(out, &serde_json::to_vec_pretty(&j)?)?;
+    Ok(match precision {
+        Some(_) => format!(
+            "{} prompt(s) x {} tokens = unsplit model, first logits max |diff| {worst:.3e}",
+            p.test_prompts.len(),
+            p.test_max_tokens
+        ),
+        None => format!(
+            "{} prompt(s) x {} tokens generated (mixed precision: no unsplit reference)",
+            p.test_prompts.len(),
+            p.test_max_tokens
+        ),
+    })
+}

@@ -1,0 +1,837 @@
+//! `npuc build PIPELINE.toml`: a GGUF LLM to a *bundle* (a directory of part artifacts and
+//! `bundle.json`, run by [`npuc_llm::Bundle`]) through a DAG of steps, each a pure function of
+//! its inputs whose outputs live in a content-addressed cache ([`cache`]):
+//!
+//! ```text
+//! source ──► graph:p{i}:ar{N}:c{C} (one per part x AR x context) ──► compile:p{i} ──► bundle
+//! ```
+//! - `source`: the GGUF's sha256 (keyed by the file's identity: path, size, mtime, inode, so
+//!   an unchanged file is not read again);
+//! - `graph:…`: builds one part graph, checks it can be planned by the runtime, records its
+//!   signature and a fingerprint of its structure;
+//! - `compile:p{i}`: the part's artifact (all its graphs, its weights once); the graphs are
+//!   rebuilt from the GGUF (cheap: weights are borrowed from the mapping, storing them per
+//!   graph would copy the model once per graph) and must match the `graph` steps' fingerprints;
+//! - `bundle`: `bundle.json` (parts, layers, weight bytes, sha256 of each part);
+//! - `check` (when the pipeline has test prompts): runs the bundle greedily on each prompt and,
+//!   when every part has one precision, the unsplit model in that precision; records tokens,
+//!   max |logit difference|, cosine and top-1 agreement, and fails when the tokens differ.
+//!
+//! Finished outputs are hard-linked into the output directory. Independent steps run in
+//! parallel (`jobs`). The library prints nothing: lines go to the caller's callback.
+
+pub mod cache;
+mod check;
+pub mod pipeline;
+
+pub use pipeline::Pipeline;
+
+use anyhow::{anyhow, bail, Context, Result};
+use cache::{Cache, KeyHasher, Lookup, Record};
+use npuc_llm::build::split::{self, PartSpec};
+use npuc_llm::bundle::{BundleManifest, PartRecord, SourceRecord, MANIFEST};
+use npuc_llm::Precision;
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// Bumped when a step's code changes what it writes, so old cache entries stop matching.
+pub const STEP_SCHEMA: &str = "1";
+
+/// The cache directory inside the output directory.
+pub const CACHE_DIR: &str = ".cache";
+
+/// How to run a pipeline.
+#[derive(Clone, Debug)]
+pub struct BuildRequest {
+    /// Where the bundle goes (its cache in `OUT/.cache`).
+    pub out_dir: PathBuf,
+    /// Steps run at once.
+    pub jobs: usize,
+    /// Print the plan (with cache hits) and run nothing.
+    pub dry_run: bool,
+    /// Steps to run again even when cached: a step id (`compile:p1`) or kind (`compile`).
+    pub force: Vec<String>,
+}
+
+/// What happened to a step.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Status {
+    /// Found in the cache, verified.
+    Cached,
+    /// Ran (its inputs were new).
+    Ran,
+    /// Ran because `--force` named it.
+    Forced,
+    /// Its cache entry failed its hash; rebuilt (the reason).
+    Rebuilt(String),
+    /// Dry run: would run.
+    WouldRun,
+}
+
+impl Status {
+    pub fn label(&self) -> &'static str {
+        match self {
+            Status::Cached => "cached",
+            Status::Ran => "ran",
+            Status::Forced => "forced",
+            Status::Rebuilt(_) => "rebuilt (corrupt cache entry)",
+            Status::WouldRun => "would run",
+        }
+    }
+    /// Whether the step did work.
+    pub fn ran(&self) -> bool {
+        matches!(self, Status::Ran | Status::Forced | Status::Rebuilt(_))
+    }
+}
+
+/// One step's line in the summary.
+#[derive(Clone, Debug)]
+pub struct StepReport {
+    pub id: String,
+    pub status: Status,
+    pub seconds: f64,
+    /// What it produced (sizes, counts).
+    pub detail: String,
+}
+
+/// The result of a build.
+#[derive(Clone, Debug)]
+pub struct BuildReport {
+    pub steps: Vec<StepReport>,
+    pub seconds: f64,
+    pub out_dir: PathBuf,
+    /// Per part: file, layers, weight bytes, over the budget.
+    pub parts: Vec<(String, [usize; 2], u64, bool)>,
+    /// Whether the output directory changed.
+    pub outputs_updated: bool,
+}
+
+impl BuildReport {
+    /// Steps that did work.
+    pub fn ran(&self) -> usize {
+        self.steps.iter().filter(|s| s.status.ran()).count()
+    }
+    /// The summary table.
+    pub fn table(&self) -> String {
+        let w = self
+            .steps
+            .iter()
+            .map(|s| s.id.len())
+            .max()
+            .unwrap_or(4)
+            .max(4);
+        let mut t = format!("{:w$}  {:30}  {:>8}  output\n", "step", "status", "time");
+        for s in &self.steps {
+            t += &format!(
+                "{:w$}  {:30}  {:>7.2}s  {}\n",
+                s.id,
+                s.status.label(),
+                s.seconds,
+                s.detail
+            );
+        }
+        t
+    }
+}
+
+#[derive(Clone, Debug)]
+enum Kind {
+    Source,
+    Graph {
+        part: usize,
+        tokens: usize,
+        ctx: usize,
+    },
+    Compile {
+        part: usize,
+    },
+    Bundle,
+    Check,
+}
+
+impl Kind {
+    /// The cache subdirectory (and the `--force` kind name).
+    fn name(&self) -> &'static str {
+        match self {
+            Kind::Source => "source",
+            Kind::Graph { .. } => "graph",
+            Kind::Compile { .. } => "compile",
+            Kind::Bundle => "bundle",
+            Kind::Check => "check",
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Step {
+    id: String,
+    kind: Kind,
+    deps: Vec<usize>,
+}
+
+/// The DAG of a pipeline, in a topological order.
+fn plan(p: &Pipeline) -> Vec<Step> {
+    let mut steps = vec![Step {
+        id: "source".into(),
+        kind: Kind::Source,
+        deps: vec![],
+    }];
+    let mut compiles = vec![];
+    for (i, _) in p.parts.iter().enumerate() {
+        let mut graphs = vec![];
+        for &tokens in &p.ar {
+            for &ctx in &p.ctx {
+                steps.push(Step {
+                    id: format!("graph:p{}:ar{tokens}:c{ctx}", i + 1),
+                    kind: Kind::Graph {
+                        part: i,
+                        tokens,
+                        ctx,
+                    },
+                    deps: vec![0],
+                });
+                graphs.push(steps.len() - 1);
+            }
+        }
+        let mut deps = vec![0];
+        deps.extend(graphs);
+        steps.push(Step {
+            id: format!("compile:p{}", i + 1),
+            kind: Kind::Compile { part: i },
+            deps,
+        });
+        compiles.push(steps.len() - 1);
+    }
+    let mut deps = vec![0];
+    deps.extend(compiles.iter().copied());
+    steps.push(Step {
+        id: "bundle".into(),
+        kind: Kind::Bundle,
+        deps,
+    });
+    if !p.test_prompts.is_empty() {
+        // source, bundle, then the parts (to assemble the bundle directory it runs).
+        let mut deps = vec![0, steps.len() - 1];
+        deps.extend(compiles);
+        steps.push(Step {
+            id: "check".into(),
+            kind: Kind::Check,
+            deps,
+        });
+    }
+    steps
+}
+
+fn part_key(k: &mut KeyHasher, spec: &PartSpec, precision: Precision) {
+    k.field("part", &spec.index.to_string())
+        .field("parts", &spec.count.to_string())
+        .field(
+            "layers",
+            &format!("{}..{}", spec.layers.start, spec.layers.end),
+        )
+        .field("precision", precision.name());
+}
+
+/// The identity of the source file: what the `source` step is keyed on.
+fn source_identity(path: &Path) -> Result<String> {
+    let canon = path
+        .canonicalize()
+        .with_context(|| format!("'{}'", path.display()))?;
+    let m = std::fs::metadata(&canon).with_context(|| format!("'{}'", canon.display()))?;
+    let mtime = m
+        .modified()
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_nanos());
+    #[cfg(unix)]
+    let inode = {
+        use std::os::unix::fs::MetadataExt;
+        format!("{}:{}", m.dev(), m.ino())
+    };
+    #[cfg(not(unix))]
+    let inode = String::new();
+    Ok(format!("{}|{}|{mtime}|{inode}", canon.display(), m.len()))
+}
+
+/// The key of step `s` given its dependencies' records.
+fn step_key(p: &Pipeline, s: &Step, deps: &[&Record]) -> Result<String> {
+    let mut k = KeyHasher::new(s.kind.name());
+    for (i, d) in deps.iter().enumerate() {
+        k.field(&format!("dep{i}"), &d.digest());
+    }
+    match &s.kind {
+        Kind::Source => {
+            k.field("identity", &source_identity(&p.gguf)?);
+        }
+        Kind::Graph { part, tokens, ctx } => {
+            let (spec, prec) = &p.parts[*part];
+            part_key(&mut k, spec, *prec);
+            k.field("tokens", &tokens.to_string())
+                .field("ctx", &ctx.to_string());
+        }
+        Kind::Compile { part } => {
+            let (spec, prec) = &p.parts[*part];
+            part_key(&mut k, spec, *prec);
+            k.field("graphs", &format!("{:?}x{:?}", p.ar, p.ctx));
+        }
+        Kind::Bundle => {
+            // Everything the manifest says that no dependency carries.
+            k.field("source-file", &source_file_name(p))
+                .field("max_part_bytes", &format!("{:?}", p.max_part_bytes))
+                .field("prompts", &serde_json::to_string(&p.test_prompts)?)
+                .field("ar", &format!("{:?}", p.ar))
+                .field("ctx", &format!("{:?}", p.ctx));
+        }
+        Kind::Check => {
+            k.field("prompts", &serde_json::to_string(&p.test_prompts)?)
+                .field("max_tokens", &p.test_max_tokens.to_string());
+        }
+    }
+    Ok(k.finish())
+}
+
+fn source_file_name(p: &Pipeline) -> String {
+    p.gguf
+        .file_name()
+        .map(|f| f.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
+
+/// The file name of part `i` (0-based) in a bundle.
+pub fn part_file(i: usize) -> String {
+    format!("part-{}.npuc", i + 1)
+}
+
+fn read_json(cache: &Cache, kind: &str, rec: &Record, file: &str) -> Result<serde_json::Value> {
+    let path = cache.entry_dir(kind, &rec.key).join(file);
+    let bytes = std::fs::read(&path).with_context(|| format!("reading '{}'", path.display()))?;
+    serde_json::from_slice(&bytes).with_context(|| format!("parsing '{}'", path.display()))
+}
+
+/// A fingerprint of a graph's structure: nodes, inputs, outputs, and the initializers' names,
+/// types and shapes (their bytes are the source's, keyed by its hash).
+fn graph_fingerprint(m: &npuc_ir::Model) -> String {
+    let g = &m.graph;
+    let mut k = KeyHasher::new("graph-fingerprint");
+    k.field("nodes", &format!("{:?}", g.nodes))
+        .field("inputs", &format!("{:?}", g.inputs))
+        .field("outputs", &format!("{:?}", g.outputs))
+        .field("metadata", &format!("{:?}", m.metadata));
+    for i in &g.initializers {
+        k.field(
+            &i.name,
+            &format!("{} {:?}", i.tensor.dtype().name(), i.tensor.shape()),
+        );
+    }
+    k.finish()
+}
+
+/// Runs step `s` into a scratch directory and commits it; returns its record and a summary.
+fn execute(
+    p: &Pipeline,
+    cache: &Cache,
+    s: &Step,
+    key: &str,
+    deps: &[Record],
+) -> Result<(Record, String)> {
+    let scratch = cache.scratch()?;
+    let dir = scratch.path().to_path_buf();
+    let kind = s.kind.name();
+    let (names, detail): (Vec<&str>, String) = match &s.kind {
+        Kind::Source => {
+            let bytes = std::fs::metadata(&p.gguf)?.len();
+            let sha = cache::sha256_file(&p.gguf)?;
+            let j = serde_json::json!({ "bytes": bytes, "sha256": sha });
+            cache::write_synced(&dir.join("source.json"), &serde_json::to_vec_pretty(&j)?)?;
+            (
+                vec!["source.json"],
+                format!(
+                    "{} ({:.1} MiB) sha256 {}",
+                    source_file_name(p),
+                    mib(bytes),
+                    &sha[..12]
+                ),
+            )
+        }
+        Kind::Graph { part, tokens, ctx } => {
+            let (spec, prec) = &p.parts[*part];
+            let g = npuc_gguf::GgufFile::open(&p.gguf)?;
+            let hp = split::model_hparams(&g)?;
+            let m = split::build_part(&g, &hp, spec, *tokens, *ctx, *prec)?;
+            // What the runtime will refuse (an op without a kernel) fails here, per graph.
+            npuc_runtime::Plan::for_model(&m).map_err(|e| anyhow!("{}: {e}", s.id))?;
+            let weight_bytes: u64 = m
+                .graph
+                .initializers
+                .iter()
+                .map(|i| (i.tensor.len() * i.tensor.dtype().size()) as u64)
+                .sum();
+            let io = |v: &[npuc_ir::ValueInfo]| -> Vec<String> {
+                v.iter().map(|v| v.name.clone()).collect()
+            };
+            let j = serde_json::json!({
+                "graph": split::graph_name(*tokens, *ctx),
+                "part": part + 1,
+                "nodes": m.graph.nodes.len(),
+                "inputs": io(&m.graph.inputs),
+                "outputs": io(&m.graph.outputs),
+                "weights": m.graph.initializers.len(),
+                "weight_bytes": weight_bytes,
+                "fingerprint": graph_fingerprint(&m),
+            });
+            cache::write_synced(&dir.join("graph.json"), &serde_json::to_vec_pretty(&j)?)?;
+            (
+                vec!["graph.json"],
+                format!(
+                    "{} nodes, {} inputs, {:.1} MiB weights",
+                    m.graph.nodes.len(),
+                    m.graph.inputs.len(),
+                    mib(weight_bytes)
+                ),
+            )
+        }
+        Kind::Compile { part } => {
+            let (spec, prec) = &p.parts[*part];
+            // Fingerprints the graph steps recorded, by graph name.
+            let mut expected = std::collections::BTreeMap::new();
+            for rec in &deps[1..] {
+                let j = read_json(cache, "graph", rec, "graph.json")?;
+                let name = j["graph"].as_str().unwrap_or_default().to_string();
+                let fp = j["fingerprint"].as_str().unwrap_or_default().to_string();
+                expected.insert(name, fp);
+            }
+            let g = npuc_gguf::GgufFile::open(&p.gguf)?;
+            let graphs: Vec<(usize, usize)> =
+                p.ar.iter()
+                    .flat_map(|&a| p.ctx.iter().map(move |&c| (a, c)))
+                    .collect();
+            let mut check = |name: &str, m: &npuc_ir::Model| -> Result<(), String> {
+                match expected.get(name) {
+                    Some(fp) if *fp == graph_fingerprint(m) => Ok(()),
+                    Some(_) => Err("differs from what its graph step built (the GGUF changed during the build?); run the build again".into()),
+                    None => Err("has no graph step".into()),
+                }
+            };
+            let out = dir.join("part.npuc");
+            let sum = npuc_llm::compile::compile_part(&g, spec, &graphs, *prec, &out, &mut check)?;
+            let j = serde_json::json!({
+                "weight_bytes": sum.weight_bytes,
+                "file_bytes": sum.file_bytes,
+                "graphs": sum.graphs.iter().map(|(n, c)| serde_json::json!({"name": n, "nodes": c})).collect::<Vec<_>>(),
+            });
+            cache::write_synced(&dir.join("part.json"), &serde_json::to_vec_pretty(&j)?)?;
+            (
+                vec!["part.npuc", "part.json"],
+                format!(
+                    "layers {}..{}, {} graphs, {:.1} MiB weights, {} precision",
+                    spec.layers.start,
+                    spec.layers.end,
+                    sum.graphs.len(),
+                    mib(sum.weight_bytes),
+                    prec.name()
+                ),
+            )
+        }
+        Kind::Bundle => {
+            let src = read_json(cache, "source", &deps[0], "source.json")?;
+            let mut parts = vec![];
+            for (i, rec) in deps[1..].iter().enumerate() {
+                let j = read_json(cache, "compile", rec, "part.json")?;
+                let (spec, prec) = &p.parts[i];
+                let f = &rec.files["part.npuc"];
+                parts.push(PartRecord {
+                    file: part_file(i),
+                    layers: [spec.layers.start, spec.layers.end],
+                    precision: prec.name().into(),
+                    weight_bytes: j["weight_bytes"].as_u64().unwrap_or(0),
+                    file_bytes: f.bytes,
+                    sha256: f.sha256.clone(),
+                });
+            }
+            let m = BundleManifest {
+                format: npuc_llm::bundle::FORMAT.into(),
+                version: npuc_llm::bundle::VERSION,
+                npuc_version: env!("CARGO_PKG_VERSION").into(),
+                arch: p.arch.clone(),
+                n_layers: p.n_layers,
+                n_embd: p.n_embd,
+                vocab: p.vocab,
+                ar: p.ar.clone(),
+                ctx: p.ctx.clone(),
+                max_part_bytes: p.max_part_bytes,
+                source: SourceRecord {
+                    file: source_file_name(p),
+                    bytes: src["bytes"].as_u64().unwrap_or(0),
+                    sha256: src["sha256"].as_str().unwrap_or_default().into(),
+                },
+                parts,
+                test_prompts: p.test_prompts.clone(),
+            };
+            let mut json = serde_json::to_vec_pretty(&m)?;
+            json.push(b'\n');
+            cache::write_synced(&dir.join(MANIFEST), &json)?;
+            (vec![MANIFEST], format!("{} parts", m.parts.len()))
+        }
+        Kind::Check => {
+            let detail = check::run(p, cache, &deps[1], &deps[2..], &dir.join("check.json"))?;
+            (vec!["check.json"], detail)
+        }
+    };
+    let rec = cache.commit(&s.id, kind, key, scratch, &names)?;
+    Ok((rec, detail))
+}
+
+fn mib(b: u64) -> f64 {
+    b as f64 / (1 << 20) as f64
+}
+
+/// Checks `--force` names against the plan.
+fn forced_steps(steps: &[Step], force: &[String]) -> Result<BTreeSet<usize>> {
+    let mut set = BTreeSet::new();
+    for f in force {
+        let hits: Vec<usize> = steps
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.id == *f || s.kind.name() == f)
+            .map(|(i, _)| i)
+            .collect();
+        if hits.is_empty() {
+            let kinds = "source, graph, compile, bundle, check";
+            bail!(
+                "--force {f}: no such step; give a kind ({kinds}) or a step id from `npuc build --dry-run` (e.g. {})",
+                steps.last().map_or("bundle", |s| s.id.as_str())
+            );
+        }
+        set.extend(hits);
+    }
+    Ok(set)
+}
+
+/// What a step's thread tells the scheduler.
+enum Msg {
+    /// Step `i` missed the cache (or was forced) and starts its work.
+    Started(usize, Status),
+    /// Step `i` ended: its record, status, seconds and summary.
+    Done(usize, Result<(Record, Status, f64, String)>),
+}
+
+/// Runs (or with `dry_run`, plans) the pipeline `p`. `line` gets the progress lines.
+pub fn build(p: &Pipeline, req: &BuildRequest, line: &mut dyn FnMut(&str)) -> Result<BuildReport> {
+    let t0 = Instant::now();
+    let steps = plan(p);
+    let forced = forced_steps(&steps, &req.force)?;
+    // A dry run only reads the cache: it creates nothing and leaves a running build's scratch
+    // directories alone.
+    let cache = if req.dry_run {
+        Cache::at(&req.out_dir.join(CACHE_DIR))
+    } else {
+        Cache::open(&req.out_dir.join(CACHE_DIR))?
+    };
+    let total = steps.len();
+    let mut records: Vec<Option<Record>> = vec![None; total];
+    let mut reports: Vec<Option<StepReport>> = vec![None; total];
+    for (i, (spec, prec)) in p.parts.iter().enumerate() {
+        let over = p.max_part_bytes.is_some_and(|b| p.part_bytes[i] > b);
+        line(&format!(
+            "part {}/{}: layers {}..{}{}{}, {:.1} MiB of weights, {}{}",
+            i + 1,
+            p.parts.len(),
+            spec.layers.start,
+            spec.layers.end,
+            if spec.has_embedding() {
+                " + embedding"
+            } else {
+                ""
+            },
+            if spec.has_head() {
+                " + output head"
+            } else {
+                ""
+            },
+            mib(p.part_bytes[i]),
+            prec.name(),
+            if over { "  OVER max_part_bytes" } else { "" }
+        ));
+    }
+
+    if req.dry_run {
+        // Keys are known as far as the cache reaches; past a step that would run, its
+        // dependents' keys depend on what it will produce.
+        for (i, s) in steps.iter().enumerate() {
+            let deps: Option<Vec<&Record>> = s.deps.iter().map(|&d| records[d].as_ref()).collect();
+            let status = match deps {
+                Some(deps) => {
+                    let key = step_key(p, s, &deps)?;
+                    match cache.lookup(s.kind.name(), &key, false)? {
+                        Lookup::Hit(r) if !forced.contains(&i) => {
+                            records[i] = Some(r);
+                            Status::Cached
+                        }
+                        _ => Status::WouldRun,
+                    }
+                }
+                None => Status::WouldRun,
+            };
+            let detail = if forced.contains(&i) { "--force" } else { "" };
+            line(&format!(
+                "[{}/{total}] {:40} {}",
+                i + 1,
+                s.id,
+                status.label()
+            ));
+            reports[i] = Some(StepReport {
+                id: s.id.clone(),
+                status,
+                seconds: 0.0,
+                detail: detail.into(),
+            });
+        }
+        return Ok(BuildReport {
+            steps: reports.into_iter().flatten().collect(),
+            seconds: t0.elapsed().as_secs_f64(),
+            out_dir: req.out_dir.clone(),
+            parts: part_summary(p),
+            outputs_updated: false,
+        });
+    }
+
+    let jobs = req.jobs.max(1);
+    let mut started = vec![false; total];
+    let mut finished = 0usize;
+    let mut failure: Option<anyhow::Error> = None;
+    std::thread::scope(|scope| {
+        let (tx, rx) = std::sync::mpsc::channel::<Msg>();
+        let mut running = 0usize;
+        loop {
+            // Start every ready step, up to `jobs` at once (none after a failure).
+            while failure.is_none() && running < jobs {
+                let Some(i) = (0..total)
+                    .find(|&i| !started[i] && steps[i].deps.iter().all(|&d| records[d].is_some()))
+                else {
+                    break;
+                };
+                started[i] = true;
+                running += 1;
+                let deps: Vec<Record> = steps[i]
+                    .deps
+                    .iter()
+                    .map(|&d| records[d].clone().expect("ready"))
+                    .collect();
+                let (s, cache, tx, force) = (&steps[i], &cache, tx.clone(), forced.contains(&i));
+                scope.spawn(move || {
+                    let t = Instant::now();
+                    let r = (|| {
+                        let dep_refs: Vec<&Record> = deps.iter().collect();
+                        let key = step_key(p, s, &dep_refs)?;
+                        let kind = s.kind.name();
+                        let status = if force {
+                            cache.remove(kind, &key)?;
+                            Status::Forced
+                        } else {
+                            match cache.lookup(kind, &key, true)? {
+                                Lookup::Hit(r) => {
+                                    let detail = format!("{} file(s) verified", r.files.len());
+                                    return Ok((
+                                        r,
+                                        Status::Cached,
+                                        t.elapsed().as_secs_f64(),
+                                        detail,
+                                    ));
+                                }
+                                Lookup::Miss => Status::Ran,
+                                Lookup::Corrupt(why) => {
+                                    cache.remove(kind, &key)?;
+                                    Status::Rebuilt(why)
+                                }
+                            }
+                        };
+                        let _ = tx.send(Msg::Started(i, status.clone()));
+                        let (r, detail) = execute(p, cache, s, &key, &deps)
+                            .with_context(|| format!("step {}", s.id))?;
+                        Ok((r, status, t.elapsed().as_secs_f64(), detail))
+                    })();
+                    let _ = tx.send(Msg::Done(i, r));
+                });
+            }
+            if running == 0 {
+                break;
+            }
+            let (i, r) = match rx.recv().expect("a running step reports") {
+                Msg::Started(i, status) => {
+                    if let Status::Rebuilt(why) = &status {
+                        line(&format!(
+                            "{}: cache entry corrupt ({why}); rebuilding",
+                            steps[i].id
+                        ));
+                    }
+                    line(&format!(
+                        "  {:40} started  at {:6.2}s{}",
+                        steps[i].id,
+                        t0.elapsed().as_secs_f64(),
+                        if status == Status::Forced {
+                            " (--force)"
+                        } else {
+                            ""
+                        }
+                    ));
+                    continue;
+                }
+                Msg::Done(i, r) => (i, r),
+            };
+            running -= 1;
+            finished += 1;
+            match r {
+                Ok((rec, status, secs, detail)) => {
+                    line(&format!(
+                        "[{finished}/{total}] {:40} {:8} {secs:7.2}s  (at {:6.2}s)  {detail}",
+                        steps[i].id,
+                        status.label().split(' ').next().unwrap_or(""),
+                        t0.elapsed().as_secs_f64(),
+                    ));
+                    records[i] = Some(rec);
+                    reports[i] = Some(StepReport {
+                        id: steps[i].id.clone(),
+                        status,
+                        seconds: secs,
+                        detail,
+                    });
+                }
+                Err(e) => {
+                    line(&format!("[{finished}/{total}] {:40} FAILED", steps[i].id));
+                    failure.get_or_insert(e);
+                }
+            }
+        }
+    });
+    if let Some(e) = failure {
+        return Err(e);
+    }
+    let bundle_rec = steps
+        .iter()
+        .zip(&records)
+        .find(|(s, _)| matches!(s.kind, Kind::Bundle))
+        .and_then(|(_, r)| r.clone())
+        .expect("bundle step done");
+    let compile_recs: Vec<Record> = steps
+        .iter()
+        .zip(&records)
+        .filter(|(s, _)| matches!(s.kind, Kind::Compile { .. }))
+        .map(|(_, r)| r.clone().expect("done"))
+        .collect();
+    let check_rec = steps
+        .iter()
+        .zip(&records)
+        .find(|(s, _)| matches!(s.kind, Kind::Check))
+        .and_then(|(_, r)| r.clone());
+    let updated = materialize(
+        &cache,
+        &req.out_dir,
+        &compile_recs,
+        &bundle_rec,
+        check_rec.as_ref(),
+    )?;
+    let report = BuildReport {
+        steps: reports.into_iter().flatten().collect(),
+        seconds: t0.elapsed().as_secs_f64(),
+        out_dir: req.out_dir.clone(),
+        parts: part_summary(p),
+        outputs_updated: updated,
+    };
+    if report.ran() == 0 {
+        line(&format!(
+            "nothing to do: all {total} steps cached{}",
+            if updated {
+                " (output directory refreshed)"
+            } else {
+                ""
+            }
+        ));
+    }
+    Ok(report)
+}
+
+fn part_summary(p: &Pipeline) -> Vec<(String, [usize; 2], u64, bool)> {
+    p.parts
+        .iter()
+        .enumerate()
+        .map(|(i, (s, _))| {
+            (
+                part_file(i),
+                [s.layers.start, s.layers.end],
+                p.part_bytes[i],
+                p.max_part_bytes.is_some_and(|b| p.part_bytes[i] > b),
+            )
+        })
+        .collect()
+}
+
+/// Links the finished outputs into `out` (`part-{i}.npuc`, `bundle.json`, `check.json`); each
+/// replaces its
+/// destination atomically. Stale part files of an earlier build with more parts are removed.
+/// Returns whether anything changed.
+fn materialize(
+    cache: &Cache,
+    out: &Path,
+    parts: &[Record],
+    bundle: &Record,
+    check: Option<&Record>,
+) -> Result<bool> {
+    let mut changed = false;
+    let mut wanted = vec![];
+    for (i, rec) in parts.iter().enumerate() {
+        let src = cache.entry_dir("compile", &rec.key).join("part.npuc");
+        let dest = out.join(part_file(i));
+        changed |= link_into(&src, &dest)?;
+        wanted.push(part_file(i));
+    }
+    let src = cache.entry_dir("bundle", &bundle.key).join(MANIFEST);
+    changed |= link_into(&src, &out.join(MANIFEST))?;
+    let check_file = out.join("check.json");
+    match check {
+        Some(rec) => {
+            let src = cache.entry_dir("check", &rec.key).join("check.json");
+            changed |= link_into(&src, &check_file)?;
+        }
+        None if check_file.exists() => {
+            std::fs::remove_file(&check_file)?;
+            changed = true;
+        }
+        None => {}
+    }
+    for e in std::fs::read_dir(out)? {
+        let name = e?.file_name().to_string_lossy().into_owned();
+        if name.starts_with("part-") && name.ends_with(".npuc") && !wanted.contains(&name) {
+            std::fs::remove_file(out.join(&name))?;
+            changed = true;
+        }
+    }
+    if changed {
+        cache::sync_dir(out);
+    }
+    Ok(changed)
+}
+
+/// Makes `dest` the file `src` (a hard link, else a copy), unless it already is.
+fn link_into(src: &Path, dest: &Path) -> Result<bool> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt;
+        if let (Ok(a), Ok(b)) = (std::fs::metadata(src), std::fs::metadata(dest)) {
+            if a.dev() == b.dev() && a.ino() == b.ino() {
+                return Ok(false);
+            }
+        }
+    }
+    let dir = dest.parent().expect("inside the output directory");
+    let name = dest.file_name().expect("a file").to_string_lossy();
+    let tmp = dir.join(format!(".{name}.tmp-link"));
+    let _ = std::fs::remove_file(&tmp);
+    if std::fs::hard_link(src, &tmp).is_err() {
+        std::fs::copy(src, &tmp)
+            .with_context(|| format!("copying '{}' to '{}'", src.display(), tmp.display()))?;
+    }
+    std::fs::rename(&tmp, dest)
+        .with_context(|| format!("moving '{}' to '{}'", tmp.display(), dest.display()))?;
+    Ok(true)
+}

@@ -1,0 +1,245 @@
+//! The pipeline file (`docs/PIPELINE.md`): TOML, strict (an unknown key is an error naming
+//! it), checked against the model before any step runs.
+
+use anyhow::{anyhow, bail, Context, Result};
+use npuc_gguf::GgufFile;
+use npuc_llm::build::split::{self, PartSpec, WeightCensus};
+use npuc_llm::{Hparams, Precision};
+use serde::Deserialize;
+use std::path::{Path, PathBuf};
+
+/// The file as written.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PipelineFile {
+    model: ModelSection,
+    graphs: GraphsSection,
+    #[serde(default)]
+    split: SplitSection,
+    #[serde(default)]
+    test: TestSection,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ModelSection {
+    /// The GGUF: relative to the pipeline file; `~` and `$NPUC_CACHE` expanded.
+    gguf: String,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct GraphsSection {
+    /// Tokens per call of each AR variant.
+    ar: Vec<usize>,
+    /// Context lengths (one graph per AR x context).
+    ctx: Vec<usize>,
+    /// Single-head attention graphs (MHA to SHA); accepted, only `false` is built so far.
+    #[serde(default)]
+    sha: bool,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SplitSection {
+    parts: Option<usize>,
+    max_part_bytes: Option<u64>,
+    /// Precision of every part.
+    precision: Option<String>,
+    /// Precision per part (as many as there are parts); overrides `precision`.
+    part_precision: Option<Vec<String>>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TestSection {
+    #[serde(default)]
+    prompts: Vec<String>,
+    /// Greedy tokens generated per prompt by the `check` step.
+    max_tokens: Option<usize>,
+}
+
+/// A checked pipeline: paths resolved, the split chosen.
+#[derive(Clone, Debug)]
+pub struct Pipeline {
+    /// The pipeline file.
+    pub file: PathBuf,
+    /// The GGUF, resolved.
+    pub gguf: PathBuf,
+    pub arch: String,
+    pub n_layers: usize,
+    pub n_embd: usize,
+    pub vocab: usize,
+    /// AR variants (tokens per call), ascending.
+    pub ar: Vec<usize>,
+    /// Contexts, ascending.
+    pub ctx: Vec<usize>,
+    /// The parts and their precision.
+    pub parts: Vec<(PartSpec, Precision)>,
+    /// Weight bytes each part stores.
+    pub part_bytes: Vec<u64>,
+    pub max_part_bytes: Option<u64>,
+    pub test_prompts: Vec<String>,
+    pub test_max_tokens: usize,
+}
+
+/// Expands `~/`, `$NPUC_CACHE` (default `~/.cache/npuc`) and `$HOME`, then resolves a relative
+/// path against `base`.
+pub fn resolve_path(raw: &str, base: &Path) -> PathBuf {
+    let home = std::env::var("HOME").unwrap_or_else(|_| ".".into());
+    let cache = std::env::var("NPUC_CACHE")
+        .ok()
+        .filter(|c| !c.is_empty())
+        .unwrap_or_else(|| format!("{home}/.cache/npuc"));
+    let mut s = raw.to_string();
+    for (var, val) in [
+        ("${NPUC_CACHE}", &cache),
+        ("$NPUC_CACHE", &cache),
+        ("${HOME}", &home),
+        ("$HOME", &home),
+    ] {
+        s = s.replace(var, val);
+    }
+    if s == "~" {
+        s = home.clone();
+    } else if let Some(rest) = s.strip_prefix("~/") {
+        s = format!("{home}/{rest}");
+    }
+    let p = PathBuf::from(s);
+    if p.is_absolute() {
+        p
+    } else {
+        base.join(p)
+    }
+}
+
+fn precision(value: &str, key: &str, file: &Path) -> Result<Precision> {
+    Precision::parse(value).map_err(|_| {
+        anyhow!(
+            "{}: {key} = \"{value}\" is not a precision (expected fast, parity or exact)",
+            file.display()
+        )
+    })
+}
+
+impl Pipeline {
+    /// Reads and checks `file`: the TOML, the model's header (no weights are read), and the
+    /// split. Every error names the key (or layer) and what to do.
+    pub fn load(file: &Path) -> Result<Pipeline> {
+        let text = std::fs::read_to_string(file)
+            .with_context(|| format!("reading pipeline file '{}'", file.display()))?;
+        let raw: PipelineFile = toml::from_str(&text).map_err(|e| {
+            anyhow!(
+                "{}: {}",
+                file.display(),
+                e.to_string().trim_end().replace('\n', "\n  ")
+            )
+        })?;
+        let f = file.display();
+        let base = file.parent().unwrap_or(Path::new("."));
+        let gguf = resolve_path(&raw.model.gguf, base);
+        if !gguf.is_file() {
+            let hint = if raw.model.gguf.contains("NPUC_CACHE")
+                || raw.model.gguf.contains(".cache/npuc")
+            {
+                " (models in the npuc cache are fetched by `scripts/fetch-data.sh llms`)"
+            } else {
+                ""
+            };
+            bail!(
+                "{f}: model.gguf = \"{}\": no such file '{}'{hint}",
+                raw.model.gguf,
+                gguf.display()
+            );
+        }
+        let g = GgufFile::open(&gguf)
+            .with_context(|| format!("{f}: model.gguf = '{}'", gguf.display()))?;
+        let hp: Hparams = split::model_hparams(&g)
+            .with_context(|| format!("{f}: model.gguf = '{}'", gguf.display()))?;
+
+        let mut ar = raw.graphs.ar.clone();
+        let mut ctx = raw.graphs.ctx.clone();
+        if ar.is_empty() {
+            bail!("{f}: graphs.ar is empty; give at least one AR variant, e.g. ar = [1, 32]");
+        }
+        if ctx.is_empty() {
+            bail!("{f}: graphs.ctx is empty; give at least one context, e.g. ctx = [512]");
+        }
+        if let Some(a) = ar.iter().find(|&&a| a == 0) {
+            bail!("{f}: graphs.ar contains {a}; an AR variant takes at least 1 token per call");
+        }
+        if ctx.contains(&0) {
+            bail!("{f}: graphs.ctx contains 0; a context holds at least 1 token");
+        }
+        ar.sort_unstable();
+        ar.dedup();
+        ctx.sort_unstable();
+        ctx.dedup();
+        let (max_ar, min_ctx) = (*ar.last().expect("non-empty"), ctx[0]);
+        if max_ar > min_ctx {
+            bail!(
+                "{f}: graphs.ar = {max_ar} is longer than graphs.ctx = {min_ctx} (every AR variant is built for every context); drop ar {max_ar} or raise the smallest ctx to at least {max_ar}"
+            );
+        }
+        if raw.graphs.sha {
+            bail!(
+                "{f}: graphs.sha = true (single-head attention graphs) is not implemented yet; set graphs.sha = false"
+            );
+        }
+
+        let census = WeightCensus::of(&g, &hp)?;
+        let s = &raw.split;
+        let specs = match (s.parts, s.max_part_bytes) {
+            (Some(n), _) => {
+                split::split_by_count(hp.n_layers, n).map_err(|e| anyhow!("{f}: split.{e}"))?
+            }
+            (None, Some(budget)) => {
+                split::split_by_budget(&census, budget).map_err(|e| anyhow!("{f}: split.{e}"))?
+            }
+            (None, None) => split::split_by_count(hp.n_layers, 1)?,
+        };
+        let all = match &s.precision {
+            Some(p) => precision(p, "split.precision", file)?,
+            None => Precision::Fast,
+        };
+        let precisions = match &s.part_precision {
+            None => vec![all; specs.len()],
+            Some(list) => {
+                if list.len() != specs.len() {
+                    bail!(
+                        "{f}: split.part_precision lists {} precisions for {} parts; give one per part",
+                        list.len(),
+                        specs.len()
+                    );
+                }
+                list.iter()
+                    .enumerate()
+                    .map(|(i, p)| precision(p, &format!("split.part_precision[{i}]"), file))
+                    .collect::<Result<Vec<_>>>()?
+            }
+        };
+        let part_bytes: Vec<u64> = specs.iter().map(|p| census.part_bytes(p)).collect();
+        let test_max_tokens = raw.test.max_tokens.unwrap_or(16);
+        if !raw.test.prompts.is_empty() && test_max_tokens == 0 {
+            bail!("{f}: test.max_tokens = 0; give at least 1 (or no test.prompts)");
+        }
+        if let Some(p) = raw.test.prompts.iter().position(|p| p.is_empty()) {
+            bail!("{f}: test.prompts[{p}] is empty");
+        }
+        Ok(Pipeline {
+            file: file.to_path_buf(),
+            gguf,
+            arch: hp.arch.clone(),
+            n_layers: hp.n_layers,
+            n_embd: hp.n_embd,
+            vocab: hp.vocab,
+            ar,
+            ctx,
+            parts: specs.into_iter().zip(precisions).collect(),
+            part_bytes,
+            max_part_bytes: s.max_part_bytes,
+            test_prompts: raw.test.prompts,
+            test_max_tokens,
+        })
+    }
+}

@@ -1,0 +1,371 @@
+//! `npuc build` on a real model (SmolLM2 135M, Q4_1): a split bundle generates what the unsplit
+//! model does, the cache makes a second run free and a killed run resumable, corrupt entries
+//! are rebuilt, bad pipeline files are refused before any step runs.
+//!
+//! Run in release: `cargo test -p npuc-build --release --test pipeline`.
+
+use npuc_build::{build, BuildReport, BuildRequest, Pipeline, Status};
+use npuc_llm::{Bundle, BundleOptions, Engine, EngineOptions, Precision, Variant};
+use std::path::{Path, PathBuf};
+
+fn smollm2() -> PathBuf {
+    npuc_testsupport::cached(
+        "models/smollm2-135m/smollm2-135m-instruct-q4_1.gguf",
+        "scripts/fetch-data.sh llms",
+    )
+}
+
+/// Writes a pipeline file for SmolLM2 into `dir` with the given `[graphs]`/`[split]` body.
+fn pipeline(dir: &Path, name: &str, body: &str) -> PathBuf {
+    let p = dir.join(name);
+    let text = format!("[model]\ngguf = \"{}\"\n{body}", smollm2().display());
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+fn run(file: &Path, out: &Path, force: &[&str]) -> BuildReport {
+    let p = Pipeline::load(file).unwrap();
+    let req = BuildRequest {
+        out_dir: out.to_path_buf(),
+        jobs: 2,
+        dry_run: false,
+        force: force.iter().map(|s| s.to_string()).collect(),
+    };
+    build(&p, &req, &mut |l| eprintln!("{l}")).unwrap()
+}
+
+/// Every file of a bundle directory (not the cache), with its bytes.
+fn bundle_bytes(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut v: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap())
+        .filter(|e| e.file_type().unwrap().is_file())
+        .map(|e| {
+            (
+                e.file_name().to_string_lossy().into_owned(),
+                std::fs::read(e.path()).unwrap(),
+            )
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in row.iter().enumerate() {
+        if x > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Greedy tokens: the prompt in one forward call, then one token per call.
+fn greedy(mut forward: impl FnMut(&[u32]) -> Vec<f32>, prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut out = vec![argmax(&forward(prompt))];
+    while out.len() < n {
+        let t = *out.last().unwrap();
+        out.push(argmax(&forward(&[t])));
+    }
+    out
+}
+
+const PROMPTS: &[&str] = &[
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who every morning",
+];
+
+/// A 2-part bundle gives the unsplit model's greedy tokens, in each precision; with two
+/// contexts the caches grow from the small one to the large one mid-sequence.
+fn same_tokens_as_unsplit(precision: Precision, ctx_list: &str, engine_ctx: usize, n: usize) {
+    let tmp = tempfile::tempdir().unwrap();
+    let body = format!(
+        "[graphs]\nar = [1, 32]\nctx = {ctx_list}\n[split]\nparts = 2\nprecision = \"{}\"\n",
+        precision.name()
+    );
+    let file = pipeline(tmp.path(), "p.toml", &body);
+    let out = tmp.path().join("out");
+    run(&file, &out, &[]);
+    let tok = npuc_tokenizer::Tokenizer::from_gguf_path(smollm2()).unwrap();
+    let mut bundle = Bundle::open(
+        &out,
+        &BundleOptions {
+            threads: 2,
+            ctx: None,
+            ar: vec![],
+        },
+    )
+    .unwrap();
+    let mut engine = Engine::from_gguf(
+        &smollm2(),
+        &EngineOptions {
+            threads: 2,
+            ctx: Some(engine_ctx),
+            variants: vec![Variant::Ar(1), Variant::Ar(32)],
+            precision,
+        },
+    )
+    .unwrap();
+    for prompt in PROMPTS {
+        let ids = tok.encode(prompt, true).unwrap();
+        bundle.reset();
+        engine.reset();
+        let b = greedy(|t| bundle.forward(t, false).unwrap(), &ids, n);
+        let e = greedy(|t| engine.forward(t, false).unwrap(), &ids, n);
+        assert_eq!(b, e, "{} precision, prompt {prompt:?}", precision.name());
+    }
+    assert_eq!(bundle.cache_copies(), 0);
+}
+
+#[test]
+fn two_parts_generate_the_unsplit_tokens_fast() {
+    same_tokens_as_unsplit(Precision::Fast, "[256]", 256, 24);
+}
+
+#[test]
+fn two_parts_generate_the_unsplit_tokens_exact() {
+    same_tokens_as_unsplit(Precision::Exact, "[256]", 256, 12);
+}
+
+#[test]
+fn two_contexts_grow_the_caches_and_keep_the_tokens() {
+    // The longest prompt is ~20 tokens: prefill runs at ctx 32, decode moves to ctx 256.
+    same_tokens_as_unsplit(Precision::Fast, "[32, 256]", 256, 24);
+}
+
+#[test]
+fn second_run_does_no_work_and_one_option_reruns_only_its_steps() {
+    let tmp = tempfile::tempdir().unwrap();
+    let body = "[graphs]\nar = [1, 32]\nctx = [256]\n[split]\nparts = 2\n";
+    let file = pipeline(tmp.path(), "p.toml", body);
+    let out = tmp.path().join("out");
+    let first = run(&file, &out, &[]);
+    assert_eq!(first.ran(), first.steps.len());
+    let bytes = bundle_bytes(&out);
+
+    let second = run(&file, &out, &[]);
+    assert_eq!(second.ran(), 0, "{}", second.table());
+    assert!(second.seconds < 1.0, "cached run took {} s", second.seconds);
+    assert_eq!(bundle_bytes(&out), bytes);
+
+    // Part 2 in exact precision: only part 2's graphs, its compile and the bundle run.
+    let body2 = "[graphs]\nar = [1, 32]\nctx = [256]\n[split]\nparts = 2\npart_precision = [\"fast\", \"exact\"]\n";
+    let file2 = pipeline(tmp.path(), "p.toml", body2);
+    let third = run(&file2, &out, &[]);
+    for s in &third.steps {
+        let expect_ran = s.id.starts_with("graph:p2") || s.id == "compile:p2" || s.id == "bundle";
+        assert_eq!(s.status.ran(), expect_ran, "{}", third.table());
+    }
+    // --force reruns the named step; its output is the same, so nothing after it reruns.
+    let forced = run(&file2, &out, &["compile:p1"]);
+    for s in &forced.steps {
+        assert_eq!(
+            s.status == Status::Forced,
+            s.id == "compile:p1",
+            "{}",
+            forced.table()
+        );
+        assert_eq!(s.status.ran(), s.id == "compile:p1", "{}", forced.table());
+    }
+}
+
+#[test]
+fn corrupted_cache_entry_is_rebuilt_not_used() {
+    let tmp = tempfile::tempdir().unwrap();
+    let body = "[graphs]\nar = [1]\nctx = [128]\n[split]\nparts = 2\n";
+    let file = pipeline(tmp.path(), "p.toml", body);
+    let out = tmp.path().join("out");
+    run(&file, &out, &[]);
+    let good = bundle_bytes(&out);
+    // Flip one byte in the middle of part 1's cached artifact (same size, so only its hash
+    // can tell).
+    let compile_dir = out.join(".cache/compile");
+    let mut flipped = 0;
+    for e in std::fs::read_dir(&compile_dir).unwrap() {
+        let p = e.unwrap().path().join("part.npuc");
+        let rec: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(p.with_file_name("record.json")).unwrap())
+                .unwrap();
+        if rec["step"] == "compile:p1" {
+            let mut b = std::fs::read(&p).unwrap();
+            let mid = b.len() / 2;
+            b[mid] ^= 0x55;
+            // In place, like a disk error (the output directory's hard link sees it too).
+            std::fs::write(&p, &b).unwrap();
+            flipped += 1;
+        }
+    }
+    assert_eq!(flipped, 1);
+    let r = run(&file, &out, &[]);
+    for s in &r.steps {
+        let rebuilt = matches!(s.status, Status::Rebuilt(_));
+        assert_eq!(rebuilt, s.id == "compile:p1", "{}", r.table());
+    }
+    assert_eq!(bundle_bytes(&out), good);
+}
+
+/// The child side of the kill test: builds the pipeline named by the environment.
+#[test]
+fn child_build_for_kill_test() {
+    let (Ok(file), Ok(out)) = (
+        std::env::var("NPUC_KILL_TEST_PIPELINE"),
+        std::env::var("NPUC_KILL_TEST_OUT"),
+    ) else {
+        return; // Only meaningful when spawned by `killed_build_resumes_byte_identical`.
+    };
+    run(Path::new(&file), Path::new(&out), &[]);
+}
+
+#[test]
+fn killed_build_resumes_byte_identical() {
+    let tmp = tempfile::tempdir().unwrap();
+    let body = "[graphs]\nar = [1, 32]\nctx = [128, 256]\n[split]\nparts = 3\n";
+    let file = pipeline(tmp.path(), "p.toml", body);
+    let reference = tmp.path().join("reference");
+    run(&file, &reference, &[]);
+    let want = bundle_bytes(&reference);
+    let exe = std::env::current_exe().unwrap();
+    // Kill the build at several moments, each time resuming the same output directory.
+    let out = tmp.path().join("out");
+    let mut killed_mid_build = 0;
+    for delay_ms in [30u64, 120, 250, 400, 700] {
+        let mut child = std::process::Command::new(&exe)
+            .args([
+                "--exact",
+                "child_build_for_kill_test",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("NPUC_KILL_TEST_PIPELINE", &file)
+            .env("NPUC_KILL_TEST_OUT", &out)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(delay_ms));
+        // SIGKILL (std's `kill` on Unix): no cleanup runs in the child.
+        let finished = child.try_wait().unwrap().is_some();
+        child.kill().unwrap();
+        child.wait().unwrap();
+        if !finished {
+            killed_mid_build += 1;
+        }
+        // Each kill leaves the cache consistent: resuming finishes the same bundle.
+        let r = run(&file, &out, &[]);
+        assert_eq!(
+            bundle_bytes(&out),
+            want,
+            "after a kill at {delay_ms} ms\n{}",
+            r.table()
+        );
+        // Start over for the next kill, except the cache of earlier steps.
+        for f in ["bundle.json", "part-1.npuc", "part-2.npuc", "part-3.npuc"] {
+            let _ = std::fs::remove_file(out.join(f));
+        }
+        let _ = std::fs::remove_dir_all(out.join(".cache/compile"));
+        let _ = std::fs::remove_dir_all(out.join(".cache/bundle"));
+    }
+    assert!(
+        killed_mid_build >= 1,
+        "every child finished before its kill"
+    );
+}
+
+fn load_err(body: &str) -> String {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = pipeline(tmp.path(), "bad.toml", body);
+    let e = Pipeline::load(&file).expect_err("a bad pipeline file must be refused");
+    format!("{e:#}")
+}
+
+#[test]
+fn bad_pipeline_files_are_refused_naming_the_key() {
+    let e = load_err("[graphs]\nar = [1]\nctx = [128]\nbogus = 3\n");
+    assert!(e.contains("bogus"), "{e}");
+    let e = load_err("[graphs]\nar = [1]\nctx = [128]\n[split]\nparts = 31\n");
+    assert!(
+        e.contains("split.parts = 31") && e.contains("30 layers"),
+        "{e}"
+    );
+    let e = load_err("[graphs]\nar = [1]\nctx = [128]\n[split]\nmax_part_bytes = 1000\n");
+    assert!(
+        e.contains("split.max_part_bytes = 1000") && e.contains("layer 0"),
+        "{e}"
+    );
+    let e = load_err("[graphs]\nar = [1, 256]\nctx = [128, 512]\n");
+    assert!(
+        e.contains("graphs.ar = 256") && e.contains("graphs.ctx = 128"),
+        "{e}"
+    );
+    let e = load_err(
+        "[graphs]\nar = [1]\nctx = [128]\n[split]\nparts = 2\npart_precision = [\"fast\"]\n",
+    );
+    assert!(e.contains("split.part_precision"), "{e}");
+    let e = load_err("[graphs]\nar = [1]\nctx = [128]\n[split]\nprecision = \"quick\"\n");
+    assert!(e.contains("split.precision = \"quick\""), "{e}");
+    let e = load_err("[graphs]\nar = [1]\nctx = [128]\nsha = true\n");
+    assert!(e.contains("graphs.sha"), "{e}");
+    // A missing model names the key and the resolved path.
+    let tmp = tempfile::tempdir().unwrap();
+    let f = tmp.path().join("m.toml");
+    std::fs::write(
+        &f,
+        "[model]\ngguf = \"nope.gguf\"\n[graphs]\nar = [1]\nctx = [8]\n",
+    )
+    .unwrap();
+    let e = format!("{:#}", Pipeline::load(&f).unwrap_err());
+    assert!(e.contains("model.gguf") && e.contains("nope.gguf"), "{e}");
+}
+
+#[test]
+fn budget_split_reports_parts_within_the_budget() {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = pipeline(
+        tmp.path(),
+        "b.toml",
+        "[graphs]\nar = [1]\nctx = [64]\n[split]\nmax_part_bytes = 50_000_000\n",
+    );
+    let p = Pipeline::load(&file).unwrap();
+    assert!(p.parts.len() >= 3, "{:?}", p.parts);
+    for b in &p.part_bytes {
+        assert!(*b <= 50_000_000, "{:?}", p.part_bytes);
+    }
+    assert_eq!(p.parts[0].0.layers.start, 0);
+    assert_eq!(p.parts.last().unwrap().0.layers.end, 30);
+}
+
+#[test]
+fn check_step_compares_the_bundle_with_the_unsplit_model() {
+    let tmp = tempfile::tempdir().unwrap();
+    let body = "[graphs]\nar = [1, 32]\nctx = [128]\n[split]\nparts = 3\n[test]\nprompts = [\"The capital of France is\", \"1, 2, 3,\"]\nmax_tokens = 8\n";
+    let file = pipeline(tmp.path(), "p.toml", body);
+    let out = tmp.path().join("out");
+    let r = run(&file, &out, &[]);
+    assert!(r
+        .steps
+        .iter()
+        .any(|s| s.id == "check" && s.status == Status::Ran));
+    let j: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("check.json")).unwrap()).unwrap();
+    assert_eq!(j["compared_with_unsplit"], true);
+    let prompts = j["prompts"].as_array().unwrap();
+    assert_eq!(prompts.len(), 2);
+    for p in prompts {
+        assert_eq!(p["tokens"], p["unsplit_tokens"], "{p}");
+        assert_eq!(p["tokens"].as_array().unwrap().len(), 8);
+        assert_eq!(p["top1_agreement"], 1.0);
+    }
+    // Mixed precision: generated, nothing to compare with.
+    let body = body.replace(
+        "parts = 3",
+        "parts = 3\npart_precision = [\"fast\", \"exact\", \"fast\"]",
+    );
+    let file = pipeline(tmp.path(), "p.toml", &body);
+    run(&file, &out, &[]);
+    let j: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("check.json")).unwrap()).unwrap();
+    assert_eq!(j["compared_with_unsplit"], false);
+    assert_eq!(j["prompts"][0]["tokens"].as_array().unwrap().len(), 8);
+}

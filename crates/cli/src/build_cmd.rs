@@ -1,0 +1,181 @@
+//! `npuc build PIPELINE.toml` (a GGUF to a bundle of split part artifacts through cached
+//! steps, see `npuc_build`) and `npuc inspect BUNDLE_DIR`.
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use npuc_driver::build::BuildRequest;
+use npuc_llm::bundle::{BundleManifest, MANIFEST};
+use std::path::{Path, PathBuf};
+
+/// `npuc build` arguments.
+#[derive(Args, Debug, Clone)]
+pub struct BuildArgs {
+    /// The pipeline file (TOML, see docs/PIPELINE.md).
+    pub pipeline: PathBuf,
+    /// Output directory (default: `<pipeline name>.bundle` in the current directory); its
+    /// `.cache` holds the step cache.
+    #[arg(long, short = 'o')]
+    pub out: Option<PathBuf>,
+    /// Steps run at once (default: the number of cores).
+    #[arg(long)]
+    pub jobs: Option<usize>,
+    /// Print the plan with its cache hits; run nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Run a step again even if cached: a step id (`compile:p1`) or a kind (`compile`);
+    /// repeatable.
+    #[arg(long, value_name = "STEP")]
+    pub force: Vec<String>,
+}
+
+/// Runs `npuc build`: progress lines on stderr, the summary table on stdout.
+pub fn cmd(a: &BuildArgs) -> Result<()> {
+    let jobs = match a.jobs {
+        Some(0) => bail!("--jobs must be at least 1"),
+        Some(j) => j,
+        None => std::thread::available_parallelism().map_or(1, |n| n.get()),
+    };
+    let out = match &a.out {
+        Some(o) => o.clone(),
+        None => {
+            let stem = a
+                .pipeline
+                .file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_else(|| "pipeline".into());
+            PathBuf::from(format!("{stem}.bundle"))
+        }
+    };
+    let req = BuildRequest {
+        out_dir: out.clone(),
+        jobs,
+        dry_run: a.dry_run,
+        force: a.force.clone(),
+    };
+    let mut progress = |line: &str| eprintln!("{line}");
+    let report = npuc_driver::build::build_pipeline(&a.pipeline, &req, &mut progress)?;
+    print!("{}", report.table());
+    for (file, layers, bytes, over) in &report.parts {
+        println!(
+            "{file}: layers {}..{}, {bytes} weight bytes ({:.1} MiB){}",
+            layers[0],
+            layers[1],
+            *bytes as f64 / (1 << 20) as f64,
+            if *over { "  OVER max_part_bytes" } else { "" }
+        );
+    }
+    if a.dry_run {
+        println!(
+            "dry run: {} of {} steps would run",
+            report
+                .steps
+                .iter()
+                .filter(|s| !matches!(s.status, npuc_driver::build::Status::Cached))
+                .count(),
+            report.steps.len()
+        );
+    } else {
+        println!(
+            "{} in {:.2} s: {} step(s) ran, {} cached",
+            out.display(),
+            report.seconds,
+            report.ran(),
+            report.steps.len() - report.ran()
+        );
+    }
+    Ok(())
+}
+
+/// `npuc inspect BUNDLE_DIR`: parts, graphs (AR, ctx), weight bytes per part (flagged over the
+/// budget), KV tensors; `verify` also checks each part's sha256 against the manifest.
+pub fn inspect_bundle(dir: &Path, json: bool, verify: bool) -> Result<()> {
+    let m = BundleManifest::read(dir)?;
+    let mut parts = vec![];
+    for (i, p) in m.parts.iter().enumerate() {
+        let path = dir.join(&p.file);
+        let art = npuc_format::Artifact::open(&path)
+            .with_context(|| format!("part {} of '{}'", i + 1, dir.display()))?;
+        let graphs: Vec<String> = art.graph_names().iter().map(|s| s.to_string()).collect();
+        let first = art.model(graphs.first().map(|s| s.as_str()))?;
+        // The KV inputs of the first graph (every graph of a part has the same, at its ctx).
+        let kv: Vec<String> = first
+            .graph
+            .inputs
+            .iter()
+            .filter(|v| v.name.starts_with("past_"))
+            .map(|v| match &v.ty {
+                Some(t) => format!("{} {}", v.name, crate::artifact::ir_ty(t)),
+                None => v.name.clone(),
+            })
+            .collect();
+        let kv_line = match (kv.first(), kv.last()) {
+            (Some(a), Some(b)) if kv.len() > 2 => format!(
+                "{} tensors in {} (graph {}): {a} ... {b}",
+                kv.len(),
+                p.file,
+                graphs.first().map_or("", |s| s.as_str())
+            ),
+            _ => kv.join(", "),
+        };
+        let sha_ok = if verify {
+            let got = npuc_build::cache::sha256_file(&path)?;
+            Some(got == p.sha256)
+        } else {
+            None
+        };
+        let over = m.max_part_bytes.is_some_and(|b| p.weight_bytes > b);
+        parts.push((p, graphs, kv, kv_line, sha_ok, over));
+    }
+    if json {
+        let j = serde_json::json!({
+            "manifest": m,
+            "parts": parts.iter().map(|(p, g, kv, _, sha, over)| serde_json::json!({
+                "file": p.file, "layers": p.layers, "weight_bytes": p.weight_bytes,
+                "graphs": g, "kv": kv, "sha256_ok": sha, "over_budget": over,
+            })).collect::<Vec<_>>(),
+        });
+        println!("{}", serde_json::to_string_pretty(&j)?);
+    } else {
+        println!(
+            "bundle {}: {} ({} layers, vocab {}) from {} (sha256 {}), {} part(s)",
+            dir.display(),
+            m.arch,
+            m.n_layers,
+            m.vocab,
+            m.source.file,
+            &m.source.sha256[..m.source.sha256.len().min(16)],
+            m.parts.len()
+        );
+        println!("AR variants {:?} x contexts {:?}", m.ar, m.ctx);
+        if let Some(b) = m.max_part_bytes {
+            println!("max_part_bytes {b}");
+        }
+        for (i, (p, graphs, _, kv_line, sha, over)) in parts.iter().enumerate() {
+            println!(
+                "part {} ({}): layers {}..{}, {} precision, {} weight bytes ({:.1} MiB){}{}",
+                i + 1,
+                p.file,
+                p.layers[0],
+                p.layers[1],
+                p.precision,
+                p.weight_bytes,
+                p.weight_bytes as f64 / (1 << 20) as f64,
+                if *over { "  OVER max_part_bytes" } else { "" },
+                match sha {
+                    Some(true) => ", sha256 ok",
+                    Some(false) => ", SHA256 MISMATCH (rebuild with `npuc build`)",
+                    None => "",
+                }
+            );
+            println!("  graphs: {}", graphs.join(", "));
+            println!("  KV: {kv_line}");
+        }
+    }
+    if parts.iter().any(|(_, _, _, _, sha, _)| *sha == Some(false)) {
+        bail!(
+            "'{}': a part does not match the sha256 in {MANIFEST}",
+            dir.display()
+        );
+    }
+    Ok(())
+}
