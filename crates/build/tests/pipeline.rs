@@ -9,10 +9,7 @@ use npuc_llm::{Bundle, BundleOptions, Engine, EngineOptions, Precision, Variant}
 use std::path::{Path, PathBuf};
 
 fn smollm2() -> PathBuf {
-    npuc_testsupport::cached(
-        "models/smollm2-135m/smollm2-135m-instruct-q4_1.gguf",
-        "scripts/fetch-data.sh llms",
-    )
+    npuc_testsupport::smollm2_gguf()
 }
 
 /// Writes a pipeline file for SmolLM2 into `dir` with the given `[graphs]`/`[split]` body.
