@@ -621,7 +621,9 @@ pub fn build(p: &Pipeline, req: &BuildRequest, line: &mut dyn FnMut(&str)) -> Re
                 let (s, cache, tx, force) = (&steps[i], &cache, tx.clone(), forced.contains(&i));
                 scope.spawn(move || {
                     let t = Instant::now();
-                    let r = (|| {
+                    // A panicking step reports as a failed one: the loop below waits for every
+                    // started step's message, so a thread that died silently would hang the build.
+                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                         let dep_refs: Vec<&Record> = deps.iter().collect();
                         let key = step_key(p, s, &dep_refs)?;
                         let kind = s.kind.name();
@@ -650,7 +652,10 @@ pub fn build(p: &Pipeline, req: &BuildRequest, line: &mut dyn FnMut(&str)) -> Re
                         let (r, detail) = execute(p, cache, s, &key, &deps)
                             .with_context(|| format!("step {}", s.id))?;
                         Ok((r, status, t.elapsed().as_secs_f64(), detail))
-                    })();
+                    }))
+                    .unwrap_or_else(|_| {
+                        Err(anyhow!("step {}: internal error (the step panicked)", s.id))
+                    });
                     let _ = tx.send(Msg::Done(i, r));
                 });
             }

@@ -115,8 +115,7 @@ pub(crate) fn gemm(
     }
     let (micro, dequant) = kernels(scalar);
     // Activations as [m / 16][k][16] (zero rows past m): the micro-kernel's vector operand, in
-    // this thread's reusable buffer (a fresh megabyte per product would be kept by the allocator
-    // as its threshold for returning memory grows, adding tens of MB to the peak RSS).
+    // this thread's reusable buffer (no megabyte allocation and zeroing per product).
     let groups = m.div_ceil(NR);
     PACKED.with(|cell| {
         let mut xp = cell.take();

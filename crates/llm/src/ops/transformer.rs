@@ -737,34 +737,10 @@ fn attention_batched(
     if len == 0 {
         return Ok(());
     }
-    // This thread's reusable buffers (fresh megabytes per call would be kept by the allocator as
-    // its threshold for returning memory grows, adding to the peak RSS).
+    // This thread's reusable buffers: no megabyte allocation and zeroing per call. (An error
+    // below drops them; the next call starts with empty ones.)
     let mut bufs = ATTN_BUFS.take();
-    let r = attention_batched_in(a, spans, end_max, kf, vf, out, lo_min, len, &mut bufs);
-    ATTN_BUFS.set(bufs);
-    r
-}
-
-thread_local! {
-    /// Buffers of [`attention_batched`] on this thread: query rows, scores, transposed values,
-    /// outputs (grown, never shrunk).
-    static ATTN_BUFS: std::cell::Cell<[Vec<f32>; 4]> = const {
-        std::cell::Cell::new([Vec::new(), Vec::new(), Vec::new(), Vec::new()])
-    };
-}
-
-#[allow(clippy::too_many_arguments)]
-fn attention_batched_in(
-    a: &AttnArgs,
-    spans: &[(usize, usize)],
-    end_max: usize,
-    kf: &[f32],
-    vf: &[f32],
-    out: &mut [f32],
-    lo_min: usize,
-    len: usize,
-    [qg, scores, vt, og]: &mut [Vec<f32>; 4],
-) -> Result<()> {
+    let [qg, scores, vt, og] = &mut bufs;
     let (n, h, kvh, d, c) = (a.n, a.h, a.kvh, a.d, a.c);
     let group = h / kvh;
     let m = n * group;
@@ -817,7 +793,16 @@ fn attention_batched_in(
             out[(i * h + hh) * d..(i * h + hh + 1) * d].copy_from_slice(src);
         }
     }
+    ATTN_BUFS.set(bufs);
     Ok(())
+}
+
+thread_local! {
+    /// Buffers of [`attention_batched`] on this thread: query rows, scores, transposed values,
+    /// outputs (grown, never shrunk).
+    static ATTN_BUFS: std::cell::Cell<[Vec<f32>; 4]> = const {
+        std::cell::Cell::new([Vec::new(), Vec::new(), Vec::new(), Vec::new()])
+    };
 }
 
 #[cfg(test)]
