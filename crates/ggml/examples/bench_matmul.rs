@@ -1,12 +1,12 @@
 //! Micro-benchmark of `npuc_ggml::matmul` on Gemma 3 270M shapes:
-//! `cargo run --release -p npuc-ggml --example bench_matmul [-- --quick]`.
+//! `cargo run --release -p npuc-ggml --example bench_matmul [-- --quick] [--decode] [--type Q8_0]`.
 //!
 //! For each weight type, shape (n x k), batch m (1 = decode, 128 = prefill) and thread count,
 //! prints the median time per call of the fast path (multi-row kernels), its weight bandwidth
 //! (GB/s) and GFLOP/s (2·m·n·k / time), and the time of llama.cpp's kernels (parity path,
 //! `MatMulMode::ActQuant`) for the ratio.
 
-use npuc_ggml::{matmul, GgmlType, MatMulMode};
+use npuc_ggml::{matmul, matmul_x8, repack_x8, supports_x8, GgmlType, MatMulMode, X8_ROWS};
 use std::time::Instant;
 
 /// Random-looking but well-formed blocks: f16 scale fields set to small finite values.
@@ -54,7 +54,7 @@ fn time(
     x: &[f32],
     m: usize,
     threads: usize,
-    mode: MatMulMode,
+    mode: Option<MatMulMode>,
 ) -> f64 {
     let mut y = vec![0f32; m * n];
     let work = (m * n * k) as f64;
@@ -62,7 +62,11 @@ fn time(
     let mut ts = Vec::new();
     for _ in 0..iters.max(3) {
         let t = Instant::now();
-        matmul(ty, w, n, k, x, m, &mut y, mode, threads).unwrap();
+        match mode {
+            Some(mode) => matmul(ty, w, n, k, x, m, &mut y, mode, threads).unwrap(),
+            // The interleaved layout (`w` already repacked).
+            None => matmul_x8(ty, w, n, k, x, m, &mut y, threads).unwrap(),
+        }
         ts.push(t.elapsed().as_secs_f64());
     }
     ts.sort_by(|a, b| a.partial_cmp(b).unwrap());
@@ -73,6 +77,8 @@ fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
     // `--type NAME`: only that weight type.
     let only: Option<String> = std::env::args().skip_while(|a| a != "--type").nth(1);
+    // `--decode`: only m = 1 (the token-step products).
+    let decode_only = std::env::args().any(|a| a == "--decode");
     let shapes: &[(usize, usize)] = &[
         (1024, 640),
         (256, 640),
@@ -110,17 +116,32 @@ fn main() {
                 continue;
             }
             let w = weights(ty, n, k);
+            let wx8 = (supports_x8(ty) && n.is_multiple_of(X8_ROWS))
+                .then(|| repack_x8(ty, &w, n, k).unwrap());
             for m in [1usize, 128] {
-                if n > 100_000 && m == 128 {
+                if (n > 100_000 || decode_only) && m == 128 {
                     continue; // 43 GFLOP per call: the decode case is the one that matters.
                 }
                 let x: Vec<f32> = (0..m * k)
                     .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
                     .collect();
                 for threads in [1usize, 2] {
-                    let run = |mode| time(ty, &w, n, k, &x, m, threads, mode);
+                    let run = |mode| time(ty, &w, n, k, &x, m, threads, Some(mode));
                     let t = run(MatMulMode::Fast);
                     let ts = run(MatMulMode::ActQuant);
+                    if let Some(wx) = &wx8 {
+                        let tx = time(ty, wx, n, k, &x, m, threads, None);
+                        println!(
+                            "{:5} {:>6}x{:<5} {m:>4} {threads:>4} {:>8.3} {:>7.2} {:>8.2}  x8 layout, {:.2}x the fast path",
+                            ty.name(),
+                            n,
+                            k,
+                            tx * 1e3,
+                            w.len() as f64 / tx / 1e9,
+                            2.0 * (m * n * k) as f64 / tx / 1e9,
+                            t / tx
+                        );
+                    }
                     println!(
                         "{:5} {:>6}x{:<5} {m:>4} {threads:>4} {:>8.3} {:>7.2} {:>8.2} {:>10.3} {:>8.2}x",
                         ty.name(),

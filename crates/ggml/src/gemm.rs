@@ -71,6 +71,13 @@ pub(crate) enum Rows<'a> {
         w: &'a [u8],
         wrb: usize,
     },
+    /// `n` rows in the interleaved layout (`x8.rs`): each row unpacked to plain blocks, then
+    /// dequantized.
+    QuantX8 {
+        ty: GgmlType,
+        w: &'a [u8],
+        wrb: usize,
+    },
     /// `n` rows of `k` f32 values, read in place.
     F32(&'a [f32]),
 }
@@ -180,8 +187,14 @@ fn products(
         let p0 = t * per_task * MR;
         let p1 = ((t + 1) * per_task * MR).min(n);
         let run = |wd: &mut Vec<f32>| -> Result<()> {
-            if let Rows::Quant { .. } = src {
-                wd.resize(MR * k, 0.0);
+            let mut plain = Vec::new();
+            match src {
+                Rows::Quant { .. } => wd.resize(MR * k, 0.0),
+                Rows::QuantX8 { wrb, .. } => {
+                    wd.resize(MR * k, 0.0);
+                    plain.resize(wrb, 0u8);
+                }
+                Rows::F32(_) => {}
             }
             let mut tile = [0f32; MR * NR];
             for p in (p0..p1).step_by(MR) {
@@ -194,6 +207,16 @@ fn products(
                                 &w[(p + r) * wrb..(p + r + 1) * wrb],
                                 &mut wd[r * k..(r + 1) * k],
                             )?;
+                        }
+                        &wd[..]
+                    }
+                    Rows::QuantX8 { ty, w, wrb } => {
+                        const G: usize = crate::x8::X8_ROWS;
+                        for r in 0..rows {
+                            let (g, i) = ((p + r) / G, (p + r) % G);
+                            let group = &w[g * G * wrb..(g + 1) * G * wrb];
+                            crate::x8::unpack_row_x8(ty, group, i, &mut plain)?;
+                            dequant(ty, &plain, &mut wd[r * k..(r + 1) * k])?;
                         }
                         &wd[..]
                     }

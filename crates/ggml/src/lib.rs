@@ -15,6 +15,8 @@
 //! - [`matmul`]: `Y[m,n] = X[m,k] · Wᵀ` in either [`MatMulMode::ActQuant`] (llama.cpp's fast
 //!   path) or [`MatMulMode::Exact`] (dequantized weights in cache-sized row tiles, f32 math);
 //!   and [`gather_rows`] (embedding lookup).
+//! - [`repack_x8`] / [`matmul_x8`]: the interleaved eight-row layout of the 32-value block types
+//!   (made once at load or compile time) and the fast path's products over it.
 
 // Kernels index several parallel arrays with one counter, mirroring ggml's block layouts.
 #![allow(clippy::needless_range_loop)]
@@ -27,8 +29,11 @@ mod pool;
 mod quantize;
 mod rows;
 mod vecf32;
+mod x8;
 #[cfg(target_arch = "x86_64")]
 mod x86;
+#[cfg(target_arch = "x86_64")]
+mod x86_x8;
 
 use std::fmt;
 
@@ -37,7 +42,10 @@ pub use npuc_ir::GgmlType;
 pub use dequant::{dequantize_row, dequantize_row_scalar};
 pub use dot::{vec_dot, vec_dot_scalar, vec_dot_type};
 pub use gemm::{matmul_f32, matmul_f32_scalar};
-pub use matmul::{gather_rows, matmul, matmul_batch, matmul_scalar, MatMulMode};
+pub use matmul::{
+    gather_rows, gather_rows_x8, matmul, matmul_batch, matmul_scalar, matmul_x8, matmul_x8_scalar,
+    MatMulMode,
+};
 pub use quantize::{
     quantize_activations, quantize_activations_scalar, quantize_row, quantize_row_q8_0,
     quantize_row_q8_1, quantize_row_q8_K,
@@ -47,6 +55,7 @@ pub use vecf32::{
     dot_rows, dot_rows_scalar, f16_to_f32_row, f16_to_f32_row_scalar, round_f16_row,
     round_f16_row_scalar, weighted_sum, weighted_sum_scalar,
 };
+pub use x8::{repack_group_x8, repack_x8, supports_x8, unpack_row_x8, X8_ROWS};
 
 /// Runs `f(0) .. f(tasks - 1)` on this thread and up to `threads - 1` warm workers of the
 /// kernels' spin-then-park pool (the one the matrix products use), returning when all are done.

@@ -207,6 +207,134 @@ fn matmul_impl(
     Ok(())
 }
 
+/// `y[m, n] = x[m, k] · wᵀ` with `w` in the interleaved eight-row layout of
+/// [`crate::repack_x8`] (Q8_0/Q4_0/Q4_1/Q5_0, `n` a multiple of 8): the fast path
+/// ([`MatMulMode::Fast`]'s numerics: activations quantized to Q8_0/Q8_1 per row, exact integer
+/// block totals; from 16 rows on the weights are dequantized and multiplied in f32).
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_x8(
+    ty: GgmlType,
+    w: &[u8],
+    n: usize,
+    k: usize,
+    x: &[f32],
+    m: usize,
+    y: &mut [f32],
+    threads: usize,
+) -> Result<()> {
+    matmul_x8_impl(ty, w, n, k, x, m, y, threads, false)
+}
+
+/// [`matmul_x8`] with the scalar twins (reference for tests).
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_x8_scalar(
+    ty: GgmlType,
+    w: &[u8],
+    n: usize,
+    k: usize,
+    x: &[f32],
+    m: usize,
+    y: &mut [f32],
+    threads: usize,
+) -> Result<()> {
+    matmul_x8_impl(ty, w, n, k, x, m, y, threads, true)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn matmul_x8_impl(
+    ty: GgmlType,
+    w: &[u8],
+    n: usize,
+    k: usize,
+    x: &[f32],
+    m: usize,
+    y: &mut [f32],
+    threads: usize,
+    scalar: bool,
+) -> Result<()> {
+    use crate::x8::{X8_MAX_RX, X8_ROWS};
+    if !crate::x8::supports_x8(ty) {
+        bail!("{ty} has no interleaved (x8) layout");
+    }
+    let wrb = row_bytes(ty, k)?;
+    if !n.is_multiple_of(X8_ROWS) || Some(w.len()) != n.checked_mul(wrb) {
+        bail!(
+            "{ty} x8 weight of {n} rows x {k}: expected a multiple of {X8_ROWS} rows and {} bytes, got {}",
+            n as u128 * wrb as u128,
+            w.len()
+        );
+    }
+    if Some(x.len()) != m.checked_mul(k) {
+        bail!("activations: expected {m} x {k} values, got {}", x.len());
+    }
+    if Some(y.len()) != m.checked_mul(n) {
+        bail!("output: expected {m} x {n} values, got {}", y.len());
+    }
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    let par = threads > 1 && n * k >= PAR_MIN_WEIGHTS && n >= 2 * threads;
+    if m >= F32_GEMM_MIN_ROWS {
+        let src = crate::gemm::Rows::QuantX8 { ty, w, wrb };
+        let threads = if par { threads } else { 1 };
+        return crate::gemm::gemm(src, n, k, x, m, y, threads, scalar);
+    }
+    let vt = if ty == GgmlType::Q4_1 {
+        GgmlType::Q8_1
+    } else {
+        GgmlType::Q8_0
+    };
+    let (xq, xrb) = quantize_rows(vt, x, k, m, if par { threads } else { 1 })?;
+    // Block sums of the activations, for the types whose quants carry a bias.
+    let mut sums = vec![
+        0i32;
+        if crate::x8::quant_bias(ty) != 0 {
+            m * (k / 32)
+        } else {
+            0
+        }
+    ];
+    if !sums.is_empty() {
+        let mut row = Vec::new();
+        for (i, s) in sums.chunks_exact_mut(k / 32).enumerate() {
+            crate::x8::block_sums(&xq[i * xrb..(i + 1) * xrb], xrb / (k / 32), &mut row);
+            s.copy_from_slice(&row);
+        }
+    }
+    let kernel = crate::x8::x8_fn(scalar);
+    let (xq, sums) = (&xq, &sums);
+    let nb = k / 32;
+    let rows = |n0: usize, out: &mut [f32]| {
+        let nr = out.len() / m;
+        let mut res = [[0f32; 8]; X8_MAX_RX];
+        for gi in 0..nr / X8_ROWS {
+            let g0 = n0 + gi * X8_ROWS;
+            let group = &w[g0 * wrb..(g0 + X8_ROWS) * wrb];
+            for r0 in (0..m).step_by(X8_MAX_RX) {
+                let rx = X8_MAX_RX.min(m - r0);
+                let xs: [&[u8]; X8_MAX_RX] =
+                    std::array::from_fn(|r| &xq[(r0 + r.min(rx - 1)) * xrb..][..xrb]);
+                let ss: [&[i32]; X8_MAX_RX] = std::array::from_fn(|r| {
+                    if sums.is_empty() {
+                        &[][..]
+                    } else {
+                        &sums[(r0 + r.min(rx - 1)) * nb..][..nb]
+                    }
+                });
+                let ss = if sums.is_empty() { &ss[..0] } else { &ss[..rx] };
+                kernel(ty, group, &xs[..rx], ss, &mut res[..rx]);
+                for r in 0..rx {
+                    for i in 0..X8_ROWS {
+                        out[(gi * X8_ROWS + i) * m + r0 + r] = res[r][i];
+                    }
+                }
+            }
+        }
+    };
+    run_rows(n, m, y, par, threads, rows);
+    Ok(())
+}
+
 /// The `m` rows of `x` (`k` values each) quantized to `vt`, and the bytes per quantized row.
 /// Rows are quantized in parallel (blocks of [`QUANT_ROWS`]) when `threads > 1`.
 fn quantize_rows(
@@ -249,7 +377,8 @@ where
     F: Fn(usize, &mut [f32]) + Sync,
 {
     // Chunks of whole 4-row tiles, a few per thread so uneven progress evens out.
-    let chunk = n.div_ceil(threads * 4).max(16).next_multiple_of(4);
+    // Whole 8-row groups too (the interleaved layout's unit).
+    let chunk = n.div_ceil(threads * 4).max(16).next_multiple_of(8);
     let threads = if par { threads } else { 1 };
     let split = |buf: &mut [f32], per_row: usize| {
         crate::parallel_chunks_mut(buf, chunk * per_row, threads, &|c, out| {
@@ -431,7 +560,16 @@ pub fn gather_rows(ty: GgmlType, w: &[u8], k: usize, ids: &[i64], out: &mut [f32
             w.len()
         );
     }
-    let rows = w.len() / wrb;
+    check_gather(w.len() / wrb, k, ids, out)?;
+    for (&id, o) in ids.iter().zip(out.chunks_exact_mut(k)) {
+        let id = id as usize;
+        dequantize_row(ty, &w[id * wrb..(id + 1) * wrb], o)?;
+    }
+    Ok(())
+}
+
+/// Checks a gather's output size and ids against a weight of `rows` rows of `k`.
+fn check_gather(rows: usize, k: usize, ids: &[i64], out: &[f32]) -> Result<()> {
     if Some(out.len()) != ids.len().checked_mul(k) {
         bail!(
             "gather output: expected {} x {k} values, got {}",
@@ -446,9 +584,34 @@ pub fn gather_rows(ty: GgmlType, w: &[u8], k: usize, ids: &[i64], out: &mut [f32
     {
         bail!("gather: id {id} (at index {pos}) is out of range for {rows} rows");
     }
+    Ok(())
+}
+
+/// [`gather_rows`] from a weight in the interleaved layout of [`crate::repack_x8`] (a tied
+/// embedding stored once, for the output head's kernels): each row unpacked, then dequantized
+/// exactly.
+pub fn gather_rows_x8(
+    ty: GgmlType,
+    w: &[u8],
+    k: usize,
+    ids: &[i64],
+    out: &mut [f32],
+) -> Result<()> {
+    use crate::x8::X8_ROWS;
+    let wrb = row_bytes(ty, k)?;
+    if !crate::x8::supports_x8(ty) || wrb == 0 || !w.len().is_multiple_of(X8_ROWS * wrb) {
+        bail!(
+            "{ty} x8 weight: {} bytes is not a whole number of {X8_ROWS}-row groups of {k}-element rows ({wrb} bytes each)",
+            w.len()
+        );
+    }
+    check_gather(w.len() / wrb, k, ids, out)?;
+    let mut plain = vec![0u8; wrb];
     for (&id, o) in ids.iter().zip(out.chunks_exact_mut(k)) {
-        let id = id as usize;
-        dequantize_row(ty, &w[id * wrb..(id + 1) * wrb], o)?;
+        let (g, r) = (id as usize / X8_ROWS, id as usize % X8_ROWS);
+        let group = &w[g * X8_ROWS * wrb..(g + 1) * X8_ROWS * wrb];
+        crate::x8::unpack_row_x8(ty, group, r, &mut plain)?;
+        dequantize_row(ty, &plain, o)?;
     }
     Ok(())
 }

@@ -73,6 +73,27 @@ fn weight_row(ty: GgmlType, nb: usize, seed: &[u8], scales: &[f32]) -> (usize, V
     (k, w)
 }
 
+/// `n` weight rows: `w0` and byte-rotated copies of its blocks with the scale fields kept.
+fn rotated_rows(ty: GgmlType, w0: &[u8], n: usize) -> Vec<u8> {
+    let ts = ty.type_size();
+    let mut w = Vec::new();
+    for i in 0..n {
+        let mut v = w0.to_vec();
+        for blk in v.chunks_exact_mut(ts) {
+            let keep: Vec<(usize, [u8; 2])> = scale_fields(ty)
+                .iter()
+                .map(|&a| (a, [blk[a], blk[a + 1]]))
+                .collect();
+            blk.rotate_left(i % ts);
+            for (a, b) in keep {
+                blk[a..a + 2].copy_from_slice(&b);
+            }
+        }
+        w.extend_from_slice(&v);
+    }
+    w
+}
+
 fn f64_dot(a: &[f32], b: &[f32]) -> (f64, f64) {
     let s = a.iter().zip(b).map(|(&x, &y)| x as f64 * y as f64).sum();
     let m = a
@@ -418,18 +439,7 @@ proptest! {
         let ty = [Q8_0, Q4_0, Q5_0, Q4_1, Q4_K, Q6_K, Q5_K][ti];
         let nb = if ty.block_size() == 256 { 1 + nb % 3 } else { nb };
         let (k, w0) = weight_row(ty, nb, &seed, &scales);
-        // n rows: the row and byte-rotated copies with the scale fields kept.
-        let ts = ty.type_size();
-        let mut w = Vec::new();
-        for i in 0..n {
-            let mut v = w0.clone();
-            for blk in v.chunks_exact_mut(ts) {
-                let keep: Vec<(usize, [u8; 2])> = scale_fields(ty).iter().map(|&a| (a, [blk[a], blk[a + 1]])).collect();
-                blk.rotate_left(i % ts);
-                for (a, b) in keep { blk[a..a + 2].copy_from_slice(&b); }
-            }
-            w.extend_from_slice(&v);
-        }
+        let w = rotated_rows(ty, &w0, n);
         let xs: Vec<f32> = (0..m * k).map(|i| x[(i * 7 + i / k) % x.len()] * (1.0 + (i % 5) as f32 * 0.1)).collect();
         let mut twin = vec![0f32; m * n];
         matmul_scalar(ty, &w, n, k, &xs, m, &mut twin, MatMulMode::Fast, 1).unwrap();
@@ -501,5 +511,71 @@ proptest! {
         quantize_activations(vt, &xs, &mut a).unwrap();
         quantize_activations_scalar(vt, &xs, &mut b).unwrap();
         prop_assert_eq!(a, b, "{}", vt);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(96))]
+
+    /// The interleaved (x8) layout's products: repacking then multiplying gives, for every
+    /// (row, activation row), the value of the plain layout's quantized dot product up to f32
+    /// summation order; the AVX2 kernels equal their scalar twins bit for bit at 1 and 2 threads
+    /// for 1 to 15 activation rows (1-4-row kernel calls, partial last call) and in the f32 GEMM
+    /// range (16+ rows, rows unpacked then dequantized: equal to the plain layout's GEMM bit
+    /// for bit).
+    #[test]
+    fn x8_products_equal_scalar_twins_and_plain_layout(
+        ti in 0usize..4,
+        nb in 1usize..9,
+        groups in 1usize..5,
+        m in prop_oneof![1usize..16, 16usize..20],
+        seed in prop::collection::vec(any::<u8>(), 1..64),
+        scales in prop::collection::vec(-0.05f32..0.05, 1..16),
+        x in prop::collection::vec(-4.0f32..4.0, 1..64),
+    ) {
+        use GgmlType::*;
+        let ty = [Q8_0, Q4_0, Q4_1, Q5_0][ti];
+        let (k, w0) = weight_row(ty, nb, &seed, &scales);
+        let n = 8 * groups;
+        let w = rotated_rows(ty, &w0, n);
+        let wp = repack_x8(ty, &w, n, k).unwrap();
+        let xs: Vec<f32> = (0..m * k).map(|i| x[(i * 7 + i / k) % x.len()] * (1.0 + (i % 5) as f32 * 0.1)).collect();
+        let mut twin = vec![0f32; m * n];
+        matmul_x8_scalar(ty, &wp, n, k, &xs, m, &mut twin, 1).unwrap();
+        for threads in [1, 2] {
+            let mut simd = vec![f32::NAN; m * n];
+            matmul_x8(ty, &wp, n, k, &xs, m, &mut simd, threads).unwrap();
+            prop_assert_eq!(simd.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                twin.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "{} m {} threads {}", ty, m, threads);
+        }
+        let mut plain = vec![0f32; m * n];
+        matmul_scalar(ty, &w, n, k, &xs, m, &mut plain, MatMulMode::Fast, 1).unwrap();
+        if m >= 16 {
+            // The same dequantized weights through the same f32 GEMM.
+            prop_assert_eq!(plain.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                twin.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "{} m {}", ty, m);
+        } else {
+            // Same quantized activations and exact integer block totals; only the f32 sums of
+            // the per-block terms differ in order (<= 8 blocks of |d_w d_x total| each): 1e-5 of
+            // the row's magnitude covers f32 rounding of a few dozen additions (2^-24 each).
+            let vt = vec_dot_type(ty).unwrap();
+            let mut wd = vec![0f32; n * k];
+            dequantize_row_scalar(ty, &w, &mut wd).unwrap();
+            for i in 0..m {
+                let mut xq = vec![0u8; vt.row_bytes(k).unwrap()];
+                quantize_row(vt, &xs[i * k..(i + 1) * k], &mut xq).unwrap();
+                let mut xd = vec![0f32; k];
+                dequantize_row(vt, &xq, &mut xd).unwrap();
+                for j in 0..n {
+                    let (_, mut mag) = f64_dot(&xd, &wd[j * k..(j + 1) * k]);
+                    if ty == Q4_1 {
+                        // The min term uses Q8_1's f16-rounded s = d·Σq (as ggml's kernels do).
+                        mag += xq.chunks_exact(36).map(|b| (half::f16::from_le_bytes([b[2], b[3]]).to_f64()).abs() * 0.05).sum::<f64>();
+                    }
+                    let (a, b) = (twin[i * n + j] as f64, plain[i * n + j] as f64);
+                    prop_assert!((a - b).abs() <= 1e-5 * mag + 1e-30, "{} [{},{}]: x8 {} vs plain {}", ty, i, j, a, b);
+                }
+            }
+        }
     }
 }

@@ -66,6 +66,8 @@ pub struct GgufFile {
     meta_index: HashMap<String, usize>,
     tensor_index: HashMap<String, usize>,
     backing: Arc<dyn Backing>,
+    /// The mapped file (when opened from a path), for [`GgufFile::read_at`].
+    file: Option<Arc<std::fs::File>>,
 }
 
 impl std::fmt::Debug for GgufFile {
@@ -92,7 +94,38 @@ impl GgufFile {
         // model loader we rely on the file not being truncated while mapped; all reads are
         // bounds-checked against the mapped length taken at open time.
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
-        GgufFile::parse(path.display().to_string(), Arc::new(MmapBacking(map)))
+        let mut g = GgufFile::parse(path.display().to_string(), Arc::new(MmapBacking(map)))?;
+        g.file = Some(Arc::new(file));
+        Ok(g)
+    }
+
+    /// Copies the file's bytes `off .. off + buf.len()` (absolute offsets, e.g. from
+    /// [`GgufFile::tensor_range`]) into `buf`. A mapped file is read with `pread`, not through
+    /// the mapping, so bytes that are only copied (weights repacked into another layout) never
+    /// become resident pages of this process.
+    pub fn read_at(&self, off: usize, buf: &mut [u8]) -> Result<()> {
+        let len = self.backing.bytes().len();
+        if off.checked_add(buf.len()).is_none_or(|end| end > len) {
+            return Err(GgufError::Truncated {
+                file: self.name.clone(),
+                offset: off as u64,
+                what: "a read".into(),
+                need: buf.len() as u64,
+                have: len as u64,
+            });
+        }
+        #[cfg(unix)]
+        if let Some(f) = &self.file {
+            use std::os::unix::fs::FileExt;
+            return f
+                .read_exact_at(buf, off as u64)
+                .map_err(|source| GgufError::Io {
+                    path: self.name.clone().into(),
+                    source,
+                });
+        }
+        buf.copy_from_slice(&self.backing.bytes()[off..off + buf.len()]);
+        Ok(())
     }
 
     /// Parses a file held in memory.
@@ -232,6 +265,7 @@ impl GgufFile {
             meta_index,
             tensor_index,
             backing,
+            file: None,
         })
     }
 

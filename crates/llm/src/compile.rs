@@ -183,9 +183,11 @@ pub fn compile_part(
         .unwrap_or_default();
     w.add_source(&source, g.backing().bytes());
     let mut names = vec![];
+    // One repacked copy of each weight for all the part's graphs.
+    let repacked = crate::build::RepackCache::default();
     for (i, &(tokens, ctx)) in graphs.iter().enumerate() {
         let name = split::graph_name(tokens, ctx);
-        let mut m = split::build_part(g, &hp, part, tokens, ctx, precision)?;
+        let mut m = split::build_part_shared(g, &hp, part, tokens, ctx, precision, &repacked)?;
         check(&name, &m).map_err(|e| {
             LlmError::msg(format!(
                 "{}: part {} graph {name}: {e}",

@@ -640,6 +640,8 @@ pub fn build_variants(
         bail!("no variants to build (give at least one, e.g. ar1)");
     }
     let mut out = vec![];
+    // The variants share one repacked copy of each weight.
+    let repacked = build::RepackCache::default();
     for v in vs {
         if out.iter().any(|(o, _)| *o == v) {
             continue;
@@ -659,6 +661,7 @@ pub fn build_variants(
                 ctx,
                 precision: opts.precision,
                 weights,
+                repacked: repacked.clone(),
             },
         )?;
         out.push((v, m));

@@ -33,6 +33,7 @@ fn err(g: &GgufFile) -> String {
         ctx: 16,
         precision: Precision::Exact,
         weights: WeightMode::Auto,
+        repacked: Default::default(),
     };
     build(g, &o).expect_err("the build must fail").to_string()
 }

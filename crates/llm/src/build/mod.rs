@@ -3,7 +3,10 @@
 //!
 //! One graph per variant: N new tokens per call over a cache of C slots. Weights keep their
 //! GGUF tensor names as initializer names in every variant, so an artifact stores them once and
-//! in-memory engines share the same (zero-copy, mmap-backed) tensors.
+//! in-memory engines share the same (zero-copy, mmap-backed) tensors. In `fast` precision the
+//! products' weights of the 32-value block types are repacked into the interleaved eight-row
+//! layout of the decode kernels (`{name}.x8`, made once per [`RepackCache`] and shared by the
+//! variants; read from the file, not the mapping, so the plain bytes never become resident).
 
 pub mod gemma3;
 pub mod llama;
@@ -136,6 +139,18 @@ impl Variant {
     }
 }
 
+/// Weights already repacked (`{name}.x8` -> tensor), shared by the variants built with clones of
+/// one [`BuildOptions`] so each weight is repacked and held once.
+#[derive(Clone, Default)]
+pub struct RepackCache(std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, Tensor>>>);
+
+impl std::fmt::Debug for RepackCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let n = self.0.lock().map(|m| m.len()).unwrap_or(0);
+        write!(f, "RepackCache({n} tensors)")
+    }
+}
+
 /// What to build.
 #[derive(Clone, Debug)]
 pub struct BuildOptions {
@@ -145,6 +160,8 @@ pub struct BuildOptions {
     pub ctx: usize,
     pub precision: Precision,
     pub weights: WeightMode,
+    /// Repacked weights shared between builds (a fresh default repacks for this build only).
+    pub repacked: RepackCache,
 }
 
 /// The FFN activation.
@@ -612,6 +629,54 @@ impl Builder<'_> {
         )?)
     }
 
+    /// Whether a product's weight takes the interleaved layout: the fast path's decode kernels
+    /// read the 32-value block types eight rows at a time.
+    fn x8_eligible(&self, t: &TensorInfo) -> bool {
+        self.mode == WeightMode::Ggml
+            && self.opts.precision == Precision::Fast
+            && npuc_ggml::supports_x8(t.ggml_type)
+            && t.rows().is_multiple_of(npuc_ggml::X8_ROWS as u64)
+    }
+
+    /// A weight of a 32-value block type in the interleaved layout (`u8 [rows / 8, 8 ×
+    /// row_bytes]`), from the shared cache or repacked now from the file, a few hundred groups
+    /// at a time (read with `pread`: the plain bytes never become resident in this process).
+    fn repacked_tensor(&self, t: &TensorInfo, key: &str) -> Result<Tensor> {
+        let cache = &self.opts.repacked.0;
+        if let Some(hit) = cache.lock().ok().and_then(|c| c.get(key).cloned()) {
+            return Ok(hit);
+        }
+        let (off, len) = self.g.tensor_range(t);
+        let ty = t.ggml_type;
+        let (k, n) = (t.row_len() as usize, t.rows() as usize);
+        let rb = npuc_ggml::row_bytes(ty, k).map_err(|e| self.g.tensor_err(&t.name, e.0))?;
+        let group = npuc_ggml::X8_ROWS * rb;
+        if !n.is_multiple_of(npuc_ggml::X8_ROWS) || len != n * rb {
+            bail!(
+                "{}: tensor '{}' ({n} rows of {rb} bytes, {len} bytes) cannot be interleaved by {} rows",
+                self.g.name,
+                t.name,
+                npuc_ggml::X8_ROWS
+            );
+        }
+        let mut out = vec![0u8; len];
+        let per_read = ((1 << 20) / group).max(1) * group;
+        let mut src = vec![0u8; per_read.min(len)];
+        for (i, dst) in out.chunks_mut(per_read).enumerate() {
+            let src = &mut src[..dst.len()];
+            self.g.read_at(off + i * per_read, src)?;
+            for (s, d) in src.chunks_exact(group).zip(dst.chunks_exact_mut(group)) {
+                npuc_ggml::repack_group_x8(ty, s, d, k)
+                    .map_err(|e| self.g.tensor_err(&t.name, e.0))?;
+            }
+        }
+        let tensor = Tensor::from_vec(vec![n / npuc_ggml::X8_ROWS, group], out)?;
+        if let Ok(mut c) = cache.lock() {
+            c.insert(key.to_string(), tensor.clone());
+        }
+        Ok(tensor)
+    }
+
     /// A tensor as f32 (zero-copy for F32; F16/BF16 widened; quantized types refused).
     fn f32_tensor(&self, t: &TensorInfo) -> Result<Tensor> {
         let raw = self.raw_tensor(t)?;
@@ -751,16 +816,24 @@ impl Builder<'_> {
             Some(b) => Some(self.param(b, n_out)?),
             None => None,
         };
-        if !self.has_init(name) {
+        let x8 = self.x8_eligible(&t);
+        let wname = if x8 {
+            format!("{name}.x8")
+        } else {
+            name.to_string()
+        };
+        if !self.has_init(&wname) {
             let tensor = match self.mode {
+                WeightMode::Ggml if x8 => self.repacked_tensor(&t, &wname)?,
                 WeightMode::Ggml => self.raw_tensor(&t)?,
                 _ => self.f32_tensor(&t)?,
             };
             self.inits.push(Initializer {
-                name: name.into(),
+                name: wname.clone(),
                 tensor,
             });
         }
+        let name = wname.as_str();
         let act_quant = self.opts.precision.act_quant();
         let parity = self.opts.precision == Precision::Parity;
         let out = self.fresh("linear");
@@ -788,6 +861,11 @@ impl Builder<'_> {
                         }),
                     )
                     .attr("batch", Attr::Int(i64::from(parity && !head)));
+                let node = if x8 {
+                    node.attr("layout", Attr::String("x8".into()))
+                } else {
+                    node
+                };
                 self.push_node(node)?
             }
             _ => {
@@ -812,9 +890,17 @@ impl Builder<'_> {
                 )
                 .into());
         }
-        let name = "token_embd.weight";
+        // A tied embedding is also the output head: stored once, in the head's layout (an
+        // untied one stays in the mapping, where a lookup touches only its rows' pages).
+        let x8 = self.hp.tied && self.x8_eligible(&t);
+        let name = if x8 {
+            "token_embd.weight.x8"
+        } else {
+            "token_embd.weight"
+        };
         if !self.has_init(name) {
             let tensor = match self.mode {
+                WeightMode::Ggml if x8 => self.repacked_tensor(&t, name)?,
                 WeightMode::Ggml => self.raw_tensor(&t)?,
                 _ => self.f32_tensor(&t)?,
             };
@@ -833,6 +919,11 @@ impl Builder<'_> {
                     .output("y", &out)
                     .attr("ggml_type", Attr::String(t.ggml_type.name().into()))
                     .attr("k", Attr::Int(e as i64));
+                let node = if x8 {
+                    node.attr("layout", Attr::String("x8".into()))
+                } else {
+                    node
+                };
                 self.push_node(node)?
             }
             _ => self.op("Gather", &[name, "input_ids"], vec![("axis", Attr::Int(0))]),

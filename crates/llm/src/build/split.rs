@@ -216,6 +216,19 @@ pub fn build_part(
     ctx: usize,
     precision: Precision,
 ) -> Result<npuc_ir::Model> {
+    build_part_shared(g, hp, part, tokens, ctx, precision, &Default::default())
+}
+
+/// [`build_part`] sharing repacked weights with the other graphs built with `repacked`.
+pub fn build_part_shared(
+    g: &GgufFile,
+    hp: &Hparams,
+    part: &PartSpec,
+    tokens: usize,
+    ctx: usize,
+    precision: Precision,
+    repacked: &super::RepackCache,
+) -> Result<npuc_ir::Model> {
     super::build_layers(
         g,
         hp,
@@ -224,6 +237,7 @@ pub fn build_part(
             ctx,
             precision,
             weights: WeightMode::Auto,
+            repacked: repacked.clone(),
         },
         Some(part),
     )

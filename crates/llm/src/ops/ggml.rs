@@ -10,9 +10,12 @@
 //!   (logical row length), `act_quant` (1, the default: activations quantized like llama.cpp
 //!   and its integer dot products; 2: the fast path, activations quantized the same way and
 //!   multiplied by multi-row kernels; 0: exact, dequantized weights and f32 math), `batch` (1, the
-//!   default: the real rows round as one llama.cpp batch; 0: each row as a product of its own).
+//!   default: the real rows round as one llama.cpp batch; 0: each row as a product of its own),
+//!   `layout` (`"x8"`: `W` is `u8 [N / 8, 8 × row_bytes]` in the interleaved eight-row layout of
+//!   `npuc_ggml::repack_x8`, multiplied by its kernels; needs `act_quant` 2).
 //! - `GgmlGather(W, ids i64/i32 [...]) -> f32 [..., K]`: rows of `W` dequantized exactly
-//!   (embedding lookup). Attributes `ggml_type`, `k`.
+//!   (embedding lookup). Attributes `ggml_type`, `k`, `layout` (`"x8"`: a tied embedding stored
+//!   once in the output head's interleaved layout).
 
 use npuc_ggml::{GgmlType, MatMulMode};
 use npuc_ir::infer::rules::tt;
@@ -46,16 +49,22 @@ pub static GGML_MATMUL: OpDef = OpDef {
         AttrDef::required("k", "int"),
         AttrDef::optional("act_quant", "int"),
         AttrDef::optional("batch", "int"),
+        AttrDef::optional("layout", "string"),
     ],
     infer: infer_matmul,
 };
 
 /// `Y f32 [..., N]` for `X [..., K]` and `W` of N rows.
 fn infer_matmul(n: &NodeIn) -> R<Vec<TypeInfo>> {
+    let x8 = n.node.attr_str("layout").ok().flatten() == Some("x8");
     let dims = match (n.shape(0), n.shape(1)) {
         (Some(x), Some(w)) if !x.is_empty() && !w.is_empty() => {
             let mut d = x[..x.len() - 1].to_vec();
-            d.push(w[0].clone());
+            d.push(match (&w[0], x8) {
+                (Dim::Fixed(g), true) => Dim::Fixed(g * npuc_ggml::X8_ROWS),
+                (_, true) => return Ok(vec![tt(Some(DType::F32), None)]),
+                (r, false) => r.clone(),
+            });
             Some(d)
         }
         _ => None,
@@ -72,6 +81,7 @@ pub static GGML_GATHER: OpDef = OpDef {
     attrs: &[
         AttrDef::required("ggml_type", "string"),
         AttrDef::required("k", "int"),
+        AttrDef::optional("layout", "string"),
     ],
     infer: infer_gather,
 };
@@ -145,6 +155,24 @@ fn weight_bytes(w: &Tensor, ty: GgmlType, k: usize) -> Result<(&[u8], usize)> {
     Ok((bytes, s[0]))
 }
 
+/// An interleaved weight's raw bytes (`u8 [N / 8, 8 × row_bytes]`) and its row count N.
+fn weight_bytes_x8(w: &Tensor, ty: GgmlType, k: usize) -> Result<(&[u8], usize)> {
+    let rb = npuc_ggml::row_bytes(ty, k).map_err(|e| npuc_runtime::RtError::msg(e.to_string()))?;
+    let g = npuc_ggml::X8_ROWS;
+    if !npuc_ggml::supports_x8(ty) {
+        bail!("ggml_type {ty} has no x8 layout (Q8_0, Q4_0, Q4_1 and Q5_0 have)");
+    }
+    let s = w.shape();
+    if w.dtype() != DType::U8 || s.len() != 2 || s[1] != g * rb {
+        bail!(
+            "x8 weight must be u8 [rows / {g}, {}] ({g} rows of {k} {ty} elements), got {:?} {s:?}",
+            g * rb,
+            w.dtype()
+        );
+    }
+    Ok((w.as_slice::<u8>()?, s[0] * g))
+}
+
 fn ggml_matmul(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     let node = ctx.node;
     let (ty, k) = type_and_k(node)?;
@@ -154,8 +182,18 @@ fn ggml_matmul(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         2 => MatMulMode::Fast,
         v => bail!("attribute act_quant must be 0, 1 or 2, got {v}"),
     };
+    let x8 = match node.attr_str("layout")? {
+        None => false,
+        Some("x8") if mode == MatMulMode::Fast => true,
+        Some("x8") => bail!("layout x8 needs act_quant 2 (the fast path)"),
+        Some(l) => bail!("unknown layout '{l}' (expected x8)"),
+    };
     let x = ins.tensor(0)?;
-    let (w, n) = weight_bytes(ins.tensor(1)?, ty, k)?;
+    let (w, n) = if x8 {
+        weight_bytes_x8(ins.tensor(1)?, ty, k)?
+    } else {
+        weight_bytes(ins.tensor(1)?, ty, k)?
+    };
     if x.dtype() != DType::F32 {
         bail!("X must be f32, got {:?}", x.dtype());
     }
@@ -197,18 +235,23 @@ fn ggml_matmul(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     };
     // Zeroed pages from the allocator: rows nobody computes are never touched.
     let mut y = vec![0f32; m * n];
-    npuc_ggml::matmul_batch(
-        ty,
-        w,
-        n,
-        k,
-        &xv[start * k..rows * k],
-        rows - start,
-        batch_rows,
-        &mut y[start * n..rows * n],
-        mode,
-        ctx.threads,
-    )
+    let (xin, yout) = (&xv[start * k..rows * k], &mut y[start * n..rows * n]);
+    if x8 {
+        npuc_ggml::matmul_x8(ty, w, n, k, xin, rows - start, yout, ctx.threads)
+    } else {
+        npuc_ggml::matmul_batch(
+            ty,
+            w,
+            n,
+            k,
+            xin,
+            rows - start,
+            batch_rows,
+            yout,
+            mode,
+            ctx.threads,
+        )
+    }
     .map_err(|e| npuc_runtime::RtError::msg(e.to_string()))?;
     if let Some(b) = ins.opt_tensor(2) {
         if b.dtype() != DType::F32 || b.len() != n {
@@ -232,7 +275,16 @@ fn ggml_matmul(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
 
 fn ggml_gather(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     let (ty, k) = type_and_k(ctx.node)?;
-    let (w, _) = weight_bytes(ins.tensor(0)?, ty, k)?;
+    let x8 = match ctx.node.attr_str("layout")? {
+        None => false,
+        Some("x8") => true,
+        Some(l) => bail!("unknown layout '{l}' (expected x8)"),
+    };
+    let (w, _) = if x8 {
+        weight_bytes_x8(ins.tensor(0)?, ty, k)?
+    } else {
+        weight_bytes(ins.tensor(0)?, ty, k)?
+    };
     let ids_t = ins.tensor(1)?;
     let ids: Vec<i64> = match ids_t.dtype() {
         DType::I64 => ids_t.as_slice::<i64>()?.to_vec(),
@@ -240,8 +292,12 @@ fn ggml_gather(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         d => bail!("ids must be i64 or i32, got {d:?}"),
     };
     let mut out = vec![0f32; ids.len() * k];
-    npuc_ggml::gather_rows(ty, w, k, &ids, &mut out)
-        .map_err(|e| npuc_runtime::RtError::msg(e.to_string()))?;
+    if x8 {
+        npuc_ggml::gather_rows_x8(ty, w, k, &ids, &mut out)
+    } else {
+        npuc_ggml::gather_rows(ty, w, k, &ids, &mut out)
+    }
+    .map_err(|e| npuc_runtime::RtError::msg(e.to_string()))?;
     let mut shape = ids_t.shape().to_vec();
     shape.push(k);
     Ok(vec![Value::tensor(Tensor::from_vec(shape, out)?)])

@@ -1,0 +1,236 @@
+//! AVX2+FMA kernels over the interleaved weight layout (`x8.rs`; scalar twin
+//! `x8::x8_group_scalar`, compared bit for bit by the proptests in `tests/kernels.rs`). Only
+//! called after `crate::has_avx2()` said yes.
+//!
+//! Lane `r` of every vector is weight row `r` of the group: a 32-byte chunk holds four quants of
+//! each of the eight rows, the matching four activations are one 32-bit broadcast, and
+//! `maddubs` + `madd` leave each row's partial sum in its own lane. Per block that is one load
+//! per chunk, no shuffles and no horizontal sums; scales of all eight rows convert in one
+//! `vcvtph2ps`.
+
+use crate::x8::{quant_bias, X8_MAX_RX, X8_ROWS};
+use crate::GgmlType;
+use std::arch::x86_64::*;
+
+const T_Q8_0: u8 = 0;
+const T_Q4_0: u8 = 1;
+const T_Q4_1: u8 = 2;
+const T_Q5_0: u8 = 3;
+
+/// `x8::X8Fn` on AVX2: checks the operand sizes (the kernel reads through raw pointers), then
+/// runs the kernel specialised for the type and the number of activation rows.
+pub(crate) fn x8_group(
+    ty: GgmlType,
+    group: &[u8],
+    x: &[&[u8]],
+    xsum: &[&[i32]],
+    out: &mut [[f32; 8]],
+) {
+    let tsz = ty.type_size();
+    let nb = group.len() / (X8_ROWS * tsz);
+    let xbs = if ty == GgmlType::Q4_1 { 36 } else { 34 };
+    let rx = x.len();
+    // The pointer reads below rely on these sizes: a violation is a caller bug, never input.
+    assert!(
+        crate::x8::supports_x8(ty)
+            && group.len() == nb * X8_ROWS * tsz
+            && (1..=X8_MAX_RX).contains(&rx)
+            && out.len() >= rx
+            && x.iter().all(|r| r.len() >= nb * xbs)
+            && (quant_bias(ty) == 0 || (xsum.len() >= rx && xsum.iter().all(|s| s.len() >= nb))),
+        "x8 kernel operands of the wrong size"
+    );
+    let g = group.as_ptr();
+    let xp: [*const u8; X8_MAX_RX] = std::array::from_fn(|r| x[r.min(rx - 1)].as_ptr());
+    let sp: [*const i32; X8_MAX_RX] = std::array::from_fn(|r| {
+        if quant_bias(ty) == 0 {
+            std::ptr::null()
+        } else {
+            xsum[r.min(rx - 1)].as_ptr()
+        }
+    });
+    macro_rules! go {
+        ($t:expr) => {
+            // SAFETY: AVX2/FMA/F16C confirmed by the caller's dispatch (`x8::x8_fn`); the
+            // assertion above guarantees `nb` blocks in the group and in every activation row
+            // (and `nb` block sums where the type reads them).
+            unsafe {
+                match rx {
+                    1 => kernel::<$t, 1>(g, nb, xp, sp, out),
+                    2 => kernel::<$t, 2>(g, nb, xp, sp, out),
+                    3 => kernel::<$t, 3>(g, nb, xp, sp, out),
+                    _ => kernel::<$t, 4>(g, nb, xp, sp, out),
+                }
+            }
+        };
+    }
+    match ty {
+        GgmlType::Q8_0 => go!(T_Q8_0),
+        GgmlType::Q4_0 => go!(T_Q4_0),
+        GgmlType::Q4_1 => go!(T_Q4_1),
+        _ => go!(T_Q5_0),
+    }
+}
+
+/// 32 bytes at `p` (unaligned).
+#[inline(always)]
+unsafe fn ld32(p: *const u8) -> __m256i {
+    // SAFETY: the caller guarantees 32 readable bytes at `p`.
+    unsafe { _mm256_loadu_si256(p as *const __m256i) }
+}
+
+/// The four bytes at `p` in every 32-bit lane.
+#[inline(always)]
+unsafe fn bcast4(p: *const u8) -> __m256i {
+    // SAFETY: the caller guarantees 4 readable bytes at `p`.
+    _mm256_set1_epi32(unsafe { (p as *const i32).read_unaligned() })
+}
+
+/// The f16 at `p` as f32.
+#[inline(always)]
+unsafe fn f16_ptr(p: *const u8) -> f32 {
+    // SAFETY: the caller guarantees 2 readable bytes at `p`.
+    let bits = unsafe { (p as *const u16).read_unaligned() };
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+}
+
+/// Q5_0's regrouped high bits (`x8.rs`): bit `j` of every byte moved to bit 4.
+#[inline(always)]
+unsafe fn bit_j_to_4(hq: __m256i, j: usize) -> __m256i {
+    match j {
+        0 => _mm256_slli_epi32::<4>(hq),
+        1 => _mm256_slli_epi32::<3>(hq),
+        2 => _mm256_slli_epi32::<2>(hq),
+        3 => _mm256_slli_epi32::<1>(hq),
+        4 => hq,
+        5 => _mm256_srli_epi32::<1>(hq),
+        6 => _mm256_srli_epi32::<2>(hq),
+        _ => _mm256_srli_epi32::<3>(hq),
+    }
+}
+
+/// One nibble chunk `c` of a group-block at `gb` against the activation blocks `xb`: adds each
+/// row's two maddubs results (low and high nibbles) into `s16[r]` (i16 lanes).
+#[inline(always)]
+unsafe fn nibble_chunk<const T: u8, const RX: usize>(
+    gb: *const u8,
+    q0: usize,
+    hq: __m256i,
+    c: usize,
+    xb: &[*const u8; X8_MAX_RX],
+    s16: &mut [__m256i; RX],
+) {
+    let m4 = _mm256_set1_epi8(0x0F);
+    // SAFETY: chunk c (< 4) of the group-block lies at q0 + 32c .. q0 + 32c + 32 inside it.
+    let w = unsafe { ld32(gb.add(q0 + 32 * c)) };
+    let mut lo = _mm256_and_si256(w, m4);
+    let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(w), m4);
+    if T == T_Q5_0 {
+        let b4 = _mm256_set1_epi8(0x10);
+        lo = _mm256_or_si256(lo, _mm256_and_si256(unsafe { bit_j_to_4(hq, 2 * c) }, b4));
+        hi = _mm256_or_si256(
+            hi,
+            _mm256_and_si256(unsafe { bit_j_to_4(hq, 2 * c + 1) }, b4),
+        );
+    }
+    let xoff = if T == T_Q4_1 { 4 } else { 2 };
+    for r in 0..RX {
+        // SAFETY: the activation block holds 32 quants at xoff.., and 16 + 4c + 4 <= 32.
+        let (xl, xh) = unsafe {
+            (
+                bcast4(xb[r].add(xoff + 4 * c)),
+                bcast4(xb[r].add(xoff + 16 + 4 * c)),
+            )
+        };
+        // Unsigned quants (0..15, Q5_0 0..31) times signed activations: no sign trick needed.
+        let p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
+        s16[r] = _mm256_add_epi16(s16[r], p);
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn kernel<const T: u8, const RX: usize>(
+    g: *const u8,
+    nb: usize,
+    x: [*const u8; X8_MAX_RX],
+    xsum: [*const i32; X8_MAX_RX],
+    out: &mut [[f32; 8]],
+) {
+    let (tsz, q0, xbs, bias) = match T {
+        T_Q8_0 => (34, 16, 34, 0),
+        T_Q4_0 => (18, 16, 34, 8),
+        T_Q4_1 => (20, 32, 36, 0),
+        _ => (22, 48, 34, 16),
+    };
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_setzero_ps(); RX];
+    let mut extra = [_mm256_setzero_ps(); RX];
+    for b in 0..nb {
+        // SAFETY (all pointer arithmetic below): b < nb, and `x8_group` checked that the group
+        // holds nb group-blocks of 8 * tsz bytes and every activation row nb blocks of xbs.
+        let gb = unsafe { g.add(b * X8_ROWS * tsz) };
+        let xb: [*const u8; X8_MAX_RX] = std::array::from_fn(|r| unsafe { x[r].add(b * xbs) });
+        let mut tot = [_mm256_setzero_si256(); RX];
+        if T == T_Q8_0 {
+            for c in 0..8 {
+                let w = unsafe { ld32(gb.add(q0 + 32 * c)) };
+                // maddubs needs an unsigned operand: |w| with w's sign moved onto x. No pair sum
+                // saturates: |w| <= 128, |x| <= 127 (the activation quantizer's range).
+                let aw = _mm256_sign_epi8(w, w);
+                for r in 0..RX {
+                    let xv = unsafe { bcast4(xb[r].add(2 + 4 * c)) };
+                    let p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, w));
+                    tot[r] = _mm256_add_epi32(tot[r], _mm256_madd_epi16(p, ones));
+                }
+            }
+        } else {
+            let hq = if T == T_Q5_0 {
+                unsafe { ld32(gb.add(16)) }
+            } else {
+                _mm256_setzero_si256()
+            };
+            // i16 partial sums: a nibble chunk adds at most 2 * 2 * 15 * 127 = 7620 per lane,
+            // so all four fit (30480); Q5_0's quants reach 31 (15748 per chunk): two at a time.
+            let mut s16 = [_mm256_setzero_si256(); RX];
+            unsafe { nibble_chunk::<T, RX>(gb, q0, hq, 0, &xb, &mut s16) };
+            unsafe { nibble_chunk::<T, RX>(gb, q0, hq, 1, &xb, &mut s16) };
+            if T == T_Q5_0 {
+                for r in 0..RX {
+                    tot[r] = _mm256_madd_epi16(s16[r], ones);
+                    s16[r] = _mm256_setzero_si256();
+                }
+            }
+            unsafe { nibble_chunk::<T, RX>(gb, q0, hq, 2, &xb, &mut s16) };
+            unsafe { nibble_chunk::<T, RX>(gb, q0, hq, 3, &xb, &mut s16) };
+            for r in 0..RX {
+                tot[r] = _mm256_add_epi32(tot[r], _mm256_madd_epi16(s16[r], ones));
+                if bias != 0 {
+                    let s = unsafe { *xsum[r].add(b) };
+                    tot[r] = _mm256_sub_epi32(tot[r], _mm256_set1_epi32(bias * s));
+                }
+            }
+        }
+        // SAFETY: the group-block starts with the eight f16 scales (Q4_1: then the mins).
+        let dw = _mm256_cvtph_ps(unsafe { _mm_loadu_si128(gb as *const __m128i) });
+        for r in 0..RX {
+            let d = _mm256_mul_ps(dw, _mm256_set1_ps(unsafe { f16_ptr(xb[r]) }));
+            acc[r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(tot[r]), acc[r]);
+        }
+        if T == T_Q4_1 {
+            let mw = _mm256_cvtph_ps(unsafe { _mm_loadu_si128(gb.add(16) as *const __m128i) });
+            for r in 0..RX {
+                let sx = _mm256_set1_ps(unsafe { f16_ptr(xb[r].add(2)) });
+                extra[r] = _mm256_fmadd_ps(mw, sx, extra[r]);
+            }
+        }
+    }
+    for r in 0..RX {
+        let v = if T == T_Q4_1 {
+            _mm256_add_ps(acc[r], extra[r])
+        } else {
+            acc[r]
+        };
+        // SAFETY: out has at least RX rows of 8 f32 (checked by `x8_group`).
+        unsafe { _mm256_storeu_ps(out[r].as_mut_ptr(), v) };
+    }
+}
