@@ -670,7 +670,15 @@ impl Builder<'_> {
                     .map_err(|e| self.g.tensor_err(&t.name, e.0))?;
             }
         }
-        let tensor = Tensor::from_vec(vec![n / npuc_ggml::X8_ROWS, group], out)?;
+        // Borrowed from a shared buffer, so the variants' clones share the bytes.
+        let owner: std::sync::Arc<dyn npuc_ir::Backing> = std::sync::Arc::new(out);
+        let tensor = Tensor::from_le_bytes(
+            DType::U8,
+            vec![n / npuc_ggml::X8_ROWS, group],
+            owner,
+            0,
+            len,
+        )?;
         if let Ok(mut c) = cache.lock() {
             c.insert(key.to_string(), tensor.clone());
         }
