@@ -60,6 +60,23 @@ fn q5_element(i: usize, j: usize) -> usize {
     16 * (j & 1) + 4 * (j >> 1) + i
 }
 
+/// Q5_0's fifth bits `qh` (bit e = element e) regrouped as `qh'` (see the module docs; the
+/// bit-by-bit inverse is in [`unpack_row_x8`], which the round-trip test checks this against).
+fn regroup_q5(qh: u32) -> u32 {
+    // Bits at 0, 4, 8, 12 moved to 0, 2, 4, 6.
+    let spread = |x: u32| {
+        let s = (x | (x >> 2)) & 0x0F0F;
+        (s | (s >> 4)) & 0xFF
+    };
+    let mut v = 0u32;
+    for i in 0..4 {
+        // Byte i: elements i + 4c (c = 0..3, even bits) and 16 + i + 4c (odd bits).
+        let t = (qh >> i) & 0x1111_1111;
+        v |= (spread(t & 0xFFFF) | (spread(t >> 16) << 1)) << (8 * i);
+    }
+    v
+}
+
 fn check(ty: GgmlType, len: usize, n: usize, k: usize) -> Result<usize> {
     if !supports_x8(ty) {
         bail!("{ty} has no interleaved (x8) layout");
@@ -99,13 +116,7 @@ pub fn repack_group_x8(ty: GgmlType, src: &[u8], dst: &mut [u8], k: usize) -> Re
                 GgmlType::Q4_1 => gb[16 + 2 * r..16 + 2 * r + 2].copy_from_slice(&blk[2..4]),
                 GgmlType::Q5_0 => {
                     let qh = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
-                    let mut v = 0u32;
-                    for i in 0..4 {
-                        for j in 0..8 {
-                            v |= ((qh >> q5_element(i, j)) & 1) << (8 * i + j);
-                        }
-                    }
-                    gb[16 + 4 * r..16 + 4 * r + 4].copy_from_slice(&v.to_le_bytes());
+                    gb[16 + 4 * r..16 + 4 * r + 4].copy_from_slice(&regroup_q5(qh).to_le_bytes());
                 }
                 _ => {}
             }
