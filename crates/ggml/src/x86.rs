@@ -191,11 +191,23 @@ unsafe fn hsum_i32(v: __m256i) -> i32 {
 }
 
 /// `GROUPED`: FMA per 64-value sub-block (llama.cpp's 4-row repacked kernel) instead of per block.
+/// Requests the weight stream 2 KiB past the start of `block` (the block's own size of it):
+/// the one-row K-quant kernels read rows back to back, and the hardware prefetcher alone left
+/// decode short of the bandwidth (see `x86_x8`'s measurement). Never faults past the end.
+#[inline(always)]
+unsafe fn stream_ahead(block: &[u8]) {
+    let p = block.as_ptr().wrapping_add(2048);
+    for off in (0..block.len()).step_by(64) {
+        _mm_prefetch(p.wrapping_add(off) as *const i8, _MM_HINT_T0);
+    }
+}
+
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q4_k_q8_k_avx2<const GROUPED: bool>(w: &[u8], x: &[u8]) -> f32 {
     let m4 = _mm256_set1_epi8(0x0F);
     let (mut acc, mut acc_m) = (0f32, 0f32);
     for (wb, xb) in w.chunks_exact(144).zip(x.chunks_exact(292)) {
+        stream_ahead(wb);
         let (yd, bsums) = q8k_d_bsums(xb);
         let d = f16c(wb, 0) * yd;
         let dmin = f16c(wb, 2) * yd;
@@ -289,6 +301,7 @@ unsafe fn q6_k_q8_k_avx2<const TILED: bool>(w: &[u8], x: &[u8]) -> f32 {
     let mut acc = _mm256_setzero_ps();
     let mut acc_tiled = 0f32;
     for (wb, xb) in w.chunks_exact(210).zip(x.chunks_exact(292)) {
+        stream_ahead(wb);
         let (yd, bsums) = q8k_d_bsums(xb);
         let d = yd * f16c(wb, 208);
         let sc = &wb[192..208];
