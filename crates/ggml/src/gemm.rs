@@ -121,6 +121,7 @@ pub(crate) fn gemm(
         return Ok(());
     }
     let (micro, dequant) = kernels(scalar);
+    let dequant_group = crate::x8::dequant_group_fn(scalar);
     // Activations as [m / 16][k][16] (zero rows past m): the micro-kernel's vector operand, in
     // this thread's reusable buffer (no megabyte allocation and zeroing per product).
     let groups = m.div_ceil(NR);
@@ -141,7 +142,16 @@ pub(crate) fn gemm(
                 }
             }
         });
-        let r = products(src, n, k, &xp, m, y, threads, micro, dequant);
+        let r = products(
+            src,
+            n,
+            k,
+            &xp,
+            m,
+            y,
+            threads,
+            (micro, dequant, dequant_group),
+        );
         cell.replace(xp);
         r
     })
@@ -164,8 +174,11 @@ fn products(
     m: usize,
     y: &mut [f32],
     threads: usize,
-    micro: MicroFn,
-    dequant: crate::dequant::DequantFn,
+    (micro, dequant, dequant_group): (
+        MicroFn,
+        crate::dequant::DequantFn,
+        crate::x8::DequantGroupFn,
+    ),
 ) -> Result<()> {
     let groups = m.div_ceil(NR);
     let panels = n.div_ceil(MR);
@@ -187,12 +200,16 @@ fn products(
         let p0 = t * per_task * MR;
         let p1 = ((t + 1) * per_task * MR).min(n);
         let run = |wd: &mut Vec<f32>| -> Result<()> {
-            let mut plain = Vec::new();
+            // Interleaved weights: whole 8-row groups dequantized at once into a two-group ring
+            // (a 6-row panel spans at most two), the panel's rows copied out of it.
+            const G: usize = crate::x8::X8_ROWS;
+            let mut ring = Vec::new();
+            let mut loaded = [usize::MAX; 2];
             match src {
                 Rows::Quant { .. } => wd.resize(MR * k, 0.0),
-                Rows::QuantX8 { wrb, .. } => {
+                Rows::QuantX8 { .. } => {
                     wd.resize(MR * k, 0.0);
-                    plain.resize(wrb, 0u8);
+                    ring.resize(2 * G * k, 0f32);
                 }
                 Rows::F32(_) => {}
             }
@@ -211,12 +228,17 @@ fn products(
                         &wd[..]
                     }
                     Rows::QuantX8 { ty, w, wrb } => {
-                        const G: usize = crate::x8::X8_ROWS;
                         for r in 0..rows {
                             let (g, i) = ((p + r) / G, (p + r) % G);
-                            let group = &w[g * G * wrb..(g + 1) * G * wrb];
-                            crate::x8::unpack_row_x8(ty, group, i, &mut plain)?;
-                            dequant(ty, &plain, &mut wd[r * k..(r + 1) * k])?;
+                            let slot = g % 2;
+                            if loaded[slot] != g {
+                                let group = &w[g * G * wrb..(g + 1) * G * wrb];
+                                let dst = &mut ring[slot * G * k..(slot + 1) * G * k];
+                                dequant_group(ty, group, k, dst);
+                                loaded[slot] = g;
+                            }
+                            let at = (slot * G + i) * k;
+                            wd[r * k..(r + 1) * k].copy_from_slice(&ring[at..at + k]);
                         }
                         &wd[..]
                     }

@@ -286,6 +286,33 @@ pub(crate) fn x8_fn(scalar: bool) -> X8Fn {
     x8_group_scalar
 }
 
+/// One interleaved group (`group`, 8 rows of `k`) dequantized to eight f32 rows (`out`, `8 × k`,
+/// row-major): the dequantizer of prefill's f32 GEMM over this layout.
+pub(crate) type DequantGroupFn = fn(GgmlType, &[u8], usize, &mut [f32]);
+
+/// The scalar twin: each row unpacked to plain blocks, then the plain scalar dequantizer (so
+/// the layout changes no value).
+pub(crate) fn dequantize_group_scalar(ty: GgmlType, group: &[u8], k: usize, out: &mut [f32]) {
+    let rb = group.len() / X8_ROWS;
+    let mut plain = vec![0u8; rb];
+    for (r, row) in out.chunks_exact_mut(k).enumerate() {
+        // Sizes come from a validated product: an error here is a caller bug.
+        let ok = unpack_row_x8(ty, group, r, &mut plain).is_ok()
+            && crate::dequantize_row_scalar(ty, &plain, row).is_ok();
+        assert!(ok, "x8 group dequantization of {ty}: bad sizes");
+    }
+}
+
+/// The group dequantizer of this CPU (or the scalar twin).
+pub(crate) fn dequant_group_fn(scalar: bool) -> DequantGroupFn {
+    #[cfg(target_arch = "x86_64")]
+    if !scalar && crate::has_avx2() {
+        return crate::x86_x8::dequantize_group;
+    }
+    let _ = scalar;
+    dequantize_group_scalar
+}
+
 /// Sums of each 32-quant block of a quantized activation row (`xbs`-byte blocks, quants last).
 pub(crate) fn block_sums(xq: &[u8], xbs: usize, out: &mut Vec<i32>) {
     out.clear();

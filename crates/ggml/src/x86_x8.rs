@@ -176,7 +176,10 @@ unsafe fn kernel<const T: u8, const RX: usize>(
         // 22.8/24.1 -> 25.0/29.9 tok/s; 1024-8192 bytes all similar). A prefetch never faults,
         // so running past the end of the weights is harmless.
         for off in (0..X8_ROWS * tsz).step_by(64) {
-            _mm_prefetch(gb.wrapping_add(PREFETCH_BYTES + off) as *const i8, _MM_HINT_T0);
+            _mm_prefetch(
+                gb.wrapping_add(PREFETCH_BYTES + off) as *const i8,
+                _MM_HINT_T0,
+            );
         }
         let xb: [*const u8; X8_MAX_RX] = std::array::from_fn(|r| unsafe { x[r].add(b * xbs) });
         let mut tot = [_mm256_setzero_si256(); RX];
@@ -241,5 +244,112 @@ unsafe fn kernel<const T: u8, const RX: usize>(
         };
         // SAFETY: out has at least RX rows of 8 f32 (checked by `x8_group`).
         unsafe { _mm256_storeu_ps(out[r].as_mut_ptr(), v) };
+    }
+}
+
+/// `x8::dequantize_group_scalar` on AVX2: one interleaved group (`group`, 8 rows of `k`) to
+/// eight f32 rows (`out`, `8 × k`, row-major), each value computed as the plain dequantizer
+/// does (`q · d`; Q4_1 `q · d + m`; Q4_0/Q5_0 after their bias), so the two agree bit for bit.
+pub(crate) fn dequantize_group(ty: GgmlType, group: &[u8], k: usize, out: &mut [f32]) {
+    let tsz = ty.type_size();
+    let nb = k / 32;
+    // The pointer reads and writes below rely on these sizes: a violation is a caller bug.
+    assert!(
+        crate::x8::supports_x8(ty)
+            && k.is_multiple_of(32)
+            && group.len() == nb * X8_ROWS * tsz
+            && out.len() == X8_ROWS * k,
+        "x8 group dequantization operands of the wrong size"
+    );
+    // SAFETY: AVX2/FMA/F16C confirmed by the caller's dispatch; sizes asserted above.
+    unsafe {
+        match ty {
+            GgmlType::Q8_0 => dequant_kernel::<T_Q8_0>(group.as_ptr(), nb, k, out),
+            GgmlType::Q4_0 => dequant_kernel::<T_Q4_0>(group.as_ptr(), nb, k, out),
+            GgmlType::Q4_1 => dequant_kernel::<T_Q4_1>(group.as_ptr(), nb, k, out),
+            _ => dequant_kernel::<T_Q5_0>(group.as_ptr(), nb, k, out),
+        }
+    }
+}
+
+/// Lanes `[r ×4, r+1 ×4]` of the eight per-row values `v` (rows `r = 2p`, `2p + 1`).
+#[inline(always)]
+unsafe fn pair_lanes(v: __m256, p: usize) -> __m256 {
+    let (a, b) = (2 * p as i32, 2 * p as i32 + 1);
+    _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(a, a, a, a, b, b, b, b))
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dequant_kernel<const T: u8>(g: *const u8, nb: usize, k: usize, out: &mut [f32]) {
+    let (tsz, q0) = match T {
+        T_Q8_0 => (34, 16),
+        T_Q4_0 => (18, 16),
+        T_Q4_1 => (20, 32),
+        _ => (22, 48),
+    };
+    let o = out.as_mut_ptr();
+    // Stores four f32 of `v`'s low half at row 2p, its high half at row 2p + 1, element `e`.
+    let put = |v: __m256, p: usize, e: usize| {
+        // SAFETY: rows 2p, 2p + 1 < 8 and e + 4 <= k: inside `out` (8 x k).
+        unsafe {
+            _mm_storeu_ps(o.add(2 * p * k + e), _mm256_castps256_ps128(v));
+            _mm_storeu_ps(o.add((2 * p + 1) * k + e), _mm256_extractf128_ps::<1>(v));
+        }
+    };
+    for b in 0..nb {
+        // SAFETY (all reads below): b < nb, and the group holds nb group-blocks of 8 * tsz.
+        let gb = unsafe { g.add(b * X8_ROWS * tsz) };
+        let dw = _mm256_cvtph_ps(unsafe { _mm_loadu_si128(gb as *const __m128i) });
+        let mw = if T == T_Q4_1 {
+            _mm256_cvtph_ps(unsafe { _mm_loadu_si128(gb.add(16) as *const __m128i) })
+        } else {
+            _mm256_setzero_ps()
+        };
+        for p in 0..4 {
+            let d = unsafe { pair_lanes(dw, p) };
+            let m = unsafe { pair_lanes(mw, p) };
+            if T == T_Q8_0 {
+                for c in 0..8 {
+                    let q =
+                        unsafe { _mm_loadl_epi64(gb.add(q0 + 32 * c + 8 * p) as *const __m128i) };
+                    let v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d);
+                    put(v, p, 32 * b + 4 * c);
+                }
+                continue;
+            }
+            let hq = if T == T_Q5_0 {
+                unsafe { _mm_loadl_epi64(gb.add(16 + 8 * p) as *const __m128i) }
+            } else {
+                _mm_setzero_si128()
+            };
+            let m4 = _mm_set1_epi8(0x0F);
+            for c in 0..4 {
+                let x = unsafe { _mm_loadl_epi64(gb.add(q0 + 32 * c + 8 * p) as *const __m128i) };
+                let mut lo = _mm_and_si128(x, m4);
+                let mut hi = _mm_and_si128(_mm_srli_epi16::<4>(x), m4);
+                if T == T_Q5_0 {
+                    let b4 = _mm_set1_epi8(0x10);
+                    let (jl, jh) = (2 * c, 2 * c + 1);
+                    let h256 = _mm256_castsi128_si256(hq);
+                    let bl = _mm256_castsi256_si128(unsafe { bit_j_to_4(h256, jl) });
+                    let bh = _mm256_castsi256_si128(unsafe { bit_j_to_4(h256, jh) });
+                    lo = _mm_or_si128(lo, _mm_and_si128(bl, b4));
+                    hi = _mm_or_si128(hi, _mm_and_si128(bh, b4));
+                }
+                for (h, q) in [lo, hi].into_iter().enumerate() {
+                    let mut qi = _mm256_cvtepu8_epi32(q);
+                    if T == T_Q4_0 {
+                        qi = _mm256_sub_epi32(qi, _mm256_set1_epi32(8));
+                    } else if T == T_Q5_0 {
+                        qi = _mm256_sub_epi32(qi, _mm256_set1_epi32(16));
+                    }
+                    let mut v = _mm256_mul_ps(_mm256_cvtepi32_ps(qi), d);
+                    if T == T_Q4_1 {
+                        v = _mm256_add_ps(v, m);
+                    }
+                    put(v, p, 32 * b + 16 * h + 4 * c);
+                }
+            }
+        }
     }
 }
