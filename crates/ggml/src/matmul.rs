@@ -306,26 +306,32 @@ fn matmul_x8_impl(
     let nb = k / 32;
     let rows = |n0: usize, out: &mut [f32]| {
         let nr = out.len() / m;
-        let mut res = [[0f32; 8]; X8_MAX_RX];
-        for gi in 0..nr / X8_ROWS {
-            let g0 = n0 + gi * X8_ROWS;
-            let group = &w[g0 * wrb..(g0 + X8_ROWS) * wrb];
-            for r0 in (0..m).step_by(X8_MAX_RX) {
-                let rx = X8_MAX_RX.min(m - r0);
-                let xs: [&[u8]; X8_MAX_RX] =
-                    std::array::from_fn(|r| &xq[(r0 + r.min(rx - 1)) * xrb..][..xrb]);
-                let ss: [&[i32]; X8_MAX_RX] = std::array::from_fn(|r| {
-                    if sums.is_empty() {
-                        &[][..]
-                    } else {
-                        &sums[(r0 + r.min(rx - 1)) * nb..][..nb]
-                    }
-                });
-                let ss = if sums.is_empty() { &ss[..0] } else { &ss[..rx] };
-                kernel(ty, group, &xs[..rx], ss, &mut res[..rx]);
+        let groups = &w[n0 * wrb..(n0 + nr) * wrb];
+        let ng = nr / X8_ROWS;
+        if m == 1 {
+            // One activation row: the chunk's outputs are the groups' results, in order.
+            let (out, _) = out.as_chunks_mut::<8>();
+            kernel(ty, groups, k, &[&xq[..xrb]], &[&sums[..]], out);
+            return;
+        }
+        let mut res = vec![[0f32; 8]; ng * X8_MAX_RX];
+        for r0 in (0..m).step_by(X8_MAX_RX) {
+            let rx = X8_MAX_RX.min(m - r0);
+            let xs: [&[u8]; X8_MAX_RX] =
+                std::array::from_fn(|r| &xq[(r0 + r.min(rx - 1)) * xrb..][..xrb]);
+            let ss: [&[i32]; X8_MAX_RX] = std::array::from_fn(|r| {
+                if sums.is_empty() {
+                    &[][..]
+                } else {
+                    &sums[(r0 + r.min(rx - 1)) * nb..][..nb]
+                }
+            });
+            let ss = if sums.is_empty() { &ss[..0] } else { &ss[..rx] };
+            kernel(ty, groups, k, &xs[..rx], ss, &mut res[..ng * rx]);
+            for gi in 0..ng {
                 for r in 0..rx {
                     for i in 0..X8_ROWS {
-                        out[(gi * X8_ROWS + i) * m + r0 + r] = res[r][i];
+                        out[(gi * X8_ROWS + i) * m + r0 + r] = res[gi * rx + r][i];
                     }
                 }
             }

@@ -191,18 +191,36 @@ pub(crate) fn quant_bias(ty: GgmlType) -> i32 {
     }
 }
 
-/// One interleaved group against `x.len()` (≤ 4) quantized activation rows (Q8_0 blocks, Q8_1
-/// for Q4_1): `out[r][i]` = row `i` of the group · activation row `r`. `xsum[r][b]` is the sum
-/// of activation row `r`'s block `b` quants (used by Q4_0/Q5_0's bias).
+/// Consecutive interleaved groups (`groups`, rows of `k`) against `x.len()` (≤ 4) quantized
+/// activation rows (Q8_0 blocks, Q8_1 for Q4_1): `out[g * rx + r][i]` = row `i` of group `g` ·
+/// activation row `r`. `xsum[r][b]` is the sum of activation row `r`'s block `b` quants (used by
+/// Q4_0/Q5_0's bias).
 ///
 /// Per block and row the integer total is exact; then `acc = fma(d_w · d_x, total, acc)` (Q4_1
 /// also `extra = fma(m_w, s_x, extra)`, added at the end): the SIMD kernel does the same f32
 /// operations in the same order, lane by lane, so the two agree bit for bit.
 pub(crate) type X8Fn =
-    fn(ty: GgmlType, group: &[u8], x: &[&[u8]], xsum: &[&[i32]], out: &mut [[f32; 8]]);
+    fn(ty: GgmlType, groups: &[u8], k: usize, x: &[&[u8]], xsum: &[&[i32]], out: &mut [[f32; 8]]);
 
 /// The scalar twin of the interleaved kernels.
 pub(crate) fn x8_group_scalar(
+    ty: GgmlType,
+    groups: &[u8],
+    k: usize,
+    x: &[&[u8]],
+    xsum: &[&[i32]],
+    out: &mut [[f32; 8]],
+) {
+    let gbytes = (k / 32) * X8_ROWS * ty.type_size();
+    for (group, o) in groups
+        .chunks_exact(gbytes.max(1))
+        .zip(out.chunks_exact_mut(x.len()))
+    {
+        one_group_scalar(ty, group, x, xsum, o);
+    }
+}
+
+fn one_group_scalar(
     ty: GgmlType,
     group: &[u8],
     x: &[&[u8]],

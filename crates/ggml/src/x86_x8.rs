@@ -23,26 +23,37 @@ const T_Q5_0: u8 = 3;
 /// runs the kernel specialised for the type and the number of activation rows.
 pub(crate) fn x8_group(
     ty: GgmlType,
-    group: &[u8],
+    groups: &[u8],
+    k: usize,
     x: &[&[u8]],
     xsum: &[&[i32]],
     out: &mut [[f32; 8]],
 ) {
     let tsz = ty.type_size();
-    let nb = group.len() / (X8_ROWS * tsz);
+    let nb = k / 32;
+    let gbytes = nb * X8_ROWS * tsz;
+    let ng = if gbytes == 0 {
+        0
+    } else {
+        groups.len() / gbytes
+    };
     let xbs = if ty == GgmlType::Q4_1 { 36 } else { 34 };
     let rx = x.len();
     // The pointer reads below rely on these sizes: a violation is a caller bug, never input.
     assert!(
         crate::x8::supports_x8(ty)
-            && group.len() == nb * X8_ROWS * tsz
+            && k.is_multiple_of(32)
+            && groups.len() == ng * gbytes
             && (1..=X8_MAX_RX).contains(&rx)
-            && out.len() >= rx
+            && out.len() >= ng * rx
             && x.iter().all(|r| r.len() >= nb * xbs)
             && (quant_bias(ty) == 0 || (xsum.len() >= rx && xsum.iter().all(|s| s.len() >= nb))),
         "x8 kernel operands of the wrong size"
     );
-    let g = group.as_ptr();
+    if ng == 0 {
+        return;
+    }
+    let g = groups.as_ptr();
     let xp: [*const u8; X8_MAX_RX] = std::array::from_fn(|r| x[r.min(rx - 1)].as_ptr());
     let sp: [*const i32; X8_MAX_RX] = std::array::from_fn(|r| {
         if quant_bias(ty) == 0 {
@@ -58,10 +69,10 @@ pub(crate) fn x8_group(
             // (and `nb` block sums where the type reads them).
             unsafe {
                 match rx {
-                    1 => kernel::<$t, 1>(g, nb, xp, sp, out),
-                    2 => kernel::<$t, 2>(g, nb, xp, sp, out),
-                    3 => kernel::<$t, 3>(g, nb, xp, sp, out),
-                    _ => kernel::<$t, 4>(g, nb, xp, sp, out),
+                    1 => groups_kernel::<$t, 1>(g, ng, nb, xp, sp, out),
+                    2 => groups_kernel::<$t, 2>(g, ng, nb, xp, sp, out),
+                    3 => groups_kernel::<$t, 3>(g, ng, nb, xp, sp, out),
+                    _ => groups_kernel::<$t, 4>(g, ng, nb, xp, sp, out),
                 }
             }
         };
@@ -150,7 +161,24 @@ unsafe fn nibble_chunk<const T: u8, const RX: usize>(
     }
 }
 
+/// `ng` consecutive groups at `g`, group `i`'s results in `out[i * RX .. (i + 1) * RX]`.
 #[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn groups_kernel<const T: u8, const RX: usize>(
+    g: *const u8,
+    ng: usize,
+    nb: usize,
+    x: [*const u8; X8_MAX_RX],
+    xsum: [*const i32; X8_MAX_RX],
+    out: &mut [[f32; 8]],
+) {
+    let tsz = [34, 18, 20, 22][T as usize];
+    for (i, o) in out.chunks_exact_mut(RX).take(ng).enumerate() {
+        // SAFETY: `x8_group` checked that `g` holds ng groups of nb group-blocks of 8 * tsz.
+        unsafe { kernel::<T, RX>(g.add(i * nb * X8_ROWS * tsz), nb, x, xsum, o) };
+    }
+}
+
+#[inline(always)]
 unsafe fn kernel<const T: u8, const RX: usize>(
     g: *const u8,
     nb: usize,
