@@ -32,11 +32,7 @@ pub(crate) fn x8_group(
     let tsz = ty.type_size();
     let nb = k / 32;
     let gbytes = nb * X8_ROWS * tsz;
-    let ng = if gbytes == 0 {
-        0
-    } else {
-        groups.len() / gbytes
-    };
+    let ng = groups.len().checked_div(gbytes).unwrap_or(0);
     let xbs = if ty == GgmlType::Q4_1 { 36 } else { 34 };
     let rx = x.len();
     // The pointer reads below rely on these sizes: a violation is a caller bug, never input.
