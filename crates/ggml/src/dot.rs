@@ -220,14 +220,23 @@ fn iq4_nl_q8_0(w: &[u8], x: &[u8]) -> f32 {
     s
 }
 
+/// ggml's AVX2 `ggml_vec_dot_q4_1_q8_1`: eight lanes (each the exact integer sum of four
+/// neighbouring products) FMA'd with `d dy` into eight f32 sums, reduced at the end; the min
+/// terms `m · s` (Q8_1's `s = dy Σ qy`) FMA'd into a scalar sum added last.
 fn q4_1_q8_1(w: &[u8], x: &[u8]) -> f32 {
-    let mut s = 0f32;
+    // Σ (d q + m) · dy qy = d dy Σ q qy + m · (dy Σ qy).
+    let mut acc = [0f32; 8];
+    let mut summs = 0f32;
     for (wb, xb) in w.chunks_exact(20).zip(x.chunks_exact(36)) {
-        let sumi = idot(&nibbles(&wb[4..20], 0), &xb[4..36]);
-        // Σ (d q + m) · dy qy = d dy Σ q qy + m · (dy Σ qy), the last factor being Q8_1's `s`.
-        s += sumi as f32 * (f16_at(wb, 0) * f16_at(xb, 0)) + f16_at(wb, 2) * f16_at(xb, 2);
+        let q = nibbles(&wb[4..20], 0);
+        let d = f16_at(wb, 0) * f16_at(xb, 0);
+        summs = f16_at(wb, 2).mul_add(f16_at(xb, 2), summs);
+        for (l, a) in acc.iter_mut().enumerate() {
+            let lane = idot(&q[4 * l..4 * l + 4], &xb[4 + 4 * l..8 + 4 * l]);
+            *a = d.mul_add(lane as f32, *a);
+        }
     }
-    s
+    hsum8(&acc) + summs
 }
 
 fn q5_0_q8_0(w: &[u8], x: &[u8]) -> f32 {

@@ -53,6 +53,7 @@ pub(crate) fn avx2_fn(ty: GgmlType) -> Option<DotFn> {
     Some(match ty {
         GgmlType::F16 => f16_f16,
         GgmlType::Q4_0 => q4_0_q8_0,
+        GgmlType::Q4_1 => q4_1_q8_1,
         GgmlType::Q5_0 => q5_0_q8_0,
         GgmlType::Q8_0 => q8_0_q8_0,
         GgmlType::Q4_K => q4_k_q8_k,
@@ -141,6 +142,26 @@ unsafe fn q4_0_q8_0_avx2(w: &[u8], x: &[u8]) -> f32 {
         acc = _mm256_fmadd_ps(d, q, acc);
     }
     hsum(acc)
+}
+
+fn q4_1_q8_1(w: &[u8], x: &[u8]) -> f32 {
+    // SAFETY: only reachable when `has_avx2()` confirmed AVX2, FMA and F16C.
+    unsafe { q4_1_q8_1_avx2(w, x) }
+}
+
+/// ggml's AVX2 `ggml_vec_dot_q4_1_q8_1` (scalar twin: `dot::q4_1_q8_1`).
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_1_q8_1_avx2(w: &[u8], x: &[u8]) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    let mut summs = 0f32;
+    for (wb, xb) in w.chunks_exact(20).zip(x.chunks_exact(36)) {
+        summs = f16c(wb, 2).mul_add(f16c(xb, 2), summs);
+        let d = _mm256_set1_ps(f16c(wb, 0) * f16c(xb, 0));
+        // Unsigned nibbles: the sign trick of `mul_sum_i8_pairs_float` leaves them unchanged.
+        let q = mul_sum_i8_pairs_float(nibbles(wb, 4), load32(xb, 4));
+        acc = _mm256_fmadd_ps(d, q, acc);
+    }
+    hsum(acc) + summs
 }
 
 fn q5_0_q8_0(w: &[u8], x: &[u8]) -> f32 {

@@ -579,3 +579,26 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// The one-row Q4_1 kernel mirrors ggml's AVX2 `ggml_vec_dot_q4_1_q8_1` (eight lane sums,
+    /// min terms in a scalar sum added last), which parity precision relies on: the AVX2 kernel
+    /// and its scalar twin agree bit for bit.
+    #[test]
+    fn q4_1_simd_equals_scalar_bit_for_bit(
+        nb in 1usize..12,
+        seed in prop::collection::vec(any::<u8>(), 1..64),
+        scales in prop::collection::vec(-0.05f32..0.05, 1..16),
+        x in prop::collection::vec(-4.0f32..4.0, 1..64),
+    ) {
+        let (k, w) = weight_row(GgmlType::Q4_1, nb, &seed, &scales);
+        let xs: Vec<f32> = (0..k).map(|i| x[i % x.len()] * (1.0 + (i % 5) as f32 * 0.3)).collect();
+        let mut xq = vec![0u8; GgmlType::Q8_1.row_bytes(k).unwrap()];
+        quantize_row(GgmlType::Q8_1, &xs, &mut xq).unwrap();
+        let fast = vec_dot(GgmlType::Q4_1, &w, &xq, k).unwrap();
+        let slow = vec_dot_scalar(GgmlType::Q4_1, &w, &xq, k).unwrap();
+        prop_assert_eq!(fast.to_bits(), slow.to_bits(), "simd {} scalar {}", fast, slow);
+    }
+}

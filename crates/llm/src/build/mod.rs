@@ -744,6 +744,18 @@ impl Builder<'_> {
     }
 
     /// Adds a node of an `npuc` op built from its definition; returns its output.
+    /// A one-input, one-output `npuc` op (`x` -> `y`) on `x`; `what` names its output.
+    fn unary(
+        &mut self,
+        def: &'static npuc_ir::opdef::OpDef,
+        what: &str,
+        x: &str,
+    ) -> Result<String> {
+        let out = self.fresh(what);
+        let node = def.node(&out).input("x", x).output("y", &out);
+        self.push_node(node)
+    }
+
     fn push_node(&mut self, node: NodeBuilder) -> Result<String> {
         let nd = node.build()?;
         let out = nd.outputs[0].clone();
@@ -1075,6 +1087,10 @@ impl Builder<'_> {
             let gate = self.linear(&hn, &p("ffn_gate.weight"), None, hp.n_ff, e)?;
             let up = self.linear(&hn, &p("ffn_up.weight"), None, hp.n_ff, e)?;
             let act = match hp.act {
+                Act::Silu if self.opts.precision == Precision::Parity => {
+                    // ggml's vector SiLU (its own expf), as llama.cpp's swiglu evaluates it.
+                    self.unary(&ops::transformer::SILU_GGML, "silu_ggml", &gate)?
+                }
                 Act::Silu => {
                     let s = self.op("Sigmoid", &[&gate], vec![]);
                     self.op("Mul", &[&gate, &s], vec![])
@@ -1082,12 +1098,7 @@ impl Builder<'_> {
                 Act::GeluTanh if self.opts.precision.act_quant() => {
                     // ggml's CPU GELU is a table over f16 inputs holding f16 outputs
                     // (GGML_GELU_FP16); npuc.GeluF16 evaluates it the same way.
-                    let out = self.fresh("gelu_f16");
-                    let node = ops::transformer::GELU_F16
-                        .node(&out)
-                        .input("x", &gate)
-                        .output("y", &out);
-                    self.push_node(node)?
+                    self.unary(&ops::transformer::GELU_F16, "gelu_f16", &gate)?
                 }
                 Act::GeluTanh => self.op(
                     "Gelu",

@@ -1,7 +1,8 @@
 //! The `npuc`-domain kernels of LLM graphs: `GgmlMatMul`/`GgmlGather` over GGUF block-quantized
-//! weights (backed by `npuc-ggml`) and `Rope`/`CachedAttention`/`GeluF16`. They live here, not in
-//! the core runtime, and reach sessions as the [`PACK`] op pack: whatever builds sessions for LLM
-//! graphs calls [`register`] first (the builders, [`crate::Engine`] and the artifact loader do).
+//! weights (backed by `npuc-ggml`) and `Rope`/`CachedAttention`/`GeluF16`/`SiluGgml`. They live
+//! here, not in the core runtime, and reach sessions as the [`PACK`] op pack: whatever builds
+//! sessions for LLM graphs calls [`register`] first (the builders, [`crate::Engine`] and the
+//! artifact loader do).
 
 pub mod ggml;
 pub mod transformer;

@@ -32,11 +32,12 @@ use npuc_runtime::Value;
 use npuc_runtime::{Inputs, OpCtx, Registry};
 use rayon::prelude::*;
 
-/// Registers `npuc.Rope`, `npuc.CachedAttention` and `npuc.GeluF16`.
+/// Registers `npuc.Rope`, `npuc.CachedAttention`, `npuc.GeluF16` and `npuc.SiluGgml`.
 pub fn register(r: &mut Registry) {
     r.define(&ROPE, rope);
     r.define(&CACHED_ATTENTION, cached_attention);
     r.define(&GELU_F16, gelu_f16);
+    r.define(&SILU_GGML, silu_ggml);
 }
 
 /// `npuc.Rope` (see the module docs): the output has `x`'s type.
@@ -143,6 +144,68 @@ fn gelu_f16(_ctx: &OpCtx, mut ins: Inputs) -> Result<Vec<Value>> {
         } else {
             table[f16::from_f32(*v).to_bits() as usize]
         };
+    }
+    Ok(vec![Value::tensor(x)])
+}
+
+/// `npuc.SiluGgml(x f32 [.., n]) -> f32`: SiLU as ggml's AVX2 CPU backend evaluates it in
+/// `ggml_vec_swiglu_f32` (the llama/qwen2 FFN): `x / (1 + e)` with `e` from its vector
+/// `ggml_v_expf(-x)` for each full group of eight values of a row, and libm's `expf` for the
+/// row's last `n % 8` values.
+pub static SILU_GGML: OpDef = OpDef {
+    domain: "npuc",
+    name: "SiluGgml",
+    inputs: &[Param::required("x")],
+    outputs: &[Param::required("y")],
+    attrs: &[],
+    infer: same_as_x,
+};
+
+/// One lane of ggml's `ggml_v_expf` (AVX2 + FMA form; `f32::mul_add` is the lane's fused
+/// multiply-add, so the result is bit-identical).
+fn ggml_v_expf(x: f32) -> f32 {
+    let c = |b: u32| f32::from_bits(b);
+    let r = c(0x4b40_0000); // 0x1.8p23
+    let z = x.mul_add(c(0x3fb8_aa3b), r);
+    let n = z - r;
+    // _mm256_fnmadd_ps(a, b, c) = c - a * b, fused.
+    let b = (-n).mul_add(c(0x35bf_be8e), (-n).mul_add(c(0x3f31_7200), x));
+    let e = z.to_bits() << 23;
+    let k = f32::from_bits(e.wrapping_add(1f32.to_bits()));
+    let u = b * b;
+    let j = c(0x3c07_2010)
+        .mul_add(b, c(0x3d2b_9f17))
+        .mul_add(u, c(0x3e2a_af33).mul_add(b, c(0x3eff_fedb)));
+    let j = j.mul_add(u, c(0x3f7f_fff6) * b);
+    if n.abs() <= 126.0 {
+        return k.mul_add(j, k);
+    }
+    let g: u32 = if n <= 0.0 { 0x8200_0000 } else { 0 };
+    let s1 = f32::from_bits(g.wrapping_add(0x7f00_0000));
+    let s2 = f32::from_bits(e.wrapping_sub(g));
+    if n.abs() > 192.0 {
+        s1 * s1
+    } else {
+        s2.mul_add(j, s2) * s1
+    }
+}
+
+/// `npuc.SiluGgml`: see [`SILU_GGML`].
+fn silu_ggml(_ctx: &OpCtx, mut ins: Inputs) -> Result<Vec<Value>> {
+    let mut x = ins.take_tensor(0)?;
+    if x.dtype() != DType::F32 {
+        bail!("x must be f32, got {}", x.dtype());
+    }
+    let n = x.shape().last().copied().unwrap_or(1).max(1);
+    for row in x.as_mut_slice::<f32>()?.chunks_mut(n) {
+        let full = row.len() / 8 * 8;
+        let (vec, tail) = row.split_at_mut(full);
+        for v in vec {
+            *v /= 1.0 + ggml_v_expf(0.0 - *v);
+        }
+        for v in tail {
+            *v /= 1.0 + (-*v).exp();
+        }
     }
     Ok(vec![Value::tensor(x)])
 }
