@@ -207,7 +207,8 @@ pub fn split_by_budget(census: &WeightCensus, budget: u64) -> Result<Vec<PartSpe
         .collect())
 }
 
-/// Builds the graph of one part for `tokens` per call over `ctx` cache slots.
+/// Builds the graph of one part for `tokens` per call over `ctx` cache slots; with `sha`, in
+/// single-head attention form ([`super::sha::to_sha`]).
 pub fn build_part(
     g: &GgufFile,
     hp: &Hparams,
@@ -215,8 +216,9 @@ pub fn build_part(
     tokens: usize,
     ctx: usize,
     precision: Precision,
+    sha: bool,
 ) -> Result<npuc_ir::Model> {
-    super::build_layers(
+    let m = super::build_layers(
         g,
         hp,
         &BuildOptions {
@@ -226,7 +228,12 @@ pub fn build_part(
             weights: WeightMode::Auto,
         },
         Some(part),
-    )
+    )?;
+    if sha {
+        super::sha::to_sha(&m)
+    } else {
+        Ok(m)
+    }
 }
 
 /// The name of a part graph in its artifact: `ar{N}_c{C}`.
