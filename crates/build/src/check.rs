@@ -75,20 +75,9 @@ pub(crate) fn run(
         .context("the bundle's tokenizer")?;
     // The unsplit model in the same precision, when the parts share one.
     let precision: Option<Precision> = p.uniform_precision();
-    let mut engine = match precision {
-        Some(precision) => Some(Engine::from_gguf(
-            &p.gguf,
-            &EngineOptions {
-                threads,
-                ctx: Some(b.ctx()),
-                variants: p.ar.iter().map(|&n| Variant::Ar(n)).collect(),
-                precision,
-            },
-        )?),
-        None => None,
-    };
-    let mut results = vec![];
-    let mut worst = 0f32;
+    // The bundle on every prompt first, then (with the bundle closed) the unsplit model: one
+    // of them in memory at a time.
+    let mut runs = vec![];
     for prompt in &p.test_prompts {
         let ids = tok.encode(prompt, true)?;
         if ids.len() + p.test_max_tokens > b.ctx() {
@@ -101,6 +90,25 @@ pub(crate) fn run(
         }
         b.reset();
         let (bl, bt) = greedy(|t| Ok(b.forward(t, false)?), &ids, p.test_max_tokens)?;
+        runs.push((ids, bl, bt));
+    }
+    let ctx = b.ctx();
+    drop(b);
+    let mut engine = match precision {
+        Some(precision) => Some(Engine::from_gguf(
+            &p.gguf,
+            &EngineOptions {
+                threads,
+                ctx: Some(ctx),
+                variants: p.ar.iter().map(|&n| Variant::Ar(n)).collect(),
+                precision,
+            },
+        )?),
+        None => None,
+    };
+    let mut results = vec![];
+    let mut worst = 0f32;
+    for (prompt, (ids, bl, bt)) in p.test_prompts.iter().zip(runs) {
         let text = String::from_utf8_lossy(
             &bt.iter()
                 .flat_map(|&t| tok.token_bytes(t))

@@ -207,3 +207,69 @@ pub fn genie_config(f: &GenieFacts) -> Result<Vec<u8>> {
     v.push(b'\n');
     Ok(v)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use npuc_ir::{Attr, Graph, Initializer, Node, Tensor};
+
+    /// A one-node graph whose weight `w` is `rows` GGML rows of type `ty` (bytes given).
+    fn graph(ty: &str, rows: usize, k: usize, bytes: Vec<u8>) -> Model {
+        let rb = bytes.len() / rows;
+        let node = Node::new("GgmlMatMul", &["x", "w"], &["y"])
+            .with_attr("ggml_type", Attr::String(ty.into()))
+            .with_attr("k", Attr::Int(k as i64));
+        Model {
+            graph: Graph {
+                nodes: vec![node],
+                initializers: vec![Initializer {
+                    name: "w".into(),
+                    tensor: Tensor::from_vec(vec![rows, rb], bytes).unwrap(),
+                }],
+                ..Default::default()
+            },
+            ..Default::default()
+        }
+    }
+
+    fn f16(x: f32) -> [u8; 2] {
+        half::f16::from_f32(x).to_le_bytes()
+    }
+
+    #[test]
+    fn exact_ggml_types_give_their_block_scales_others_are_listed() {
+        // Q8_0: 2 rows of one block (f16 d, 32 x i8).
+        let mut b = vec![];
+        for d in [0.5f32, 0.25] {
+            b.extend(f16(d));
+            b.extend([1u8; 32]);
+        }
+        let j: serde_json::Value =
+            serde_json::from_str(&part_encodings(&graph("q8_0", 2, 32, b)).unwrap()).unwrap();
+        let e = &j["param_encodings"][0];
+        assert_eq!(e["name"], "w");
+        assert_eq!(e["enc_type"], "PER_BLOCK");
+        assert_eq!(e["block_size"], 32);
+        assert_eq!(e["bw"], 8);
+        assert_eq!(e["scale"], serde_json::json!([0.5, 0.25]));
+        // Q6_K: one super-block of 256: ql[128], qh[64], 16 i8 sub-scales, f16 d.
+        let mut b = vec![0u8; 192];
+        b.extend((0..16).map(|i| (i as i8 - 8) as u8));
+        b.extend(f16(0.125));
+        let j: serde_json::Value =
+            serde_json::from_str(&part_encodings(&graph("q6_K", 1, 256, b)).unwrap()).unwrap();
+        let want: Vec<f32> = (0..16).map(|i| 0.125 * (i - 8) as f32).collect();
+        assert_eq!(j["param_encodings"][0]["scale"], serde_json::json!(want));
+        assert_eq!(j["param_encodings"][0]["block_size"], 16);
+        // Q4_1 (scale and minimum per block): not expressed, with the reason.
+        let j: serde_json::Value =
+            serde_json::from_str(&part_encodings(&graph("q4_1", 1, 32, vec![0; 20])).unwrap())
+                .unwrap();
+        assert_eq!(j["param_encodings"].as_array().unwrap().len(), 0);
+        assert_eq!(j["npuc_not_expressed"][0]["name"], "w");
+        assert!(j["npuc_not_expressed"][0]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("minimum"));
+    }
+}

@@ -184,6 +184,13 @@ impl Stage {
 }
 
 impl Kind {
+    /// Steps that hold a part's weights in memory or run models (one at a time).
+    fn heavy(&self) -> bool {
+        matches!(
+            self,
+            Kind::Compile { .. } | Kind::Verify { .. } | Kind::Check
+        )
+    }
     /// The cache subdirectory (and the `--force` kind name).
     fn name(&self) -> &'static str {
         match self {
@@ -832,6 +839,7 @@ pub fn build(p: &Pipeline, req: &BuildRequest, line: &mut dyn FnMut(&str)) -> Re
     let jobs = req.jobs.max(1);
     // Kernel threads of the steps that run models (the checks).
     let threads = (std::thread::available_parallelism().map_or(1, |n| n.get()) / jobs).max(1);
+    let heavy = std::sync::Mutex::new(());
     let mut started = vec![false; total];
     let mut finished = 0usize;
     let mut failure: Option<anyhow::Error> = None;
@@ -854,6 +862,7 @@ pub fn build(p: &Pipeline, req: &BuildRequest, line: &mut dyn FnMut(&str)) -> Re
                     .map(|&d| records[d].clone().expect("ready"))
                     .collect();
                 let (s, cache, tx, force) = (&steps[i], &cache, tx.clone(), forced.contains(&i));
+                let heavy = &heavy;
                 scope.spawn(move || {
                     let t = Instant::now();
                     // A panicking step reports as a failed one: the loop below waits for every
@@ -883,6 +892,12 @@ pub fn build(p: &Pipeline, req: &BuildRequest, line: &mut dyn FnMut(&str)) -> Re
                                 }
                             }
                         };
+                        // Steps that hold a part's weights or run models take turns (peak
+                        // memory: one of them at a time, plus the light graph steps).
+                        let _turn = s
+                            .kind
+                            .heavy()
+                            .then(|| heavy.lock().unwrap_or_else(|e| e.into_inner()));
                         let _ = tx.send(Msg::Started(i, status.clone()));
                         let (r, detail) = execute(p, cache, s, &key, &deps, threads)
                             .with_context(|| format!("step {}", s.id))?;

@@ -184,7 +184,12 @@ pub fn compile_part(
         .file_name()
         .map(|f| f.to_string_lossy().into_owned())
         .unwrap_or_default();
-    w.add_source(&source, g.backing().bytes());
+    // Hashed from the file (not the mapping: the part needs only its own weights resident).
+    if Path::new(&g.name).is_file() {
+        w.add_source_file(&source, Path::new(&g.name))?;
+    } else {
+        w.add_source(&source, g.backing().bytes());
+    }
     let mut names = vec![];
     for (i, &(tokens, ctx)) in graphs.iter().enumerate() {
         let name = split::graph_name(tokens, ctx);
