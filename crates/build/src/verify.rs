@@ -678,17 +678,20 @@ mod tests {
             ("new_key.1", vec![1.0, 1.0]),
             ("logits", vec![0.0, 5.0, 1.0, 0.0]),
         ]);
+        let sha = |subject: &Rows| {
+            judge(
+                "sha",
+                Some(2),
+                "ar1_c64",
+                Precision::Exact,
+                &reference,
+                subject,
+                2,
+            )
+            .unwrap()
+        };
         // Equal: passes, nothing diverges.
-        let r = judge(
-            "sha",
-            Some(2),
-            "ar1_c64",
-            Precision::Exact,
-            &reference,
-            &reference,
-            2,
-        )
-        .unwrap();
+        let r = sha(&reference);
         assert!(
             r.pass && r.first_diverging.is_none() && r.top1 == Some(1.0),
             "{r:?}"
@@ -698,16 +701,7 @@ mod tests {
         let mut subject = reference.clone();
         subject[1].1 = vec![3.0, 4.5];
         subject[3].1 = vec![0.0, 5.0, 1.0, 2.0];
-        let r = judge(
-            "sha",
-            Some(2),
-            "ar1_c64",
-            Precision::Exact,
-            &reference,
-            &subject,
-            2,
-        )
-        .unwrap();
+        let r = sha(&subject);
         assert!(!r.pass);
         assert_eq!(r.top1, Some(0.5));
         assert!(

@@ -85,9 +85,20 @@ fn same_tokens_as_unsplit(precision: Precision, ctx_list: &str, engine_ctx: usiz
     let file = pipeline(tmp.path(), "p.toml", &body);
     let out = tmp.path().join("out");
     run(&file, &out, &[]);
+    assert_bundle_gives_unsplit_tokens(&out, precision, engine_ctx, n);
+}
+
+/// The bundle in `out` generates the unsplit GGUF's greedy tokens (`n` per prompt, same
+/// precision) on [`PROMPTS`], its caches updated in place.
+fn assert_bundle_gives_unsplit_tokens(
+    out: &Path,
+    precision: Precision,
+    engine_ctx: usize,
+    n: usize,
+) {
     let tok = npuc_tokenizer::Tokenizer::from_gguf_path(smollm2()).unwrap();
     let mut bundle = Bundle::open(
-        &out,
+        out,
         &BundleOptions {
             threads: 2,
             ctx: None,
@@ -414,35 +425,7 @@ fn sha_bundle_generates_the_multi_head_tokens_and_checks_each_step() {
     assert_eq!(kv.len(), 15 * 2 * 3, "{kv:?}");
     assert!(kv.contains(&"past_value.29.h2"), "{kv:?}");
     // The bundle generates the unsplit multi-head model's tokens (across a context growth).
-    let tok = npuc_tokenizer::Tokenizer::from_gguf_path(smollm2()).unwrap();
-    let mut bundle = Bundle::open(
-        &out,
-        &BundleOptions {
-            threads: 2,
-            ctx: None,
-            ar: vec![],
-        },
-    )
-    .unwrap();
-    let mut engine = Engine::from_gguf(
-        &smollm2(),
-        &EngineOptions {
-            threads: 2,
-            ctx: Some(256),
-            variants: vec![Variant::Ar(1), Variant::Ar(32)],
-            precision: Precision::Fast,
-        },
-    )
-    .unwrap();
-    for prompt in PROMPTS {
-        let ids = tok.encode(prompt, true).unwrap();
-        bundle.reset();
-        engine.reset();
-        let b = greedy(|t| bundle.forward(t, false).unwrap(), &ids, 56);
-        let e = greedy(|t| engine.forward(t, false).unwrap(), &ids, 56);
-        assert_eq!(b, e, "prompt {prompt:?}");
-    }
-    assert_eq!(bundle.cache_copies(), 0);
+    assert_bundle_gives_unsplit_tokens(&out, Precision::Fast, 256, 56);
     // The QNN hand-off: a GENIE config naming the parts in order, encodings per part.
     let genie: serde_json::Value =
         serde_json::from_slice(&std::fs::read(out.join("genie_config.json")).unwrap()).unwrap();
