@@ -1,21 +1,13 @@
-//! The `check` step: the bundle against the unsplit model on the pipeline's test prompts.
+//! The `check` step: the bundle against the unsplit model on the pipeline's test prompts, and
+//! the sanity table of the `verify:*` steps (all in `check.json`).
 
 use crate::cache::{Cache, Record};
+use crate::verify::argmax;
 use crate::{link_into, part_file, Pipeline};
 use anyhow::{bail, Context, Result};
 use npuc_llm::bundle::MANIFEST;
 use npuc_llm::{Bundle, BundleOptions, Engine, EngineOptions, Precision, Variant};
 use std::path::Path;
-
-fn argmax(row: &[f32]) -> usize {
-    let mut best = 0;
-    for (i, &x) in row.iter().enumerate() {
-        if x > row[best] {
-            best = i;
-        }
-    }
-    best
-}
 
 /// Greedy decoding: the first logits row (the prompt's last token) and the tokens.
 fn greedy(
@@ -38,8 +30,28 @@ pub(crate) fn run(
     cache: &Cache,
     bundle: &Record,
     parts: &[Record],
+    verifies: &[Record],
     out: &Path,
 ) -> Result<String> {
+    let mut sanity = vec![];
+    for rec in verifies {
+        let path = cache.entry_dir("verify", &rec.key).join("verify.json");
+        let f: crate::verify::CheckFile = serde_json::from_slice(
+            &std::fs::read(&path).with_context(|| format!("reading '{}'", path.display()))?,
+        )
+        .with_context(|| format!("parsing '{}'", path.display()))?;
+        sanity.extend(f.rows);
+    }
+    let sanity_line = format!("{} sanity check(s) within tolerance", sanity.len());
+    if p.test_prompts.is_empty() {
+        let j = serde_json::json!({
+            "sanity": sanity,
+            "sanity_table": crate::verify::table(&sanity),
+            "prompts": [],
+        });
+        crate::cache::write_synced(out, &serde_json::to_vec_pretty(&j)?)?;
+        return Ok(format!("{sanity_line}; no test prompts"));
+    }
     // The bundle as `npuc generate` sees it: a directory of its files (hard links).
     let dir = cache.scratch()?;
     for (i, rec) in parts.iter().enumerate() {
@@ -62,24 +74,10 @@ pub(crate) fn run(
     let tok = npuc_tokenizer::Tokenizer::from_metadata(&b.metadata().entries)
         .context("the bundle's tokenizer")?;
     // The unsplit model in the same precision, when the parts share one.
-    let precision: Option<Precision> = {
-        let first = p.parts[0].1;
-        p.parts.iter().all(|(_, q)| *q == first).then_some(first)
-    };
-    let mut engine = match precision {
-        Some(precision) => Some(Engine::from_gguf(
-            &p.gguf,
-            &EngineOptions {
-                threads,
-                ctx: Some(b.ctx()),
-                variants: p.ar.iter().map(|&n| Variant::Ar(n)).collect(),
-                precision,
-            },
-        )?),
-        None => None,
-    };
-    let mut results = vec![];
-    let mut worst = 0f32;
+    let precision: Option<Precision> = p.uniform_precision();
+    // The bundle on every prompt first, then (with the bundle closed) the unsplit model: one
+    // of them in memory at a time.
+    let mut runs = vec![];
     for prompt in &p.test_prompts {
         let ids = tok.encode(prompt, true)?;
         if ids.len() + p.test_max_tokens > b.ctx() {
@@ -92,6 +90,25 @@ pub(crate) fn run(
         }
         b.reset();
         let (bl, bt) = greedy(|t| Ok(b.forward(t, false)?), &ids, p.test_max_tokens)?;
+        runs.push((ids, bl, bt));
+    }
+    let ctx = b.ctx();
+    drop(b);
+    let mut engine = match precision {
+        Some(precision) => Some(Engine::from_gguf(
+            &p.gguf,
+            &EngineOptions {
+                threads,
+                ctx: Some(ctx),
+                variants: p.ar.iter().map(|&n| Variant::Ar(n)).collect(),
+                precision,
+            },
+        )?),
+        None => None,
+    };
+    let mut results = vec![];
+    let mut worst = 0f32;
+    for (prompt, (ids, bl, bt)) in p.test_prompts.iter().zip(runs) {
         let text = String::from_utf8_lossy(
             &bt.iter()
                 .flat_map(|&t| tok.token_bytes(t))
@@ -137,16 +154,18 @@ pub(crate) fn run(
         "compared_with_unsplit": precision.is_some(),
         "max_tokens": p.test_max_tokens,
         "prompts": results,
+        "sanity": sanity,
+        "sanity_table": crate::verify::table(&sanity),
     });
     crate::cache::write_synced(out, &serde_json::to_vec_pretty(&j)?)?;
     Ok(match precision {
         Some(_) => format!(
-            "{} prompt(s) x {} tokens = unsplit model, first logits max |diff| {worst:.3e}",
+            "{sanity_line}; {} prompt(s) x {} tokens = unsplit model, first logits max |diff| {worst:.3e}",
             p.test_prompts.len(),
             p.test_max_tokens
         ),
         None => format!(
-            "{} prompt(s) x {} tokens generated (mixed precision: no unsplit reference)",
+            "{sanity_line}; {} prompt(s) x {} tokens generated (mixed precision: no unsplit reference)",
             p.test_prompts.len(),
             p.test_max_tokens
         ),

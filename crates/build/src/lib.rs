@@ -22,7 +22,9 @@
 
 pub mod cache;
 mod check;
+pub mod handoff;
 pub mod pipeline;
+pub mod verify;
 
 pub use pipeline::Pipeline;
 
@@ -36,7 +38,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 /// Bumped when a step's code changes what it writes, so old cache entries stop matching.
-pub const STEP_SCHEMA: &str = "1";
+pub const STEP_SCHEMA: &str = "2";
 
 /// The cache directory inside the output directory.
 pub const CACHE_DIR: &str = ".cache";
@@ -105,12 +107,18 @@ pub struct BuildReport {
     pub parts: Vec<(String, [usize; 2], u64, bool)>,
     /// Whether the output directory changed.
     pub outputs_updated: bool,
+    /// The sanity checks after each transform step (also in `check.json`).
+    pub sanity: Vec<verify::CheckRow>,
 }
 
 impl BuildReport {
     /// Steps that did work.
     pub fn ran(&self) -> usize {
         self.steps.iter().filter(|s| s.status.ran()).count()
+    }
+    /// The sanity table: per check step and graph, max abs error, cosine and top-1 agreement.
+    pub fn sanity_table(&self) -> String {
+        verify::table(&self.sanity)
     }
     /// The summary table.
     pub fn table(&self) -> String {
@@ -147,10 +155,42 @@ enum Kind {
         part: usize,
     },
     Bundle,
+    /// A sanity check after a transform step (see [`verify`]).
+    Verify {
+        stage: Stage,
+        part: Option<usize>,
+    },
     Check,
 }
 
+/// The transform steps a `verify` step checks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stage {
+    Variant,
+    Split,
+    Sha,
+    Compile,
+}
+
+impl Stage {
+    pub fn name(self) -> &'static str {
+        match self {
+            Stage::Variant => "variant",
+            Stage::Split => "split",
+            Stage::Sha => "sha",
+            Stage::Compile => "compile",
+        }
+    }
+}
+
 impl Kind {
+    /// Steps that hold a part's weights in memory or run models (one at a time).
+    fn heavy(&self) -> bool {
+        matches!(
+            self,
+            Kind::Compile { .. } | Kind::Verify { .. } | Kind::Check
+        )
+    }
     /// The cache subdirectory (and the `--force` kind name).
     fn name(&self) -> &'static str {
         match self {
@@ -158,6 +198,7 @@ impl Kind {
             Kind::Graph { .. } => "graph",
             Kind::Compile { .. } => "compile",
             Kind::Bundle => "bundle",
+            Kind::Verify { .. } => "verify",
             Kind::Check => "check",
         }
     }
@@ -210,16 +251,40 @@ fn plan(p: &Pipeline) -> Vec<Step> {
         kind: Kind::Bundle,
         deps,
     });
-    if !p.test_prompts.is_empty() {
-        // source, bundle, then the parts (to assemble the bundle directory it runs).
-        let mut deps = vec![0, steps.len() - 1];
-        deps.extend(compiles);
-        steps.push(Step {
-            id: "check".into(),
-            kind: Kind::Check,
-            deps,
-        });
+    let bundle = steps.len() - 1;
+    // Sanity checks after each transform step.
+    let mut verifies = vec![];
+    let mut verify =
+        |steps: &mut Vec<Step>, stage: Stage, part: Option<usize>, deps: Vec<usize>| {
+            steps.push(Step {
+                id: match part {
+                    Some(i) => format!("verify:{}:p{}", stage.name(), i + 1),
+                    None => format!("verify:{}", stage.name()),
+                },
+                kind: Kind::Verify { stage, part },
+                deps,
+            });
+            verifies.push(steps.len() - 1);
+        };
+    verify(&mut steps, Stage::Variant, None, vec![0]);
+    if p.parts.len() > 1 && p.uniform_precision().is_some() {
+        verify(&mut steps, Stage::Split, None, vec![0]);
     }
+    for (i, &c) in compiles.iter().enumerate() {
+        if p.sha {
+            verify(&mut steps, Stage::Sha, Some(i), vec![0]);
+        }
+        verify(&mut steps, Stage::Compile, Some(i), vec![0, c]);
+    }
+    // source, bundle, the parts (to assemble the bundle directory it runs), the checks.
+    let mut deps = vec![0, bundle];
+    deps.extend(compiles);
+    deps.extend(verifies);
+    steps.push(Step {
+        id: "check".into(),
+        kind: Kind::Check,
+        deps,
+    });
     steps
 }
 
@@ -267,13 +332,15 @@ fn step_key(p: &Pipeline, s: &Step, deps: &[&Record]) -> Result<String> {
         Kind::Graph { part, tokens, ctx } => {
             let (spec, prec) = &p.parts[*part];
             part_key(&mut k, spec, *prec);
-            k.field("tokens", &tokens.to_string())
+            k.field("sha", &p.sha.to_string())
+                .field("tokens", &tokens.to_string())
                 .field("ctx", &ctx.to_string());
         }
         Kind::Compile { part } => {
             let (spec, prec) = &p.parts[*part];
             part_key(&mut k, spec, *prec);
-            k.field("graphs", &format!("{:?}x{:?}", p.ar, p.ctx));
+            k.field("sha", &p.sha.to_string())
+                .field("graphs", &format!("{:?}x{:?}", p.ar, p.ctx));
         }
         Kind::Bundle => {
             // Everything the manifest says that no dependency carries.
@@ -282,6 +349,23 @@ fn step_key(p: &Pipeline, s: &Step, deps: &[&Record]) -> Result<String> {
                 .field("prompts", &serde_json::to_string(&p.test_prompts)?)
                 .field("ar", &format!("{:?}", p.ar))
                 .field("ctx", &format!("{:?}", p.ctx));
+        }
+        Kind::Verify { stage, part } => {
+            k.field("stage", stage.name())
+                .field("sha", &p.sha.to_string())
+                .field("graphs", &format!("{:?}x{:?}", p.ar, p.ctx))
+                .field("probe", &serde_json::to_string(&p.test_prompts.first())?);
+            match part {
+                Some(i) => {
+                    let (spec, prec) = &p.parts[*i];
+                    part_key(&mut k, spec, *prec);
+                }
+                None => {
+                    for (spec, prec) in &p.parts {
+                        part_key(&mut k, spec, *prec);
+                    }
+                }
+            }
         }
         Kind::Check => {
             k.field("prompts", &serde_json::to_string(&p.test_prompts)?)
@@ -298,12 +382,89 @@ fn source_file_name(p: &Pipeline) -> String {
         .unwrap_or_default()
 }
 
+/// The AIMET encodings of a part, in its compile entry.
+const ENCODINGS: &str = "encodings.json";
+/// The GENIE config of a bundle.
+pub const GENIE_CONFIG: &str = "genie_config.json";
+
+/// The file name of part `i`'s AIMET encodings in a bundle.
+pub fn encodings_file(i: usize) -> String {
+    format!("part-{}.encodings.json", i + 1)
+}
+
+/// `genie_config.json` of the bundle `m` (see [`handoff`]).
+fn genie_config(p: &Pipeline, m: &BundleManifest) -> Result<Vec<u8>> {
+    let g = npuc_gguf::GgufFile::open(&p.gguf)?;
+    let hp = split::model_hparams(&g)?;
+    let id = |k: &str| g.get(k).and_then(|v| v.as_u64());
+    let mut eos: Vec<u64> = id("tokenizer.ggml.eos_token_id").into_iter().collect();
+    if let Some(e) = id("tokenizer.ggml.eot_token_id") {
+        if !eos.contains(&e) {
+            eos.push(e);
+        }
+    }
+    let parts = m
+        .parts
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let kv = if p.sha {
+                format!(
+                    "past_key.{{l}}.h{{g}} / past_value.{{l}}.h{{g}} [1, ctx, {}] for l in {}..{}, g in 0..{}",
+                    hp.head_dim, r.layers[0], r.layers[1], hp.n_kv_head
+                )
+            } else {
+                format!(
+                    "past_key.{{l}} / past_value.{{l}} [{}, ctx, {}] for l in {}..{}",
+                    hp.n_kv_head, hp.head_dim, r.layers[0], r.layers[1]
+                )
+            };
+            serde_json::json!({
+                "bin": format!("{}_part_{}_of_{}.bin", p.arch, i + 1, m.parts.len()),
+                "npuc": r.file,
+                "encodings": encodings_file(i),
+                "layers": r.layers,
+                "graphs": p.ar.iter().flat_map(|&a| p.ctx.iter().map(move |&c| split::graph_name(a, c))).collect::<Vec<_>>(),
+                "input": if i == 0 { "input_ids" } else { split::HIDDEN_IN },
+                "output": if i + 1 == m.parts.len() { "logits" } else { split::HIDDEN_OUT },
+                "kv": kv,
+            })
+        })
+        .collect();
+    handoff::genie_config(&handoff::GenieFacts {
+        arch: &p.arch,
+        vocab: p.vocab,
+        n_embd: p.n_embd,
+        head_dim: hp.head_dim,
+        n_kv_heads: hp.n_kv_head,
+        ctx: *p.ctx.last().expect("non-empty"),
+        bos: id("tokenizer.ggml.bos_token_id"),
+        eos,
+        rope_theta: hp.rope_base,
+        rope_dim: hp.rope_dims,
+        parts,
+        ar: &p.ar,
+        ctxs: &p.ctx,
+        sha: p.sha,
+    })
+}
+
 /// The file name of part `i` (0-based) in a bundle.
 pub fn part_file(i: usize) -> String {
     format!("part-{}.npuc", i + 1)
 }
 
 fn read_json(cache: &Cache, kind: &str, rec: &Record, file: &str) -> Result<serde_json::Value> {
+    read_json_as(cache, kind, rec, file)
+}
+
+/// A JSON output of a cached step, parsed as `T`.
+fn read_json_as<T: serde::de::DeserializeOwned>(
+    cache: &Cache,
+    kind: &str,
+    rec: &Record,
+    file: &str,
+) -> Result<T> {
     let path = cache.entry_dir(kind, &rec.key).join(file);
     let bytes = std::fs::read(&path).with_context(|| format!("reading '{}'", path.display()))?;
     serde_json::from_slice(&bytes).with_context(|| format!("parsing '{}'", path.display()))
@@ -334,6 +495,7 @@ fn execute(
     s: &Step,
     key: &str,
     deps: &[Record],
+    threads: usize,
 ) -> Result<(Record, String)> {
     let scratch = cache.scratch()?;
     let dir = scratch.path().to_path_buf();
@@ -358,7 +520,7 @@ fn execute(
             let (spec, prec) = &p.parts[*part];
             let g = npuc_gguf::GgufFile::open(&p.gguf)?;
             let hp = split::model_hparams(&g)?;
-            let m = split::build_part(&g, &hp, spec, *tokens, *ctx, *prec)?;
+            let m = split::build_part(&g, &hp, spec, *tokens, *ctx, *prec, p.sha)?;
             // What the runtime will refuse (an op without a kernel) fails here, per graph.
             npuc_runtime::Plan::for_model(&m).map_err(|e| anyhow!("{}: {e}", s.id))?;
             let weight_bytes: u64 = m
@@ -414,15 +576,23 @@ fn execute(
                 }
             };
             let out = dir.join("part.npuc");
-            let sum = npuc_llm::compile::compile_part(&g, spec, &graphs, *prec, &out, &mut check)?;
+            let sum =
+                npuc_llm::compile::compile_part(&g, spec, &graphs, *prec, p.sha, &out, &mut check)?;
             let j = serde_json::json!({
                 "weight_bytes": sum.weight_bytes,
                 "file_bytes": sum.file_bytes,
                 "graphs": sum.graphs.iter().map(|(n, c)| serde_json::json!({"name": n, "nodes": c})).collect::<Vec<_>>(),
             });
             cache::write_synced(&dir.join("part.json"), &serde_json::to_vec_pretty(&j)?)?;
+            // The QNN hand-off: AIMET encodings of the part's weights (every graph of a part
+            // holds the same weights; the first one names them).
+            let hp = split::model_hparams(&g)?;
+            let m = split::build_part(&g, &hp, spec, p.ar[0], p.ctx[0], *prec, p.sha)?;
+            let enc =
+                handoff::part_encodings(&m).map_err(|e| anyhow!("{}: encodings: {e}", s.id))?;
+            cache::write_synced(&dir.join(ENCODINGS), enc.as_bytes())?;
             (
-                vec!["part.npuc", "part.json"],
+                vec!["part.npuc", "part.json", ENCODINGS],
                 format!(
                     "layers {}..{}, {} graphs, {:.1} MiB weights, {} precision",
                     spec.layers.start,
@@ -459,6 +629,7 @@ fn execute(
                 vocab: p.vocab,
                 ar: p.ar.clone(),
                 ctx: p.ctx.clone(),
+                sha: p.sha,
                 max_part_bytes: p.max_part_bytes,
                 source: SourceRecord {
                     file: source_file_name(p),
@@ -471,10 +642,70 @@ fn execute(
             let mut json = serde_json::to_vec_pretty(&m)?;
             json.push(b'\n');
             cache::write_synced(&dir.join(MANIFEST), &json)?;
-            (vec![MANIFEST], format!("{} parts", m.parts.len()))
+            let genie = genie_config(p, &m)?;
+            cache::write_synced(&dir.join(GENIE_CONFIG), &genie)?;
+            (
+                vec![MANIFEST, GENIE_CONFIG],
+                format!("{} parts", m.parts.len()),
+            )
+        }
+        Kind::Verify { stage, part } => {
+            let g = npuc_gguf::GgufFile::open(&p.gguf)?;
+            let hp = split::model_hparams(&g)?;
+            let probe = verify::probe_tokens(&p.gguf, &p.test_prompts)?;
+            let graphs = verify::probe_graphs(&p.ar, &p.ctx);
+            let c = verify::Ctx {
+                g: &g,
+                hp: &hp,
+                probe: &probe,
+                graphs: &graphs,
+                threads,
+            };
+            let rows = match (stage, part) {
+                (Stage::Variant, _) => {
+                    let mut precisions: Vec<Precision> = p.parts.iter().map(|(_, q)| *q).collect();
+                    precisions.dedup();
+                    let mut rows = vec![];
+                    for q in precisions {
+                        rows.extend(verify::check_variant(&c, q)?);
+                    }
+                    rows
+                }
+                (Stage::Split, _) => verify::check_split(&c, &p.parts)?,
+                (Stage::Sha, Some(i)) => verify::check_sha(&c, &p.parts, *i)?,
+                (Stage::Compile, Some(i)) => {
+                    let art = cache.entry_dir("compile", &deps[1].key).join("part.npuc");
+                    verify::check_compile(&c, &p.parts, *i, p.sha, &art)?
+                }
+                _ => bail!("{}: internal: a per-part check without a part", s.id),
+            };
+            verify::enforce(&s.id, &rows)?;
+            let f = verify::CheckFile {
+                step: s.id.clone(),
+                probe_tokens: probe,
+                rows,
+            };
+            cache::write_synced(&dir.join("verify.json"), &serde_json::to_vec_pretty(&f)?)?;
+            let worst = f.rows.iter().map(|r| r.max_abs).fold(0f64, f64::max);
+            let cos = f.rows.iter().map(|r| r.cosine).fold(1f64, f64::min);
+            (
+                vec!["verify.json"],
+                format!(
+                    "{} graph(s) within tolerance: max |diff| {worst:.3e}, min cosine {cos:.6}",
+                    f.rows.len()
+                ),
+            )
         }
         Kind::Check => {
-            let detail = check::run(p, cache, &deps[1], &deps[2..], &dir.join("check.json"))?;
+            let n_parts = p.parts.len();
+            let detail = check::run(
+                p,
+                cache,
+                &deps[1],
+                &deps[2..2 + n_parts],
+                &deps[2 + n_parts..],
+                &dir.join("check.json"),
+            )?;
             (vec!["check.json"], detail)
         }
     };
@@ -497,7 +728,7 @@ fn forced_steps(steps: &[Step], force: &[String]) -> Result<BTreeSet<usize>> {
             .map(|(i, _)| i)
             .collect();
         if hits.is_empty() {
-            let kinds = "source, graph, compile, bundle, check";
+            let kinds = "source, graph, compile, bundle, verify, check";
             bail!(
                 "--force {f}: no such step; give a kind ({kinds}) or a step id from `npuc build --dry-run` (e.g. {})",
                 steps.last().map_or("bundle", |s| s.id.as_str())
@@ -523,6 +754,14 @@ pub fn build(p: &Pipeline, req: &BuildRequest, line: &mut dyn FnMut(&str)) -> Re
     let forced = forced_steps(&steps, &req.force)?;
     // A dry run only reads the cache: it creates nothing and leaves a running build's scratch
     // directories alone.
+    // One build at a time per output directory: a second one fails here, before it touches
+    // the cache (whose scratch directories the first one is writing). Held until this
+    // function returns; the kernel drops it when a build dies, even by `kill -9`.
+    let _lock = if req.dry_run {
+        None
+    } else {
+        Some(lock_out_dir(&req.out_dir)?)
+    };
     let cache = if req.dry_run {
         Cache::at(&req.out_dir.join(CACHE_DIR))
     } else {
@@ -593,10 +832,14 @@ pub fn build(p: &Pipeline, req: &BuildRequest, line: &mut dyn FnMut(&str)) -> Re
             out_dir: req.out_dir.clone(),
             parts: part_summary(p),
             outputs_updated: false,
+            sanity: vec![],
         });
     }
 
     let jobs = req.jobs.max(1);
+    // Kernel threads of the steps that run models (the checks).
+    let threads = (std::thread::available_parallelism().map_or(1, |n| n.get()) / jobs).max(1);
+    let heavy = std::sync::Mutex::new(());
     let mut started = vec![false; total];
     let mut finished = 0usize;
     let mut failure: Option<anyhow::Error> = None;
@@ -619,6 +862,7 @@ pub fn build(p: &Pipeline, req: &BuildRequest, line: &mut dyn FnMut(&str)) -> Re
                     .map(|&d| records[d].clone().expect("ready"))
                     .collect();
                 let (s, cache, tx, force) = (&steps[i], &cache, tx.clone(), forced.contains(&i));
+                let heavy = &heavy;
                 scope.spawn(move || {
                     let t = Instant::now();
                     // A panicking step reports as a failed one: the loop below waits for every
@@ -648,8 +892,14 @@ pub fn build(p: &Pipeline, req: &BuildRequest, line: &mut dyn FnMut(&str)) -> Re
                                 }
                             }
                         };
+                        // Steps that hold a part's weights or run models take turns (peak
+                        // memory: one of them at a time, plus the light graph steps).
+                        let _turn = s
+                            .kind
+                            .heavy()
+                            .then(|| heavy.lock().unwrap_or_else(|e| e.into_inner()));
                         let _ = tx.send(Msg::Started(i, status.clone()));
-                        let (r, detail) = execute(p, cache, s, &key, &deps)
+                        let (r, detail) = execute(p, cache, s, &key, &deps, threads)
                             .with_context(|| format!("step {}", s.id))?;
                         Ok((r, status, t.elapsed().as_secs_f64(), detail))
                     }))
@@ -736,12 +986,20 @@ pub fn build(p: &Pipeline, req: &BuildRequest, line: &mut dyn FnMut(&str)) -> Re
         &bundle_rec,
         check_rec.as_ref(),
     )?;
+    let mut sanity = vec![];
+    for (s, r) in steps.iter().zip(&records) {
+        if let (Kind::Verify { .. }, Some(r)) = (&s.kind, r) {
+            let f: verify::CheckFile = read_json_as(&cache, "verify", r, "verify.json")?;
+            sanity.extend(f.rows);
+        }
+    }
     let report = BuildReport {
         steps: reports.into_iter().flatten().collect(),
         seconds: t0.elapsed().as_secs_f64(),
         out_dir: req.out_dir.clone(),
         parts: part_summary(p),
         outputs_updated: updated,
+        sanity,
     };
     if report.ran() == 0 {
         line(&format!(
@@ -754,6 +1012,34 @@ pub fn build(p: &Pipeline, req: &BuildRequest, line: &mut dyn FnMut(&str)) -> Re
         ));
     }
     Ok(report)
+}
+
+/// The lock file of an output directory.
+pub const LOCK_FILE: &str = ".npuc-build.lock";
+
+/// Takes the exclusive lock of `out` (creating the directory), or fails saying another build
+/// holds it.
+fn lock_out_dir(out: &Path) -> Result<std::fs::File> {
+    std::fs::create_dir_all(out)
+        .with_context(|| format!("creating the output directory '{}'", out.display()))?;
+    let path = out.join(LOCK_FILE);
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .with_context(|| format!("opening the lock file '{}'", path.display()))?;
+    match f.try_lock() {
+        Ok(()) => Ok(f),
+        Err(std::fs::TryLockError::WouldBlock) => bail!(
+            "'{}' is in use by another `npuc build` (it holds '{}'); wait for it to finish or build into another directory (-o)",
+            out.display(),
+            path.display()
+        ),
+        Err(std::fs::TryLockError::Error(e)) => {
+            Err(e).with_context(|| format!("locking '{}'", path.display()))
+        }
+    }
 }
 
 fn part_summary(p: &Pipeline) -> Vec<(String, [usize; 2], u64, bool)> {
@@ -789,9 +1075,14 @@ fn materialize(
         let dest = out.join(part_file(i));
         changed |= link_into(&src, &dest)?;
         wanted.push(part_file(i));
+        let src = cache.entry_dir("compile", &rec.key).join(ENCODINGS);
+        changed |= link_into(&src, &out.join(encodings_file(i)))?;
+        wanted.push(encodings_file(i));
     }
-    let src = cache.entry_dir("bundle", &bundle.key).join(MANIFEST);
-    changed |= link_into(&src, &out.join(MANIFEST))?;
+    for f in [MANIFEST, GENIE_CONFIG] {
+        let src = cache.entry_dir("bundle", &bundle.key).join(f);
+        changed |= link_into(&src, &out.join(f))?;
+    }
     let check_file = out.join("check.json");
     match check {
         Some(rec) => {
@@ -806,7 +1097,8 @@ fn materialize(
     }
     for e in std::fs::read_dir(out)? {
         let name = e?.file_name().to_string_lossy().into_owned();
-        if name.starts_with("part-") && name.ends_with(".npuc") && !wanted.contains(&name) {
+        let ours = name.ends_with(".npuc") || name.ends_with(".encodings.json");
+        if name.starts_with("part-") && ours && !wanted.contains(&name) {
             std::fs::remove_file(out.join(&name))?;
             changed = true;
         }

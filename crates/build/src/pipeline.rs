@@ -34,7 +34,7 @@ struct GraphsSection {
     ar: Vec<usize>,
     /// Context lengths (one graph per AR x context).
     ctx: Vec<usize>,
-    /// Single-head attention graphs (MHA to SHA); accepted, only `false` is built so far.
+    /// Single-head attention graphs (MHA to SHA): per-head projections and KV tensors.
     #[serde(default)]
     sha: bool,
 }
@@ -74,6 +74,8 @@ pub struct Pipeline {
     pub ar: Vec<usize>,
     /// Contexts, ascending.
     pub ctx: Vec<usize>,
+    /// Single-head attention graphs (`graphs.sha`).
+    pub sha: bool,
     /// The parts and their precision.
     pub parts: Vec<(PartSpec, Precision)>,
     /// Weight bytes each part stores.
@@ -123,6 +125,12 @@ fn precision(value: &str, key: &str, file: &Path) -> Result<Precision> {
 }
 
 impl Pipeline {
+    /// The precision of every part, when they share one.
+    pub fn uniform_precision(&self) -> Option<Precision> {
+        let first = self.parts[0].1;
+        self.parts.iter().all(|(_, q)| *q == first).then_some(first)
+    }
+
     /// Reads and checks `file`: the TOML, the model's header (no weights are read), and the
     /// split. Every error names the key (or layer) and what to do.
     pub fn load(file: &Path) -> Result<Pipeline> {
@@ -181,12 +189,6 @@ impl Pipeline {
                 "{f}: graphs.ar = {max_ar} is longer than graphs.ctx = {min_ctx} (every AR variant is built for every context); drop ar {max_ar} or raise the smallest ctx to at least {max_ar}"
             );
         }
-        if raw.graphs.sha {
-            bail!(
-                "{f}: graphs.sha = true (single-head attention graphs) is not implemented yet; set graphs.sha = false"
-            );
-        }
-
         let census = WeightCensus::of(&g, &hp)?;
         let s = &raw.split;
         let specs = match (s.parts, s.max_part_bytes) {
@@ -235,6 +237,7 @@ impl Pipeline {
             vocab: hp.vocab,
             ar,
             ctx,
+            sha: raw.graphs.sha,
             parts: specs.into_iter().zip(precisions).collect(),
             part_bytes,
             max_part_bytes: s.max_part_bytes,

@@ -85,9 +85,20 @@ fn same_tokens_as_unsplit(precision: Precision, ctx_list: &str, engine_ctx: usiz
     let file = pipeline(tmp.path(), "p.toml", &body);
     let out = tmp.path().join("out");
     run(&file, &out, &[]);
+    assert_bundle_gives_unsplit_tokens(&out, precision, engine_ctx, n);
+}
+
+/// The bundle in `out` generates the unsplit GGUF's greedy tokens (`n` per prompt, same
+/// precision) on [`PROMPTS`], its caches updated in place.
+fn assert_bundle_gives_unsplit_tokens(
+    out: &Path,
+    precision: Precision,
+    engine_ctx: usize,
+    n: usize,
+) {
     let tok = npuc_tokenizer::Tokenizer::from_gguf_path(smollm2()).unwrap();
     let mut bundle = Bundle::open(
-        &out,
+        out,
         &BundleOptions {
             threads: 2,
             ctx: None,
@@ -152,9 +163,20 @@ fn second_run_does_no_work_and_one_option_reruns_only_its_steps() {
     let file2 = pipeline(tmp.path(), "p.toml", body2);
     let third = run(&file2, &out, &[]);
     for s in &third.steps {
-        let expect_ran = s.id.starts_with("graph:p2") || s.id == "compile:p2" || s.id == "bundle";
+        // Part 2's graphs and artifact, what is made of them, and the checks that involve
+        // part 2's precision (the split check is gone: the parts differ in precision).
+        let expect_ran = s.id.starts_with("graph:p2")
+            || [
+                "compile:p2",
+                "bundle",
+                "verify:variant",
+                "verify:compile:p2",
+                "check",
+            ]
+            .contains(&s.id.as_str());
         assert_eq!(s.status.ran(), expect_ran, "{}", third.table());
     }
+    assert!(!third.steps.iter().any(|s| s.id == "verify:split"));
     // --force reruns the named step; its output is the same, so nothing after it reruns.
     let forced = run(&file2, &out, &["compile:p1"]);
     for s in &forced.steps {
@@ -302,8 +324,6 @@ fn bad_pipeline_files_are_refused_naming_the_key() {
     assert!(e.contains("split.part_precision"), "{e}");
     let e = load_err("[graphs]\nar = [1]\nctx = [128]\n[split]\nprecision = \"quick\"\n");
     assert!(e.contains("split.precision = \"quick\""), "{e}");
-    let e = load_err("[graphs]\nar = [1]\nctx = [128]\nsha = true\n");
-    assert!(e.contains("graphs.sha"), "{e}");
     // A missing model names the key and the resolved path.
     let tmp = tempfile::tempdir().unwrap();
     let f = tmp.path().join("m.toml");
@@ -365,4 +385,90 @@ fn check_step_compares_the_bundle_with_the_unsplit_model() {
         serde_json::from_slice(&std::fs::read(out.join("check.json")).unwrap()).unwrap();
     assert_eq!(j["compared_with_unsplit"], false);
     assert_eq!(j["prompts"][0]["tokens"].as_array().unwrap().len(), 8);
+}
+
+#[test]
+fn sha_bundle_generates_the_multi_head_tokens_and_checks_each_step() {
+    let tmp = tempfile::tempdir().unwrap();
+    let body = "[graphs]\nar = [1, 32]\nctx = [64, 256]\nsha = true\n[split]\nparts = 2\n[test]\nprompts = [\"The capital of France is\"]\nmax_tokens = 8\n";
+    let file = pipeline(tmp.path(), "p.toml", body);
+    let out = tmp.path().join("out");
+    let r = run(&file, &out, &[]);
+    // Every transform step was checked, on every probe graph, within tolerance.
+    for stage in ["variant", "split", "sha", "compile"] {
+        assert!(
+            r.sanity.iter().any(|c| c.step == stage && c.pass),
+            "{}",
+            r.sanity_table()
+        );
+    }
+    assert!(r.sanity.iter().all(|c| c.pass), "{}", r.sanity_table());
+    // SHA (and split, compile) are bit-identical to their input on this model.
+    for c in r.sanity.iter().filter(|c| c.step != "variant") {
+        assert_eq!(c.max_abs, 0.0, "{}", r.sanity_table());
+    }
+    let j: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("check.json")).unwrap()).unwrap();
+    assert_eq!(j["sanity"].as_array().unwrap().len(), r.sanity.len());
+    let m = npuc_llm::bundle::BundleManifest::read(&out).unwrap();
+    assert!(m.sha);
+    // Per-head KV tensors: SmolLM2 has 3 KV heads.
+    let art = npuc_format::Artifact::open(&out.join("part-2.npuc")).unwrap();
+    let g = art.model(Some("ar1_c64")).unwrap();
+    let kv: Vec<&str> = g
+        .graph
+        .inputs
+        .iter()
+        .map(|i| i.name.as_str())
+        .filter(|n| n.starts_with("past_"))
+        .collect();
+    assert_eq!(kv.len(), 15 * 2 * 3, "{kv:?}");
+    assert!(kv.contains(&"past_value.29.h2"), "{kv:?}");
+    // The bundle generates the unsplit multi-head model's tokens (across a context growth).
+    assert_bundle_gives_unsplit_tokens(&out, Precision::Fast, 256, 56);
+    // The QNN hand-off: a GENIE config naming the parts in order, encodings per part.
+    let genie: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("genie_config.json")).unwrap()).unwrap();
+    let bins = genie["dialog"]["engine"]["model"]["binary"]["ctx-bins"]
+        .as_array()
+        .unwrap();
+    assert_eq!(bins.len(), 2);
+    assert_eq!(genie["dialog"]["context"]["size"], 256);
+    assert_eq!(genie["dialog"]["engine"]["backend"]["QnnHtp"]["kv-dim"], 64);
+    for i in 1..=2 {
+        let e: serde_json::Value = serde_json::from_slice(
+            &std::fs::read(out.join(format!("part-{i}.encodings.json"))).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(e["version"], "1.0.0");
+    }
+}
+
+#[test]
+fn a_second_build_into_the_same_out_dir_fails_clearly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let body = "[graphs]\nar = [1]\nctx = [64]\n";
+    let file = pipeline(tmp.path(), "p.toml", body);
+    let out = tmp.path().join("out");
+    std::fs::create_dir_all(&out).unwrap();
+    // Another build holds the directory's lock (as a running `npuc build` does).
+    let held = std::fs::File::create(out.join(npuc_build::LOCK_FILE)).unwrap();
+    held.try_lock().unwrap();
+    let p = Pipeline::load(&file).unwrap();
+    let req = BuildRequest {
+        out_dir: out.clone(),
+        jobs: 1,
+        dry_run: false,
+        force: vec![],
+    };
+    let e = format!("{:#}", build(&p, &req, &mut |_| {}).unwrap_err());
+    assert!(e.contains("in use by another `npuc build`"), "{e}");
+    assert!(
+        !out.join(".cache").exists(),
+        "the refused build touched the cache"
+    );
+    // Released (as when that build ends or dies): this one runs.
+    drop(held);
+    let r = build(&p, &req, &mut |_| {}).unwrap();
+    assert_eq!(r.ran(), r.steps.len());
 }

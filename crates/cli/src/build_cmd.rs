@@ -55,6 +55,10 @@ pub fn cmd(a: &BuildArgs) -> Result<()> {
     let mut progress = |line: &str| eprintln!("{line}");
     let report = npuc_driver::build::build_pipeline(&a.pipeline, &req, &mut progress)?;
     print!("{}", report.table());
+    if !report.sanity.is_empty() {
+        println!("sanity checks (each transform step's input vs output on the test vector):");
+        print!("{}", report.sanity_table());
+    }
     for (file, layers, bytes, over) in &report.parts {
         println!(
             "{file}: layers {}..{}, {bytes} weight bytes ({:.1} MiB){}",
@@ -146,7 +150,16 @@ pub fn inspect_bundle(dir: &Path, json: bool, verify: bool) -> Result<()> {
             &m.source.sha256[..m.source.sha256.len().min(16)],
             m.parts.len()
         );
-        println!("AR variants {:?} x contexts {:?}", m.ar, m.ctx);
+        println!(
+            "AR variants {:?} x contexts {:?}{}",
+            m.ar,
+            m.ctx,
+            if m.sha {
+                ", single-head attention (KV tensors per KV head)"
+            } else {
+                ""
+            }
+        );
         if let Some(b) = m.max_part_bytes {
             println!("max_part_bytes {b}");
         }

@@ -19,7 +19,7 @@ use std::time::Instant;
 /// (`npuc build`), whose parts run in sequence.
 pub enum Model {
     Engine(Engine),
-    Bundle(Box<Bundle>),
+    Bundle(Bundle),
 }
 
 impl Model {
@@ -401,7 +401,7 @@ pub fn load(args: &ModelArgs) -> Result<(Model, Tokenizer)> {
             bundle.vocab(),
         )?;
         drop(meta);
-        return Ok((Model::Bundle(Box::new(bundle)), tok));
+        return Ok((Model::Bundle(bundle), tok));
     }
     let mut opts = EngineOptions {
         threads,

@@ -186,6 +186,38 @@ impl ArtifactWriter {
         });
     }
 
+    /// [`ArtifactWriter::add_source`] for a file, read in chunks (not mapped: hashing a
+    /// large model does not add its pages to the caller's resident memory).
+    pub fn add_source_file(
+        &mut self,
+        name: &str,
+        path: &std::path::Path,
+    ) -> Result<(), FormatError> {
+        use std::io::Read;
+        let io = |source| FormatError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        let mut f = std::fs::File::open(path).map_err(io)?;
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        let mut buf = vec![0u8; 1 << 20];
+        let mut total = 0u64;
+        loop {
+            let n = f.read(&mut buf).map_err(io)?;
+            if n == 0 {
+                break;
+            }
+            h.update(&buf[..n]);
+            total += n as u64;
+        }
+        self.meta.sources.push(SourceDesc {
+            name: name.into(),
+            xxh3_128: format!("{:032x}", h.digest128()),
+            bytes: total,
+        });
+        Ok(())
+    }
+
     pub(crate) fn intern(&mut self, t: &Tensor) -> Result<usize, FormatError> {
         if t.dtype() == DType::String {
             let strings = t.as_strings()?.to_vec();

@@ -9,15 +9,18 @@
 //! context the caches move once into the next larger one.
 
 use crate::build::split::{self, HIDDEN_IN, HIDDEN_OUT};
-use crate::engine::{weight_bytes_per_step, write_kv, TOKENIZER_KEY};
+use crate::engine::{weight_bytes_per_step, TOKENIZER_KEY};
+use crate::kv::{
+    self, check_fits, input_ids, kv_slots, logit_rows, outputs_by_name, Chunked, KvCaches, KvSlot,
+    StepInputs,
+};
 use crate::{bail, GgufMetaJson, LlmError, Result};
-use npuc_ir::{f16, DType, Tensor};
+use npuc_ir::DType;
 use npuc_runtime::{Session, SessionOptions, Value};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 /// The manifest file of a bundle directory.
 pub const MANIFEST: &str = "bundle.json";
@@ -45,6 +48,10 @@ pub struct BundleManifest {
     pub ar: Vec<usize>,
     /// Context lengths of the graphs (every part has each).
     pub ctx: Vec<usize>,
+    /// Single-head attention graphs: KV caches per KV head (`past_key.{l}.h{g}` `[1, C, D]`)
+    /// instead of per layer (`past_key.{l}` `[KVH, C, D]`).
+    #[serde(default)]
+    pub sha: bool,
     /// The weight budget per part, when the pipeline gave one.
     pub max_part_bytes: Option<u64>,
     pub source: SourceRecord,
@@ -127,13 +134,10 @@ struct PartRun {
     layers: Range<usize>,
     first: bool,
     last: bool,
-    kv: DType,
-    kvh: usize,
-    head_dim: usize,
     sessions: BTreeMap<(usize, usize), Session>,
-    /// `2 * layers.len()` caches at the current context: key of layer `layers.start + i` at
-    /// `2i`, value at `2i + 1`.
-    caches: Vec<Arc<Tensor>>,
+    /// The caches of its layers at the current context (per layer, or per KV head of single-head
+    /// graphs).
+    caches: KvCaches,
 }
 
 /// A split model ready to run (see the module docs).
@@ -149,8 +153,6 @@ pub struct Bundle {
     cur_ctx: usize,
     position: usize,
     meta: GgufMetaJson,
-    /// Times a cache had to be copied because a reference outlived a run (should stay 0).
-    cache_copies: usize,
     /// Weight bytes one decode step reads, all parts together.
     decode_weight_bytes: u64,
 }
@@ -213,6 +215,7 @@ impl Bundle {
             let art = npuc_format::Artifact::open(&path)?;
             let mut sessions = BTreeMap::new();
             let mut facts = None;
+            let mut slots: Option<Vec<KvSlot>> = None;
             let mut part_step_bytes = 0;
             for &a in &ars {
                 for &c in &ctxs {
@@ -243,6 +246,28 @@ impl Bundle {
                             layers.end
                         );
                     }
+                    if crate::build::sha::is_sha(&m) != manifest.sha {
+                        bail!(
+                            "{}: graph {name} has {} attention, the manifest says sha = {}",
+                            path.display(),
+                            if manifest.sha {
+                                "multi-head"
+                            } else {
+                                "single-head"
+                            },
+                            manifest.sha
+                        );
+                    }
+                    let sl = kv_slots(&m.graph.inputs, &layers).map_err(|e| {
+                        LlmError::msg(format!("{}: graph {name}: {e}", path.display()))
+                    })?;
+                    if slots.as_ref().is_some_and(|s| *s != sl) {
+                        bail!(
+                            "{}: graph {name} has other KV cache inputs than the part's other graphs",
+                            path.display()
+                        );
+                    }
+                    slots = Some(sl);
                     facts = Some(f);
                     part_step_bytes = part_step_bytes.max(weight_bytes_per_step(&m));
                     let sess = Session::new(
@@ -256,7 +281,7 @@ impl Bundle {
                     sessions.insert((a, c), sess);
                 }
             }
-            let Some(f) = facts else {
+            let (Some(f), Some(slots)) = (facts, slots) else {
                 bail!("{}: no graphs selected", path.display());
             };
             decode_weight_bytes += part_step_bytes;
@@ -264,11 +289,8 @@ impl Bundle {
                 layers,
                 first: i == 0,
                 last: i + 1 == count,
-                kv: f.kv,
-                kvh: f.kvh,
-                head_dim: f.head_dim,
                 sessions,
-                caches: vec![],
+                caches: KvCaches::new(slots, f.kv, f.head_dim, ctxs[0]),
             });
         }
         if expect_start != manifest.n_layers {
@@ -278,7 +300,16 @@ impl Bundle {
                 manifest.n_layers
             );
         }
-        check_caches_fit(&parts, *ctxs.last().expect("non-empty"))?;
+        let max_ctx = *ctxs.last().expect("non-empty");
+        let need = parts.iter().try_fold(0u128, |acc, p| {
+            KvCaches::bytes_at(&p.caches.slots, p.caches.kv, p.caches.head_dim, max_ctx)
+                .and_then(|b| acc.checked_add(b))
+        });
+        check_fits(
+            need,
+            &format!("the KV caches of a {max_ctx}-slot context"),
+            "use a smaller --ctx",
+        )?;
         let mut b = Bundle {
             dir: dir.to_path_buf(),
             manifest,
@@ -288,7 +319,6 @@ impl Bundle {
             cur_ctx: 0,
             position: 0,
             meta: meta.unwrap_or_default(),
-            cache_copies: 0,
             decode_weight_bytes,
         };
         b.alloc_caches(0);
@@ -324,7 +354,7 @@ impl Bundle {
     }
     /// Times a KV cache had to be copied instead of updated in place.
     pub fn cache_copies(&self) -> usize {
-        self.cache_copies
+        self.parts.iter().map(|p| p.caches.copies).sum()
     }
     /// The tokenizer's GGUF metadata (stored in part 1).
     pub fn metadata(&self) -> &GgufMetaJson {
@@ -350,90 +380,52 @@ impl Bundle {
     fn alloc_caches(&mut self, ctx_idx: usize) {
         let c = self.ctxs[ctx_idx];
         for p in &mut self.parts {
-            p.caches = (0..2 * p.layers.len())
-                .map(|_| Arc::new(Tensor::zeros(p.kv, vec![p.kvh, c, p.head_dim])))
-                .collect();
+            p.caches.reset_to(c);
         }
         self.cur_ctx = ctx_idx;
-    }
-
-    /// Moves the caches into the context `ctx_idx` (larger), keeping their contents.
-    fn grow_caches(&mut self, ctx_idx: usize) -> Result<()> {
-        let (old, new) = (self.ctxs[self.cur_ctx], self.ctxs[ctx_idx]);
-        for p in &mut self.parts {
-            for cache in &mut p.caches {
-                let mut grown = Tensor::zeros(p.kv, vec![p.kvh, new, p.head_dim]);
-                match p.kv {
-                    DType::F16 => copy_slots::<f16>(cache, &mut grown, old, new, p.head_dim)?,
-                    _ => copy_slots::<f32>(cache, &mut grown, old, new, p.head_dim)?,
-                }
-                *cache = Arc::new(grown);
-            }
-        }
-        self.cur_ctx = ctx_idx;
-        Ok(())
     }
 
     /// Appends `tokens` and returns the last token's logits `[vocab]`, or every token's when
     /// `all_logits` (the [`crate::Engine::forward`] contract).
     pub fn forward(&mut self, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>> {
-        if tokens.is_empty() {
-            bail!("forward needs at least one token");
-        }
-        let (ctx, vocab) = (self.ctx(), self.vocab());
-        if self.position + tokens.len() > ctx {
-            bail!(
-                "prompt of {} tokens + {} cached exceeds the bundle's largest context of {ctx}; add a larger ctx to the pipeline",
-                tokens.len(),
-                self.position
-            );
-        }
-        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= vocab) {
-            bail!("token id {t} is outside the vocabulary of {vocab}");
-        }
-        let mut out = Vec::with_capacity(if all_logits {
-            tokens.len() * vocab
-        } else {
-            vocab
-        });
-        let mut rest = tokens;
-        while !rest.is_empty() {
-            let n = self.pick(rest.len())?;
-            let count = n.min(rest.len());
-            let from = if all_logits {
-                0
-            } else if count == rest.len() {
-                count - 1
-            } else {
-                count
-            };
-            let logits = self.run_chunk(n, &rest[..count], from)?;
-            out.extend_from_slice(&logits);
-            rest = &rest[count..];
-        }
-        Ok(out)
+        kv::forward(self, tokens, all_logits)
+    }
+}
+
+impl Chunked for Bundle {
+    fn ctx(&self) -> usize {
+        Bundle::ctx(self)
+    }
+    fn vocab(&self) -> usize {
+        self.manifest.vocab
+    }
+    fn position(&self) -> usize {
+        self.position
+    }
+    fn ctx_advice(&self) -> &'static str {
+        "add a larger ctx to the pipeline"
     }
 
     /// Tokens per call for the next chunk of `remaining` tokens: the smallest variant that
     /// holds them all, else the largest that fits the context (the Engine's choice, so a
     /// bundle batches a prompt as the unsplit model does).
-    fn pick(&self, remaining: usize) -> Result<usize> {
-        let room = |n: usize| self.position + n <= self.ctx();
+    fn pick(&self, remaining: usize, _all_logits: bool) -> Result<(usize, usize)> {
+        let room = |n: usize| self.position + n <= Bundle::ctx(self);
         if let Some(&n) = self
             .ars
             .iter()
             .filter(|&&n| n >= remaining && room(n))
             .min()
         {
-            return Ok(n);
+            return Ok((n, n));
         }
         if let Some(&n) = self.ars.iter().filter(|&&n| room(n)).max() {
-            return Ok(n);
+            return Ok((n, n));
         }
         bail!(
             "no AR variant can take {remaining} tokens at position {} of {} (variants: {:?}); add ar1 to the pipeline",
             self.position,
-            self.ctx(),
+            Bundle::ctx(self),
             self.ars
         )
     }
@@ -449,127 +441,45 @@ impl Bundle {
             .ok_or_else(|| {
                 LlmError::msg(format!(
                     "internal: ar{n} at position {pos} overflows the context of {}",
-                    self.ctx()
+                    Bundle::ctx(self)
                 ))
             })?;
         if ci != self.cur_ctx {
-            self.grow_caches(ci)?;
+            let c = self.ctxs[ci];
+            for p in &mut self.parts {
+                p.caches.grow(c)?;
+            }
+            self.cur_ctx = ci;
         }
         let ctx = self.ctxs[ci];
         // Inputs shared by every part (the Engine's padding and mask conventions).
-        let positions: Vec<i64> = (0..n).map(|i| (pos + i) as i64).collect();
-        let mut ids: Vec<i64> = toks.iter().map(|&t| t as i64).collect();
-        ids.resize(n, 0);
-        let mut mask = vec![f32::NEG_INFINITY; n * ctx];
-        for i in 0..n {
-            let row = &mut mask[i * ctx..(i + 1) * ctx];
-            if i < count {
-                row[..=pos + i].fill(0.0);
-            } else {
-                row[pos + i] = 0.0;
-            }
-        }
-        let positions = Value::tensor(Tensor::from_vec(vec![n], positions)?);
-        let mask = Value::tensor(Tensor::from_vec(vec![n, ctx], mask)?);
-        let token_count = Value::tensor(Tensor::from_vec(vec![1], vec![count as i64])?);
-        let logits_from = Value::tensor(Tensor::from_vec(vec![1], vec![from as i64])?);
-        let mut carry = Value::tensor(Tensor::from_vec(vec![n], ids)?);
+        let step = StepInputs::new(pos, n, count, ctx, from)?;
+        let mut carry = input_ids(toks, n)?;
         let mut logits = None;
-        let n_parts = self.parts.len();
-        for pi in 0..n_parts {
-            let part = &mut self.parts[pi];
+        for (pi, part) in self.parts.iter_mut().enumerate() {
             let sess = &part.sessions[&(n, ctx)];
-            let has = |name: &str| sess.inputs().iter().any(|i| i.name == name);
             let first_input = if part.first { "input_ids" } else { HIDDEN_IN };
-            let mut feeds = vec![
-                (first_input.to_string(), carry.clone()),
-                ("positions".to_string(), positions.clone()),
-                ("attn_mask".to_string(), mask.clone()),
-            ];
-            if has("token_count") {
-                feeds.push(("token_count".into(), token_count.clone()));
-            }
-            if part.last && has("logits_from") {
-                feeds.push(("logits_from".into(), logits_from.clone()));
-            }
-            for (i, l) in part.layers.clone().enumerate() {
-                feeds.push((
-                    format!("past_key.{l}"),
-                    Value::Tensor(part.caches[2 * i].clone()),
-                ));
-                feeds.push((
-                    format!("past_value.{l}"),
-                    Value::Tensor(part.caches[2 * i + 1].clone()),
-                ));
-            }
-            let outs = sess.run(feeds).map_err(|e| {
-                LlmError::msg(format!(
-                    "part {} (layers {}..{}), ar{n} ctx {ctx}: {e}",
+            let mut feeds = step.feeds(sess.inputs(), (first_input, carry.clone()));
+            part.caches.feed(&mut feeds);
+            let what = || {
+                format!(
+                    "part {} (layers {}..{}), ar{n} ctx {ctx}",
                     pi + 1,
                     part.layers.start,
                     part.layers.end
-                ))
-            })?;
-            let mut news: Vec<Option<Arc<Tensor>>> = vec![None; part.caches.len()];
-            let mut next = None;
-            for (name, v) in outs {
-                let Value::Tensor(t) = v else {
-                    bail!("part {}: output '{name}' is not a tensor", pi + 1);
-                };
-                if name == "logits" {
-                    logits = Some(t);
-                } else if name == HIDDEN_OUT {
-                    next = Some(t);
-                } else if let Some((kind, l)) = name.split_once('.') {
-                    let l: usize = l.parse().map_err(|_| {
-                        LlmError::msg(format!("part {}: unexpected output '{name}'", pi + 1))
-                    })?;
-                    if !part.layers.contains(&l) {
-                        bail!(
-                            "part {}: output '{name}' is outside its layers {}..{}",
-                            pi + 1,
-                            part.layers.start,
-                            part.layers.end
-                        );
-                    }
-                    let slot = 2 * (l - part.layers.start)
-                        + match kind {
-                            "new_key" => 0,
-                            "new_value" => 1,
-                            _ => bail!("part {}: unexpected output '{name}'", pi + 1),
-                        };
-                    news[slot] = Some(t);
-                }
-            }
-            let (kvh, d) = (part.kvh, part.head_dim);
-            for (slot, new) in news.into_iter().enumerate() {
-                let l = part.layers.start + slot / 2;
-                let Some(new) = new else {
-                    bail!("part {}: no KV output for layer {l}", pi + 1);
-                };
-                if new.shape() != [kvh, n, d] || new.dtype() != part.kv {
-                    bail!(
-                        "part {}: KV output of layer {l} is {:?} {}, expected [{kvh}, {n}, {d}] {}",
-                        pi + 1,
-                        new.shape(),
-                        new.dtype(),
-                        part.kv
-                    );
-                }
-                let cache = match Arc::get_mut(&mut part.caches[slot]) {
-                    Some(c) => c,
-                    None => {
-                        self.cache_copies += 1;
-                        Arc::make_mut(&mut part.caches[slot])
-                    }
-                };
-                match part.kv {
-                    DType::F16 => write_kv::<f16>(cache, &new, count, pos, ctx)?,
-                    _ => write_kv::<f32>(cache, &new, count, pos, ctx)?,
-                }
-            }
-            if !part.last {
-                let Some(h) = next else {
+                )
+            };
+            let outs = sess
+                .run(feeds)
+                .map_err(|e| LlmError::msg(format!("{}: {e}", what())))?;
+            let mut outs = outputs_by_name(outs)?;
+            part.caches
+                .store(&mut outs, n, count, pos)
+                .map_err(|e| LlmError::msg(format!("{}: {e}", what())))?;
+            if part.last {
+                logits = outs.remove("logits");
+            } else {
+                let Some(h) = outs.remove(HIDDEN_OUT) else {
                     bail!("part {}: the graph has no '{HIDDEN_OUT}' output", pi + 1);
                 };
                 carry = Value::Tensor(h);
@@ -579,15 +489,7 @@ impl Bundle {
             bail!("the last part has no 'logits' output");
         };
         self.position += count;
-        let vocab = self.vocab();
-        let rows = logits.as_slice::<f32>()?;
-        if rows.len() < count * vocab {
-            bail!(
-                "logits hold {} values, expected at least {count} x {vocab}",
-                rows.len()
-            );
-        }
-        Ok(rows[from * vocab..count * vocab].to_vec())
+        logit_rows(&logits, from, count, self.manifest.vocab)
     }
 }
 
@@ -595,7 +497,6 @@ impl Bundle {
 struct PartFacts {
     layers: Range<usize>,
     kv: DType,
-    kvh: usize,
     head_dim: usize,
 }
 
@@ -631,53 +532,7 @@ impl PartFacts {
         Ok(PartFacts {
             layers: start..end,
             kv,
-            kvh: u("n_kv_heads")?,
             head_dim: u("head_dim")?,
         })
     }
-}
-
-/// Copies the `old` slots of `src [KVH, old, D]` into `dst [KVH, new, D]`.
-fn copy_slots<T: npuc_ir::Elem + Copy>(
-    src: &Tensor,
-    dst: &mut Tensor,
-    old: usize,
-    new: usize,
-    d: usize,
-) -> Result<()> {
-    let kvh = src.shape()[0];
-    let s = src.as_slice::<T>()?;
-    let t = dst.as_mut_slice::<T>()?;
-    for g in 0..kvh {
-        t[g * new * d..(g * new + old) * d].copy_from_slice(&s[g * old * d..(g + 1) * old * d]);
-    }
-    Ok(())
-}
-
-/// Refuses caches (all parts, at the largest context) larger than the available memory.
-fn check_caches_fit(parts: &[PartRun], ctx: usize) -> Result<()> {
-    let need: u128 = parts
-        .iter()
-        .map(|p| {
-            [2, p.layers.len(), p.kvh, ctx, p.head_dim, p.kv.size()]
-                .iter()
-                .fold(1u128, |a, &b| a.saturating_mul(b as u128))
-        })
-        .sum();
-    let available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
-        m.lines()
-            .find(|l| l.starts_with("MemAvailable:"))
-            .and_then(|l| l.split_whitespace().nth(1)?.parse::<u128>().ok())
-            .map(|kb| kb * 1024)
-    });
-    if let Some(a) = available {
-        if need > a {
-            bail!(
-                "the KV caches of a {ctx}-slot context need {:.2} GB, but only {:.2} GB of memory is available; use a smaller --ctx",
-                need as f64 / 1e9,
-                a as f64 / 1e9
-            );
-        }
-    }
-    Ok(())
 }

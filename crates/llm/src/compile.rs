@@ -146,7 +146,8 @@ pub struct PartCompileSummary {
 
 /// Compiles one part of a split model (see [`crate::build::split`]) into the artifact `out`
 /// (written atomically): one graph per `(tokens, ctx)` pair, named `ar{N}_c{C}`, the part's
-/// weights stored once; the first part also carries the tokenizer's GGUF metadata.
+/// weights stored once (with `sha`, in single-head attention form: per-head weight slices);
+/// the first part also carries the tokenizer's GGUF metadata.
 /// Deterministic: the same inputs give the same bytes. `check` sees each graph as built, before
 /// the tokenizer metadata is attached (a caller's consistency check; an `Err` message aborts,
 /// naming the graph).
@@ -155,6 +156,7 @@ pub fn compile_part(
     part: &crate::build::split::PartSpec,
     graphs: &[(usize, usize)],
     precision: Precision,
+    sha: bool,
     out: &Path,
     check: &mut dyn FnMut(&str, &npuc_ir::Model) -> std::result::Result<(), String>,
 ) -> Result<PartCompileSummary> {
@@ -173,6 +175,7 @@ pub fn compile_part(
         "layers": [part.layers.start, part.layers.end],
         "graphs": graphs.iter().map(|&(n, c)| split::graph_name(n, c)).collect::<Vec<_>>(),
         "precision": precision.name(),
+        "sha": sha,
     });
     // The host's target: these graphs run on the CPU kernels of this build.
     let mut w = ArtifactWriter::new(Target::host(), options);
@@ -181,13 +184,18 @@ pub fn compile_part(
         .file_name()
         .map(|f| f.to_string_lossy().into_owned())
         .unwrap_or_default();
-    w.add_source(&source, g.backing().bytes());
+    // Hashed from the file (not the mapping: the part needs only its own weights resident).
+    if Path::new(&g.name).is_file() {
+        w.add_source_file(&source, Path::new(&g.name))?;
+    } else {
+        w.add_source(&source, g.backing().bytes());
+    }
     let mut names = vec![];
     // One repacked copy of each weight for all the part's graphs.
     let repacked = crate::build::RepackCache::default();
     for (i, &(tokens, ctx)) in graphs.iter().enumerate() {
         let name = split::graph_name(tokens, ctx);
-        let mut m = split::build_part_shared(g, &hp, part, tokens, ctx, precision, &repacked)?;
+        let mut m = split::build_part_shared(g, &hp, part, tokens, ctx, precision, sha, &repacked)?;
         check(&name, &m).map_err(|e| {
             LlmError::msg(format!(
                 "{}: part {} graph {name}: {e}",

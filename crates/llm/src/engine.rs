@@ -6,13 +6,16 @@
 //! at the call's positions.
 
 use crate::build::{self, BuildOptions, Precision, Variant, WeightMode};
+use crate::kv::{
+    self, check_fits, input_ids, kv_slots, logit_rows, outputs_by_name, Chunked, KvCaches,
+    StepInputs,
+};
 use crate::{bail, LlmError, Result};
 use npuc_gguf::GgufFile;
 use npuc_gguf::GgufMetaJson;
-use npuc_ir::{f16, DType, Model, Tensor};
-use npuc_runtime::{Session, SessionOptions, Value};
+use npuc_ir::{DType, Model};
+use npuc_runtime::{Session, SessionOptions};
 use std::path::Path;
-use std::sync::Arc;
 
 /// Metadata key (per graph) holding the model facts the engine needs.
 pub const META_KEY: &str = "npuc.llm";
@@ -63,13 +66,11 @@ struct Shape {
 /// A decoder LLM ready to run token by token or in chunks.
 pub struct Engine {
     sessions: Vec<(Variant, usize, Session)>,
-    /// `2 * n_layers` caches: key of layer l at `2l`, value at `2l + 1`.
-    caches: Vec<Arc<Tensor>>,
+    /// The caches every variant reads (`past_key.{l}`... or, single-head graphs, per head).
+    caches: KvCaches,
     shape: Shape,
     position: usize,
     meta: GgufMetaJson,
-    /// Times a cache had to be copied because a reference outlived a run (should stay 0).
-    cache_copies: usize,
     /// Weight bytes one decode step reads (every product's weights; one row of each gather).
     decode_weight_bytes: u64,
 }
@@ -152,6 +153,7 @@ impl Engine {
     ) -> Result<Engine> {
         crate::ops::register();
         let mut shape: Option<Shape> = None;
+        let mut slots = None;
         let mut sessions = vec![];
         let decode_weight_bytes = models
             .iter()
@@ -160,16 +162,19 @@ impl Engine {
             .unwrap_or(0);
         for (v, m) in models {
             let s = shape_of(&m)?;
-            if let Some(prev) = &shape {
-                if *prev != s {
+            let sl = kv_slots(&m.graph.inputs, &(0..s.n_layers))
+                .map_err(|e| LlmError::msg(format!("variant {}: {e}", v.name())))?;
+            if let (Some(prev), Some(prev_slots)) = (&shape, &slots) {
+                if *prev != s || *prev_slots != sl {
                     bail!(
-                        "variant {} was built for another model or context ({s:?} vs {prev:?})",
+                        "variant {} was built for another model, context or cache layout ({s:?} vs {prev:?})",
                         v.name()
                     );
                 }
             }
             let n = v.tokens(s.ctx);
             shape = Some(s);
+            slots = Some(sl);
             let sess = Session::new(
                 &m,
                 SessionOptions {
@@ -182,27 +187,26 @@ impl Engine {
             sess.set_buffer_reuse(false);
             sessions.push((v, n, sess));
         }
-        let Some(shape) = shape else {
+        let (Some(shape), Some(slots)) = (shape, slots) else {
             bail!("no variants to build (give at least one, e.g. ar1)");
         };
         // Largest first: the variant choice walks this list.
         sessions.sort_by_key(|(_, n, _)| std::cmp::Reverse(*n));
-        check_cache_fits(&shape)?;
-        let caches = (0..2 * shape.n_layers)
-            .map(|_| {
-                Arc::new(Tensor::zeros(
-                    shape.kv,
-                    vec![shape.kvh, shape.ctx, shape.head_dim],
-                ))
-            })
-            .collect();
+        check_fits(
+            KvCaches::bytes_at(&slots, shape.kv, shape.head_dim, shape.ctx),
+            &format!(
+                "the KV cache of {} slots ({} layers x K and V x {} KV heads x {} x {} {})",
+                shape.ctx, shape.n_layers, shape.kvh, shape.ctx, shape.head_dim, shape.kv
+            ),
+            "lower --ctx",
+        )?;
+        let caches = KvCaches::new(slots, shape.kv, shape.head_dim, shape.ctx);
         Ok(Engine {
             sessions,
             caches,
             shape,
             position: 0,
             meta,
-            cache_copies: 0,
             decode_weight_bytes,
         })
     }
@@ -236,7 +240,7 @@ impl Engine {
     /// Times a KV cache had to be copied instead of updated in place (0 unless something
     /// kept a reference to a cache past a run).
     pub fn cache_copies(&self) -> usize {
-        self.cache_copies
+        self.caches.copies
     }
     /// The tokenizer's GGUF metadata.
     pub fn metadata(&self) -> &GgufMetaJson {
@@ -263,47 +267,53 @@ impl Engine {
     /// e.g. perplexity) and returns the logits of the last token `[vocab]`, or of every token
     /// (`[tokens.len() * vocab]`) when `all_logits`.
     pub fn forward(&mut self, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>> {
-        if tokens.is_empty() {
-            bail!("forward needs at least one token");
-        }
-        let (ctx, vocab) = (self.ctx(), self.vocab());
-        if self.position + tokens.len() > ctx {
-            bail!(
-                "prompt of {} tokens + {} generated exceeds the context of {ctx}; compile with a larger --ctx",
-                tokens.len(),
-                self.position
-            );
-        }
-        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= vocab) {
-            bail!("token id {t} is outside the vocabulary of {vocab}");
-        }
-        let mut out = Vec::with_capacity(if all_logits {
-            tokens.len() * vocab
-        } else {
-            vocab
-        });
-        let mut rest = tokens;
-        while !rest.is_empty() {
-            let idx = self.pick(rest.len(), all_logits)?;
-            let n = self.sessions[idx].1;
-            let count = n.min(rest.len());
-            // Only the last chunk's last row is wanted unless every row is.
-            let want = if all_logits {
-                Rows::All
-            } else if count == rest.len() {
-                Rows::Last
-            } else {
-                Rows::None
-            };
-            let logits = self.run_chunk(idx, &rest[..count], want)?;
-            out.extend_from_slice(&logits);
-            rest = &rest[count..];
-        }
-        Ok(out)
+        kv::forward(self, tokens, all_logits)
+    }
+}
+
+impl Chunked for Engine {
+    fn ctx(&self) -> usize {
+        self.shape.ctx
+    }
+    fn vocab(&self) -> usize {
+        self.shape.vocab
+    }
+    fn position(&self) -> usize {
+        self.position
+    }
+    fn ctx_advice(&self) -> &'static str {
+        "compile with a larger --ctx"
     }
 
     /// The session for the next chunk of `remaining` tokens.
-    fn pick(&self, remaining: usize, all_logits: bool) -> Result<usize> {
+    fn pick(&self, remaining: usize, all_logits: bool) -> Result<(usize, usize)> {
+        let i = self.pick_index(remaining, all_logits)?;
+        Ok((i, self.sessions[i].1))
+    }
+
+    /// Runs session `idx` on `toks` (padded to its N), updates the caches and the position,
+    /// and returns the logits of rows `from..toks.len()` (graphs without `logits_from` compute
+    /// them all anyway).
+    fn run_chunk(&mut self, idx: usize, toks: &[u32], from: usize) -> Result<Vec<f32>> {
+        let (ctx, pos) = (self.shape.ctx, self.position);
+        let (n, count) = (self.sessions[idx].1, toks.len());
+        let step = StepInputs::new(pos, n, count, ctx, from)?;
+        let sess = &self.sessions[idx].2;
+        let mut feeds = step.feeds(sess.inputs(), ("input_ids", input_ids(toks, n)?));
+        self.caches.feed(&mut feeds);
+        let mut outs = outputs_by_name(sess.run(feeds)?)?;
+        self.caches.store(&mut outs, n, count, pos)?;
+        let Some(logits) = outs.remove("logits") else {
+            bail!("the graph has no 'logits' output");
+        };
+        self.position += count;
+        logit_rows(&logits, from, count, self.shape.vocab)
+    }
+}
+
+impl Engine {
+    /// The session for the next chunk of `remaining` tokens.
+    fn pick_index(&self, remaining: usize, all_logits: bool) -> Result<usize> {
         let pos = self.position;
         // `full` (padded) for a whole-sequence scoring call from the start.
         if all_logits && pos == 0 {
@@ -330,7 +340,7 @@ impl Engine {
                 .enumerate()
                 .filter(|(_, (v, _, _))| matches!(v, Variant::Ar(_)))
         };
-        let room = |n: usize| pos + n <= self.ctx();
+        let room = |n: usize| pos + n <= self.shape.ctx;
         let largest = ars()
             .filter(|(_, (_, n, _))| room(*n))
             .max_by_key(|(_, (_, n, _))| *n);
@@ -360,190 +370,6 @@ impl Engine {
             self.variants().iter().map(|v| v.name()).collect::<Vec<_>>().join(", ")
         )
     }
-
-    /// Runs session `idx` on `toks` (padded to its N), updates the caches and the position,
-    /// and returns the logits of the rows `want` asks for (`All`: `[toks.len(), vocab]`,
-    /// `Last`: `[vocab]`, `None`: empty; graphs without `logits_from` compute them all anyway).
-    fn run_chunk(&mut self, idx: usize, toks: &[u32], want: Rows) -> Result<Vec<f32>> {
-        let (ctx, pos) = (self.ctx(), self.position);
-        let n = self.sessions[idx].1;
-        let count = toks.len();
-        // Padding rows take the slots after the real ones; nothing reads them (their mask row
-        // shows only their own slot, real rows never see them) and the host does not keep them.
-        let positions: Vec<i64> = (0..n).map(|i| (pos + i) as i64).collect();
-        if pos + n > ctx {
-            bail!(
-                "internal: variant of {n} tokens at position {pos} overflows the context of {ctx}"
-            );
-        }
-        let mut ids: Vec<i64> = toks.iter().map(|&t| t as i64).collect();
-        ids.resize(n, 0);
-        let mut mask = vec![f32::NEG_INFINITY; n * ctx];
-        for i in 0..n {
-            let row = &mut mask[i * ctx..(i + 1) * ctx];
-            if i < count {
-                row[..=pos + i].fill(0.0);
-            } else {
-                row[pos + i] = 0.0;
-            }
-        }
-        let mut feeds = vec![
-            (
-                "input_ids".to_string(),
-                Value::tensor(Tensor::from_vec(vec![n], ids)?),
-            ),
-            (
-                "positions".to_string(),
-                Value::tensor(Tensor::from_vec(vec![n], positions)?),
-            ),
-            (
-                "attn_mask".to_string(),
-                Value::tensor(Tensor::from_vec(vec![n, ctx], mask)?),
-            ),
-        ];
-        // Graphs built since the fast path follows llama.cpp's batching take the count of real
-        // (unpadded) tokens; older artifacts do not have the input.
-        if self.sessions[idx]
-            .2
-            .inputs()
-            .iter()
-            .any(|i| i.name == "token_count")
-        {
-            feeds.push((
-                "token_count".to_string(),
-                Value::tensor(Tensor::from_vec(vec![1], vec![count as i64])?),
-            ));
-        }
-        // Graphs whose output head computes only the wanted rows take the first one.
-        let from = match want {
-            Rows::All => 0,
-            Rows::Last => count - 1,
-            Rows::None => count,
-        };
-        if self.sessions[idx]
-            .2
-            .inputs()
-            .iter()
-            .any(|i| i.name == "logits_from")
-        {
-            feeds.push((
-                "logits_from".to_string(),
-                Value::tensor(Tensor::from_vec(vec![1], vec![from as i64])?),
-            ));
-        }
-        for l in 0..self.shape.n_layers {
-            feeds.push((
-                format!("past_key.{l}"),
-                Value::Tensor(self.caches[2 * l].clone()),
-            ));
-            feeds.push((
-                format!("past_value.{l}"),
-                Value::Tensor(self.caches[2 * l + 1].clone()),
-            ));
-        }
-        let outs = self.sessions[idx].2.run(feeds)?;
-        let mut logits = None;
-        let mut news: Vec<Option<Arc<Tensor>>> = vec![None; 2 * self.shape.n_layers];
-        for (name, v) in outs {
-            let Value::Tensor(t) = v else {
-                bail!("output '{name}' is not a tensor");
-            };
-            if name == "logits" {
-                logits = Some(t);
-            } else if let Some((kind, l)) = name.split_once('.') {
-                let l: usize = l
-                    .parse()
-                    .map_err(|_| LlmError::msg(format!("unexpected output '{name}'")))?;
-                let slot = match kind {
-                    "new_key" => 2 * l,
-                    "new_value" => 2 * l + 1,
-                    _ => bail!("unexpected output '{name}'"),
-                };
-                if slot < news.len() {
-                    news[slot] = Some(t);
-                }
-            }
-        }
-        let (kvh, d) = (self.shape.kvh, self.shape.head_dim);
-        for (slot, new) in news.into_iter().enumerate() {
-            let Some(new) = new else {
-                bail!("the graph did not produce the KV output for cache {slot}");
-            };
-            if new.shape() != [kvh, n, d] || new.dtype() != self.shape.kv {
-                bail!(
-                    "KV output {slot} is {:?} {}, expected [{kvh}, {n}, {d}] {}",
-                    new.shape(),
-                    new.dtype(),
-                    self.shape.kv
-                );
-            }
-            let cache = match Arc::get_mut(&mut self.caches[slot]) {
-                Some(c) => c,
-                None => {
-                    self.cache_copies += 1;
-                    Arc::make_mut(&mut self.caches[slot])
-                }
-            };
-            match self.shape.kv {
-                DType::F16 => write_kv::<f16>(cache, &new, count, pos, ctx)?,
-                _ => write_kv::<f32>(cache, &new, count, pos, ctx)?,
-            }
-        }
-        let Some(logits) = logits else {
-            bail!("the graph has no 'logits' output");
-        };
-        self.position += count;
-        let vocab = self.vocab();
-        let rows = logits.as_slice::<f32>()?;
-        if rows.len() < count * vocab {
-            bail!(
-                "logits hold {} values, expected at least {count} x {vocab}",
-                rows.len()
-            );
-        }
-        Ok(rows[from * vocab..count * vocab].to_vec())
-    }
-}
-
-/// Refuses a KV cache larger than the memory the system has available, before allocating it,
-/// saying how much it needs.
-fn check_cache_fits(s: &Shape) -> Result<()> {
-    let need = [2, s.n_layers, s.kvh, s.ctx, s.head_dim, s.kv.size()]
-        .iter()
-        .try_fold(1u128, |a, &b| a.checked_mul(b as u128));
-    let available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
-        m.lines()
-            .find(|l| l.starts_with("MemAvailable:"))
-            .and_then(|l| l.split_whitespace().nth(1)?.parse::<u128>().ok())
-            .map(|kb| kb * 1024)
-    });
-    match (need, available) {
-        (None, _) => bail!(
-            "a KV cache of {} slots ({} layers) is too large to address; lower --ctx",
-            s.ctx,
-            s.n_layers
-        ),
-        (Some(n), Some(a)) if n > a => bail!(
-            "the KV cache of {} slots needs {:.2} GB ({} layers x K and V x {} KV heads x {} x {} {}), but only {:.2} GB of memory is available; lower --ctx",
-            s.ctx,
-            n as f64 / 1e9,
-            s.n_layers,
-            s.kvh,
-            s.ctx,
-            s.head_dim,
-            s.kv,
-            a as f64 / 1e9
-        ),
-        _ => Ok(()),
-    }
-}
-
-/// Which logits rows a chunk returns.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Rows {
-    All,
-    Last,
-    None,
 }
 
 /// Weight bytes a step of `m` reads (see [`Engine::decode_weight_bytes`]; also used by
@@ -569,25 +395,6 @@ pub(crate) fn weight_bytes_per_step(m: &Model) -> u64 {
             },
         )
         .sum()
-}
-
-/// Writes rows `0..count` of `new [KVH, N, D]` into `cache [KVH, C, D]` at slots `pos..`
-/// (also used by [`crate::bundle`]).
-pub(crate) fn write_kv<T: npuc_ir::Elem + Copy>(
-    cache: &mut Tensor,
-    new: &Tensor,
-    count: usize,
-    pos: usize,
-    ctx: usize,
-) -> Result<()> {
-    let (kvh, n, d) = (new.shape()[0], new.shape()[1], new.shape()[2]);
-    let src = new.as_slice::<T>()?;
-    let dst = cache.as_mut_slice::<T>()?;
-    for g in 0..kvh {
-        let s = &src[g * n * d..(g * n + count) * d];
-        dst[(g * ctx + pos) * d..(g * ctx + pos + count) * d].copy_from_slice(s);
-    }
-    Ok(())
 }
 
 /// Reads the `npuc.llm` facts of a variant graph.

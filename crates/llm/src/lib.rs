@@ -12,6 +12,7 @@ pub mod build;
 pub mod bundle;
 pub mod compile;
 pub mod engine;
+pub mod kv;
 pub mod ops;
 
 pub use build::{build, BuildOptions, Hparams, Precision, Variant, WeightMode};

@@ -1,6 +1,7 @@
 //! npuc's CPU runtime: op kernels behind a registry, plans and an executor.
 
 pub mod buffers;
+pub mod compare;
 pub mod error;
 pub mod exec;
 pub mod kernel;

@@ -11,6 +11,7 @@
 pub mod gemma3;
 pub mod llama;
 pub mod qwen2;
+pub mod sha;
 pub mod split;
 
 use crate::{bail, ops, LlmError, Result};
@@ -1111,7 +1112,9 @@ impl Builder<'_> {
             if hp.post_norms {
                 dn = self.rms(&dn, &p("post_ffw_norm.weight"), e)?;
             }
-            x = self.op("Add", &[&x, &dn], vec![]);
+            // Named, so checks can compare each layer's residual stream (and the hidden state
+            // at a part cut) across graphs.
+            x = self.push("Add", "", &[&x, &dn], &format!("residual.{l}"), vec![]);
         }
         if !part.has_head() {
             self.push("Identity", "", &[&x], split::HIDDEN_OUT, vec![]);

@@ -207,7 +207,8 @@ pub fn split_by_budget(census: &WeightCensus, budget: u64) -> Result<Vec<PartSpe
         .collect())
 }
 
-/// Builds the graph of one part for `tokens` per call over `ctx` cache slots.
+/// Builds the graph of one part for `tokens` per call over `ctx` cache slots; with `sha`, in
+/// single-head attention form ([`super::sha::to_sha`]).
 pub fn build_part(
     g: &GgufFile,
     hp: &Hparams,
@@ -215,11 +216,22 @@ pub fn build_part(
     tokens: usize,
     ctx: usize,
     precision: Precision,
+    sha: bool,
 ) -> Result<npuc_ir::Model> {
-    build_part_shared(g, hp, part, tokens, ctx, precision, &Default::default())
+    build_part_shared(
+        g,
+        hp,
+        part,
+        tokens,
+        ctx,
+        precision,
+        sha,
+        &Default::default(),
+    )
 }
 
 /// [`build_part`] sharing repacked weights with the other graphs built with `repacked`.
+#[allow(clippy::too_many_arguments)]
 pub fn build_part_shared(
     g: &GgufFile,
     hp: &Hparams,
@@ -227,9 +239,10 @@ pub fn build_part_shared(
     tokens: usize,
     ctx: usize,
     precision: Precision,
+    sha: bool,
     repacked: &super::RepackCache,
 ) -> Result<npuc_ir::Model> {
-    super::build_layers(
+    let m = super::build_layers(
         g,
         hp,
         &BuildOptions {
@@ -240,7 +253,12 @@ pub fn build_part_shared(
             repacked: repacked.clone(),
         },
         Some(part),
-    )
+    )?;
+    if sha {
+        super::sha::to_sha(&m)
+    } else {
+        Ok(m)
+    }
 }
 
 /// The name of a part graph in its artifact: `ar{N}_c{C}`.
