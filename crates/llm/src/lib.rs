@@ -8,6 +8,7 @@
 //! f32 [N, vocab], `new_key.{l}` / `new_value.{l}` [KVH, N, D] which the host writes into its
 //! cache at `positions` after each call.
 
+mod anon;
 pub mod build;
 pub mod bundle;
 pub mod compile;

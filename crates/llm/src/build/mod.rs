@@ -660,7 +660,11 @@ impl Builder<'_> {
                 npuc_ggml::X8_ROWS
             );
         }
-        let mut out = vec![0u8; len];
+        // Streamed in full every token: anonymous memory on huge pages (see `anon::zeroed`).
+        let mut out = crate::anon::zeroed(len, true).map_err(|e| {
+            self.g
+                .tensor_err(&t.name, format!("{len} bytes for its x8 copy: {e}"))
+        })?;
         let per_read = ((1 << 20) / group).max(1) * group;
         let mut src = vec![0u8; per_read.min(len)];
         for (i, dst) in out.chunks_mut(per_read).enumerate() {
@@ -672,7 +676,10 @@ impl Builder<'_> {
             }
         }
         // Borrowed from a shared buffer, so the variants' clones share the bytes.
-        let owner: std::sync::Arc<dyn npuc_ir::Backing> = std::sync::Arc::new(out);
+        let owner = crate::anon::seal(out).map_err(|e| {
+            self.g
+                .tensor_err(&t.name, format!("sealing its x8 copy: {e}"))
+        })?;
         let tensor = Tensor::from_le_bytes(
             DType::U8,
             vec![n / npuc_ggml::X8_ROWS, group],

@@ -26,7 +26,6 @@ use npuc_runtime::bail;
 use npuc_runtime::Result;
 use npuc_runtime::Value;
 use npuc_runtime::{Inputs, OpCtx, Registry};
-use std::sync::Arc;
 
 pub fn register(r: &mut Registry) {
     r.define(&GGML_MATMUL, ggml_matmul);
@@ -243,7 +242,7 @@ fn ggml_matmul(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     let sparse = (rows - start) * 2 < m && m * n * 4 >= SPARSE_OUTPUT_MIN_BYTES;
     let mut anon = if sparse {
         Some(
-            memmap2::MmapMut::map_anon(m * n * 4)
+            crate::anon::zeroed(m * n * 4, false)
                 .map_err(|e| npuc_runtime::RtError::msg(format!("output of {m} x {n} f32: {e}")))?,
         )
     } else {
@@ -291,10 +290,9 @@ fn ggml_matmul(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     *shape.last_mut().expect("X has a last dimension") = n;
     let t = match anon {
         Some(a) => {
-            let a = a
-                .make_read_only()
+            let a = crate::anon::seal(a)
                 .map_err(|e| npuc_runtime::RtError::msg(format!("output mapping: {e}")))?;
-            Tensor::from_le_bytes(DType::F32, shape, Arc::new(AnonOutput(a)), 0, m * n * 4)?
+            Tensor::from_le_bytes(DType::F32, shape, a, 0, m * n * 4)?
         }
         None => Tensor::from_vec(shape, heap)?,
     };
@@ -303,15 +301,6 @@ fn ggml_matmul(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
 
 /// Outputs from this size on, with most rows skipped, live in an anonymous mapping.
 const SPARSE_OUTPUT_MIN_BYTES: usize = 4 << 20;
-
-/// A product's output held in an anonymous mapping (see `ggml_matmul`).
-struct AnonOutput(memmap2::Mmap);
-
-impl npuc_ir::Backing for AnonOutput {
-    fn bytes(&self) -> &[u8] {
-        &self.0
-    }
-}
 
 fn ggml_gather(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     let (ty, k) = type_and_k(ctx.node)?;
