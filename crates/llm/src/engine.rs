@@ -104,7 +104,9 @@ impl Engine {
                 continue;
             }
             let m = art.model(Some(name))?;
-            if let Some(j) = m.metadata(TOKENIZER_KEY) {
+            // Every graph carries the tokenizer's metadata; one copy is parsed (the vocabulary
+            // is hundreds of thousands of entries).
+            if let Some(j) = m.metadata(TOKENIZER_KEY).filter(|_| meta.is_none()) {
                 let j: serde_json::Value = serde_json::from_str(j).map_err(|e| {
                     LlmError::msg(format!(
                         "{}: graph '{name}': bad {TOKENIZER_KEY} JSON: {e}",
