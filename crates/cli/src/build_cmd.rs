@@ -26,6 +26,11 @@ pub struct BuildArgs {
     /// repeatable.
     #[arg(long, value_name = "STEP")]
     pub force: Vec<String>,
+    /// Re-hash every cached file (by default a file is re-hashed only when its size, times or
+    /// inode changed since its hash last matched): also finds corruption below the
+    /// filesystem, such as a bit flipped on the disk.
+    #[arg(long)]
+    pub verify_cache: bool,
 }
 
 /// Runs `npuc build`: progress lines on stderr, the summary table on stdout.
@@ -51,6 +56,7 @@ pub fn cmd(a: &BuildArgs) -> Result<()> {
         jobs,
         dry_run: a.dry_run,
         force: a.force.clone(),
+        verify_cache: a.verify_cache,
     };
     let mut progress = |line: &str| eprintln!("{line}");
     let report = npuc_driver::build::build_pipeline(&a.pipeline, &req, &mut progress)?;
