@@ -52,7 +52,7 @@ for f in "${fractions[@]}"; do
   fi
   t1=$(now)
   "$npuc" build "$pipeline" -o "$out" > "$work/resumed-$f.log" 2>&1
-  ran=$(grep -E '^\[[0-9]+/[0-9]+\] +[^ ]+ +(ran|rebuilt)' "$work/resumed-$f.log" | wc -l)
+  ran=$(grep -cE '^\[[0-9]+/[0-9]+\] +[^ ]+ +(ran|rebuilt)' "$work/resumed-$f.log" || true)
   echo "fraction $f: resumed in $(secs "$t1" "$(now)") s, ${ran} step(s) ran"
   if [ "$(bundle_files "$ref")" != "$(bundle_files "$out")" ]; then
     echo "fraction $f: the bundles hold different files" >&2
