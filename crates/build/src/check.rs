@@ -2,8 +2,10 @@
 //! the sanity table of the `verify:*` steps (all in `check.json`).
 
 use crate::cache::{Cache, Record};
+#[cfg(not(unix))]
+use crate::link_into;
 use crate::verify::argmax;
-use crate::{link_into, part_file, Pipeline};
+use crate::{part_file, Pipeline};
 use anyhow::{bail, Context, Result};
 use npuc_llm::bundle::MANIFEST;
 use npuc_llm::{Bundle, BundleOptions, Engine, EngineOptions, Precision, Variant};
@@ -22,6 +24,22 @@ fn greedy(
         toks.push(argmax(&row) as u32);
     }
     Ok((first, toks))
+}
+
+/// Makes `dest` name the file `src` without touching `src`'s metadata (a symbolic link; a
+/// hard link where there are none).
+fn refer_to(src: &Path, dest: &Path) -> Result<()> {
+    #[cfg(unix)]
+    {
+        let abs = std::path::absolute(src)
+            .with_context(|| format!("the absolute path of '{}'", src.display()))?;
+        std::os::unix::fs::symlink(&abs, dest)
+            .with_context(|| format!("linking '{}' to '{}'", dest.display(), abs.display()))
+    }
+    #[cfg(not(unix))]
+    {
+        link_into(src, dest).map(|_| ())
+    }
 }
 
 /// Runs the check and writes `out` (JSON); returns the summary line.
@@ -52,13 +70,14 @@ pub(crate) fn run(
         crate::cache::write_synced(out, &serde_json::to_vec_pretty(&j)?)?;
         return Ok(format!("{sanity_line}; no test prompts"));
     }
-    // The bundle as `npuc generate` sees it: a directory of its files (hard links).
+    // The bundle as `npuc generate` sees it: a directory of its files (symbolic links: a
+    // hard link would change the entries' ctime, and so make the next run re-hash them).
     let dir = cache.scratch()?;
     for (i, rec) in parts.iter().enumerate() {
         let src = cache.entry_dir("compile", &rec.key).join("part.npuc");
-        link_into(&src, &dir.path().join(part_file(i)))?;
+        refer_to(&src, &dir.path().join(part_file(i)))?;
     }
-    link_into(
+    refer_to(
         &cache.entry_dir("bundle", &bundle.key).join(MANIFEST),
         &dir.path().join(MANIFEST),
     )?;

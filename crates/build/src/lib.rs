@@ -29,7 +29,7 @@ pub mod verify;
 pub use pipeline::Pipeline;
 
 use anyhow::{anyhow, bail, Context, Result};
-use cache::{Cache, KeyHasher, Lookup, Record};
+use cache::{Cache, KeyHasher, Lookup, Record, Verify};
 use npuc_llm::build::split::{self, PartSpec};
 use npuc_llm::bundle::{BundleManifest, PartRecord, SourceRecord, MANIFEST};
 use npuc_llm::Precision;
@@ -54,6 +54,9 @@ pub struct BuildRequest {
     pub dry_run: bool,
     /// Steps to run again even when cached: a step id (`compile:p1`) or kind (`compile`).
     pub force: Vec<String>,
+    /// Re-hash every cached file, also those whose metadata are unchanged since their hash
+    /// last matched (see [`cache`]): finds corruption below the filesystem too.
+    pub verify_cache: bool,
 }
 
 /// What happened to a step.
@@ -520,7 +523,10 @@ fn execute(
             let (spec, prec) = &p.parts[*part];
             let g = npuc_gguf::GgufFile::open(&p.gguf)?;
             let hp = split::model_hparams(&g)?;
-            let m = split::build_part(&g, &hp, spec, *tokens, *ctx, *prec, p.sha)?;
+            // The structure only: the interleaved weights' bytes are the compile step's work
+            // (repacked there once for all the part's graphs; see `RepackCache::layout_only`).
+            let layout = npuc_llm::build::RepackCache::layout_only();
+            let m = split::build_part_shared(&g, &hp, spec, *tokens, *ctx, *prec, p.sha, &layout)?;
             // What the runtime will refuse (an op without a kernel) fails here, per graph.
             npuc_runtime::Plan::for_model(&m).map_err(|e| anyhow!("{}: {e}", s.id))?;
             let weight_bytes: u64 = m
@@ -568,12 +574,20 @@ fn execute(
                 p.ar.iter()
                     .flat_map(|&a| p.ctx.iter().map(move |&c| (a, c)))
                     .collect();
+            // The QNN hand-off: AIMET encodings of the part's weights, taken from its first
+            // graph as the compile builds it (every graph of a part holds the same weights).
+            let mut encodings = None;
             let mut check = |name: &str, m: &npuc_ir::Model| -> Result<(), String> {
                 match expected.get(name) {
-                    Some(fp) if *fp == graph_fingerprint(m) => Ok(()),
-                    Some(_) => Err("differs from what its graph step built (the GGUF changed during the build?); run the build again".into()),
-                    None => Err("has no graph step".into()),
+                    Some(fp) if *fp == graph_fingerprint(m) => {}
+                    Some(_) => return Err("differs from what its graph step built (the GGUF changed during the build?); run the build again".into()),
+                    None => return Err("has no graph step".into()),
                 }
+                if encodings.is_none() {
+                    encodings =
+                        Some(handoff::part_encodings(m).map_err(|e| format!("encodings: {e}"))?);
+                }
+                Ok(())
             };
             let out = dir.join("part.npuc");
             let sum =
@@ -584,12 +598,7 @@ fn execute(
                 "graphs": sum.graphs.iter().map(|(n, c)| serde_json::json!({"name": n, "nodes": c})).collect::<Vec<_>>(),
             });
             cache::write_synced(&dir.join("part.json"), &serde_json::to_vec_pretty(&j)?)?;
-            // The QNN hand-off: AIMET encodings of the part's weights (every graph of a part
-            // holds the same weights; the first one names them).
-            let hp = split::model_hparams(&g)?;
-            let m = split::build_part(&g, &hp, spec, p.ar[0], p.ctx[0], *prec, p.sha)?;
-            let enc =
-                handoff::part_encodings(&m).map_err(|e| anyhow!("{}: encodings: {e}", s.id))?;
+            let enc = encodings.ok_or_else(|| anyhow!("{}: internal: no graph compiled", s.id))?;
             cache::write_synced(&dir.join(ENCODINGS), enc.as_bytes())?;
             (
                 vec!["part.npuc", "part.json", ENCODINGS],
@@ -802,8 +811,8 @@ pub fn build(p: &Pipeline, req: &BuildRequest, line: &mut dyn FnMut(&str)) -> Re
             let status = match deps {
                 Some(deps) => {
                     let key = step_key(p, s, &deps)?;
-                    match cache.lookup(s.kind.name(), &key, false)? {
-                        Lookup::Hit(r) if !forced.contains(&i) => {
+                    match cache.lookup(s.kind.name(), &key, Verify::Sizes)? {
+                        Lookup::Hit(r, _) if !forced.contains(&i) => {
                             records[i] = Some(r);
                             Status::Cached
                         }
@@ -840,6 +849,11 @@ pub fn build(p: &Pipeline, req: &BuildRequest, line: &mut dyn FnMut(&str)) -> Re
     // Kernel threads of the steps that run models (the checks).
     let threads = (std::thread::available_parallelism().map_or(1, |n| n.get()) / jobs).max(1);
     let heavy = std::sync::Mutex::new(());
+    let verify = if req.verify_cache {
+        Verify::Full
+    } else {
+        Verify::Changed
+    };
     let mut started = vec![false; total];
     let mut finished = 0usize;
     let mut failure: Option<anyhow::Error> = None;
@@ -875,9 +889,13 @@ pub fn build(p: &Pipeline, req: &BuildRequest, line: &mut dyn FnMut(&str)) -> Re
                             cache.remove(kind, &key)?;
                             Status::Forced
                         } else {
-                            match cache.lookup(kind, &key, true)? {
-                                Lookup::Hit(r) => {
-                                    let detail = format!("{} file(s) verified", r.files.len());
+                            match cache.lookup(kind, &key, verify)? {
+                                Lookup::Hit(r, hashed) => {
+                                    let detail = format!(
+                                        "{} file(s) verified ({hashed} hashed, {} unchanged since hashed)",
+                                        r.files.len(),
+                                        r.files.len() - hashed
+                                    );
                                     return Ok((
                                         r,
                                         Status::Cached,
@@ -1070,24 +1088,25 @@ fn materialize(
 ) -> Result<bool> {
     let mut changed = false;
     let mut wanted = vec![];
+    // Links an entry's file into `out`, keeping the entry's stamp current (a new link
+    // changes the file's ctime).
+    let link = |kind: &str, key: &str, name: &str, dest: &Path| -> Result<bool> {
+        let src = cache.entry_dir(kind, key).join(name);
+        cache.keeping_stamp(kind, key, name, || link_into(&src, dest))
+    };
     for (i, rec) in parts.iter().enumerate() {
-        let src = cache.entry_dir("compile", &rec.key).join("part.npuc");
-        let dest = out.join(part_file(i));
-        changed |= link_into(&src, &dest)?;
+        changed |= link("compile", &rec.key, "part.npuc", &out.join(part_file(i)))?;
         wanted.push(part_file(i));
-        let src = cache.entry_dir("compile", &rec.key).join(ENCODINGS);
-        changed |= link_into(&src, &out.join(encodings_file(i)))?;
+        changed |= link("compile", &rec.key, ENCODINGS, &out.join(encodings_file(i)))?;
         wanted.push(encodings_file(i));
     }
     for f in [MANIFEST, GENIE_CONFIG] {
-        let src = cache.entry_dir("bundle", &bundle.key).join(f);
-        changed |= link_into(&src, &out.join(f))?;
+        changed |= link("bundle", &bundle.key, f, &out.join(f))?;
     }
     let check_file = out.join("check.json");
     match check {
         Some(rec) => {
-            let src = cache.entry_dir("check", &rec.key).join("check.json");
-            changed |= link_into(&src, &check_file)?;
+            changed |= link("check", &rec.key, "check.json", &check_file)?;
         }
         None if check_file.exists() => {
             std::fs::remove_file(&check_file)?;

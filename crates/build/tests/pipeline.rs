@@ -27,6 +27,7 @@ fn run(file: &Path, out: &Path, force: &[&str]) -> BuildReport {
         jobs: 2,
         dry_run: false,
         force: force.iter().map(|s| s.to_string()).collect(),
+        verify_cache: false,
     };
     build(&p, &req, &mut |l| eprintln!("{l}")).unwrap()
 }
@@ -198,31 +199,40 @@ fn corrupted_cache_entry_is_rebuilt_not_used() {
     let out = tmp.path().join("out");
     run(&file, &out, &[]);
     let good = bundle_bytes(&out);
-    // Flip one byte in the middle of part 1's cached artifact (same size, so only its hash
-    // can tell).
-    let compile_dir = out.join(".cache/compile");
-    let mut flipped = 0;
-    for e in std::fs::read_dir(&compile_dir).unwrap() {
-        let p = e.unwrap().path().join("part.npuc");
-        let rec: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(p.with_file_name("record.json")).unwrap())
-                .unwrap();
-        if rec["step"] == "compile:p1" {
-            let mut b = std::fs::read(&p).unwrap();
+    // Part 1's cached artifact, damaged in place like a disk error (the output directory's
+    // hard link sees it too): one byte flipped in the middle (same size, so only its hash can
+    // tell), then cut short.
+    type Damage = fn(&mut Vec<u8>);
+    let damages: [(&str, Damage); 2] = [
+        ("flipped byte", |b| {
             let mid = b.len() / 2;
             b[mid] ^= 0x55;
-            // In place, like a disk error (the output directory's hard link sees it too).
-            std::fs::write(&p, &b).unwrap();
-            flipped += 1;
+        }),
+        ("truncated", |b| b.truncate(b.len() - 4096)),
+    ];
+    for (what, damage) in damages {
+        let compile_dir = out.join(".cache/compile");
+        let mut damaged = 0;
+        for e in std::fs::read_dir(&compile_dir).unwrap() {
+            let p = e.unwrap().path().join("part.npuc");
+            let rec: serde_json::Value =
+                serde_json::from_slice(&std::fs::read(p.with_file_name("record.json")).unwrap())
+                    .unwrap();
+            if rec["step"] == "compile:p1" {
+                let mut b = std::fs::read(&p).unwrap();
+                damage(&mut b);
+                std::fs::write(&p, &b).unwrap();
+                damaged += 1;
+            }
         }
+        assert_eq!(damaged, 1);
+        let r = run(&file, &out, &[]);
+        for s in &r.steps {
+            let rebuilt = matches!(s.status, Status::Rebuilt(_));
+            assert_eq!(rebuilt, s.id == "compile:p1", "{what}\n{}", r.table());
+        }
+        assert_eq!(bundle_bytes(&out), good, "{what}");
     }
-    assert_eq!(flipped, 1);
-    let r = run(&file, &out, &[]);
-    for s in &r.steps {
-        let rebuilt = matches!(s.status, Status::Rebuilt(_));
-        assert_eq!(rebuilt, s.id == "compile:p1", "{}", r.table());
-    }
-    assert_eq!(bundle_bytes(&out), good);
 }
 
 /// The child side of the kill test: builds the pipeline named by the environment.
@@ -460,6 +470,7 @@ fn a_second_build_into_the_same_out_dir_fails_clearly() {
         jobs: 1,
         dry_run: false,
         force: vec![],
+        verify_cache: false,
     };
     let e = format!("{:#}", build(&p, &req, &mut |_| {}).unwrap_err());
     assert!(e.contains("in use by another `npuc build`"), "{e}");

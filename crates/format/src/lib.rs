@@ -273,6 +273,14 @@ impl ArtifactWriter {
 
     /// Serialises the artifact. Deterministic: equal inputs give identical bytes.
     pub fn to_bytes(&self) -> Result<Vec<u8>, FormatError> {
+        let mut out = self.head()?;
+        out.extend_from_slice(&self.blob);
+        Ok(out)
+    }
+
+    /// The artifact's bytes before its weights (header, section table, META, padding): the
+    /// weights follow as they are in `blob`.
+    fn head(&self) -> Result<Vec<u8>, FormatError> {
         let meta =
             serde_json::to_vec(&self.meta).map_err(|e| FormatError::Invalid(e.to_string()))?;
         let n_sections = 2usize;
@@ -280,9 +288,8 @@ impl ArtifactWriter {
         let meta_off = table_off + n_sections * SECTION_ENTRY_LEN;
         let weights_off = (meta_off + meta.len()).next_multiple_of(PAGE);
         let total = weights_off + self.blob.len();
-        let mut out = vec![0u8; total];
+        let mut out = vec![0u8; weights_off];
         out[meta_off..meta_off + meta.len()].copy_from_slice(&meta);
-        out[weights_off..].copy_from_slice(&self.blob);
         let sections = [
             (SECTION_META, meta_off, meta.len(), 1u32),
             (SECTION_WEIGHTS, weights_off, self.blob.len(), PAGE as u32),
@@ -314,11 +321,15 @@ impl ArtifactWriter {
     }
 
     /// Writes atomically: a temp file next to `path`, fsync, rename. An interrupted write
-    /// never leaves a partial artifact at `path`.
+    /// never leaves a partial artifact at `path`. Streams the weights from `blob` (no second
+    /// copy of them in memory: for an LLM part, hundreds of MB less at its peak).
     pub fn write(&self, path: &Path) -> Result<u64, FormatError> {
-        let bytes = self.to_bytes()?;
-        write_atomic(path, &bytes)?;
-        Ok(bytes.len() as u64)
+        let head = self.head()?;
+        persist_atomic_parts(path, &[&head, &self.blob]).map_err(|e| FormatError::Io {
+            path: path.to_path_buf(),
+            source: e,
+        })?;
+        Ok((head.len() + self.blob.len()) as u64)
     }
 }
 
@@ -342,6 +353,11 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), FormatError> {
 /// [`write_atomic`] with a plain I/O error: the one atomic writer, shared by every npuc output
 /// (artifacts here, ONNX and `.npy` files through `npuc_onnx::export::write_atomic`).
 pub fn persist_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    persist_atomic_parts(path, &[bytes])
+}
+
+/// [`persist_atomic`] of the concatenation of `parts`.
+pub fn persist_atomic_parts(path: &Path, parts: &[&[u8]]) -> std::io::Result<()> {
     use std::io::Write;
     let dir = path
         .parent()
@@ -353,7 +369,9 @@ pub fn persist_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let mut tmp = tempfile::Builder::new()
         .prefix(&format!(".{fname}.tmp-"))
         .tempfile_in(dir)?;
-    tmp.write_all(bytes)?;
+    for bytes in parts {
+        tmp.write_all(bytes)?;
+    }
     tmp.as_file().sync_all()?;
     tmp.persist(path).map_err(|e| e.error)?;
     Ok(())

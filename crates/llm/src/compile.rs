@@ -228,6 +228,9 @@ pub fn compile_part(
         )?;
         names.push((name, nodes));
     }
+    // The writer holds its own copy of every weight now: the repacked ones go before it
+    // writes (peak memory: one copy of the part's weights, not two).
+    drop(repacked);
     let weight_bytes: u64 = w.meta().weights.iter().map(|wd| wd.len).sum();
     let file_bytes = w.write(out)?;
     Ok(PartCompileSummary {

@@ -143,12 +143,35 @@ impl Variant {
 /// Weights already repacked (`{name}.x8` -> tensor), shared by the variants built with clones of
 /// one [`BuildOptions`] so each weight is repacked and held once.
 #[derive(Clone, Default)]
-pub struct RepackCache(std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, Tensor>>>);
+pub struct RepackCache {
+    tensors: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, Tensor>>>,
+    /// Shapes without bytes: see [`RepackCache::layout_only`].
+    layout_only: bool,
+}
+
+impl RepackCache {
+    /// A cache whose interleaved weights have their dtype and shape but not their bytes: each
+    /// is a fresh anonymous mapping never written (zero pages, not resident), so a graph built
+    /// with it costs no repack and no memory for those weights. Only for graphs that are
+    /// inspected, never run (`npuc build`'s graph steps check each graph's structure; the
+    /// compile step repacks, once per part).
+    pub fn layout_only() -> RepackCache {
+        RepackCache {
+            tensors: Default::default(),
+            layout_only: true,
+        }
+    }
+}
 
 impl std::fmt::Debug for RepackCache {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let n = self.0.lock().map(|m| m.len()).unwrap_or(0);
-        write!(f, "RepackCache({n} tensors)")
+        let n = self.tensors.lock().map(|m| m.len()).unwrap_or(0);
+        let what = if self.layout_only {
+            ", layout only"
+        } else {
+            ""
+        };
+        write!(f, "RepackCache({n} tensors{what})")
     }
 }
 
@@ -643,7 +666,7 @@ impl Builder<'_> {
     /// row_bytes]`), from the shared cache or repacked now from the file, a few hundred groups
     /// at a time (read with `pread`: the plain bytes never become resident in this process).
     fn repacked_tensor(&self, t: &TensorInfo, key: &str) -> Result<Tensor> {
-        let cache = &self.opts.repacked.0;
+        let cache = &self.opts.repacked.tensors;
         if let Some(hit) = cache.lock().ok().and_then(|c| c.get(key).cloned()) {
             return Ok(hit);
         }
@@ -659,6 +682,23 @@ impl Builder<'_> {
                 t.name,
                 npuc_ggml::X8_ROWS
             );
+        }
+        if self.opts.repacked.layout_only {
+            let zeros = crate::anon::zeroed(len, false).map_err(|e| {
+                self.g
+                    .tensor_err(&t.name, format!("{len} bytes of layout: {e}"))
+            })?;
+            let owner = crate::anon::seal(zeros).map_err(|e| {
+                self.g
+                    .tensor_err(&t.name, format!("{len} bytes of layout: {e}"))
+            })?;
+            return Ok(Tensor::from_le_bytes(
+                DType::U8,
+                vec![n / npuc_ggml::X8_ROWS, group],
+                owner,
+                0,
+                len,
+            )?);
         }
         // Streamed in full every token: anonymous memory on huge pages (see `anon::zeroed`).
         let mut out = crate::anon::zeroed(len, true).map_err(|e| {
