@@ -27,7 +27,9 @@ row() {
     shape=$("$PY" -c 'import sys,numpy as np;print("x".join(map(str,np.load(sys.argv[1]).shape)))' "$f")
     feeds+=(--input "$iname=$f"); shapes+=(--input-shape "$iname=$shape")
   done
-  $NPUC compile "$model" -o "$TMP/$name.npuc" "${shapes[@]}" >/dev/null
+  if ! $NPUC compile "$model" -o "$TMP/$name.npuc" "${shapes[@]}" >"$TMP/$name.log" 2>&1; then
+    cat "$TMP/$name.log" >&2; exit 1
+  fi
   local ort=() npuc_onnx=() npuc_c=()
   for _ in $(seq "$ROUNDS"); do
     ort+=("$("$PY" - "$model" "$ref" "$THREADS" "$RUNS" <<'PY'

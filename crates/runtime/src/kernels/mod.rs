@@ -4,4 +4,5 @@
 pub mod act;
 pub mod conv_nhwc;
 pub mod igemm;
+pub mod imm;
 pub mod qconvert;

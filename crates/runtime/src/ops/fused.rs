@@ -339,6 +339,7 @@ pub(crate) fn apply_f32(act: Act, v: &mut [f32]) {
         Act::Sigmoid => crate::kernels::act::sigmoid(v),
         Act::Swish => crate::kernels::act::swish(v),
         Act::Gelu => crate::kernels::act::gelu(v),
+        Act::Tanh => crate::kernels::act::tanh(v),
         other => v.iter_mut().for_each(|x| *x = other.apply(*x)),
     }
 }
