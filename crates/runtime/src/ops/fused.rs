@@ -325,7 +325,6 @@ pub fn gelu(x: f64) -> f64 {
 /// Applies `act` to every element. The match is outside the loops so each arm is a tight loop
 /// the compiler vectorizes (a per-element match on the enum costs 30% of a whole model).
 pub(crate) fn apply_f32(act: Act, v: &mut [f32]) {
-    use crate::ops::norm::exp_f32;
     match act {
         Act::None => {}
         Act::Relu => v.iter_mut().for_each(|x| *x = x.max(0.0)),
@@ -337,8 +336,10 @@ pub(crate) fn apply_f32(act: Act, v: &mut [f32]) {
         Act::LeakyRelu(a) => v
             .iter_mut()
             .for_each(|x| *x = if *x < 0.0 { a * *x } else { *x }),
-        Act::Sigmoid => v.iter_mut().for_each(|x| *x = 1.0 / (1.0 + exp_f32(-*x))),
-        Act::Swish => v.iter_mut().for_each(|x| *x /= 1.0 + exp_f32(-*x)),
+        Act::Sigmoid => crate::kernels::act::sigmoid(v),
+        Act::Swish => crate::kernels::act::swish(v),
+        Act::Gelu => crate::kernels::act::gelu(v),
+        Act::Tanh => crate::kernels::act::tanh(v),
         other => v.iter_mut().for_each(|x| *x = other.apply(*x)),
     }
 }

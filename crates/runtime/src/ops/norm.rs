@@ -183,6 +183,14 @@ fn soft_node(ctx: &OpCtx, mut ins: Inputs, kind: SoftKind) -> Result<Vec<Value>>
         (shape[axis], shape[axis + 1..].iter().product::<usize>())
     };
     let threads = ctx.threads;
+    if x.dtype() == DType::F32 && inner == 1 && kind == SoftKind::Softmax {
+        // The AVX2 build of the same loop where the CPU has it (bit-identical to soft_row).
+        let data = x.as_mut_slice::<f32>()?;
+        for_rows(data, n, threads, |_, row| {
+            crate::kernels::act::softmax_row(row)
+        });
+        return Ok(vec![Value::tensor(downcast(x, dt)?)]);
+    }
     dispatch_real!(x.dtype(), F => {
         let data = x.as_mut_slice::<F>()?;
         let block = n * inner;

@@ -500,24 +500,7 @@ pub fn dynamic_quantize_u8(xs: &[f32]) -> (Vec<u8>, f32, u8) {
 // Integer matrix products
 // ---------------------------------------------------------------------------------------------
 
-/// `c[m×n] += a[m×k] · b[k×n]` in wrapping i32 arithmetic, row-major, with a contiguous inner
-/// loop over `n` that the compiler vectorizes.
-pub fn igemm(m: usize, k: usize, n: usize, a: &[i32], b: &[i32], c: &mut [i32]) {
-    debug_assert!(a.len() >= m * k && b.len() >= k * n && c.len() >= m * n);
-    for i in 0..m {
-        let crow = &mut c[i * n..(i + 1) * n];
-        let arow = &a[i * k..(i + 1) * k];
-        for (p, &av) in arow.iter().enumerate() {
-            if av == 0 {
-                continue;
-            }
-            let brow = &b[p * n..(p + 1) * n];
-            for (cv, &bv) in crow.iter_mut().zip(brow) {
-                *cv = cv.wrapping_add(av.wrapping_mul(bv));
-            }
-        }
-    }
-}
+pub use crate::kernels::imm::igemm;
 
 /// Converts an 8-bit (or other integer) tensor to i32 with its zero point subtracted. `zp` is a
 /// scalar, or broadcastable to `x` after reshaping a 1-D `zp` to `vec_shape` (the per-row or
