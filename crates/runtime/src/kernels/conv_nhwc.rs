@@ -130,12 +130,7 @@ mod tests {
             seed in any::<u64>(),
         ) {
             let mut s = seed | 1;
-            let mut rnd = || {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-            };
+            let mut rnd = || (super::super::xorshift(&mut s) >> 40) as f32 / (1u64 << 23) as f32 - 1.0;
             let x: Vec<f32> = (0..c * 16).map(|_| rnd()).collect();
             let w: Vec<f32> = (0..c * ntaps).map(|_| rnd()).collect();
             let bias: Vec<f32> = (0..c).map(|_| rnd()).collect();

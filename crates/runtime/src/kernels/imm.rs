@@ -61,12 +61,7 @@ mod tests {
             seed in any::<u64>(),
         ) {
             let mut s = seed | 1;
-            let mut rnd = || {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                s as i32
-            };
+            let mut rnd = || super::super::xorshift(&mut s) as i32;
             let a: Vec<i32> = (0..m * k).map(|i| if i % 5 == 0 { 0 } else { rnd() }).collect();
             let b: Vec<i32> = (0..k * n).map(|_| rnd()).collect();
             let c0: Vec<i32> = (0..m * n).map(|_| rnd()).collect();

@@ -6,3 +6,12 @@ pub mod conv_nhwc;
 pub mod igemm;
 pub mod imm;
 pub mod qconvert;
+
+/// One xorshift64 step: the kernels' property tests draw their operands from it.
+#[cfg(test)]
+pub(crate) fn xorshift(s: &mut u64) -> u64 {
+    *s ^= *s << 13;
+    *s ^= *s >> 7;
+    *s ^= *s << 17;
+    *s
+}
