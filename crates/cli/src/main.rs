@@ -111,6 +111,17 @@ enum Cmd {
     /// Build an LLM bundle from a pipeline file (TOML): split parts, graphs per AR x context,
     /// cached steps (a second run does nothing).
     Build(npuc_cli::build_cmd::BuildArgs),
+    /// Export a GGUF decoder as a standard ONNX decoder (input_ids, attention_mask,
+    /// position_ids, past_key_values.* -> logits, present.*), as transformers/Optimum exports
+    /// are laid out; onnxruntime runs it; `npuc build` takes it back as an LLM source.
+    Export {
+        model: PathBuf,
+        #[arg(short = 'o', long = "output")]
+        output: PathBuf,
+        /// Weight storage: f32, or f16 (half the file; widened to f32 by Cast nodes).
+        #[arg(long, default_value = "f32")]
+        dtype: String,
+    },
     /// Generate text with an LLM (`.gguf`, LLM `.npuc` or a bundle directory from `npuc
     /// build`): streams to stdout, speeds to stderr.
     Generate(npuc_cli::llm_cmd::GenerateArgs),
@@ -137,6 +148,30 @@ enum Cmd {
     /// Per-layer accuracy of a quantized model against its float reference (SQNR, cosine, max
     /// abs error), an HTML report, and which tensors to keep at 16 bits.
     Verify(npuc_cli::verify::VerifyArgs),
+}
+
+fn export_cmd(model: &std::path::Path, out: &std::path::Path, dtype: &str) -> anyhow::Result<()> {
+    if !npuc_driver::llm::is_gguf(model) {
+        anyhow::bail!(
+            "{}: `npuc export` takes a GGUF decoder (llama, qwen2, gemma3)",
+            model.display()
+        );
+    }
+    let dtype = npuc_llm::interop::WeightDtype::parse(dtype)?;
+    let s = npuc_driver::llm::export_onnx(model, out, dtype, npuc_driver::llm::ONNX_INLINE_LIMIT)?;
+    println!(
+        "wrote {} ({} nodes, {} initializers, {:.1} MB of weights{}) in {:.1} s",
+        out.display(),
+        s.nodes,
+        s.initializers,
+        s.weight_bytes as f64 / 1e6,
+        s.external_data
+            .as_ref()
+            .map(|p| format!(", external data in {}", p.display()))
+            .unwrap_or_default(),
+        s.seconds
+    );
+    Ok(())
 }
 
 fn main() {
@@ -296,6 +331,11 @@ fn main() {
                 )
             }),
         Cmd::Build(a) => npuc_cli::build_cmd::cmd(&a),
+        Cmd::Export {
+            model,
+            output,
+            dtype,
+        } => export_cmd(&model, &output, &dtype),
         Cmd::Generate(a) => npuc_cli::llm_cmd::check_generate_flags(&a, &given)
             .and_then(|_| npuc_cli::llm_cmd::generate_cmd(&a)),
         Cmd::Chat(a) => npuc_cli::llm_cmd::check_model_flags(&a.model, &given)

@@ -39,3 +39,62 @@ pub fn compile_gguf(
         seconds: s.seconds,
     })
 }
+
+/// What [`export_onnx`] wrote.
+#[derive(Debug, Clone)]
+pub struct OnnxExportSummary {
+    pub nodes: usize,
+    pub initializers: usize,
+    /// Bytes of all initializers.
+    pub weight_bytes: usize,
+    /// The external data file (`None`: everything inline in the `.onnx`).
+    pub external_data: Option<std::path::PathBuf>,
+    pub seconds: f64,
+}
+
+/// Above this many weight bytes the export writes the initializers to `<model>.onnx.data`
+/// (protobuf messages stop at 2 GiB; the margin leaves room for the graph itself).
+pub const ONNX_INLINE_LIMIT: usize = 1 << 30;
+
+/// `npuc export MODEL.gguf -o model.onnx`: the GGUF decoder as a standard ONNX decoder (see
+/// [`npuc_llm::interop::export`]), written atomically; external data when large.
+/// `inline_limit`: weight bytes above which initializers go to external data
+/// ([`ONNX_INLINE_LIMIT`] for the CLI).
+pub fn export_onnx(
+    gguf: &Path,
+    out: &Path,
+    dtype: npuc_llm::interop::WeightDtype,
+    inline_limit: usize,
+) -> Result<OnnxExportSummary> {
+    let t0 = std::time::Instant::now();
+    if out.extension().and_then(|e| e.to_str()) != Some("onnx") {
+        anyhow::bail!(
+            "{}: the output of `npuc export` is an ONNX file: give it a .onnx name",
+            out.display()
+        );
+    }
+    let g = npuc_gguf::GgufFile::open(gguf)?;
+    let m = npuc_llm::interop::export_decoder(&g, dtype)?;
+    let weight_bytes: usize = m
+        .graph
+        .initializers
+        .iter()
+        .map(|i| i.tensor.len() * i.tensor.dtype().size().max(1))
+        .sum();
+    let external = weight_bytes > inline_limit;
+    let opts = npuc_onnx::ExportOptions {
+        external_threshold: external.then_some(1024),
+    };
+    npuc_onnx::save_model(&m, out, &opts)?;
+    Ok(OnnxExportSummary {
+        nodes: m.graph.nodes.len(),
+        initializers: m.graph.initializers.len(),
+        weight_bytes,
+        external_data: external.then(|| {
+            let mut p = out.as_os_str().to_owned();
+            p.push(".data");
+            p.into()
+        }),
+        seconds: t0.elapsed().as_secs_f64(),
+    })
+}

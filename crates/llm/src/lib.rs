@@ -13,6 +13,7 @@ pub mod build;
 pub mod bundle;
 pub mod compile;
 pub mod engine;
+pub mod interop;
 pub mod kv;
 pub mod ops;
 
