@@ -98,3 +98,26 @@ pub fn export_onnx(
         seconds: t0.elapsed().as_secs_f64(),
     })
 }
+
+/// Takes an ONNX LLM decoder (the `npuc export` / Optimum layout) back into the builders' form
+/// and writes it as a GGUF at `out` (atomically); `tokenizer`: a GGUF whose tokenizer to use
+/// when the ONNX file carries none. Returns what was recognised.
+pub fn import_onnx_llm(onnx: &Path, tokenizer: Option<&Path>, out: &Path) -> Result<Vec<String>> {
+    let m = npuc_onnx::load_model(onnx)?;
+    let tok = match tokenizer {
+        Some(t) => {
+            let g = npuc_gguf::GgufFile::open(t)?;
+            Some(npuc_gguf::GgufMetaJson::filtered(
+                &g.metadata,
+                &["tokenizer."],
+            ))
+        }
+        None => None,
+    };
+    let lifted = npuc_llm::interop::lift(&m, &onnx.display().to_string(), tok.as_ref())?;
+    let bytes = lifted.to_gguf_bytes()?;
+    let findings = lifted.findings;
+    drop(m);
+    npuc_onnx::export::write_atomic(out, &bytes)?;
+    Ok(findings)
+}

@@ -118,3 +118,61 @@ fn qwen25_export_f16_storage() {
         50.0 * MAX_ABS,
     );
 }
+
+/// The ONNX export taken back by the recogniser: the same model (its `exact` logits equal the
+/// source GGUF's to f32 rounding: the same dequantized weights, now stored as f32).
+fn round_trip(gguf: &Path, dtype: WeightDtype, tol: f32) {
+    let dir = tempfile::tempdir().unwrap();
+    let onnx = dir.path().join("decoder.onnx");
+    npuc_driver::llm::export_onnx(gguf, &onnx, dtype, npuc_driver::llm::ONNX_INLINE_LIMIT).unwrap();
+    let lifted = dir.path().join("lifted.gguf");
+    let findings = npuc_driver::llm::import_onnx_llm(&onnx, None, &lifted).unwrap();
+    for f in &findings {
+        eprintln!("{f}");
+    }
+    let logits = |p: &Path| {
+        let mut e = Engine::from_gguf(
+            p,
+            &EngineOptions {
+                threads: 1,
+                ctx: Some(64),
+                precision: Precision::Exact,
+                variants: vec![Variant::Ar(1), Variant::Ar(4)],
+            },
+        )
+        .unwrap();
+        e.forward(&TOKENS, true).unwrap()
+    };
+    let (a, b) = (logits(gguf), logits(&lifted));
+    let worst = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max);
+    eprintln!("{}: max |source - lifted| = {worst:e}", gguf.display());
+    assert!(
+        worst <= tol,
+        "{}: lifted model differs by {worst}",
+        gguf.display()
+    );
+}
+
+#[test]
+fn smollm2_onnx_lifts_back() {
+    round_trip(&npuc_testsupport::smollm2_gguf(), WeightDtype::F32, 1e-3);
+}
+
+#[test]
+fn gemma3_onnx_lifts_back() {
+    round_trip(&npuc_testsupport::gemma3_gguf(), WeightDtype::F32, 1e-3);
+}
+
+#[test]
+fn qwen25_f16_onnx_lifts_back() {
+    // f16 storage rounds the weights (relative 2⁻¹¹): the bound of the f16 onnxruntime check.
+    round_trip(
+        &npuc_testsupport::qwen25_coder_gguf(),
+        WeightDtype::F16,
+        50.0 * MAX_ABS,
+    );
+}

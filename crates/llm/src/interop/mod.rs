@@ -4,3 +4,6 @@
 pub mod export;
 
 pub use export::{export_decoder, WeightDtype};
+pub mod lift;
+
+pub use lift::{lift, Lifted};
