@@ -23,6 +23,7 @@
 pub mod cache;
 mod check;
 pub mod handoff;
+pub mod import;
 pub mod pipeline;
 pub mod verify;
 
@@ -348,6 +349,7 @@ fn step_key(p: &Pipeline, s: &Step, deps: &[&Record]) -> Result<String> {
         Kind::Bundle => {
             // Everything the manifest says that no dependency carries.
             k.field("source-file", &source_file_name(p))
+                .field("imported-from", &format!("{:?}", p.imported_from))
                 .field("max_part_bytes", &format!("{:?}", p.max_part_bytes))
                 .field("prompts", &serde_json::to_string(&p.test_prompts)?)
                 .field("ar", &format!("{:?}", p.ar))
@@ -644,6 +646,11 @@ fn execute(
                     file: source_file_name(p),
                     bytes: src["bytes"].as_u64().unwrap_or(0),
                     sha256: src["sha256"].as_str().unwrap_or_default().into(),
+                    imported_from: p.imported_from.as_ref().map(|o| {
+                        o.file_name()
+                            .map(|f| f.to_string_lossy().into_owned())
+                            .unwrap_or_default()
+                    }),
                 },
                 parts,
                 test_prompts: p.test_prompts.clone(),
@@ -754,6 +761,37 @@ enum Msg {
     Started(usize, Status),
     /// Step `i` ended: its record, status, seconds and summary.
     Done(usize, Result<(Record, Status, f64, String)>),
+}
+
+/// Reads and checks the pipeline `file` for `req`, importing an ONNX source first (see
+/// [`import`]: cached in `OUT/.cache/import`; a dry run imports into a temporary directory,
+/// held by the returned guard until the plan is printed).
+pub fn load_pipeline(
+    file: &Path,
+    req: &BuildRequest,
+    line: &mut dyn FnMut(&str),
+) -> Result<(Pipeline, Option<tempfile::TempDir>)> {
+    let mut keep = None;
+    let p = match Pipeline::model_source(file)? {
+        pipeline::ModelSource::Gguf(_) => Pipeline::load(file)?,
+        pipeline::ModelSource::Onnx {
+            onnx,
+            tokenizer,
+            probe,
+        } => {
+            let imp = import::import(
+                &onnx,
+                tokenizer.as_deref(),
+                &probe,
+                &req.out_dir.join(CACHE_DIR),
+                req.dry_run,
+                &mut keep,
+                line,
+            )?;
+            Pipeline::load_imported(file, imp.gguf, onnx)?
+        }
+    };
+    Ok((p, keep))
 }
 
 /// Runs (or with `dry_run`, plans) the pipeline `p`. `line` gets the progress lines.

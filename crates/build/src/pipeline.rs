@@ -24,7 +24,23 @@ struct PipelineFile {
 #[serde(deny_unknown_fields)]
 struct ModelSection {
     /// The GGUF: relative to the pipeline file; `~` and `$NPUC_CACHE` expanded.
-    gguf: String,
+    gguf: Option<String>,
+    /// Or an ONNX LLM decoder (`npuc export` / Optimum layout), imported first.
+    onnx: Option<String>,
+    /// With `onnx`: a GGUF whose tokenizer to use when the ONNX file carries none.
+    tokenizer: Option<String>,
+}
+
+/// Where the model comes from.
+#[derive(Clone, Debug)]
+pub enum ModelSource {
+    Gguf(PathBuf),
+    Onnx {
+        onnx: PathBuf,
+        tokenizer: Option<PathBuf>,
+        /// The text the import's check runs (the first test prompt).
+        probe: String,
+    },
 }
 
 #[derive(Debug, Deserialize)]
@@ -64,8 +80,10 @@ struct TestSection {
 pub struct Pipeline {
     /// The pipeline file.
     pub file: PathBuf,
-    /// The GGUF, resolved.
+    /// The GGUF, resolved (for an ONNX source: the imported one).
     pub gguf: PathBuf,
+    /// The ONNX file an imported GGUF came from.
+    pub imported_from: Option<PathBuf>,
     pub arch: String,
     pub n_layers: usize,
     pub n_embd: usize,
@@ -131,39 +149,98 @@ impl Pipeline {
         self.parts.iter().all(|(_, q)| *q == first).then_some(first)
     }
 
-    /// Reads and checks `file`: the TOML, the model's header (no weights are read), and the
-    /// split. Every error names the key (or layer) and what to do.
-    pub fn load(file: &Path) -> Result<Pipeline> {
+    fn read(file: &Path) -> Result<PipelineFile> {
         let text = std::fs::read_to_string(file)
             .with_context(|| format!("reading pipeline file '{}'", file.display()))?;
-        let raw: PipelineFile = toml::from_str(&text).map_err(|e| {
+        toml::from_str(&text).map_err(|e| {
             anyhow!(
                 "{}: {}",
                 file.display(),
                 e.to_string().trim_end().replace('\n', "\n  ")
             )
-        })?;
+        })
+    }
+
+    /// The `[model]` section of `file`, paths resolved and checked to exist.
+    pub fn model_source(file: &Path) -> Result<ModelSource> {
+        let raw = Self::read(file)?;
         let f = file.display();
         let base = file.parent().unwrap_or(Path::new("."));
-        let gguf = resolve_path(&raw.model.gguf, base);
-        if !gguf.is_file() {
-            let hint = if raw.model.gguf.contains("NPUC_CACHE")
-                || raw.model.gguf.contains(".cache/npuc")
-            {
-                " (models in the npuc cache are fetched by `scripts/fetch-data.sh llms`)"
-            } else {
-                ""
-            };
-            bail!(
-                "{f}: model.gguf = \"{}\": no such file '{}'{hint}",
-                raw.model.gguf,
-                gguf.display()
-            );
+        let existing = |key: &str, value: &str| -> Result<PathBuf> {
+            let p = resolve_path(value, base);
+            if !p.is_file() {
+                let hint = if value.contains("NPUC_CACHE") || value.contains(".cache/npuc") {
+                    " (models in the npuc cache are fetched by `scripts/fetch-data.sh llms`)"
+                } else {
+                    ""
+                };
+                bail!(
+                    "{f}: model.{key} = \"{value}\": no such file '{}'{hint}",
+                    p.display()
+                );
+            }
+            Ok(p)
+        };
+        let m = &raw.model;
+        match (&m.gguf, &m.onnx) {
+            (Some(g), None) => {
+                if m.tokenizer.is_some() {
+                    bail!("{f}: model.tokenizer applies only with model.onnx (a GGUF carries its own tokenizer)");
+                }
+                Ok(ModelSource::Gguf(existing("gguf", g)?))
+            }
+            (None, Some(o)) => Ok(ModelSource::Onnx {
+                onnx: existing("onnx", o)?,
+                tokenizer: m
+                    .tokenizer
+                    .as_deref()
+                    .map(|t| existing("tokenizer", t))
+                    .transpose()?,
+                probe: raw
+                    .test
+                    .prompts
+                    .first()
+                    .cloned()
+                    .unwrap_or_else(|| crate::verify::FALLBACK_PROBE.to_string()),
+            }),
+            (Some(_), Some(_)) => bail!("{f}: give model.gguf or model.onnx, not both"),
+            (None, None) => {
+                bail!("{f}: [model] needs gguf = \"MODEL.gguf\" or onnx = \"MODEL.onnx\"")
+            }
         }
+    }
+
+    /// Reads and checks `file` (a GGUF source): the TOML, the model's header (no weights are
+    /// read), and the split. Every error names the key (or layer) and what to do. An ONNX
+    /// source is imported first ([`crate::import`]) and loaded with [`Pipeline::load_imported`].
+    pub fn load(file: &Path) -> Result<Pipeline> {
+        match Self::model_source(file)? {
+            ModelSource::Gguf(g) => Self::load_from(file, g, None),
+            ModelSource::Onnx { onnx, .. } => bail!(
+                "{}: model.onnx = '{}' is imported by `npuc build` before the pipeline is checked (npuc_build::import)",
+                file.display(),
+                onnx.display()
+            ),
+        }
+    }
+
+    /// [`Pipeline::load`] for an ONNX source imported as `gguf`.
+    pub fn load_imported(file: &Path, gguf: PathBuf, onnx: PathBuf) -> Result<Pipeline> {
+        Self::load_from(file, gguf, Some(onnx))
+    }
+
+    fn load_from(file: &Path, gguf: PathBuf, imported_from: Option<PathBuf>) -> Result<Pipeline> {
+        let raw = Self::read(file)?;
+        let f = file.display();
+        let key = if imported_from.is_some() {
+            "onnx"
+        } else {
+            "gguf"
+        };
         let g = GgufFile::open(&gguf)
-            .with_context(|| format!("{f}: model.gguf = '{}'", gguf.display()))?;
+            .with_context(|| format!("{f}: model.{key} = '{}'", gguf.display()))?;
         let hp: Hparams = split::model_hparams(&g)
-            .with_context(|| format!("{f}: model.gguf = '{}'", gguf.display()))?;
+            .with_context(|| format!("{f}: model.{key} = '{}'", gguf.display()))?;
 
         let mut ar = raw.graphs.ar.clone();
         let mut ctx = raw.graphs.ctx.clone();
@@ -231,6 +308,7 @@ impl Pipeline {
         Ok(Pipeline {
             file: file.to_path_buf(),
             gguf,
+            imported_from,
             arch: hp.arch.clone(),
             n_layers: hp.n_layers,
             n_embd: hp.n_embd,

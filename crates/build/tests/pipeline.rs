@@ -483,3 +483,137 @@ fn a_second_build_into_the_same_out_dir_fails_clearly() {
     let r = build(&p, &req, &mut |_| {}).unwrap();
     assert_eq!(r.ran(), r.steps.len());
 }
+
+/// An ONNX source (SmolLM2 exported by `npuc export`'s exporter): imported, checked against
+/// the ONNX graph, then split in two with single-head attention; the bundle generates the
+/// imported unsplit model's tokens, which are the source GGUF's `exact` tokens (the import
+/// keeps the dequantized weights bit for bit); a second run does nothing, the import included.
+#[test]
+fn onnx_source_is_imported_split_and_sha_checked() {
+    let tmp = tempfile::tempdir().unwrap();
+    let onnx = tmp.path().join("smollm2.onnx");
+    let g = npuc_gguf::GgufFile::open(smollm2()).unwrap();
+    let m = npuc_llm::interop::export_decoder(&g, npuc_llm::interop::WeightDtype::F32).unwrap();
+    npuc_onnx::save_model(&m, &onnx, &npuc_onnx::ExportOptions::default()).unwrap();
+    drop((m, g));
+    let file = tmp.path().join("p.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "[model]\nonnx = \"{}\"\n[graphs]\nar = [1, 32]\nctx = [64]\nsha = true\n[split]\nparts = 2\nprecision = \"exact\"\n[test]\nprompts = [\"The capital of France is\"]\nmax_tokens = 8\n",
+            onnx.display()
+        ),
+    )
+    .unwrap();
+    let out = tmp.path().join("out");
+    let req = BuildRequest {
+        out_dir: out.clone(),
+        jobs: 2,
+        dry_run: false,
+        force: vec![],
+        verify_cache: false,
+    };
+    let mut lines = vec![];
+    let (p, _guard) =
+        npuc_build::load_pipeline(&file, &req, &mut |l| lines.push(l.to_string())).unwrap();
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("architecture llama") && l.contains("9 heads")),
+        "{lines:?}"
+    );
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("check: ONNX graph vs imported")),
+        "{lines:?}"
+    );
+    let r = build(&p, &req, &mut |l| eprintln!("{l}")).unwrap();
+    for stage in ["variant", "split", "sha", "compile"] {
+        assert!(
+            r.sanity.iter().any(|c| c.step == stage && c.pass),
+            "{}",
+            r.sanity_table()
+        );
+    }
+    assert!(r.sanity.iter().all(|c| c.pass), "{}", r.sanity_table());
+    let man = npuc_llm::bundle::BundleManifest::read(&out).unwrap();
+    assert_eq!(man.source.imported_from.as_deref(), Some("smollm2.onnx"));
+    assert!(man.sha);
+    // The bundle's greedy tokens are the source GGUF's exact ones.
+    assert_bundle_gives_unsplit_tokens(&out, Precision::Exact, 64, 12);
+    // Second run: the import and every step come from the cache.
+    let mut lines = vec![];
+    let (p, _guard) =
+        npuc_build::load_pipeline(&file, &req, &mut |l| lines.push(l.to_string())).unwrap();
+    assert!(lines.iter().any(|l| l.contains(": cached")), "{lines:?}");
+    let r = build(&p, &req, &mut |l| eprintln!("{l}")).unwrap();
+    assert!(r.steps.iter().all(|s| s.status == Status::Cached));
+}
+
+#[test]
+fn onnx_sources_without_a_decoder_or_with_two_models_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    // Both sources: refused naming the keys.
+    let f = tmp.path().join("both.toml");
+    std::fs::write(
+        &f,
+        format!(
+            "[model]\ngguf = \"{}\"\nonnx = \"{}\"\n[graphs]\nar = [1]\nctx = [8]\n",
+            smollm2().display(),
+            smollm2().display()
+        ),
+    )
+    .unwrap();
+    let e = format!("{:#}", Pipeline::model_source(&f).unwrap_err());
+    assert!(e.contains("model.gguf or model.onnx"), "{e}");
+    // An ONNX model that is not a decoder with a KV cache: the import names what is missing.
+    let onnx = tmp.path().join("mlp.onnx");
+    let mut gr = npuc_ir::Graph {
+        name: "mlp".into(),
+        ..Default::default()
+    };
+    gr.inputs.push(npuc_ir::ValueInfo::new(
+        "x",
+        Some(npuc_ir::TypeInfo::tensor(npuc_ir::DType::F32, &[1, 4])),
+    ));
+    gr.outputs.push(npuc_ir::ValueInfo::new(
+        "y",
+        Some(npuc_ir::TypeInfo::tensor(npuc_ir::DType::F32, &[1, 4])),
+    ));
+    gr.nodes.push(npuc_ir::Node::new("Relu", &["x"], &["y"]));
+    let m = npuc_ir::Model {
+        ir_version: 8,
+        opset_imports: vec![npuc_ir::OpsetImport {
+            domain: String::new(),
+            version: 17,
+        }],
+        graph: gr,
+        ..Default::default()
+    };
+    npuc_onnx::save_model(&m, &onnx, &npuc_onnx::ExportOptions::default()).unwrap();
+    let f = tmp.path().join("mlp.toml");
+    std::fs::write(
+        &f,
+        format!(
+            "[model]\nonnx = \"{}\"\n[graphs]\nar = [1]\nctx = [8]\n",
+            onnx.display()
+        ),
+    )
+    .unwrap();
+    let req = BuildRequest {
+        out_dir: tmp.path().join("out"),
+        jobs: 1,
+        dry_run: false,
+        force: vec![],
+        verify_cache: false,
+    };
+    let e = format!(
+        "{:#}",
+        npuc_build::load_pipeline(&f, &req, &mut |_| {}).unwrap_err()
+    );
+    assert!(
+        e.contains("mlp.onnx") && e.contains("past_key_values.0.key"),
+        "{e}"
+    );
+}

@@ -17,6 +17,8 @@ use std::time::Instant;
 
 /// A loaded LLM: one engine over a GGUF or an LLM artifact, or a split bundle directory
 /// (`npuc build`), whose parts run in sequence.
+// One per process, never moved in a loop: the variants' sizes do not matter.
+#[allow(clippy::large_enum_variant)]
 pub enum Model {
     Engine(Engine),
     Bundle(Bundle),

@@ -13,6 +13,7 @@ pub fn build_pipeline(
     req: &BuildRequest,
     progress: &mut dyn Progress,
 ) -> Result<BuildReport> {
-    let p = Pipeline::load(file)?;
-    npuc_build::build(&p, req, &mut |line: &str| progress.note(line))
+    let mut line = |l: &str| progress.note(l);
+    let (p, _import_guard) = npuc_build::load_pipeline(file, req, &mut line)?;
+    npuc_build::build(&p, req, &mut line)
 }

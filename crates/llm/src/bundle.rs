@@ -70,6 +70,9 @@ pub struct SourceRecord {
     pub bytes: u64,
     /// sha256 of the GGUF's bytes (hex).
     pub sha256: String,
+    /// The ONNX decoder the GGUF was imported from (`[model] onnx = ...`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub imported_from: Option<String>,
 }
 
 /// One part of a bundle.
