@@ -227,6 +227,9 @@ pub fn import(
         std::fs::remove_dir_all(&final_dir)?;
     }
     std::fs::rename(&staged, &final_dir)?;
+    // Hashed just now: the stamp spares the next build re-hashing it (see `cached`).
+    let gguf = final_dir.join("model.gguf");
+    write_synced(&final_dir.join("verified"), identity(&gguf)?.as_bytes())?;
     for f in &findings {
         line(&format!("import: {f}"));
     }
@@ -235,7 +238,7 @@ pub fn import(
         t0.elapsed().as_secs_f64()
     ));
     Ok(Imported {
-        gguf: final_dir.join("model.gguf"),
+        gguf,
         findings,
         max_abs,
         top1_agree: top1,
