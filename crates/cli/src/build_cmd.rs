@@ -186,7 +186,10 @@ pub fn inspect_bundle(dir: &Path, json: bool, verify: bool) -> Result<()> {
             m.arch,
             m.n_layers,
             m.vocab,
-            m.source.file,
+            match &m.source.imported_from {
+                Some(onnx) => format!("{} (imported from {onnx})", m.source.file),
+                None => m.source.file.clone(),
+            },
             &m.source.sha256[..m.source.sha256.len().min(16)],
             m.parts.len()
         );

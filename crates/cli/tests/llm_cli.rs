@@ -301,3 +301,52 @@ fn gemma3_bench_reports_speeds_and_rss() {
     assert!(j["decode_tokens_per_s"].as_f64().unwrap() > 0.0);
     assert!(j["peak_rss_bytes"].as_u64().unwrap() > 100_000_000);
 }
+
+/// `npuc export` refuses what it cannot export, naming the file and what to do, and leaves no
+/// output behind.
+#[test]
+fn export_bad_input_is_refused_clearly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_npuc"))
+            .args(args)
+            .output()
+            .expect("npuc runs");
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        )
+    };
+    // Not a GGUF.
+    let onnx = tmp.path().join("m.onnx");
+    std::fs::write(&onnx, b"not a model").unwrap();
+    let out = tmp.path().join("out.onnx");
+    let (ok, err) = run(&[
+        "export",
+        onnx.to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert!(
+        !ok && err.contains("m.onnx") && err.contains("GGUF"),
+        "{err}"
+    );
+    // Output not named .onnx; unknown dtype.
+    let g = gemma();
+    let bad = tmp.path().join("out.bin");
+    let (ok, err) = run(&["export", g.to_str().unwrap(), "-o", bad.to_str().unwrap()]);
+    assert!(
+        !ok && err.contains("out.bin") && err.contains(".onnx"),
+        "{err}"
+    );
+    let (ok, err) = run(&[
+        "export",
+        g.to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+        "--dtype",
+        "int3",
+    ]);
+    assert!(!ok && err.contains("int3") && err.contains("f16"), "{err}");
+    assert!(!out.exists() && !bad.exists());
+}
