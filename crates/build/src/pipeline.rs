@@ -64,6 +64,10 @@ struct SplitSection {
     precision: Option<String>,
     /// Precision per part (as many as there are parts); overrides `precision`.
     part_precision: Option<Vec<String>>,
+    /// The token embedding as a part of its own (the embedder) ahead of the decoder parts,
+    /// which then take embeddings as input (the VLM layout).
+    #[serde(default)]
+    embedder: bool,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -268,14 +272,23 @@ impl Pipeline {
         }
         let census = WeightCensus::of(&g, &hp)?;
         let s = &raw.split;
+        // With an embedder, the decoder parts hold no embedding (the budget split too).
+        let decoder_census = WeightCensus {
+            embedding: if s.embedder { 0 } else { census.embedding },
+            ..census.clone()
+        };
         let specs = match (s.parts, s.max_part_bytes) {
             (Some(n), _) => {
                 split::split_by_count(hp.n_layers, n).map_err(|e| anyhow!("{f}: split.{e}"))?
             }
-            (None, Some(budget)) => {
-                split::split_by_budget(&census, budget).map_err(|e| anyhow!("{f}: split.{e}"))?
-            }
+            (None, Some(budget)) => split::split_by_budget(&decoder_census, budget)
+                .map_err(|e| anyhow!("{f}: split.{e}"))?,
             (None, None) => split::split_by_count(hp.n_layers, 1)?,
+        };
+        let specs = if s.embedder {
+            split::with_embedder(specs)
+        } else {
+            specs
         };
         let all = match &s.precision {
             Some(p) => precision(p, "split.precision", file)?,

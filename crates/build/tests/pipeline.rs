@@ -617,3 +617,71 @@ fn onnx_sources_without_a_decoder_or_with_two_models_are_refused() {
         "{e}"
     );
 }
+
+/// The VLM layout: the token embedding as a part of its own (the embedder), the decoder parts
+/// taking embeddings. Feeding the embedder's output through the embeddings entry gives the
+/// token ids' logits bit for bit (also as a prefix followed by tokens), and the bundle
+/// generates the unsplit model's tokens.
+#[test]
+fn embedder_part_feeds_decoder_parts_that_take_embeddings() {
+    let tmp = tempfile::tempdir().unwrap();
+    let body = "[graphs]\nar = [1, 32]\nctx = [64]\nsha = true\n[split]\nparts = 2\nembedder = true\n[test]\nprompts = [\"The capital of France is\"]\nmax_tokens = 8\n";
+    let file = pipeline(tmp.path(), "p.toml", body);
+    let out = tmp.path().join("out");
+    let r = run(&file, &out, &[]);
+    assert!(r.sanity.iter().all(|c| c.pass), "{}", r.sanity_table());
+    let m = npuc_llm::bundle::BundleManifest::read(&out).unwrap();
+    let layers: Vec<[usize; 2]> = m.parts.iter().map(|p| p.layers).collect();
+    assert_eq!(layers, vec![[0, 0], [0, 15], [15, 30]]);
+    let tok = npuc_tokenizer::Tokenizer::from_gguf_path(smollm2()).unwrap();
+    let mut b = Bundle::open(
+        &out,
+        &BundleOptions {
+            threads: 2,
+            ctx: None,
+            ar: vec![],
+        },
+    )
+    .unwrap();
+    assert!(b.has_embedder());
+    let ids = tok.encode(PROMPTS[2], true).unwrap();
+    let by_ids = b.forward(&ids, true).unwrap();
+    b.reset();
+    let rows = b.embed(&ids).unwrap();
+    assert_eq!(rows.len(), ids.len() * m.n_embd);
+    let by_rows = b.forward_embeddings(&rows, true).unwrap();
+    assert!(by_ids == by_rows, "embeddings in = token ids in");
+    // A prefix of embeddings, then the rest as tokens = the same split of token ids.
+    let k = 5;
+    b.reset();
+    b.forward(&ids[..k], false).unwrap();
+    let want = b.forward(&ids[k..], false).unwrap();
+    b.reset();
+    b.forward_embeddings(&rows[..k * m.n_embd], false).unwrap();
+    let got = b.forward(&ids[k..], false).unwrap();
+    assert!(want == got, "prefix embeddings then tokens = tokens");
+    assert_bundle_gives_unsplit_tokens(&out, Precision::Fast, 64, 16);
+    // A bundle without an embedder refuses embeddings, saying how to get one.
+    let tmp2 = tempfile::tempdir().unwrap();
+    let file2 = pipeline(
+        tmp2.path(),
+        "p.toml",
+        "[graphs]\nar = [1]\nctx = [16]\n[split]\nparts = 2\n",
+    );
+    let out2 = tmp2.path().join("out");
+    run(&file2, &out2, &[]);
+    let mut b2 = Bundle::open(
+        &out2,
+        &BundleOptions {
+            threads: 1,
+            ctx: None,
+            ar: vec![],
+        },
+    )
+    .unwrap();
+    let e = b2
+        .forward_embeddings(&rows[..m.n_embd], false)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("split.embedder = true"), "{e}");
+}

@@ -8,7 +8,9 @@ use crate::flags::Given;
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use npuc_generate::chat::{ChatMessage, ChatSession, ChatTemplate};
-use npuc_generate::{generate, perplexity, CausalLm, GenOutput, SamplerParams, TokenText};
+use npuc_generate::{
+    generate, generate_continue, perplexity, CausalLm, GenOutput, SamplerParams, TokenText,
+};
 use npuc_llm::{Bundle, BundleOptions, Engine, EngineOptions, Precision, Variant};
 use npuc_tokenizer::Tokenizer;
 use std::io::{BufRead, Write};
@@ -233,6 +235,10 @@ pub struct GenerateArgs {
     /// With `--max-tokens 0`: write the last prompt position's logits (f32 [vocab]) to this `.npy`.
     #[arg(long)]
     pub logits_out: Option<PathBuf>,
+    /// Embeddings fed ahead of the prompt (f32 `.npy`, `[rows, n_embd]` or `[1, rows, n_embd]`,
+    /// e.g. a vision component's output): bundles built with `split.embedder = true`.
+    #[arg(long, value_name = "FILE.npy")]
+    pub prefix_embeddings: Option<PathBuf>,
 }
 
 /// `npuc chat`.
@@ -491,6 +497,11 @@ pub fn generate_cmd(a: &GenerateArgs) -> Result<()> {
     if prompt.is_empty() {
         bail!("the prompt is empty (no tokens); give a non-empty --prompt or drop --no-bos");
     }
+    // Prefix embeddings: fed first; the prompt's tokens continue after them.
+    let prefix_rows = match &a.prefix_embeddings {
+        Some(path) => prefix_embeddings(&mut engine, path)?,
+        None => 0,
+    };
     if let Some(path) = &a.logits_out {
         if a.max_tokens != 0 {
             bail!("--logits-out writes the prompt's last logits and needs --max-tokens 0");
@@ -521,15 +532,31 @@ pub fn generate_cmd(a: &GenerateArgs) -> Result<()> {
             let _ = o.flush();
         }
     };
-    let out = generate(
-        &mut lm,
-        &Tok(&tok),
-        &prompt,
-        &params,
-        a.max_tokens,
-        &a.sampling.stop,
-        &mut on_text,
-    )?;
+    let out = if prefix_rows > 0 {
+        // The cache holds the prefix's positions; placeholders stand for them in the token
+        // history (only the repetition penalties read it).
+        let mut tokens = vec![0u32; prefix_rows];
+        tokens.extend_from_slice(&prompt);
+        generate_continue(
+            &mut lm,
+            &Tok(&tok),
+            &tokens,
+            &params,
+            a.max_tokens,
+            &a.sampling.stop,
+            &mut on_text,
+        )?
+    } else {
+        generate(
+            &mut lm,
+            &Tok(&tok),
+            &prompt,
+            &params,
+            a.max_tokens,
+            &a.sampling.stop,
+            &mut on_text,
+        )?
+    };
     for w in &out.warnings {
         eprintln!("warning: {w}");
     }
@@ -547,6 +574,36 @@ pub fn generate_cmd(a: &GenerateArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// Feeds the embeddings in `path` to a bundle with an embedder; returns the number of rows.
+fn prefix_embeddings(model: &mut Model, path: &Path) -> Result<usize> {
+    let Model::Bundle(b) = model else {
+        bail!("--prefix-embeddings needs a bundle built with split.embedder = true (npuc build), not a single model");
+    };
+    let t = crate::npy::read_npy(path)
+        .with_context(|| format!("--prefix-embeddings '{}'", path.display()))?;
+    let e = b.manifest().n_embd;
+    let shape = t.shape().to_vec();
+    let rows = match shape.as_slice() {
+        [r, d] | [1, r, d] if *d == e => *r,
+        _ => bail!(
+            "--prefix-embeddings '{}': shape {shape:?}, expected [rows, {e}] or [1, rows, {e}] (n_embd of the bundle)",
+            path.display()
+        ),
+    };
+    if t.dtype() != npuc_ir::DType::F32 {
+        bail!(
+            "--prefix-embeddings '{}': {} values, expected float32",
+            path.display(),
+            t.dtype().name()
+        );
+    }
+    if rows == 0 {
+        bail!("--prefix-embeddings '{}' has no rows", path.display());
+    }
+    b.forward_embeddings(t.as_slice::<f32>()?, false)?;
+    Ok(rows)
 }
 
 /// `npuc chat`: reads user messages from stdin, one per line; `/reset` clears, `/exit` quits.

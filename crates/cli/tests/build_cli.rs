@@ -139,3 +139,111 @@ fn bad_pipeline_fails_before_any_step() {
         "{stderr}"
     );
 }
+
+/// `--prefix-embeddings`: the embedder's rows for the first tokens of a prompt, fed ahead of the
+/// remaining tokens, give the logits of the whole prompt as token ids (one token per call on
+/// both sides, so bit for bit); a single model or a bundle without an embedder is refused.
+#[test]
+fn prefix_embeddings_equal_the_tokens_they_embed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = pipeline(
+        tmp.path(),
+        "[graphs]\nar = [1]\nctx = [32]\n[split]\nparts = 1\nembedder = true\n",
+    );
+    let out = tmp.path().join("bundle");
+    let (f, o) = (file.to_str().unwrap(), out.to_str().unwrap());
+    let (ok, _, stderr) = npuc(&["build", f, "-o", o]);
+    assert!(ok, "{stderr}");
+    let ids: [u32; 7] = [1, 504, 3060, 282, 2114, 314, 1345];
+    let k = 4;
+    let mut b = npuc_llm::Bundle::open(
+        &out,
+        &npuc_llm::BundleOptions {
+            threads: 1,
+            ctx: None,
+            ar: vec![],
+        },
+    )
+    .unwrap();
+    let rows = b.embed(&ids[..k]).unwrap();
+    let e = b.manifest().n_embd;
+    let emb = tmp.path().join("prefix.npy");
+    let t = npuc_ir::Tensor::from_vec(vec![k, e], rows).unwrap();
+    std::fs::write(&emb, npuc_npy::npy_bytes(&t).unwrap()).unwrap();
+    let csv = |v: &[u32]| {
+        v.iter()
+            .map(|t| t.to_string())
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    let (a, bb) = (tmp.path().join("a.npy"), tmp.path().join("b.npy"));
+    let (ok, _, stderr) = npuc(&[
+        "generate",
+        o,
+        "--prompt-tokens",
+        &csv(&ids),
+        "--max-tokens",
+        "0",
+        "--logits-out",
+        a.to_str().unwrap(),
+    ]);
+    assert!(ok, "{stderr}");
+    let (ok, _, stderr) = npuc(&[
+        "generate",
+        o,
+        "--prefix-embeddings",
+        emb.to_str().unwrap(),
+        "--prompt-tokens",
+        &csv(&ids[k..]),
+        "--max-tokens",
+        "0",
+        "--logits-out",
+        bb.to_str().unwrap(),
+    ]);
+    assert!(ok, "{stderr}");
+    let read = |p: &Path| npuc_npy::read_f32(p).unwrap().1;
+    assert!(read(&a) == read(&bb), "prefix embeddings + tokens = tokens");
+    // Greedy generation after a prefix runs too.
+    let (ok, _, stderr) = npuc(&[
+        "generate",
+        o,
+        "--prefix-embeddings",
+        emb.to_str().unwrap(),
+        "--prompt-tokens",
+        &csv(&ids[k..]),
+        "--max-tokens",
+        "4",
+        "--temperature",
+        "0",
+    ]);
+    assert!(ok, "{stderr}");
+    // Refused: a single model; a wrong width.
+    let (ok, _, stderr) = npuc(&[
+        "generate",
+        smollm2().to_str().unwrap(),
+        "--prefix-embeddings",
+        emb.to_str().unwrap(),
+        "--prompt",
+        "x",
+        "--max-tokens",
+        "1",
+    ]);
+    assert!(!ok && stderr.contains("split.embedder = true"), "{stderr}");
+    let bad = tmp.path().join("bad.npy");
+    let t = npuc_ir::Tensor::from_vec(vec![2, 3], vec![0f32; 6]).unwrap();
+    std::fs::write(&bad, npuc_npy::npy_bytes(&t).unwrap()).unwrap();
+    let (ok, _, stderr) = npuc(&[
+        "generate",
+        o,
+        "--prefix-embeddings",
+        bad.to_str().unwrap(),
+        "--prompt-tokens",
+        "1",
+        "--max-tokens",
+        "1",
+    ]);
+    assert!(
+        !ok && stderr.contains("bad.npy") && stderr.contains("576"),
+        "{stderr}"
+    );
+}

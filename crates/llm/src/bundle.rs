@@ -205,7 +205,9 @@ impl Bundle {
         for (i, rec) in manifest.parts.iter().enumerate() {
             let path = dir.join(&rec.file);
             let layers = rec.layers[0]..rec.layers[1];
-            if layers.start != expect_start || layers.is_empty() {
+            // Part 1 of several may be an embedder (no layers; `split.embedder`).
+            let embedder = i == 0 && count > 1 && layers.is_empty();
+            if layers.start != expect_start || (layers.is_empty() && !embedder) {
                 bail!(
                     "{}: part {} holds layers {}..{}, expected to start at layer {expect_start}",
                     dir.join(MANIFEST).display(),
@@ -249,7 +251,8 @@ impl Bundle {
                             layers.end
                         );
                     }
-                    if crate::build::sha::is_sha(&m) != manifest.sha {
+                    // An embedder has no attention either way.
+                    if !embedder && crate::build::sha::is_sha(&m) != manifest.sha {
                         bail!(
                             "{}: graph {name} has {} attention, the manifest says sha = {}",
                             path.display(),
@@ -436,8 +439,113 @@ impl Chunked for Bundle {
     /// Runs the parts over one chunk of `toks` padded to `n`, updates the caches and the
     /// position, and returns the logits of rows `from..toks.len()`.
     fn run_chunk(&mut self, n: usize, toks: &[u32], from: usize) -> Result<Vec<f32>> {
+        self.run_chunk_from(n, ChunkInput::Ids(toks), from)
+    }
+}
+
+/// What a chunk starts from.
+enum ChunkInput<'a> {
+    /// Token ids, looked up by the first part.
+    Ids(&'a [u32]),
+    /// Embeddings `[count, n_embd]` for the first decoder part (the embedder is skipped).
+    Embeddings(&'a [f32]),
+}
+
+impl Bundle {
+    /// Whether part 1 is an embedder (token embedding only; `split.embedder`): the decoder
+    /// parts then take embeddings, and [`Bundle::forward_embeddings`] can feed others.
+    pub fn has_embedder(&self) -> bool {
+        self.parts.len() > 1 && self.parts[0].layers.is_empty()
+    }
+
+    /// The embedder's output for `tokens`: `[tokens.len(), n_embd]` (what the decoder parts
+    /// take; [`Bundle::forward_embeddings`] of these rows equals [`Bundle::forward`] of the
+    /// tokens). Leaves the position and caches alone.
+    pub fn embed(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        if !self.has_embedder() {
+            bail!("this bundle has no embedder part (build it with split.embedder = true)");
+        }
+        let vocab = self.manifest.vocab;
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            bail!("token id {t} is outside the vocabulary of {vocab}");
+        }
+        let ctx = self.ctxs[self.cur_ctx];
+        let e = self.manifest.n_embd;
+        let mut out = Vec::with_capacity(tokens.len() * e);
+        for chunk in tokens.chunks(self.ars[0].min(ctx)) {
+            let count = chunk.len();
+            // The smallest variant that holds the chunk (the embedder reads no position).
+            let n = *self
+                .ars
+                .iter()
+                .filter(|&&n| n >= count)
+                .min()
+                .unwrap_or(&self.ars[0]);
+            let step = StepInputs::new(0, n, count, ctx, count)?;
+            let part = &self.parts[0];
+            let sess = &part.sessions[&(n, ctx)];
+            let feeds = step.feeds(sess.inputs(), ("input_ids", input_ids(chunk, n)?));
+            let mut outs = outputs_by_name(sess.run(feeds)?)?;
+            let Some(h) = outs.remove(HIDDEN_OUT) else {
+                bail!("the embedder has no '{HIDDEN_OUT}' output");
+            };
+            out.extend_from_slice(&h.as_slice::<f32>()?[..count * e]);
+        }
+        Ok(out)
+    }
+
+    /// Appends embeddings `rows` (`[count, n_embd]` f32, e.g. another component's output, or
+    /// [`Bundle::embed`]'s) at the current position, and returns the last row's logits
+    /// `[vocab]`, or every row's when `all_logits`. Needs an embedder part.
+    pub fn forward_embeddings(&mut self, rows: &[f32], all_logits: bool) -> Result<Vec<f32>> {
+        if !self.has_embedder() {
+            bail!("this bundle has no embedder part, so its first part takes token ids, not embeddings (build it with split.embedder = true)");
+        }
+        let e = self.manifest.n_embd;
+        if rows.is_empty() || !rows.len().is_multiple_of(e) {
+            bail!(
+                "embeddings of {} values are not whole rows of n_embd = {e}",
+                rows.len()
+            );
+        }
+        let total = rows.len() / e;
+        if self.position + total > Bundle::ctx(self) {
+            bail!(
+                "{total} embeddings + {} earlier positions exceed the context of {}",
+                self.position,
+                Bundle::ctx(self)
+            );
+        }
+        let vocab = self.manifest.vocab;
+        let mut out = Vec::with_capacity(if all_logits { total * vocab } else { vocab });
+        let mut done = 0;
+        while done < total {
+            let rest = total - done;
+            let (n, _) = Chunked::pick(self, rest, all_logits)?;
+            let count = n.min(rest);
+            let from = if all_logits {
+                0
+            } else if count == rest {
+                count - 1
+            } else {
+                count
+            };
+            let chunk = &rows[done * e..(done + count) * e];
+            out.extend_from_slice(&self.run_chunk_from(n, ChunkInput::Embeddings(chunk), from)?);
+            done += count;
+        }
+        Ok(out)
+    }
+
+    /// Runs the parts over one chunk (token ids, or embeddings past the embedder) padded to
+    /// `n`, updates the caches and the position, and returns the logits of rows
+    /// `from..count`.
+    fn run_chunk_from(&mut self, n: usize, input: ChunkInput, from: usize) -> Result<Vec<f32>> {
         let pos = self.position;
-        let count = toks.len();
+        let count = match input {
+            ChunkInput::Ids(t) => t.len(),
+            ChunkInput::Embeddings(r) => r.len() / self.manifest.n_embd,
+        };
         // The smallest context that holds this (padded) chunk, never smaller than the caches'.
         let ci = (self.cur_ctx..self.ctxs.len())
             .find(|&i| pos + n <= self.ctxs[i])
@@ -457,9 +565,20 @@ impl Chunked for Bundle {
         let ctx = self.ctxs[ci];
         // Inputs shared by every part (the Engine's padding and mask conventions).
         let step = StepInputs::new(pos, n, count, ctx, from)?;
-        let mut carry = input_ids(toks, n)?;
+        let e = self.manifest.n_embd;
+        let (mut carry, skip) = match input {
+            ChunkInput::Ids(toks) => (input_ids(toks, n)?, 0),
+            ChunkInput::Embeddings(rows) => {
+                let mut padded = rows.to_vec();
+                padded.resize(n * e, 0.0);
+                (
+                    Value::tensor(npuc_ir::Tensor::from_vec(vec![n, e], padded)?),
+                    1,
+                )
+            }
+        };
         let mut logits = None;
-        for (pi, part) in self.parts.iter_mut().enumerate() {
+        for (pi, part) in self.parts.iter_mut().enumerate().skip(skip) {
             let sess = &part.sessions[&(n, ctx)];
             let first_input = if part.first { "input_ids" } else { HIDDEN_IN };
             let mut feeds = step.feeds(sess.inputs(), (first_input, carry.clone()));

@@ -458,7 +458,7 @@ pub(crate) fn build_layers(
     };
     let whole = split::PartSpec::whole(hp.n_layers);
     let part = part.unwrap_or(&whole);
-    if part.layers.end > hp.n_layers || part.layers.is_empty() {
+    if part.layers.end > hp.n_layers || (part.layers.is_empty() && !part.is_embedder()) {
         bail!(
             "part {} asks for layers {}..{} of a model with {} layers",
             part.index + 1,

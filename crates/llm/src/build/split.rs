@@ -42,6 +42,12 @@ impl PartSpec {
     pub fn has_embedding(&self) -> bool {
         self.index == 0
     }
+    /// An embedder: the first part of several holding the token embedding and no layer (the
+    /// decoder parts after it take embeddings, `hidden_in`, as input: the VLM layout, where
+    /// other components' embeddings are spliced in ahead of the prompt's).
+    pub fn is_embedder(&self) -> bool {
+        self.index == 0 && self.count > 1 && self.layers.is_empty()
+    }
     /// The last part computes the logits.
     pub fn has_head(&self) -> bool {
         self.index + 1 == self.count
@@ -207,6 +213,22 @@ pub fn split_by_budget(census: &WeightCensus, budget: u64) -> Result<Vec<PartSpe
         .collect())
 }
 
+/// `decoder` parts (covering every layer) behind an embedder part ([`PartSpec::is_embedder`]).
+pub fn with_embedder(decoder: Vec<PartSpec>) -> Vec<PartSpec> {
+    let count = decoder.len() + 1;
+    std::iter::once(PartSpec {
+        index: 0,
+        count,
+        layers: 0..0,
+    })
+    .chain(decoder.into_iter().map(|p| PartSpec {
+        index: p.index + 1,
+        count,
+        layers: p.layers,
+    }))
+    .collect()
+}
+
 /// Builds the graph of one part for `tokens` per call over `ctx` cache slots; with `sha`, in
 /// single-head attention form ([`super::sha::to_sha`]).
 pub fn build_part(
@@ -254,7 +276,8 @@ pub fn build_part_shared(
         },
         Some(part),
     )?;
-    if sha {
+    // An embedder has no attention to rewrite.
+    if sha && !part.is_embedder() {
         super::sha::to_sha(&m)
     } else {
         Ok(m)
