@@ -161,7 +161,7 @@ fn decode_model(bytes: Bytes, path: &Path, base: Option<PathBuf>) -> Result<Mode
         .iter()
         .map(|f| cx.function(f))
         .collect::<Result<Vec<_>, _>>()?;
-    Ok(Model {
+    let mut model = Model {
         ir_version: mp.ir_version(),
         opset_imports,
         producer_name: mp.producer_name().to_string(),
@@ -176,7 +176,13 @@ fn decode_model(bytes: Bytes, path: &Path, base: Option<PathBuf>) -> Result<Mode
             .map(|p| (p.key().to_string(), p.value().to_string()))
             .collect(),
         functions,
-    })
+    };
+    // onnxruntime contrib ops become exact equivalents npuc runs (see `contrib`).
+    crate::contrib::decompose(&mut model).map_err(|msg| OnnxError::Model {
+        path: path.to_path_buf(),
+        msg,
+    })?;
+    Ok(model)
 }
 
 struct Cx {

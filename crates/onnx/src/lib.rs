@@ -2,6 +2,7 @@
 //! the mmapped file or from external data files, never copied when aligned) and writes IR models
 //! back to ONNX.
 
+pub mod contrib;
 pub mod export;
 pub mod import;
 
