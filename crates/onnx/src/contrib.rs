@@ -13,6 +13,7 @@
 //! | `SkipSimplifiedLayerNormalization(x, skip, gamma[, bias]; epsilon)` | `s` as above; `npuc.RMSNormalization(s, gamma; axis = -1)`; `s` → `input_skip_bias_sum` |
 //! | `SimplifiedLayerNormalization(X, scale; axis, epsilon)` (ONNX domain in onnxruntime) | `npuc.RMSNormalization(X, scale; axis)` |
 //! | `FusedMatMul(A, B; alpha, transA, transB)` | `alpha · MatMul(A', B')`, `'` swapping the last two axes (rank from the graph's types) |
+//! | `MatMulNBits(A, B, scales[, zero_points][, g_idx][, bias]; K, N, bits, block_size)` | `MatMul(A, W) (+ bias)`, `W` the constant weight dequantized to f32 `[K, N]` (2/4/8 bits) |
 //!
 //! An output these rewrites cannot produce (the RMS norms' `inv_std_var`, `mean`) or an
 //! attribute they do not cover (`transBatchA/B`) is refused naming the node.
@@ -34,6 +35,7 @@ pub fn decompose(m: &mut Model) -> Result<usize, String> {
                     | "SkipSimplifiedLayerNormalization"
                     | "SimplifiedLayerNormalization"
                     | "FusedMatMul"
+                    | "MatMulNBits"
             ))
             || (n.domain.is_empty() && n.op_type == "SimplifiedLayerNormalization")
     };
@@ -41,6 +43,12 @@ pub fn decompose(m: &mut Model) -> Result<usize, String> {
         return Ok(0);
     }
     let ranks = ranks(&m.graph);
+    let consts: HashMap<String, Tensor> = m
+        .graph
+        .initializers
+        .iter()
+        .map(|i| (i.name.clone(), i.tensor.clone()))
+        .collect();
     let mut out: Vec<Node> = Vec::with_capacity(m.graph.nodes.len());
     let mut inits: Vec<Initializer> = vec![];
     let mut count = 0;
@@ -64,7 +72,7 @@ pub fn decompose(m: &mut Model) -> Result<usize, String> {
             inits: &mut inits,
             k: 0,
         };
-        rw.node(&n, &ranks)?;
+        rw.node(&n, &ranks, &consts)?;
         out.extend(rw.nodes);
     }
     m.graph.nodes = out;
@@ -137,7 +145,12 @@ impl Rewrite<'_> {
         name
     }
 
-    fn node(&mut self, n: &Node, ranks: &HashMap<String, usize>) -> Result<(), String> {
+    fn node(
+        &mut self,
+        n: &Node,
+        ranks: &HashMap<String, usize>,
+        consts: &HashMap<String, Tensor>,
+    ) -> Result<(), String> {
         let err = |msg: String| format!("node '{}' ({}::{}): {msg}", n.name, n.domain, n.op_type);
         let input = |i: usize| n.inputs.get(i).filter(|s| !s.is_empty()).cloned();
         let output = |i: usize| n.outputs.get(i).filter(|s| !s.is_empty()).cloned();
@@ -254,8 +267,136 @@ impl Rewrite<'_> {
                     self.push("Mul", "", &[&p, &a], &[&y], vec![]);
                 }
             }
+            "MatMulNBits" => {
+                let a = req_in(0)?;
+                let c = |i: usize, what: &str| -> Result<Option<&Tensor>, String> {
+                    match input(i) {
+                        None => Ok(None),
+                        Some(v) => consts.get(&v).map(Some).ok_or_else(|| {
+                            err(format!("{what} '{v}' is not a constant (only constant weights are supported)"))
+                        }),
+                    }
+                };
+                let b = c(1, "B")?.ok_or_else(|| err("input B is missing".into()))?;
+                let scales =
+                    c(2, "scales")?.ok_or_else(|| err("input scales is missing".into()))?;
+                let zp = c(3, "zero_points")?;
+                if input(4).is_some() {
+                    return Err(err("g_idx (act-order) is not supported".into()));
+                }
+                let attr = |k: &str| n.attr_int(k).ok().flatten();
+                let (kk, nn) = match (attr("K"), attr("N")) {
+                    (Some(k), Some(nn)) if k > 0 && nn > 0 => (k as usize, nn as usize),
+                    _ => return Err(err("attributes K and N must be positive".into())),
+                };
+                let bits = attr("bits").unwrap_or(4) as usize;
+                let bs = attr("block_size").unwrap_or(0) as usize;
+                let w = dequantize_nbits(b, scales, zp, kk, nn, bits, bs).map_err(err)?;
+                let name = self.fresh("weight");
+                self.inits.push(Initializer {
+                    name: name.clone(),
+                    tensor: Tensor::from_vec(vec![kk, nn], w).map_err(|e| err(e.to_string()))?,
+                });
+                match input(5) {
+                    None => self.push("MatMul", "", &[&a, &name], &[&y], vec![]),
+                    Some(bias) => {
+                        let p = self.op("MatMul", &[&a, &name], vec![]);
+                        self.push("Add", "", &[&p, &bias], &[&y], vec![]);
+                    }
+                }
+            }
             other => return Err(err(format!("internal: no rewrite for {other}"))),
         }
         Ok(())
     }
+}
+
+/// `MatMulNBits`' weight as f32 `[K, N]` (the `B` operand of `MatMul`): element `k` of column
+/// `n` is `(q - zero_point) · scale` of its block; `q` packed `bits` at a time, low bits first,
+/// in `B [N, blocks, block_size · bits / 8]`; zero points packed the same way per column
+/// (uint8), or given as floats, default `2^(bits-1)`.
+fn dequantize_nbits(
+    b: &Tensor,
+    scales: &Tensor,
+    zp: Option<&Tensor>,
+    k: usize,
+    n: usize,
+    bits: usize,
+    bs: usize,
+) -> Result<Vec<f32>, String> {
+    if !matches!(bits, 2 | 4 | 8) {
+        return Err(format!("bits = {bits} is not supported (2, 4, 8)"));
+    }
+    if bs < 16 || !bs.is_power_of_two() {
+        return Err(format!("block_size = {bs} must be a power of two >= 16"));
+    }
+    let blocks = k.div_ceil(bs);
+    let blob = bs * bits / 8;
+    let q = b.to_le_bytes().map_err(|e| e.to_string())?;
+    if b.dtype() != npuc_ir::DType::U8 || q.len() != n * blocks * blob {
+        return Err(format!(
+            "B is {} {:?}, expected uint8 [{n}, {blocks}, {blob}]",
+            b.dtype().name(),
+            b.shape()
+        ));
+    }
+    let sc: Vec<f64> = scales.to_f64_vec().map_err(|e| e.to_string())?;
+    if sc.len() != n * blocks {
+        return Err(format!(
+            "scales has {} values, expected N x blocks = {}",
+            sc.len(),
+            n * blocks
+        ));
+    }
+    let mask = (1u32 << bits) - 1;
+    let field = |bytes: &[u8], i: usize| -> u32 {
+        let bit = i * bits;
+        (u32::from(bytes[bit / 8]) >> (bit % 8)) & mask
+    };
+    let zps: Vec<f64> = match zp {
+        None => vec![f64::from(1u32 << (bits - 1)); n * blocks],
+        Some(z) if z.dtype() == npuc_ir::DType::U8 => {
+            let zb = z.to_le_bytes().map_err(|e| e.to_string())?;
+            let per_col = (blocks * bits).div_ceil(8);
+            if zb.len() != n * per_col {
+                return Err(format!(
+                    "zero_points has {} bytes, expected {}",
+                    zb.len(),
+                    n * per_col
+                ));
+            }
+            (0..n * blocks)
+                .map(|i| f64::from(field(&zb[(i / blocks) * per_col..][..per_col], i % blocks)))
+                .collect()
+        }
+        Some(z) => {
+            let v = z.to_f64_vec().map_err(|e| e.to_string())?;
+            if v.len() != n * blocks {
+                return Err(format!(
+                    "zero_points has {} values, expected {}",
+                    v.len(),
+                    n * blocks
+                ));
+            }
+            v
+        }
+    };
+    let mut w = vec![0f32; k * n];
+    for col in 0..n {
+        for blk in 0..blocks {
+            let bytes = &q[(col * blocks + blk) * blob..][..blob];
+            let (s, z) = (
+                sc[col * blocks + blk] as f32,
+                zps[col * blocks + blk] as f32,
+            );
+            for i in 0..bs {
+                let kk = blk * bs + i;
+                if kk >= k {
+                    break;
+                }
+                w[kk * n + col] = (field(bytes, i) as f32 - z) * s;
+            }
+        }
+    }
+    Ok(w)
 }

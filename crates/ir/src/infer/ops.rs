@@ -20,6 +20,7 @@ pub fn infer(n: &NodeIn) -> Outcome {
         },
         "com.microsoft" => match n.op() {
             "DynamicQuantizeLSTM" => Some(nn::rnn(n)),
+            "RotaryEmbedding" => Some(same(n, 0)),
             _ => None,
         },
         _ => None,

@@ -1,6 +1,7 @@
 //! Op kernels, one module per family. Each module's `register` adds its kernels.
 
 pub mod common;
+pub mod contrib;
 pub mod control;
 pub mod conv;
 pub mod elementwise;
@@ -24,6 +25,7 @@ pub mod vision;
 use crate::kernel::Registry;
 
 pub fn register_all(r: &mut Registry) {
+    contrib::register(r);
     control::register(r);
     conv::register(r);
     elementwise::register(r);
