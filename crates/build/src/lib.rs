@@ -764,6 +764,82 @@ enum Msg {
     Done(usize, Result<(Record, Status, f64, String)>),
 }
 
+/// A part's bytes on the target: (weights = the context binary, weights + KV I/O of its
+/// largest graph).
+fn part_target_bytes(p: &Pipeline, spec: &PartSpec, weights: u64) -> (u64, u64) {
+    let kv: u64 = p.kv_bytes_per_layer[spec.layers.clone()].iter().sum();
+    (weights, weights + kv)
+}
+
+/// The pre-flight report: each part against the target's per-graph and per-context limits
+/// (`[target]`), and, when one is over, the smallest even split by layer count that fits.
+pub fn preflight(p: &Pipeline) -> Vec<String> {
+    let mut lines = vec![];
+    let mut over = false;
+    for (i, (spec, _)) in p.parts.iter().enumerate() {
+        let (ctx_b, graph_b) = part_target_bytes(p, spec, p.part_bytes[i]);
+        let (og, oc) = (graph_b > p.max_graph_bytes, ctx_b > p.max_context_bytes);
+        over |= og || oc;
+        lines.push(format!(
+            "pre-flight part {}: largest graph {:.1} MiB (weights + KV at ctx {}) of max_graph_bytes {:.1} MiB{}; context {:.1} MiB of max_context_bytes {:.1} MiB{}",
+            i + 1,
+            mib(graph_b),
+            p.ctx.last().copied().unwrap_or(0),
+            mib(p.max_graph_bytes),
+            if og { "  OVER" } else { "" },
+            mib(ctx_b),
+            mib(p.max_context_bytes),
+            if oc { "  OVER" } else { "" },
+        ));
+    }
+    if !over {
+        return lines;
+    }
+    let embedder = p.parts[0].0.is_embedder();
+    let decoder_parts = p.parts.len() - usize::from(embedder);
+    let proposal = (decoder_parts + 1..=p.n_layers).find_map(|count| {
+        let specs = split::split_by_count(p.n_layers, count).ok()?;
+        let specs = if embedder {
+            split::with_embedder(specs)
+        } else {
+            specs
+        };
+        let census = if embedder {
+            split::WeightCensus {
+                embedding: 0,
+                ..p.census.clone()
+            }
+        } else {
+            p.census.clone()
+        };
+        let fits = specs.iter().all(|s| {
+            let w = if s.is_embedder() {
+                p.census.embedding
+            } else {
+                census.part_bytes(s)
+            };
+            let (c, g) = part_target_bytes(p, s, w);
+            c <= p.max_context_bytes && g <= p.max_graph_bytes
+        });
+        fits.then_some((count, specs))
+    });
+    match proposal {
+        Some((count, specs)) => lines.push(format!(
+            "pre-flight: proposed split: split.parts = {count} (layers {})",
+            specs
+                .iter()
+                .filter(|s| !s.is_embedder())
+                .map(|s| format!("{}..{}", s.layers.start, s.layers.end))
+                .collect::<Vec<_>>()
+                .join(", ")
+        )),
+        None => lines.push(
+            "pre-flight: no split by layer count fits the limits (a layer with its KV cache, or the embedding/head, is larger than a graph may be): lower graphs.ctx or raise [target] limits".into(),
+        ),
+    }
+    lines
+}
+
 /// Reads and checks the pipeline `file` for `req`, importing an ONNX source first (see
 /// [`import`]: cached in `OUT/.cache/import`; a dry run imports into a temporary directory,
 /// held by the returned guard until the plan is printed).
@@ -840,6 +916,10 @@ pub fn build(p: &Pipeline, req: &BuildRequest, line: &mut dyn FnMut(&str)) -> Re
             prec.name(),
             if over { "  OVER max_part_bytes" } else { "" }
         ));
+    }
+
+    for l in preflight(p) {
+        line(&l);
     }
 
     if req.dry_run {

@@ -18,7 +18,24 @@ struct PipelineFile {
     split: SplitSection,
     #[serde(default)]
     test: TestSection,
+    #[serde(default)]
+    target: TargetSection,
 }
+
+/// The deployment target's memory limits (pre-flight check; HTP-like defaults).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TargetSection {
+    /// Bytes one graph may hold: its part's weights plus its KV cache inputs and outputs.
+    max_graph_bytes: Option<u64>,
+    /// Bytes one context binary (a part: its graphs share the weights) may hold.
+    max_context_bytes: Option<u64>,
+}
+
+/// Default per-graph limit (QNN HTP: about 2 GB per graph).
+pub const DEFAULT_MAX_GRAPH_BYTES: u64 = 2 << 30;
+/// Default per-context limit (QNN HTP: about 4 GB per context binary).
+pub const DEFAULT_MAX_CONTEXT_BYTES: u64 = 4 << 30;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -105,6 +122,14 @@ pub struct Pipeline {
     pub max_part_bytes: Option<u64>,
     pub test_prompts: Vec<String>,
     pub test_max_tokens: usize,
+    /// Target limits (`[target]`).
+    pub max_graph_bytes: u64,
+    pub max_context_bytes: u64,
+    /// KV cache bytes (keys and values, inputs and this call's outputs) per layer at the
+    /// largest context, per precision's KV dtype.
+    pub kv_bytes_per_layer: Vec<u64>,
+    /// The model's weight census (for proposing a split).
+    pub census: WeightCensus,
 }
 
 /// Expands `~/`, `$NPUC_CACHE` (default `~/.cache/npuc`) and `$HOME`, then resolves a relative
@@ -318,6 +343,19 @@ impl Pipeline {
         if let Some(p) = raw.test.prompts.iter().position(|p| p.is_empty()) {
             bail!("{f}: test.prompts[{p}] is empty");
         }
+        let kv_bytes_per_layer = {
+            let c = *ctx.last().expect("non-empty") as u64;
+            let n = *ar.last().expect("non-empty") as u64;
+            let per = (hp.n_kv_head * hp.head_dim) as u64;
+            // The largest KV dtype the parts use (f16 in fast/parity, f32 in exact); the
+            // cache inputs hold c slots, the outputs this call's n rows.
+            let el = precisions
+                .iter()
+                .map(|p| p.kv_dtype().size() as u64)
+                .max()
+                .unwrap_or(2);
+            vec![2 * (c + n) * per * el; hp.n_layers]
+        };
         Ok(Pipeline {
             file: file.to_path_buf(),
             gguf,
@@ -334,6 +372,16 @@ impl Pipeline {
             max_part_bytes: s.max_part_bytes,
             test_prompts: raw.test.prompts,
             test_max_tokens,
+            max_graph_bytes: raw
+                .target
+                .max_graph_bytes
+                .unwrap_or(DEFAULT_MAX_GRAPH_BYTES),
+            max_context_bytes: raw
+                .target
+                .max_context_bytes
+                .unwrap_or(DEFAULT_MAX_CONTEXT_BYTES),
+            kv_bytes_per_layer,
+            census: census.clone(),
         })
     }
 }

@@ -685,3 +685,31 @@ fn embedder_part_feeds_decoder_parts_that_take_embeddings() {
         .to_string();
     assert!(e.contains("split.embedder = true"), "{e}");
 }
+
+/// The pre-flight report flags a part over the target's limits and proposes a split that fits.
+#[test]
+fn preflight_flags_an_over_budget_part_and_proposes_a_split() {
+    let tmp = tempfile::tempdir().unwrap();
+    // SmolLM2's ~94 MiB of weights in one part, against a 70 MB graph limit.
+    let file = pipeline(
+        tmp.path(),
+        "p.toml",
+        "[graphs]\nar = [1]\nctx = [64]\n[target]\nmax_graph_bytes = 70_000_000\n",
+    );
+    let p = Pipeline::load(&file).unwrap();
+    let lines = npuc_build::preflight(&p);
+    assert!(lines[0].contains("OVER"), "{lines:?}");
+    let proposal = lines.last().unwrap();
+    assert!(proposal.contains("split.parts = 2"), "{lines:?}");
+    // Following the proposal: every part fits.
+    let file = pipeline(
+        tmp.path(),
+        "p2.toml",
+        "[graphs]\nar = [1]\nctx = [64]\n[split]\nparts = 2\n[target]\nmax_graph_bytes = 70_000_000\n",
+    );
+    let lines = npuc_build::preflight(&Pipeline::load(&file).unwrap());
+    assert!(lines.iter().all(|l| !l.contains("OVER")), "{lines:?}");
+    // Unknown target keys are refused by name.
+    let e = load_err("[graphs]\nar = [1]\nctx = [64]\n[target]\nmax_graph_byte = 1\n");
+    assert!(e.contains("max_graph_byte"), "{e}");
+}
