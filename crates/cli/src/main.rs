@@ -53,7 +53,7 @@ enum Cmd {
         inputs: Vec<String>,
         #[arg(long = "output-dir", short = 'o')]
         output_dir: Option<PathBuf>,
-        #[arg(long, default_value_t = 1)]
+        #[arg(long, default_value_t = 1, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
         threads: usize,
         /// Graph of an artifact to run.
         #[arg(long)]
@@ -68,7 +68,7 @@ enum Cmd {
     /// Time loading and running a model or artifact.
     Bench {
         model: PathBuf,
-        #[arg(long, default_value_t = 1)]
+        #[arg(long, default_value_t = 1, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
         threads: usize,
         #[arg(long, default_value_t = 10)]
         runs: usize,
@@ -139,7 +139,7 @@ enum Cmd {
         image: PathBuf,
         #[arg(long)]
         model: PathBuf,
-        #[arg(long, default_value_t = 1)]
+        #[arg(long, default_value_t = 1, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
         threads: usize,
         /// Timed repetitions of the inference (median reported).
         #[arg(long, default_value_t = 5)]
@@ -657,6 +657,9 @@ fn run(
         let (name, file) = s
             .split_once('=')
             .ok_or_else(|| anyhow!("--input expects NAME=FILE, got '{s}'"))?;
+        if feeds.iter().any(|(n, _)| n == name) {
+            bail!("--input {name} is given twice; give each input once");
+        }
         let decl = sess
             .inputs()
             .iter()

@@ -373,3 +373,44 @@ fn verify_rejects_suggest_flags_without_suggest() {
     ]);
     names(&err, &["--headroom", "--suggest"]);
 }
+
+/// Inputs that used to panic, abort or be silently accepted get a clear error naming them.
+#[test]
+fn bad_bindings_threads_and_paths_are_refused_by_name() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = write_model(tmp.path(), true);
+    // A dimension past the address range (was: capacity-overflow panic).
+    let e = fails(&[
+        "inspect",
+        s(&m),
+        "--input-shape",
+        "x=1x3x48x18446744073709551615",
+    ]);
+    assert!(
+        e.contains("x=1x3x48x18446744073709551615") && e.contains("addressed"),
+        "{e}"
+    );
+    // The same input or dimension bound twice.
+    let e = fails(&[
+        "inspect",
+        s(&m),
+        "--input-shape",
+        "x=1x4",
+        "--input-shape",
+        "x=2x4",
+    ]);
+    assert!(e.contains("--input-shape x is given twice"), "{e}");
+    let e = fails(&["inspect", s(&m), "--dim", "batch=1", "--dim", "batch=2"]);
+    assert!(e.contains("--dim batch is given twice"), "{e}");
+    // --threads 0 (was accepted by run and bench).
+    for cmd in ["run", "bench"] {
+        let e = fails(&[cmd, s(&m), "--threads", "0"]);
+        assert!(e.contains("--threads") && e.contains("'0'"), "{cmd}: {e}");
+    }
+    // A directory as the model: one clear sentence (was "No such device" twice).
+    let e = fails(&["run", s(tmp.path())]);
+    assert!(
+        e.contains("is a directory") && !e.contains("os error 19"),
+        "{e}"
+    );
+}

@@ -167,21 +167,31 @@ pub fn parse_bindings(input_shape: &[String], dim: &[String]) -> Result<Bindings
         let (n, v) = s
             .split_once('=')
             .ok_or_else(|| anyhow!("--input-shape expects NAME=SHAPE, got '{s}'"))?;
-        shapes.insert(
-            n.to_string(),
-            npuc_ir::parse_shape(v).map_err(|e| anyhow!(e))?,
-        );
+        let shape = npuc_ir::parse_shape(v).map_err(|e| anyhow!(e))?;
+        // A shape whose element count (or byte size) does not fit in memory's address range
+        // is refused here, not as an allocator abort later.
+        if shape
+            .iter()
+            .try_fold(8usize, |acc, &d| acc.checked_mul(d))
+            .is_none_or(|bytes| bytes > isize::MAX as usize)
+        {
+            bail!("--input-shape {n}={v}: {shape:?} has more elements than can be addressed");
+        }
+        if shapes.insert(n.to_string(), shape).is_some() {
+            bail!("--input-shape {n} is given twice; give each input once");
+        }
     }
     let mut dims = HashMap::new();
     for s in dim {
         let (n, v) = s
             .split_once('=')
             .ok_or_else(|| anyhow!("--dim expects SYM=N, got '{s}'"))?;
-        dims.insert(
-            n.to_string(),
-            v.parse::<usize>()
-                .map_err(|_| anyhow!("--dim {n}: '{v}' is not a number"))?,
-        );
+        let size = v
+            .parse::<usize>()
+            .map_err(|_| anyhow!("--dim {n}: '{v}' is not a number"))?;
+        if dims.insert(n.to_string(), size).is_some() {
+            bail!("--dim {n} is given twice; give each dimension once");
+        }
     }
     Ok((shapes, dims))
 }

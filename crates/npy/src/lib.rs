@@ -9,11 +9,9 @@ use std::path::Path;
 
 #[derive(Debug, thiserror::Error)]
 pub enum NpyError {
-    #[error("cannot read '{path}': {source}")]
-    Io {
-        path: String,
-        source: std::io::Error,
-    },
+    // The reason is part of the message, not a chained source (printed once, not twice).
+    #[error("cannot read '{path}': {err}")]
+    Io { path: String, err: std::io::Error },
     #[error("'{path}' is not a valid .npy file: {msg}")]
     Format { path: String, msg: String },
 }
@@ -136,7 +134,7 @@ pub fn parse_npy(bytes: &[u8], name: &str) -> Result<Tensor, NpyError> {
 pub fn read_npy(path: &Path) -> Result<Tensor, NpyError> {
     let bytes = std::fs::read(path).map_err(|e| NpyError::Io {
         path: path.display().to_string(),
-        source: e,
+        err: e,
     })?;
     parse_npy(&bytes, &path.display().to_string())
 }

@@ -355,7 +355,7 @@ fn tensor_proto_ext(
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), OnnxError> {
     npuc_format::persist_atomic(path, bytes).map_err(|e| OnnxError::Io {
         path: path.to_path_buf(),
-        source: e,
+        err: e,
     })
 }
 

@@ -67,7 +67,7 @@ impl ExternalFiles {
         // Concurrent truncation by another process is the caller's responsibility (as for any mmap).
         let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| OnnxError::Io {
             path: full.clone(),
-            source: e,
+            err: e,
         })?;
         let m = Arc::new(MmapBacking(mmap));
         self.files.insert(full, m.clone());
@@ -78,15 +78,21 @@ impl ExternalFiles {
 /// Reads an ONNX model file. The file is memory-mapped; initializer data is borrowed from the
 /// mapping (or from mapped external data files) where alignment allows.
 pub fn load_model(path: &Path) -> Result<Model, OnnxError> {
+    if path.is_dir() {
+        return Err(OnnxError::Model {
+            path: path.to_path_buf(),
+            msg: "is a directory, not a model file (give the .onnx file; `npuc build` bundles are run by `npuc generate`)".into(),
+        });
+    }
     let file = std::fs::File::open(path).map_err(|e| OnnxError::Io {
         path: path.to_path_buf(),
-        source: e,
+        err: e,
     })?;
     let len = file
         .metadata()
         .map_err(|e| OnnxError::Io {
             path: path.to_path_buf(),
-            source: e,
+            err: e,
         })?
         .len();
     let bytes = if len == 0 {
@@ -95,7 +101,7 @@ pub fn load_model(path: &Path) -> Result<Model, OnnxError> {
         // SAFETY: read-only mapping of a model file that npuc does not modify while it is mapped.
         let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| OnnxError::Io {
             path: path.to_path_buf(),
-            source: e,
+            err: e,
         })?;
         Bytes::from_owner(mmap)
     };
@@ -692,7 +698,7 @@ pub enum PbValue {
 pub fn load_value_pb(path: &Path, declared: Option<&TypeInfo>) -> Result<PbValue, OnnxError> {
     let bytes = std::fs::read(path).map_err(|e| OnnxError::Io {
         path: path.to_path_buf(),
-        source: e,
+        err: e,
     })?;
     let dec = |e: prost::DecodeError| OnnxError::Decode {
         path: path.to_path_buf(),

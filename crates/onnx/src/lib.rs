@@ -19,11 +19,9 @@ use std::path::PathBuf;
 
 #[derive(Debug, thiserror::Error)]
 pub enum OnnxError {
-    #[error("cannot read '{path}': {source}")]
-    Io {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    // The reason is part of the message, not a chained source (printed once, not twice).
+    #[error("cannot read '{path}': {err}")]
+    Io { path: PathBuf, err: std::io::Error },
     #[error("'{path}' is not a valid ONNX protobuf ({detail}); is the file truncated or of another format?")]
     Decode { path: PathBuf, detail: String },
     #[error("'{path}': tensor '{tensor}': {msg}")]
