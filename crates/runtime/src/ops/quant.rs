@@ -488,12 +488,26 @@ pub fn dynamic_qparams_u8(xs: &[f32]) -> (f32, u8) {
 /// DynamicQuantizeLinear on a slice: (quantized, scale, zero point).
 pub fn dynamic_quantize_u8(xs: &[f32]) -> (Vec<u8>, f32, u8) {
     let (scale, zp) = dynamic_qparams_u8(xs);
-    let zpf = zp as f32;
-    let q = xs
-        .iter()
-        .map(|&v| ((v / scale).round_ties_even() + zpf).clamp(0.0, 255.0) as u8)
-        .collect();
+    let q = xs.iter().map(|&v| quantize_u8(v, scale, zp)).collect();
     (q, scale, zp)
+}
+
+/// `clamp(round_ties_even(v / scale) + zp, 0, 255)`, the u8 quantization of QuantizeLinear and
+/// DynamicQuantizeLinear. The rounding adds and subtracts 1.5 * 2^23, which rounds to the
+/// nearest integer, ties to even, for |x| < 2^22 (the default rounding mode); `round_ties_even`
+/// itself is a libm call on the baseline x86-64 target (SSE2 has no `roundps`), a sixth of a
+/// text2tashkeel run. Larger magnitudes, infinities and NaN pass through unrounded: the clamp
+/// that follows maps them where the rounded values would go (|x| >= 2^22 saturates either way).
+#[inline(always)]
+pub fn quantize_u8(v: f32, scale: f32, zp: u8) -> u8 {
+    const SHIFT: f32 = 12_582_912.0; // 1.5 * 2^23
+    let x = v / scale;
+    let r = if x.abs() < 4_194_304.0 {
+        (x + SHIFT) - SHIFT
+    } else {
+        x
+    };
+    (r + zp as f32).clamp(0.0, 255.0) as u8
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -611,13 +625,59 @@ fn b_vec_shape(len: usize) -> Vec<usize> {
 }
 
 /// MatMulInteger (opset 10): `(A - a_zero_point) · (B - b_zero_point)` accumulated in int32.
-fn matmul_integer(_ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
+fn matmul_integer(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     let a = ins.tensor(0)?;
     let b = ins.tensor(1)?;
+    if let Some(out) = matmul_integer_packed(ctx, &ins, a, b)? {
+        return Ok(out);
+    }
     let av = sub_zero_point(a, ins.opt_tensor(2), a_vec_shape)?;
     let bv = sub_zero_point(b, ins.opt_tensor(3), b_vec_shape)?;
     let (out, shape) = int_matmul(&av, a.shape(), &bv, b.shape())?;
     Ok(vec![Value::tensor(Tensor::from_vec(shape, out)?)])
+}
+
+/// MatMulInteger in the shape dynamic quantization writes (a constant 2-D 8-bit B, an 8-bit A
+/// `[..., M, K]` with a scalar zero point) through the packed exact kernel of
+/// [`crate::kernels::igemm`], B corrected and packed once per plan. `None` for any other form
+/// (the general path handles it).
+fn matmul_integer_packed(
+    ctx: &OpCtx,
+    ins: &Inputs,
+    a: &Tensor,
+    b: &Tensor,
+) -> Result<Option<Vec<Value>>> {
+    use crate::kernels::igemm::{igemm as igemm_packed, PackedA, PackedB, MAX_K};
+    let is8 = |t: &Tensor| matches!(t.dtype(), DType::U8 | DType::I8);
+    let b_zp_const = ins.opt_tensor(3).is_none() || ctx.input_is_const(3);
+    if !is8(a) || !is8(b) || a.rank() < 2 || b.rank() != 2 || !ctx.input_is_const(1) || !b_zp_const
+    {
+        return Ok(None);
+    }
+    let a_zp = match ins.opt_tensor(2) {
+        None => 0,
+        Some(z) if z.len() == 1 && z.dtype() == a.dtype() => z.to_i64_vec()?[0] as i16,
+        Some(_) => return Ok(None),
+    };
+    let (k, n) = (b.shape()[0], b.shape()[1]);
+    if a.shape()[a.rank() - 1] != k || k == 0 || k > MAX_K {
+        return Ok(None);
+    }
+    let m = a.len() / k;
+    let packed = ctx.cached(|| {
+        let bv = sub_zero_point(b, ins.opt_tensor(3), b_vec_shape)?;
+        // 8-bit values minus 8-bit zero points: within [-255, 255], exact in i16.
+        Ok(PackedB::pack(k, n, |r, c| bv[r * n + c] as i16))
+    })?;
+    let pa = match a.dtype() {
+        DType::U8 => PackedA::pack_rows(m, k, a.as_slice::<u8>()?, |v| v as i16 - a_zp),
+        _ => PackedA::pack_rows(m, k, a.as_slice::<i8>()?, |v| v as i16 - a_zp),
+    };
+    let mut out = vec![0i32; m * n];
+    igemm_packed(&pa, &packed, &mut out, ctx.threads)?;
+    let mut shape = a.shape().to_vec();
+    *shape.last_mut().expect("rank >= 2") = n;
+    Ok(Some(vec![Value::tensor(Tensor::from_vec(shape, out)?)]))
 }
 
 /// Scalar value of a scale tensor with one element.
@@ -934,6 +994,39 @@ mod tests {
         let mut c = vec![0; 4];
         igemm(2, 2, 2, &[1, 2, 3, 4], &[5, 6, 7, 8], &mut c);
         assert_eq!(c, vec![19, 22, 43, 50]);
+    }
+
+    /// The libm-free rounding in `quantize_u8` against `round_ties_even`: exact halves (ties),
+    /// values near 2^22 and 2^23, infinities and NaN, with several zero points.
+    #[test]
+    fn quantize_u8_matches_round_ties_even() {
+        let reference =
+            |v: f32, s: f32, z: u8| ((v / s).round_ties_even() + z as f32).clamp(0.0, 255.0) as u8;
+        let mut xs: Vec<f32> = (-1200..1200).map(|i| i as f32 * 0.25).collect();
+        xs.extend([
+            4_194_303.5,
+            4_194_304.0,
+            4_194_304.5,
+            8_388_607.5,
+            8_388_609.0,
+            1e30,
+        ]);
+        xs.extend([f32::INFINITY, f32::NAN, f32::MIN_POSITIVE, 0.0, -0.0]);
+        let mut s = 0x9e37_79b9_7f4a_7c15u64;
+        for _ in 0..20_000 {
+            xs.push(f32::from_bits(crate::kernels::xorshift(&mut s) as u32));
+        }
+        for &x in &xs {
+            for v in [x, -x] {
+                for (scale, zp) in [(1.0, 0), (1.0, 128), (0.5, 255), (0.013, 37)] {
+                    assert_eq!(
+                        quantize_u8(v, scale, zp),
+                        reference(v, scale, zp),
+                        "v {v}, scale {scale}, zp {zp}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]
