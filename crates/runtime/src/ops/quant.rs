@@ -473,9 +473,22 @@ fn dynamic_quantize_linear(_ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
 /// Computes DynamicQuantizeLinear's (scale, zero point) for `xs`, all in f32 like the
 /// reference.
 pub fn dynamic_qparams_u8(xs: &[f32]) -> (f32, u8) {
+    // The range extended to 0, NaN ignored, in 8 independent lanes so the loop vectorizes
+    // (`f32::max` in a running fold does not).
+    let (mut hi, mut lo) = ([0f32; 8], [0f32; 8]);
+    let chunks = xs.chunks_exact(8);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for ((h, l), &v) in hi.iter_mut().zip(lo.iter_mut()).zip(c) {
+            *h = if v > *h { v } else { *h };
+            *l = if v < *l { v } else { *l };
+        }
+    }
     let (mut mx, mut mn) = (0f32, 0f32);
-    for &v in xs {
+    for &v in hi.iter().chain(tail) {
         mx = mx.max(v);
+    }
+    for &v in lo.iter().chain(tail) {
         mn = mn.min(v);
     }
     let range = if mx == mn { 1.0 } else { mx - mn };
@@ -488,26 +501,16 @@ pub fn dynamic_qparams_u8(xs: &[f32]) -> (f32, u8) {
 /// DynamicQuantizeLinear on a slice: (quantized, scale, zero point).
 pub fn dynamic_quantize_u8(xs: &[f32]) -> (Vec<u8>, f32, u8) {
     let (scale, zp) = dynamic_qparams_u8(xs);
-    let q = xs.iter().map(|&v| quantize_u8(v, scale, zp)).collect();
+    let mut q = vec![0u8; xs.len()];
+    quantize_u8(xs, scale, zp, &mut q);
     (q, scale, zp)
 }
 
-/// `clamp(round_ties_even(v / scale) + zp, 0, 255)`, the u8 quantization of QuantizeLinear and
-/// DynamicQuantizeLinear. The rounding adds and subtracts 1.5 * 2^23, which rounds to the
-/// nearest integer, ties to even, for |x| < 2^22 (the default rounding mode); `round_ties_even`
-/// itself is a libm call on the baseline x86-64 target (SSE2 has no `roundps`), a sixth of a
-/// text2tashkeel run. Larger magnitudes, infinities and NaN pass through unrounded: the clamp
-/// that follows maps them where the rounded values would go (|x| >= 2^22 saturates either way).
-#[inline(always)]
-pub fn quantize_u8(v: f32, scale: f32, zp: u8) -> u8 {
-    const SHIFT: f32 = 12_582_912.0; // 1.5 * 2^23
-    let x = v / scale;
-    let r = if x.abs() < 4_194_304.0 {
-        (x + SHIFT) - SHIFT
-    } else {
-        x
-    };
-    (r + zp as f32).clamp(0.0, 255.0) as u8
+/// `q[i] = clamp(round_ties_even(xs[i] / scale) + zp, 0, 255)`, the u8 quantization of
+/// DynamicQuantizeLinear, through the vectorized QuantizeLinear kernel (`round_ties_even`
+/// itself is a libm call per element on the baseline x86-64 target).
+pub fn quantize_u8(xs: &[f32], scale: f32, zp: u8, q: &mut [u8]) {
+    crate::kernels::qconvert::quantize(npuc_isa::Isa::detect(), xs, scale, zp as i32, q);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -666,18 +669,58 @@ fn matmul_integer_packed(
     let m = a.len() / k;
     let packed = ctx.cached(|| {
         let bv = sub_zero_point(b, ins.opt_tensor(3), b_vec_shape)?;
-        // 8-bit values minus 8-bit zero points: within [-255, 255], exact in i16.
-        Ok(PackedB::pack(k, n, |r, c| bv[r * n + c] as i16))
+        Ok(if n < NARROW_N {
+            PackedMatB::Columns(
+                (0..n)
+                    .map(|c| (0..k).map(|r| bv[r * n + c]).collect())
+                    .collect(),
+            )
+        } else {
+            // 8-bit values minus 8-bit zero points: within [-255, 255], exact in i16.
+            PackedMatB::Panels(PackedB::pack(k, n, |r, c| bv[r * n + c] as i16))
+        })
     })?;
-    let pa = match a.dtype() {
-        DType::U8 => PackedA::pack_rows(m, k, a.as_slice::<u8>()?, |v| v as i16 - a_zp),
-        _ => PackedA::pack_rows(m, k, a.as_slice::<i8>()?, |v| v as i16 - a_zp),
-    };
     let mut out = vec![0i32; m * n];
-    igemm_packed(&pa, &packed, &mut out, ctx.threads)?;
+    match &*packed {
+        PackedMatB::Panels(pb) => {
+            let pa = match a.dtype() {
+                DType::U8 => PackedA::pack_rows(m, k, a.as_slice::<u8>()?, |v| v as i16 - a_zp),
+                _ => PackedA::pack_rows(m, k, a.as_slice::<i8>()?, |v| v as i16 - a_zp),
+            };
+            igemm_packed(&pa, pb, &mut out, ctx.threads)?;
+        }
+        PackedMatB::Columns(cols) => match a.dtype() {
+            DType::U8 => dot_columns(a.as_slice::<u8>()?, a_zp, cols, &mut out),
+            _ => dot_columns(a.as_slice::<i8>()?, a_zp, cols, &mut out),
+        },
+    }
     let mut shape = a.shape().to_vec();
     *shape.last_mut().expect("rank >= 2") = n;
     Ok(Some(vec![Value::tensor(Tensor::from_vec(shape, out)?)]))
+}
+
+/// Below this many columns, B's panels would be mostly padding (16 columns each): the
+/// product runs as dot products of A's rows with B's columns instead (attention scores
+/// `[.., 512] x [512, 1]` in text2tashkeel).
+const NARROW_N: usize = 8;
+
+/// A constant MatMulInteger B, zero points subtracted, in the layout its product wants.
+enum PackedMatB {
+    Panels(crate::kernels::igemm::PackedB),
+    /// Columns of a narrow B, each `k` values.
+    Columns(Vec<Vec<i32>>),
+}
+
+/// `out[i, c] = Σ_p (a[i, p] - zp) · col_c[p]` for the rows of `a` (row length `k` =
+/// `col.len()`); exact in i32 (8-bit operands minus zero points, `k` within `MAX_K`).
+fn dot_columns<T: Copy + Into<i32>>(a: &[T], zp: i16, cols: &[Vec<i32>], out: &mut [i32]) {
+    let k = cols[0].len();
+    let n = cols.len();
+    for (row, o) in a.chunks_exact(k).zip(out.chunks_exact_mut(n)) {
+        for (d, col) in o.iter_mut().zip(cols) {
+            *d = crate::kernels::imm::dot(row, zp as i32, col);
+        }
+    }
 }
 
 /// Scalar value of a scale tensor with one element.
@@ -994,39 +1037,6 @@ mod tests {
         let mut c = vec![0; 4];
         igemm(2, 2, 2, &[1, 2, 3, 4], &[5, 6, 7, 8], &mut c);
         assert_eq!(c, vec![19, 22, 43, 50]);
-    }
-
-    /// The libm-free rounding in `quantize_u8` against `round_ties_even`: exact halves (ties),
-    /// values near 2^22 and 2^23, infinities and NaN, with several zero points.
-    #[test]
-    fn quantize_u8_matches_round_ties_even() {
-        let reference =
-            |v: f32, s: f32, z: u8| ((v / s).round_ties_even() + z as f32).clamp(0.0, 255.0) as u8;
-        let mut xs: Vec<f32> = (-1200..1200).map(|i| i as f32 * 0.25).collect();
-        xs.extend([
-            4_194_303.5,
-            4_194_304.0,
-            4_194_304.5,
-            8_388_607.5,
-            8_388_609.0,
-            1e30,
-        ]);
-        xs.extend([f32::INFINITY, f32::NAN, f32::MIN_POSITIVE, 0.0, -0.0]);
-        let mut s = 0x9e37_79b9_7f4a_7c15u64;
-        for _ in 0..20_000 {
-            xs.push(f32::from_bits(crate::kernels::xorshift(&mut s) as u32));
-        }
-        for &x in &xs {
-            for v in [x, -x] {
-                for (scale, zp) in [(1.0, 0), (1.0, 128), (0.5, 255), (0.013, 37)] {
-                    assert_eq!(
-                        quantize_u8(v, scale, zp),
-                        reference(v, scale, zp),
-                        "v {v}, scale {scale}, zp {zp}"
-                    );
-                }
-            }
-        }
     }
 
     #[test]

@@ -239,6 +239,8 @@ struct QScratch {
     packed_a: Vec<i16>,
     /// Integer sums.
     acc: Vec<i32>,
+    /// One quantized row.
+    bytes: Vec<u8>,
 }
 
 /// A weight matrix applied as `a · Wᵀ`.
@@ -255,10 +257,12 @@ enum Proj<'a> {
     },
 }
 
-/// `q - zp` of DynamicQuantizeLinear(`xs`) with the given scale and zero point, into `dst`.
-fn quantize_centered(xs: &[f32], scale: f32, zp: u8, dst: &mut [i16]) {
-    for (d, &v) in dst.iter_mut().zip(xs) {
-        *d = quantize_u8(v, scale, zp) as i16 - zp as i16;
+/// `q - zp` of DynamicQuantizeLinear(`xs`) with the given scale and zero point, into `dst`
+/// (`bytes` is scratch of `xs.len()`).
+fn quantize_centered(xs: &[f32], scale: f32, zp: u8, bytes: &mut [u8], dst: &mut [i16]) {
+    quantize_u8(xs, scale, zp, bytes);
+    for (d, &q) in dst.iter_mut().zip(bytes.iter()) {
+        *d = q as i16 - zp as i16;
     }
 }
 
@@ -301,8 +305,10 @@ impl Proj<'_> {
                             let (alen, olen) = (b.a_len(), b.out_len());
                             scratch.a.resize(alen, 0);
                             scratch.acc.resize(chunk_rows * olen, 0);
+                            scratch.bytes.resize(k, 0);
                             for (row, acc) in a.chunks(k).zip(scratch.acc.chunks_mut(olen)) {
-                                quantize_centered(row, a_scale, a_zp, &mut scratch.a[..k]);
+                                let (bytes, qa) = (&mut scratch.bytes, &mut scratch.a[..k]);
+                                quantize_centered(row, a_scale, a_zp, bytes, qa);
                                 scratch.a[k..].fill(0);
                                 qgemv(&scratch.a, b, acc)?;
                             }
@@ -310,8 +316,11 @@ impl Proj<'_> {
                         }
                         QWeights::Wide(b) => {
                             let buf = std::mem::take(&mut scratch.packed_a);
+                            let bytes = &mut scratch.bytes;
+                            bytes.resize(k, 0);
                             let pa = PackedA::pack_with(buf, chunk_rows, k, |r, dst| {
-                                quantize_centered(&a[r * k..(r + 1) * k], a_scale, a_zp, dst)
+                                let row = &a[r * k..(r + 1) * k];
+                                quantize_centered(row, a_scale, a_zp, bytes, dst)
                             });
                             scratch.acc.resize(chunk_rows * n, 0);
                             igemm(&pa, b, &mut scratch.acc, threads)?;
@@ -388,6 +397,13 @@ struct Layer<'a> {
     threads: usize,
 }
 
+/// One direction's results: Y `[seq, batch, hidden]`, final H and C `[batch, hidden]`.
+struct DirOut {
+    y: Vec<f32>,
+    h: Vec<f32>,
+    c: Vec<f32>,
+}
+
 /// Outputs in layout order: Y, Y_h, Y_c (Y_c only meaningful for LSTM).
 struct LayerOut {
     y: Vec<f32>,
@@ -422,20 +438,55 @@ impl Layer<'_> {
 
     fn run(&self) -> Result<LayerOut> {
         let (seq, batch, hsz) = (self.seq, self.batch, self.hidden);
-        let g = self.kind.gates();
-        let gh = g * hsz;
+        // A bidirectional layer runs its two directions on two threads when it has them: each
+        // step's product is too small to split, but the directions are independent.
+        let per_dir: Vec<DirOut> = if self.dirs == 2 && self.threads > 1 {
+            let half = self.threads / 2;
+            let (a, b) = rayon::join(
+                || self.run_direction(0, half),
+                || self.run_direction(1, self.threads - half),
+            );
+            vec![a?, b?]
+        } else {
+            (0..self.dirs)
+                .map(|d| self.run_direction(d, self.threads))
+                .collect::<Result<_>>()?
+        };
         let mut out = LayerOut {
             y: vec![0.0; seq * self.dirs * batch * hsz],
             y_h: vec![0.0; self.dirs * batch * hsz],
             y_c: vec![0.0; self.dirs * batch * hsz],
         };
+        for (d, dir) in per_dir.iter().enumerate() {
+            for t in 0..seq {
+                for b in 0..batch {
+                    let (yi, di) = (self.y_index(t, d, b), (t * batch + b) * hsz);
+                    out.y[yi..yi + hsz].copy_from_slice(&dir.y[di..di + hsz]);
+                }
+            }
+            for b in 0..batch {
+                let si = self.state_index(d, b);
+                out.y_h[si..si + hsz].copy_from_slice(&dir.h[b * hsz..(b + 1) * hsz]);
+                out.y_c[si..si + hsz].copy_from_slice(&dir.c[b * hsz..(b + 1) * hsz]);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Direction `d` of the layer: Y in `[seq, batch, hidden]` order (zeros past each row's
+    /// length) and the final states `[batch, hidden]`.
+    fn run_direction(&self, d: usize, threads: usize) -> Result<DirOut> {
+        let (seq, batch, hsz) = (self.seq, self.batch, self.hidden);
+        let g = self.kind.gates();
+        let gh = g * hsz;
         let n_acts = self.kind.default_acts().len();
         let clip = |v: f32| match self.clip {
             Some(c) => v.clamp(-c, c),
             None => v,
         };
         let mut qs = QScratch::default();
-        for d in 0..self.dirs {
+        let mut ydir = vec![0f32; seq * batch * hsz];
+        {
             let reverse = self.reverse_only || d == 1;
             let acts = &self.acts[d * n_acts..(d + 1) * n_acts];
             let wb = &self.b[d * 2 * gh..d * 2 * gh + gh];
@@ -458,14 +509,7 @@ impl Layer<'_> {
                 }
             }
             self.w[d].apply(
-                rows,
-                gh,
-                self.input,
-                self.x,
-                &mut xw,
-                true,
-                self.threads,
-                &mut qs,
+                rows, gh, self.input, self.x, &mut xw, true, threads, &mut qs,
             )?;
             // States.
             let mut h = vec![0f32; batch * hsz];
@@ -598,17 +642,12 @@ impl Layer<'_> {
                             }
                         }
                     }
-                    let yi = self.y_index(t, d, b);
-                    out.y[yi..yi + hsz].copy_from_slice(hb);
+                    let yi = (t * batch + b) * hsz;
+                    ydir[yi..yi + hsz].copy_from_slice(hb);
                 }
             }
-            for b in 0..batch {
-                let si = self.state_index(d, b);
-                out.y_h[si..si + hsz].copy_from_slice(&h[b * hsz..(b + 1) * hsz]);
-                out.y_c[si..si + hsz].copy_from_slice(&c[b * hsz..(b + 1) * hsz]);
-            }
+            Ok(DirOut { y: ydir, h, c })
         }
-        Ok(out)
     }
 }
 
