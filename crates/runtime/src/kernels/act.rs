@@ -65,7 +65,7 @@ pub fn tanh_f32(x: f32) -> f32 {
 
 /// `1 / (1 + e^-x)`.
 #[inline(always)]
-fn sigmoid_f32(x: f32) -> f32 {
+pub fn sigmoid_f32(x: f32) -> f32 {
     1.0 / (1.0 + exp_f32(-x))
 }
 

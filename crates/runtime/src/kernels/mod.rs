@@ -6,6 +6,7 @@ pub mod conv_nhwc;
 pub mod igemm;
 pub mod imm;
 pub mod qconvert;
+pub mod qgemv;
 
 /// One xorshift64 step: the kernels' property tests draw their operands from it.
 #[cfg(test)]

@@ -473,9 +473,22 @@ fn dynamic_quantize_linear(_ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
 /// Computes DynamicQuantizeLinear's (scale, zero point) for `xs`, all in f32 like the
 /// reference.
 pub fn dynamic_qparams_u8(xs: &[f32]) -> (f32, u8) {
+    // The range extended to 0, NaN ignored, in 8 independent lanes so the loop vectorizes
+    // (`f32::max` in a running fold does not).
+    let (mut hi, mut lo) = ([0f32; 8], [0f32; 8]);
+    let chunks = xs.chunks_exact(8);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for ((h, l), &v) in hi.iter_mut().zip(lo.iter_mut()).zip(c) {
+            *h = if v > *h { v } else { *h };
+            *l = if v < *l { v } else { *l };
+        }
+    }
     let (mut mx, mut mn) = (0f32, 0f32);
-    for &v in xs {
+    for &v in hi.iter().chain(tail) {
         mx = mx.max(v);
+    }
+    for &v in lo.iter().chain(tail) {
         mn = mn.min(v);
     }
     let range = if mx == mn { 1.0 } else { mx - mn };
@@ -488,12 +501,16 @@ pub fn dynamic_qparams_u8(xs: &[f32]) -> (f32, u8) {
 /// DynamicQuantizeLinear on a slice: (quantized, scale, zero point).
 pub fn dynamic_quantize_u8(xs: &[f32]) -> (Vec<u8>, f32, u8) {
     let (scale, zp) = dynamic_qparams_u8(xs);
-    let zpf = zp as f32;
-    let q = xs
-        .iter()
-        .map(|&v| ((v / scale).round_ties_even() + zpf).clamp(0.0, 255.0) as u8)
-        .collect();
+    let mut q = vec![0u8; xs.len()];
+    quantize_u8(xs, scale, zp, &mut q);
     (q, scale, zp)
+}
+
+/// `q[i] = clamp(round_ties_even(xs[i] / scale) + zp, 0, 255)`, the u8 quantization of
+/// DynamicQuantizeLinear, through the vectorized QuantizeLinear kernel (`round_ties_even`
+/// itself is a libm call per element on the baseline x86-64 target).
+pub fn quantize_u8(xs: &[f32], scale: f32, zp: u8, q: &mut [u8]) {
+    crate::kernels::qconvert::quantize(npuc_isa::Isa::detect(), xs, scale, zp as i32, q);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -611,13 +628,99 @@ fn b_vec_shape(len: usize) -> Vec<usize> {
 }
 
 /// MatMulInteger (opset 10): `(A - a_zero_point) · (B - b_zero_point)` accumulated in int32.
-fn matmul_integer(_ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
+fn matmul_integer(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     let a = ins.tensor(0)?;
     let b = ins.tensor(1)?;
+    if let Some(out) = matmul_integer_packed(ctx, &ins, a, b)? {
+        return Ok(out);
+    }
     let av = sub_zero_point(a, ins.opt_tensor(2), a_vec_shape)?;
     let bv = sub_zero_point(b, ins.opt_tensor(3), b_vec_shape)?;
     let (out, shape) = int_matmul(&av, a.shape(), &bv, b.shape())?;
     Ok(vec![Value::tensor(Tensor::from_vec(shape, out)?)])
+}
+
+/// MatMulInteger in the shape dynamic quantization writes (a constant 2-D 8-bit B, an 8-bit A
+/// `[..., M, K]` with a scalar zero point) through the packed exact kernel of
+/// [`crate::kernels::igemm`], B corrected and packed once per plan. `None` for any other form
+/// (the general path handles it).
+fn matmul_integer_packed(
+    ctx: &OpCtx,
+    ins: &Inputs,
+    a: &Tensor,
+    b: &Tensor,
+) -> Result<Option<Vec<Value>>> {
+    use crate::kernels::igemm::{igemm as igemm_packed, PackedA, PackedB, MAX_K};
+    let is8 = |t: &Tensor| matches!(t.dtype(), DType::U8 | DType::I8);
+    let b_zp_const = ins.opt_tensor(3).is_none() || ctx.input_is_const(3);
+    if !is8(a) || !is8(b) || a.rank() < 2 || b.rank() != 2 || !ctx.input_is_const(1) || !b_zp_const
+    {
+        return Ok(None);
+    }
+    let a_zp = match ins.opt_tensor(2) {
+        None => 0,
+        Some(z) if z.len() == 1 && z.dtype() == a.dtype() => z.to_i64_vec()?[0] as i16,
+        Some(_) => return Ok(None),
+    };
+    let (k, n) = (b.shape()[0], b.shape()[1]);
+    if a.shape()[a.rank() - 1] != k || k == 0 || k > MAX_K {
+        return Ok(None);
+    }
+    let m = a.len() / k;
+    let packed = ctx.cached(|| {
+        let bv = sub_zero_point(b, ins.opt_tensor(3), b_vec_shape)?;
+        Ok(if n < NARROW_N {
+            PackedMatB::Columns(
+                (0..n)
+                    .map(|c| (0..k).map(|r| bv[r * n + c]).collect())
+                    .collect(),
+            )
+        } else {
+            // 8-bit values minus 8-bit zero points: within [-255, 255], exact in i16.
+            PackedMatB::Panels(PackedB::pack(k, n, |r, c| bv[r * n + c] as i16))
+        })
+    })?;
+    let mut out = vec![0i32; m * n];
+    match &*packed {
+        PackedMatB::Panels(pb) => {
+            let pa = match a.dtype() {
+                DType::U8 => PackedA::pack_rows(m, k, a.as_slice::<u8>()?, |v| v as i16 - a_zp),
+                _ => PackedA::pack_rows(m, k, a.as_slice::<i8>()?, |v| v as i16 - a_zp),
+            };
+            igemm_packed(&pa, pb, &mut out, ctx.threads)?;
+        }
+        PackedMatB::Columns(cols) => match a.dtype() {
+            DType::U8 => dot_columns(a.as_slice::<u8>()?, a_zp, cols, &mut out),
+            _ => dot_columns(a.as_slice::<i8>()?, a_zp, cols, &mut out),
+        },
+    }
+    let mut shape = a.shape().to_vec();
+    *shape.last_mut().expect("rank >= 2") = n;
+    Ok(Some(vec![Value::tensor(Tensor::from_vec(shape, out)?)]))
+}
+
+/// Below this many columns, B's panels would be mostly padding (16 columns each): the
+/// product runs as dot products of A's rows with B's columns instead (attention scores
+/// `[.., 512] x [512, 1]` in text2tashkeel).
+const NARROW_N: usize = 8;
+
+/// A constant MatMulInteger B, zero points subtracted, in the layout its product wants.
+enum PackedMatB {
+    Panels(crate::kernels::igemm::PackedB),
+    /// Columns of a narrow B, each `k` values.
+    Columns(Vec<Vec<i32>>),
+}
+
+/// `out[i, c] = Σ_p (a[i, p] - zp) · col_c[p]` for the rows of `a` (row length `k` =
+/// `col.len()`); exact in i32 (8-bit operands minus zero points, `k` within `MAX_K`).
+fn dot_columns<T: Copy + Into<i32>>(a: &[T], zp: i16, cols: &[Vec<i32>], out: &mut [i32]) {
+    let k = cols[0].len();
+    let n = cols.len();
+    for (row, o) in a.chunks_exact(k).zip(out.chunks_exact_mut(n)) {
+        for (d, col) in o.iter_mut().zip(cols) {
+            *d = crate::kernels::imm::dot(row, zp as i32, col);
+        }
+    }
 }
 
 /// Scalar value of a scale tensor with one element.

@@ -10,7 +10,10 @@
 use crate::bail;
 use crate::error::{Result, RtError};
 use crate::kernel::{Inputs, OpCtx, Registry};
-use crate::ops::quant::{dynamic_quantize_u8, igemm};
+use crate::kernels::act;
+use crate::kernels::igemm::{igemm, PackedA, PackedB};
+use crate::kernels::qgemv::{gemv as qgemv, PackedI8};
+use crate::ops::quant::{dynamic_qparams_u8, quantize_u8};
 use crate::value::Value;
 use npuc_ir::{bf16, f16, DType, Node, Tensor};
 
@@ -46,8 +49,8 @@ impl Act {
     fn apply(self, x: f32) -> f32 {
         match self {
             Act::Relu => x.max(0.0),
-            Act::Tanh => x.tanh(),
-            Act::Sigmoid => 1.0 / (1.0 + (-x).exp()),
+            Act::Tanh => act::tanh_f32(x),
+            Act::Sigmoid => act::sigmoid_f32(x),
             Act::Affine(a, b) => a * x + b,
             Act::LeakyRelu(a) => {
                 if x >= 0.0 {
@@ -74,6 +77,16 @@ impl Act {
             }
             Act::Softsign => x / (1.0 + x.abs()),
             Act::Softplus => (x.exp() + 1.0).ln(),
+        }
+    }
+
+    /// [`Act::apply`] over a slice in place; tanh and sigmoid (the usual gate functions) run
+    /// the vectorized loops of [`act`], which compute exactly what `apply` does per element.
+    fn apply_slice(self, v: &mut [f32]) {
+        match self {
+            Act::Tanh => act::tanh(v),
+            Act::Sigmoid => act::sigmoid(v),
+            _ => v.iter_mut().for_each(|x| *x = self.apply(*x)),
         }
     }
 }
@@ -206,18 +219,51 @@ fn gemm_wt(
     }
 }
 
+/// Quantized weights of one projection (DynamicQuantizeLSTM), zero points subtracted, converted
+/// once per plan (see [`dq_lstm_op`]).
+enum QWeights {
+    /// Int8 panels for the one-row-at-a-time recurrent product ([`qgemv`]); used when every
+    /// corrected value fits i8 (int8 weights with zero point 0, as quantizers write them).
+    Narrow(PackedI8),
+    /// I16 panels for the many-row input projection, and for weights that do not fit i8.
+    Wide(PackedB),
+}
+
+/// Scratch buffers of the quantized products, kept across timesteps so a step allocates
+/// nothing.
+#[derive(Default)]
+struct QScratch {
+    /// Quantized, zero-point-corrected rows (one row for [`QWeights::Narrow`]).
+    a: Vec<i16>,
+    /// Packed rows for [`QWeights::Wide`].
+    packed_a: Vec<i16>,
+    /// Integer sums.
+    acc: Vec<i32>,
+    /// One quantized row.
+    bytes: Vec<u8>,
+}
+
 /// A weight matrix applied as `a · Wᵀ`.
 enum Proj<'a> {
     /// f32 weights `[n, k]`.
     Float(&'a [f32]),
-    /// Quantized weights (DynamicQuantizeLSTM): `w` is `[k, n]` with the zero points already
-    /// subtracted, `scale` has one entry per output column. Inputs are quantized to u8 per call
-    /// (DynamicQuantizeLinear) like onnxruntime does.
+    /// Quantized weights (DynamicQuantizeLSTM, `[k, n]` in the ONNX layout) with one scale per
+    /// output column. Inputs are quantized to u8 per call (DynamicQuantizeLinear) like
+    /// onnxruntime does.
     Quant {
-        w: Vec<i32>,
-        scale: Vec<f32>,
+        w: &'a QWeights,
+        scale: &'a [f32],
         per_row: bool,
     },
+}
+
+/// `q - zp` of DynamicQuantizeLinear(`xs`) with the given scale and zero point, into `dst`
+/// (`bytes` is scratch of `xs.len()`).
+fn quantize_centered(xs: &[f32], scale: f32, zp: u8, bytes: &mut [u8], dst: &mut [i16]) {
+    quantize_u8(xs, scale, zp, bytes);
+    for (d, &q) in dst.iter_mut().zip(bytes.iter()) {
+        *d = q as i16 - zp as i16;
+    }
 }
 
 impl Proj<'_> {
@@ -239,7 +285,8 @@ impl Proj<'_> {
         dst: &mut [f32],
         accumulate: bool,
         threads: usize,
-    ) {
+        scratch: &mut QScratch,
+    ) -> Result<()> {
         match self {
             Proj::Float(w) => gemm_wt(m, n, k, a, w, dst, n, accumulate, threads),
             Proj::Quant { w, scale, .. } => {
@@ -249,16 +296,41 @@ impl Proj<'_> {
                 } else {
                     m
                 };
-                let mut acc = vec![0i32; chunk_rows * n];
                 for r0 in (0..m).step_by(chunk_rows.max(1)) {
                     let a = &a[r0 * k..(r0 + chunk_rows) * k];
-                    let (q, a_scale, a_zp) = dynamic_quantize_u8(a);
-                    let qa: Vec<i32> = q.iter().map(|&v| v as i32 - a_zp as i32).collect();
-                    acc.fill(0);
-                    igemm(chunk_rows, k, n, &qa, w, &mut acc);
+                    let (a_scale, a_zp) = dynamic_qparams_u8(a);
+                    // Sums of the chunk's rows, row stride `stride`.
+                    let stride = match w {
+                        QWeights::Narrow(b) => {
+                            let (alen, olen) = (b.a_len(), b.out_len());
+                            scratch.a.resize(alen, 0);
+                            scratch.acc.resize(chunk_rows * olen, 0);
+                            scratch.bytes.resize(k, 0);
+                            for (row, acc) in a.chunks(k).zip(scratch.acc.chunks_mut(olen)) {
+                                let (bytes, qa) = (&mut scratch.bytes, &mut scratch.a[..k]);
+                                quantize_centered(row, a_scale, a_zp, bytes, qa);
+                                scratch.a[k..].fill(0);
+                                qgemv(&scratch.a, b, acc)?;
+                            }
+                            olen
+                        }
+                        QWeights::Wide(b) => {
+                            let buf = std::mem::take(&mut scratch.packed_a);
+                            let bytes = &mut scratch.bytes;
+                            bytes.resize(k, 0);
+                            let pa = PackedA::pack_with(buf, chunk_rows, k, |r, dst| {
+                                let row = &a[r * k..(r + 1) * k];
+                                quantize_centered(row, a_scale, a_zp, bytes, dst)
+                            });
+                            scratch.acc.resize(chunk_rows * n, 0);
+                            igemm(&pa, b, &mut scratch.acc, threads)?;
+                            scratch.packed_a = pa.into_buffer();
+                            n
+                        }
+                    };
                     let dst = &mut dst[r0 * n..(r0 + chunk_rows) * n];
-                    for (drow, arow) in dst.chunks_mut(n).zip(acc.chunks(n)) {
-                        for ((d, &v), &s) in drow.iter_mut().zip(arow).zip(scale) {
+                    for (drow, arow) in dst.chunks_mut(n).zip(scratch.acc.chunks(stride)) {
+                        for ((d, &v), &s) in drow.iter_mut().zip(arow).zip(scale.iter()) {
                             let y = v as f32 * (a_scale * s);
                             *d = if accumulate { *d + y } else { y };
                         }
@@ -266,6 +338,7 @@ impl Proj<'_> {
                 }
             }
         }
+        Ok(())
     }
 }
 
@@ -324,6 +397,13 @@ struct Layer<'a> {
     threads: usize,
 }
 
+/// One direction's results: Y `[seq, batch, hidden]`, final H and C `[batch, hidden]`.
+struct DirOut {
+    y: Vec<f32>,
+    h: Vec<f32>,
+    c: Vec<f32>,
+}
+
 /// Outputs in layout order: Y, Y_h, Y_c (Y_c only meaningful for LSTM).
 struct LayerOut {
     y: Vec<f32>,
@@ -356,21 +436,57 @@ impl Layer<'_> {
         }
     }
 
-    fn run(&self) -> LayerOut {
+    fn run(&self) -> Result<LayerOut> {
         let (seq, batch, hsz) = (self.seq, self.batch, self.hidden);
-        let g = self.kind.gates();
-        let gh = g * hsz;
+        // A bidirectional layer runs its two directions on two threads when it has them: each
+        // step's product is too small to split, but the directions are independent.
+        let per_dir: Vec<DirOut> = if self.dirs == 2 && self.threads > 1 {
+            let half = self.threads / 2;
+            let (a, b) = rayon::join(
+                || self.run_direction(0, half),
+                || self.run_direction(1, self.threads - half),
+            );
+            vec![a?, b?]
+        } else {
+            (0..self.dirs)
+                .map(|d| self.run_direction(d, self.threads))
+                .collect::<Result<_>>()?
+        };
         let mut out = LayerOut {
             y: vec![0.0; seq * self.dirs * batch * hsz],
             y_h: vec![0.0; self.dirs * batch * hsz],
             y_c: vec![0.0; self.dirs * batch * hsz],
         };
+        for (d, dir) in per_dir.iter().enumerate() {
+            for t in 0..seq {
+                for b in 0..batch {
+                    let (yi, di) = (self.y_index(t, d, b), (t * batch + b) * hsz);
+                    out.y[yi..yi + hsz].copy_from_slice(&dir.y[di..di + hsz]);
+                }
+            }
+            for b in 0..batch {
+                let si = self.state_index(d, b);
+                out.y_h[si..si + hsz].copy_from_slice(&dir.h[b * hsz..(b + 1) * hsz]);
+                out.y_c[si..si + hsz].copy_from_slice(&dir.c[b * hsz..(b + 1) * hsz]);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Direction `d` of the layer: Y in `[seq, batch, hidden]` order (zeros past each row's
+    /// length) and the final states `[batch, hidden]`.
+    fn run_direction(&self, d: usize, threads: usize) -> Result<DirOut> {
+        let (seq, batch, hsz) = (self.seq, self.batch, self.hidden);
+        let g = self.kind.gates();
+        let gh = g * hsz;
         let n_acts = self.kind.default_acts().len();
         let clip = |v: f32| match self.clip {
             Some(c) => v.clamp(-c, c),
             None => v,
         };
-        for d in 0..self.dirs {
+        let mut qs = QScratch::default();
+        let mut ydir = vec![0f32; seq * batch * hsz];
+        {
             let reverse = self.reverse_only || d == 1;
             let acts = &self.acts[d * n_acts..(d + 1) * n_acts];
             let wb = &self.b[d * 2 * gh..d * 2 * gh + gh];
@@ -392,7 +508,9 @@ impl Layer<'_> {
                     *v = wb[j] + if fold_rb { rb[j] } else { 0.0 };
                 }
             }
-            self.w[d].apply(rows, gh, self.input, self.x, &mut xw, true, self.threads);
+            self.w[d].apply(
+                rows, gh, self.input, self.x, &mut xw, true, threads, &mut qs,
+            )?;
             // States.
             let mut h = vec![0f32; batch * hsz];
             let mut c = vec![0f32; batch * hsz];
@@ -408,6 +526,7 @@ impl Layer<'_> {
             let mut hr = vec![0f32; batch * gh];
             let mut rh = vec![0f32; batch * hsz];
             let mut scratch = vec![0f32; batch * hsz];
+            let mut gates = vec![0f32; gh];
             for s in 0..seq {
                 let t = if reverse { seq - 1 - s } else { s };
                 if !(0..batch).any(|b| t < self.lens[b]) {
@@ -422,10 +541,10 @@ impl Layer<'_> {
                             Proj::Float(rw) => {
                                 gemm_wt(batch, 2 * hsz, hsz, &h, rw, &mut hr, gh, false, 1)
                             }
-                            q => q.apply(batch, gh, hsz, &h, &mut hr, false, 1),
+                            q => q.apply(batch, gh, hsz, &h, &mut hr, false, 1, &mut qs)?,
                         }
                     }
-                    _ => self.r[d].apply(batch, gh, hsz, &h, &mut hr, false, 1),
+                    _ => self.r[d].apply(batch, gh, hsz, &h, &mut hr, false, 1, &mut qs)?,
                 }
                 if let CellKind::Gru {
                     linear_before_reset: false,
@@ -455,7 +574,7 @@ impl Layer<'_> {
                             // Quantized weights cannot be sliced by rows: project all gates
                             // and keep the h block.
                             let mut full = vec![0f32; batch * gh];
-                            q.apply(batch, gh, hsz, &scratch, &mut full, false, 1);
+                            q.apply(batch, gh, hsz, &scratch, &mut full, false, 1, &mut qs)?;
                             for b in 0..batch {
                                 rh[b * hsz..(b + 1) * hsz]
                                     .copy_from_slice(&full[b * gh + 2 * hsz..(b + 1) * gh]);
@@ -493,37 +612,42 @@ impl Layer<'_> {
                             }
                         }
                         CellKind::Lstm { input_forget } => {
+                            // Gate by gate over whole slices, so the activations run vectorized.
                             let (pi, po, pf) = (&pd[..hsz], &pd[hsz..2 * hsz], &pd[2 * hsz..]);
+                            let (gi, rest) = gates.split_at_mut(hsz);
+                            let (go, rest) = rest.split_at_mut(hsz);
+                            let (gf, gc) = rest.split_at_mut(hsz);
                             for j in 0..hsz {
                                 let cp = cb[j];
-                                let i = acts[0].apply(clip(xr[j] + hrr[j] + pi[j] * cp));
-                                let f = if input_forget {
-                                    1.0 - i
-                                } else {
-                                    acts[0].apply(clip(
-                                        xr[2 * hsz + j] + hrr[2 * hsz + j] + pf[j] * cp,
-                                    ))
-                                };
-                                let cc = acts[1].apply(clip(xr[3 * hsz + j] + hrr[3 * hsz + j]));
-                                let cn = f * cp + i * cc;
-                                let o =
-                                    acts[0].apply(clip(xr[hsz + j] + hrr[hsz + j] + po[j] * cn));
+                                gi[j] = clip(xr[j] + hrr[j] + pi[j] * cp);
+                                gf[j] = clip(xr[2 * hsz + j] + hrr[2 * hsz + j] + pf[j] * cp);
+                                gc[j] = clip(xr[3 * hsz + j] + hrr[3 * hsz + j]);
+                            }
+                            acts[0].apply_slice(gi);
+                            if !input_forget {
+                                acts[0].apply_slice(gf);
+                            }
+                            acts[1].apply_slice(gc);
+                            for j in 0..hsz {
+                                let f = if input_forget { 1.0 - gi[j] } else { gf[j] };
+                                let cn = f * cb[j] + gi[j] * gc[j];
                                 cb[j] = cn;
-                                hb[j] = o * acts[2].apply(cn);
+                                go[j] = clip(xr[hsz + j] + hrr[hsz + j] + po[j] * cn);
+                            }
+                            acts[0].apply_slice(go);
+                            hb.copy_from_slice(cb);
+                            acts[2].apply_slice(hb);
+                            for (hv, &o) in hb.iter_mut().zip(go.iter()) {
+                                *hv *= o;
                             }
                         }
                     }
-                    let yi = self.y_index(t, d, b);
-                    out.y[yi..yi + hsz].copy_from_slice(hb);
+                    let yi = (t * batch + b) * hsz;
+                    ydir[yi..yi + hsz].copy_from_slice(hb);
                 }
             }
-            for b in 0..batch {
-                let si = self.state_index(d, b);
-                out.y_h[si..si + hsz].copy_from_slice(&h[b * hsz..(b + 1) * hsz]);
-                out.y_c[si..si + hsz].copy_from_slice(&c[b * hsz..(b + 1) * hsz]);
-            }
+            Ok(DirOut { y: ydir, h, c })
         }
-        out
     }
 }
 
@@ -730,7 +854,7 @@ fn run_float(ctx: &OpCtx, ins: Inputs, kind: CellKind) -> Result<Vec<Value>> {
 
 /// Packages Y, Y_h (and Y_c for LSTM) in the layer's layout and the input's dtype.
 fn finish(layer: &Layer, dtype: DType, with_c: bool) -> Result<Vec<Value>> {
-    let out = layer.run();
+    let out = layer.run()?;
     let (seq, batch, dirs, h) = (layer.seq, layer.batch, layer.dirs, layer.hidden);
     let (y_shape, s_shape) = if layer.layout == 0 {
         (vec![seq, dirs, batch, h], vec![dirs, batch, h])
@@ -770,17 +894,19 @@ fn lstm_op(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     run_float(ctx, ins, CellKind::Lstm { input_forget })
 }
 
-/// Builds a quantized projection from `[dirs, k, n]` int8/uint8 weights with per-direction
-/// (`[dirs]`) or per-column (`[dirs, n]`) scales and zero points.
-fn quant_proj(
+/// Converts direction `d` of `[dirs, k, n]` int8/uint8 weights with per-direction (`[dirs]`)
+/// or per-column (`[dirs, n]`) scales and zero points: the zero-point-corrected values, packed
+/// as i8 panels when `narrow` is asked and they all fit i8, as i16 panels otherwise, and one
+/// scale per column.
+fn quant_weights(
     w: &Tensor,
     scale: &Tensor,
     zp: &Tensor,
     d: usize,
     k: usize,
     n: usize,
-    per_row: bool,
-) -> Result<Proj<'static>> {
+    narrow: bool,
+) -> Result<(QWeights, Vec<f32>)> {
     if !matches!(w.dtype(), DType::I8 | DType::U8) || zp.dtype() != w.dtype() {
         bail!(
             "quantized weights and zero points must be int8 or uint8 of one type, got {} and {}",
@@ -808,7 +934,6 @@ fn quant_proj(
     }
     let sv = f32_data(scale)?;
     let zv = zp.to_i64_vec()?;
-    let wv = w.to_i64_vec()?;
     let (s, z): (Vec<f32>, Vec<i64>) = if per_col {
         (
             sv[d * n..(d + 1) * n].to_vec(),
@@ -817,18 +942,24 @@ fn quant_proj(
     } else {
         (vec![sv[d]; n], vec![zv[d]; n])
     };
-    let base = d * k * n;
-    let mut q = vec![0i32; k * n];
-    for p in 0..k {
-        for j in 0..n {
-            q[p * n + j] = (wv[base + p * n + j] - z[j]) as i32;
-        }
-    }
-    Ok(Proj::Quant {
-        w: q,
-        scale: s,
-        per_row,
-    })
+    let wv = w.to_i64_vec()?;
+    let wd = &wv[d * k * n..(d + 1) * k * n];
+    // 8-bit value minus 8-bit zero point: within [-255, 255], exact in i16.
+    let q = |p: usize, j: usize| (wd[p * n + j] - z[j]) as i16;
+    let fits_i8 = (0..k).all(|p| (0..n).all(|j| i8::try_from(q(p, j)).is_ok()));
+    let packed = if narrow && fits_i8 {
+        QWeights::Narrow(PackedI8::pack(k, n, |p, j| q(p, j) as i8))
+    } else {
+        QWeights::Wide(PackedB::pack(k, n, q))
+    };
+    Ok((packed, s))
+}
+
+/// One direction's DynamicQuantizeLSTM weights, converted once: W (input projection, many
+/// rows per product) and R (recurrent, one row per product), each with its column scales.
+struct DqLstmWeights {
+    w: (QWeights, Vec<f32>),
+    r: (QWeights, Vec<f32>),
 }
 
 /// com.microsoft::DynamicQuantizeLSTM: an LSTM whose W (`[dirs, input, 4*hidden]`) and R
@@ -858,12 +989,27 @@ fn dq_lstm_op(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         ins.tensor(11)?,
     );
     let gh = 4 * hidden;
-    let w = (0..dirs)
-        .map(|d| quant_proj(w_t, ws, wz, d, p.input, gh, false))
-        .collect::<Result<Vec<_>>>()?;
-    let r = (0..dirs)
-        .map(|d| quant_proj(r_t, rs, rz, d, hidden, gh, true))
-        .collect::<Result<Vec<_>>>()?;
+    let convert = || {
+        (0..dirs)
+            .map(|d| {
+                Ok(DqLstmWeights {
+                    w: quant_weights(w_t, ws, wz, d, p.input, gh, false)?,
+                    r: quant_weights(r_t, rs, rz, d, hidden, gh, true)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()
+    };
+    // Constant weights (the usual case) are converted and packed on the first run only.
+    let weights = if [1, 2, 8, 9, 10, 11].iter().all(|&i| ctx.input_is_const(i)) {
+        ctx.cached(convert)?
+    } else {
+        std::sync::Arc::new(convert()?)
+    };
+    fn proj((w, scale): &(QWeights, Vec<f32>), per_row: bool) -> Proj<'_> {
+        Proj::Quant { w, scale, per_row }
+    }
+    let w = weights.iter().map(|dw| proj(&dw.w, false)).collect();
+    let r = weights.iter().map(|dw| proj(&dw.r, true)).collect();
     let layer = Layer {
         kind,
         seq: p.seq,
@@ -929,7 +1075,7 @@ mod tests {
         // X[t, b]: row 0 = 1, 2, 3; row 1 = 10, 20, (30 beyond its length 2).
         let x = [1.0, 10.0, 2.0, 20.0, 3.0, 30.0];
         let (w, r) = ([0.5, 0.5], [1.0, 1.0]);
-        let out = linear_rnn(&x, &w, &r, vec![3, 2]).run();
+        let out = linear_rnn(&x, &w, &r, vec![3, 2]).run().unwrap();
         let y = |t: usize, d: usize, b: usize| out.y[(t * 2 + d) * 2 + b];
         let close = |a: f32, b: f32| (a - b).abs() < 1e-5;
         // Forward: h = 0.5 x + 0.1 + h_prev.
@@ -960,21 +1106,35 @@ mod tests {
     #[test]
     fn quantized_projection_tracks_float() {
         // W (float) = Wq * 0.01 with Wq [k=3, n=2] in the DynamicQuantizeLSTM layout.
-        let wq: Vec<i32> = vec![10, -20, 30, 40, -50, 60];
-        let proj = Proj::Quant {
-            w: wq.clone(),
-            scale: vec![0.01, 0.01],
-            per_row: false,
-        };
+        let wq: Vec<i16> = vec![10, -20, 30, 40, -50, 60];
+        let narrow = QWeights::Narrow(PackedI8::pack(3, 2, |p, j| wq[p * 2 + j] as i8));
+        let wide = QWeights::Wide(PackedB::pack(3, 2, |p, j| wq[p * 2 + j]));
+        let scale = [0.01, 0.01];
         let a = [0.3f32, -0.7, 1.1, 0.05, 0.4, -0.2];
-        let mut got = vec![0f32; 4];
-        proj.apply(2, 2, 3, &a, &mut got, false, 1);
-        for i in 0..2 {
-            for j in 0..2 {
-                let want: f32 = (0..3)
-                    .map(|p| a[i * 3 + p] * wq[p * 2 + j] as f32 * 0.01)
-                    .sum();
-                assert!((got[i * 2 + j] - want).abs() < 0.01, "{got:?}");
+        let mut first = None;
+        for w in [&narrow, &wide] {
+            for per_row in [false, true] {
+                let proj = Proj::Quant {
+                    w,
+                    scale: &scale,
+                    per_row,
+                };
+                let mut got = vec![0f32; 4];
+                proj.apply(2, 2, 3, &a, &mut got, false, 1, &mut QScratch::default())
+                    .unwrap();
+                for i in 0..2 {
+                    for j in 0..2 {
+                        let want: f32 = (0..3)
+                            .map(|p| a[i * 3 + p] * wq[p * 2 + j] as f32 * 0.01)
+                            .sum();
+                        assert!((got[i * 2 + j] - want).abs() < 0.01, "{got:?}");
+                    }
+                }
+                // Both weight layouts run the same exact integer product.
+                if !per_row {
+                    let f = first.get_or_insert_with(|| got.clone());
+                    assert_eq!(*f, got);
+                }
             }
         }
     }

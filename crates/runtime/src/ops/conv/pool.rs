@@ -169,7 +169,16 @@ fn max_pool_run<T: Elem + PartialOrd>(
             }
         }
     };
-    if want_idx {
+    if !want_idx && id == 1 && od == 1 {
+        // 1-D and 2-D windows without indices (the common case): row-wise, vectorizable.
+        for_planes(
+            &mut y,
+            pout,
+            nc * pout * g.k_size(),
+            threads,
+            |plane, yo| max_pool_plane_2d(&x[plane * pin..(plane + 1) * pin], yo, g),
+        );
+    } else if want_idx {
         for (plane, (yo, io)) in y
             .chunks_mut(pout.max(1))
             .zip(idx.chunks_mut(pout.max(1)))
@@ -187,6 +196,96 @@ fn max_pool_run<T: Elem + PartialOrd>(
         );
     }
     (y, idx)
+}
+
+/// The running maximum of MaxPool: `v` replaces `m` when larger, or when `m` is NaN, so NaN
+/// never wins over a number (as in the reference) and survives only where every tap is NaN.
+#[inline(always)]
+fn max_keep_number<T: PartialOrd + Copy>(m: T, v: T) -> T {
+    #[allow(clippy::eq_op)] // `m != m`: m is NaN
+    if v > m || m != m {
+        v
+    } else {
+        m
+    }
+}
+
+/// One plane of a 2-D (or 1-D) max pool without indices: the same values as
+/// [`max_pool_run`]'s general loop (windows with no valid tap, or only NaN taps, give
+/// `T::default()`). Per output row, each tap row updates the whole row of maxima at once,
+/// a loop over contiguous inputs at stride 1 that the compiler vectorizes.
+fn max_pool_plane_2d<T: Elem + PartialOrd>(xc: &[T], yo: &mut [T], g: &Geom) {
+    let [_, ih, iw] = g.inp;
+    let [_, oh, ow] = g.out;
+    let (kw, sw, dw, pw) = (g.k[2], g.s[2], g.d[2], g.pb[2] as isize);
+    // Outputs whose whole window lies inside the row: x0..x1.
+    let span = (kw - 1) * dw;
+    let (x0, x1) = if span < iw {
+        valid_range(ow, sw, -pw, iw - span)
+    } else {
+        (0, 0)
+    };
+    for (yy, yrow) in yo.chunks_mut(ow).enumerate().take(oh) {
+        let sy = (yy * g.s[1]) as isize - g.pb[1] as isize;
+        let (b0, b1) = taps(sy, g.k[1], g.d[1], ih);
+        if b0 == b1 {
+            yrow.fill(T::default());
+            continue;
+        }
+        let row_of = |b: usize| {
+            let py = (sy + (b * g.d[1]) as isize) as usize;
+            &xc[py * iw..(py + 1) * iw]
+        };
+        // Interior outputs: every tap of every valid row.
+        let inner = &mut yrow[x0..x1];
+        let interior_rows = if inner.is_empty() { b0..b0 } else { b0..b1 };
+        for (t, b) in interior_rows.enumerate() {
+            let row = row_of(b);
+            for c in 0..kw {
+                let first = x0 as isize * sw as isize - pw + (c * dw) as isize;
+                let first = first as usize;
+                if sw == 1 {
+                    let src = &row[first..first + inner.len()];
+                    if t == 0 && c == 0 {
+                        inner.copy_from_slice(src);
+                    } else {
+                        for (m, &v) in inner.iter_mut().zip(src) {
+                            *m = max_keep_number(*m, v);
+                        }
+                    }
+                } else {
+                    for (j, m) in inner.iter_mut().enumerate() {
+                        let v = row[first + j * sw];
+                        *m = if t == 0 && c == 0 {
+                            v
+                        } else {
+                            max_keep_number(*m, v)
+                        };
+                    }
+                }
+            }
+        }
+        // Edge outputs: only the taps inside the row.
+        for xx in (0..x0).chain(x1..ow) {
+            let sx = (xx * sw) as isize - pw;
+            let (c0, c1) = taps(sx, kw, dw, iw);
+            let mut m = None;
+            for b in b0..b1 {
+                let row = row_of(b);
+                for c in c0..c1 {
+                    let v = row[(sx + (c * dw) as isize) as usize];
+                    m = Some(m.map_or(v, |m| max_keep_number(m, v)));
+                }
+            }
+            yrow[xx] = m.unwrap_or_default();
+        }
+        #[allow(clippy::eq_op)] // `v != v`: v is NaN
+        for v in yrow.iter_mut() {
+            if *v != *v {
+                *v = T::default();
+            }
+        }
+    }
 }
 
 fn nc_geom(x: &Tensor, node: &Node) -> Result<(usize, Geom, Vec<usize>)> {
@@ -483,4 +582,56 @@ fn pad_corner<T: Copy + Default>(src: &[T], from: &[usize], to: &[usize]) -> Vec
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// The row-wise 2-D path gives the values of the general per-window loop (run here by
+        /// asking for indices), NaN and empty windows included, for strides, dilations and
+        /// pads that leave edge windows partly outside the input.
+        #[test]
+        fn row_wise_max_pool_matches_general_loop(
+            ih in 1usize..7, iw in 1usize..12,
+            kh in 1usize..4, kw in 1usize..4,
+            sh in 1usize..3, sw in 1usize..4,
+            dh in 1usize..3, dw in 1usize..3,
+            ph in 0usize..3, pw in 0usize..3,
+            seed in any::<u64>(),
+        ) {
+            let out_len = |i: usize, k: usize, s: usize, d: usize, p: usize| {
+                (i + 2 * p).checked_sub((k - 1) * d + 1).map(|span| span / s + 1)
+            };
+            let (Some(oh), Some(ow)) = (out_len(ih, kh, sh, dh, ph), out_len(iw, kw, sw, dw, pw))
+            else {
+                return Ok(());
+            };
+            let g = Geom {
+                inp: [1, ih, iw],
+                out: [1, oh, ow],
+                k: [1, kh, kw],
+                s: [1, sh, sw],
+                d: [1, dh, dw],
+                pb: [0, ph, pw],
+                pe: [0, ph, pw],
+            };
+            let mut st = seed | 1;
+            let x: Vec<f32> = (0..2 * ih * iw)
+                .map(|_| match crate::kernels::xorshift(&mut st) % 8 {
+                    0 => f32::NAN,
+                    1 => -0.0,
+                    v => v as f32 - 4.0,
+                })
+                .collect();
+            let (fast, _) = max_pool_run(&x, 2, &g, false, false, 1);
+            let (general, _) = max_pool_run(&x, 2, &g, false, true, 1);
+            prop_assert_eq!(
+                fast.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                general.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+            );
+        }
+    }
 }

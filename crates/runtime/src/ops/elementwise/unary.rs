@@ -328,9 +328,41 @@ simple_float!(
     /// Atanh.
     atanh, |x| x.atanh()
 );
-/// Tanh: f32 through the branch-free (vectorizable) `tanh_f32`, f64 through libm.
+/// Tanh: f32 through the dispatched slice kernel `act::tanh` (AVX2 where the CPU has it; the
+/// same values as `tanh_f32` per element), f64 through libm.
 fn tanh(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
-    unary_float(ctx, ins, crate::kernels::act::tanh_f32, |x| x.tanh())
+    use crate::kernels::act;
+    unary_f32_kernel(ctx, ins, act::tanh, act::tanh_f32, |x| x.tanh())
+}
+
+/// A float unary op whose f32 form is a slice kernel chosen at run time (`kernels::act`); the
+/// other float types go through [`unary_float`] with the scalar functions.
+fn unary_f32_kernel(
+    ctx: &OpCtx,
+    mut ins: Inputs,
+    kernel: fn(&mut [f32]),
+    f32f: impl Fn(f32) -> f32 + Sync,
+    f64f: impl Fn(f64) -> f64 + Sync,
+) -> Result<Vec<Value>> {
+    if ins.tensor(0)?.dtype() != DType::F32 {
+        return unary_float(ctx, ins, f32f, f64f);
+    }
+    let mut t = if reusable(&ins, 0) {
+        ins.take_tensor(0)?
+    } else {
+        let x = ins.tensor(0)?;
+        let mut out = crate::buffers::take(x.len());
+        out.extend_from_slice(x.as_slice::<f32>()?);
+        Tensor::from_vec(x.shape().to_vec(), out)?
+    };
+    let v = t.as_mut_slice::<f32>()?;
+    if ctx.threads > 1 && v.len() >= PAR_MIN {
+        let chunk = v.len().div_ceil(ctx.threads);
+        v.par_chunks_mut(chunk).for_each(kernel);
+    } else {
+        kernel(v);
+    }
+    Ok(vec![Value::tensor(t)])
 }
 simple_float!(
     /// Sigmoid: 1 / (1 + e^-x).
