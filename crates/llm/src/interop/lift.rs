@@ -162,37 +162,33 @@ impl<'a> Idx<'a> {
         limit: usize,
         stop: &dyn Fn(&Node) -> bool,
     ) -> (Vec<usize>, Vec<usize>) {
-        let mut seen = HashSet::new();
-        let (mut inner, mut stops) = (vec![], vec![]);
-        let mut q: VecDeque<String> = VecDeque::from([v.to_string()]);
-        while let Some(x) = q.pop_front() {
-            let Some((i, n)) = self.prod(&x) else {
-                continue;
-            };
-            if !seen.insert(i) || seen.len() > limit {
-                continue;
-            }
-            if stop(n) {
-                stops.push(i);
-                continue;
-            }
-            inner.push(i);
-            for inp in &n.inputs {
-                if !inp.is_empty() && self.constant(inp).is_none() {
-                    q.push_back(inp.clone());
-                }
-            }
-        }
-        (inner, stops)
+        self.walk(v, limit, stop, false)
     }
 
     /// Nodes reachable forwards from `v`, not expanding past `stop` nodes (returned second).
     fn fwd(&self, v: &str, limit: usize, stop: &dyn Fn(&Node) -> bool) -> (Vec<usize>, Vec<usize>) {
+        self.walk(v, limit, stop, true)
+    }
+
+    /// Breadth-first over values from `v`: a value's producer (backwards) or consumers
+    /// (forwards), then a node's non-constant inputs or its outputs.
+    fn walk(
+        &self,
+        v: &str,
+        limit: usize,
+        stop: &dyn Fn(&Node) -> bool,
+        forward: bool,
+    ) -> (Vec<usize>, Vec<usize>) {
         let mut seen = HashSet::new();
         let (mut inner, mut stops) = (vec![], vec![]);
         let mut q: VecDeque<String> = VecDeque::from([v.to_string()]);
         while let Some(x) = q.pop_front() {
-            for (i, n) in self.cons(&x) {
+            let next = if forward {
+                self.cons(&x)
+            } else {
+                self.prod(&x).into_iter().collect()
+            };
+            for (i, n) in next {
                 if !seen.insert(i) || seen.len() > limit {
                     continue;
                 }
@@ -201,7 +197,16 @@ impl<'a> Idx<'a> {
                     continue;
                 }
                 inner.push(i);
-                q.extend(n.outputs.iter().cloned());
+                if forward {
+                    q.extend(n.outputs.iter().cloned());
+                } else {
+                    q.extend(
+                        n.inputs
+                            .iter()
+                            .filter(|x| !x.is_empty() && self.constant(x).is_none())
+                            .cloned(),
+                    );
+                }
             }
         }
         (inner, stops)
