@@ -176,7 +176,12 @@ pub fn inspect_json(a: &Artifact, verify: bool) -> serde_json::Value {
 }
 
 pub fn inspect(path: &Path, json_out: bool, verify: bool) -> Result<()> {
-    let a = Artifact::open(path)?;
+    // `--verify` reports corrupt weights itself (all of them, by index).
+    let a = if verify {
+        Artifact::open_unverified(path)?
+    } else {
+        Artifact::open(path)?
+    };
     let doc = inspect_json(&a, verify);
     if json_out {
         println!("{}", serde_json::to_string_pretty(&doc)?);

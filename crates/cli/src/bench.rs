@@ -82,6 +82,13 @@ fn synth_input(name: &str, ty: &Option<TypeInfo>) -> Result<Tensor> {
             _ => bail!("input '{name}' dimension {i} is '{d}': bind it with --input-shape {name}=... or --dim"),
         }
     }
+    let bytes = shape.iter().fold(dt.size().max(1) as u128, |b, &d| {
+        b.saturating_mul(d as u128)
+    });
+    npuc_runtime::limits::check_bytes(bytes, || {
+        format!("the generated input '{name}' ({dt}{shape:?})")
+    })
+    .map_err(|e| anyhow::anyhow!(e))?;
     let n: usize = shape.iter().product();
     let mut state = 0x2545_f491_4f6c_dd1du64;
     let mut next = || {
@@ -113,6 +120,7 @@ pub fn bench(
     json: bool,
     simulate: bool,
     profile: bool,
+    trace: Option<&Path>,
 ) -> Result<()> {
     let t0 = Instant::now();
     let (input_shapes, dims) = parse_bindings(input_shape, dim)?;
@@ -166,6 +174,19 @@ pub fn bench(
     } else {
         None
     };
+    if let Some(file) = trace {
+        let doc = trace_run(&sess, &feeds, path, threads)?;
+        let bytes = serde_json::to_vec(&doc)?;
+        npuc_format::persist_atomic(file, &bytes)
+            .map_err(|e| anyhow!("writing the trace '{}': {e}", file.display()))?;
+        if !json {
+            println!(
+                "trace        {} ({} nodes)",
+                file.display(),
+                sess.steps().count()
+            );
+        }
+    }
     if json {
         println!(
             "{}",
@@ -188,6 +209,52 @@ pub fn bench(
         }
     }
     Ok(())
+}
+
+/// One run as a Chrome trace (the trace-event format Perfetto and chrome://tracing open): a
+/// complete event (`ph: X`) per node on the thread that ran the graph, timestamps in
+/// microseconds from the run's start, the op as category, output shapes and dtypes as args.
+/// Kernels may use the thread pool inside a node's span; the span is the node's wall time.
+pub fn trace_run(
+    sess: &npuc_runtime::Session,
+    feeds: &[(String, Value)],
+    model: &Path,
+    threads: usize,
+) -> Result<serde_json::Value> {
+    let nodes: Vec<&npuc_ir::Node> = sess.steps().collect();
+    let mut events = vec![
+        serde_json::json!({"name": "process_name", "ph": "M", "pid": 1, "tid": 1,
+            "args": {"name": format!("npuc {}", model.display())}}),
+        serde_json::json!({"name": "thread_name", "ph": "M", "pid": 1, "tid": 1,
+            "args": {"name": "graph executor"}}),
+    ];
+    let t0 = Instant::now();
+    let mut spans = vec![];
+    sess.run_timed(feeds.to_vec(), &mut |i, start, took, outs| {
+        let shapes: Vec<String> = outs
+            .iter()
+            .map(|v| match v.as_tensor() {
+                Some(t) => format!("{}{:?}", t.dtype(), t.shape()),
+                None => v.kind().to_string(),
+            })
+            .collect();
+        let since = start.saturating_duration_since(t0);
+        spans.push((i, since, took, shapes));
+    })?;
+    for (i, since, took, shapes) in spans {
+        let n = nodes[i];
+        let op = if n.domain.is_empty() {
+            n.op_type.clone()
+        } else {
+            format!("{}.{}", n.domain, n.op_type)
+        };
+        events.push(serde_json::json!({
+            "name": n.display_name(), "cat": op, "ph": "X", "pid": 1, "tid": 1,
+            "ts": since.as_secs_f64() * 1e6, "dur": took.as_secs_f64() * 1e6,
+            "args": {"op": op, "step": i, "outputs": shapes, "threads": threads},
+        }));
+    }
+    Ok(serde_json::json!({"traceEvents": events, "displayTimeUnit": "ms"}))
 }
 
 /// Per-node wall time over profiled runs (separate from the timed runs, whose figures stay

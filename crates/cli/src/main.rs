@@ -24,6 +24,15 @@ use std::time::Instant;
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
+    /// Memory budget for any one tensor or loop output whose size comes from the model, a flag or
+    /// shape arithmetic, e.g. `8G` (default: the memory available): larger ones are refused,
+    /// naming the node and the size, before anything is allocated
+    #[arg(long = "max-memory", global = true, value_name = "SIZE")]
+    max_memory: Option<String>,
+    /// Open `.npuc` artifacts without checking their weights' checksums (faster load of large
+    /// artifacts; a corrupt file then gives wrong outputs instead of an error)
+    #[arg(long, global = true)]
+    trust: bool,
 }
 
 #[derive(Subcommand)]
@@ -82,6 +91,10 @@ enum Cmd {
         /// slowest nodes (with `--json`: a `profile` object).
         #[arg(long)]
         profile: bool,
+        /// Write a Chrome trace (trace-event JSON; open it in Perfetto or chrome://tracing) of
+        /// one more run: a span per node with its op and output shapes.
+        #[arg(long, value_name = "FILE")]
+        trace: Option<PathBuf>,
         /// Graph of an artifact to run.
         #[arg(long)]
         graph: Option<String>,
@@ -194,6 +207,18 @@ fn main() {
         matches: sub_matches,
     };
     npuc_cli::register_ops();
+    if let Some(m) = &cli.max_memory {
+        match npuc_runtime::limits::parse_bytes(m) {
+            Ok(b) => npuc_runtime::limits::set_max_memory(Some(b)),
+            Err(e) => {
+                eprintln!("error: --max-memory: {e}");
+                std::process::exit(2);
+            }
+        }
+    }
+    if cli.trust {
+        npuc_format::set_verify_weights_on_open(false);
+    }
     let r = match cli.cmd {
         Cmd::Inspect {
             model,
@@ -278,6 +303,7 @@ fn main() {
                         "dim",
                         "simulate",
                         "profile",
+                        "trace",
                     ],
                     "not supported when benchmarking an LLM (.gguf, or --prompt-len)",
                 )
@@ -310,6 +336,7 @@ fn main() {
             dim,
             simulate,
             profile,
+            trace,
             ..
         } => given
             .reject(
@@ -328,6 +355,7 @@ fn main() {
                     json,
                     simulate,
                     profile,
+                    trace.as_deref(),
                 )
             }),
         Cmd::Build(a) => npuc_cli::build_cmd::cmd(&a),
@@ -456,7 +484,23 @@ fn inspect(path: &Path, json: bool, input_shape: &[String], dim: &[String]) -> R
         .iter()
         .filter(|i| !inits.contains(i.name.as_str()))
         .collect();
-    let (inferred, infer_note) = infer_outputs(&m, &real_inputs);
+    let r = npuc_ir::infer::infer_model(&m, &HashMap::new());
+    let (inferred, infer_note) = infer_outputs(&m, &r, &real_inputs);
+    // A malformed graph (an undefined input, a cycle, a node whose inputs contradict its op)
+    // cannot run: `inspect` says so first and fails, after printing what it could read.
+    let problems: Vec<String> = r.problems.iter().map(|p| p.to_string()).collect();
+    let invalid = || -> Result<()> {
+        let more = if problems.len() > 1 {
+            format!(" (and {} more problems)", problems.len() - 1)
+        } else {
+            String::new()
+        };
+        bail!(
+            "'{}' is not a valid model: {}{more}",
+            path.display(),
+            problems[0]
+        )
+    };
     if json {
         let j = serde_json::json!({
             "path": path.display().to_string(),
@@ -474,10 +518,21 @@ fn inspect(path: &Path, json: bool, input_shape: &[String], dim: &[String]) -> R
             "parameter_bytes": bytes,
             "unsupported": unsupported.iter().map(|(n, o)| serde_json::json!({"node": n, "op": o})).collect::<Vec<_>>(),
             "supported": unsupported.is_empty(),
+            "valid": problems.is_empty(),
+            "problems": problems,
             "metadata": m.metadata.iter().map(|(k, v)| (k.clone(), serde_json::Value::String(v.chars().take(200).collect()))).collect::<serde_json::Map<_,_>>(),
         });
         println!("{}", serde_json::to_string_pretty(&j)?);
+        if !problems.is_empty() {
+            return invalid();
+        }
         return Ok(());
+    }
+    if !problems.is_empty() {
+        println!("INVALID   {}", problems[0]);
+        for p in problems.iter().skip(1).take(9) {
+            println!("          {p}");
+        }
     }
     println!("model     {}", path.display());
     println!(
@@ -546,6 +601,9 @@ fn inspect(path: &Path, json: bool, input_shape: &[String], dim: &[String]) -> R
             );
         }
     }
+    if !problems.is_empty() {
+        return invalid();
+    }
     Ok(())
 }
 
@@ -553,9 +611,9 @@ fn inspect(path: &Path, json: bool, input_shape: &[String], dim: &[String]) -> R
 /// a note saying why the others have none (empty when every output has one).
 fn infer_outputs(
     m: &Model,
+    r: &npuc_ir::infer::InferResult,
     real_inputs: &[&npuc_ir::ValueInfo],
 ) -> (Vec<(String, String)>, String) {
-    let r = npuc_ir::infer::infer_model(m, &HashMap::new());
     let mut inferred = vec![];
     let mut missing = vec![];
     for o in &m.graph.outputs {

@@ -361,7 +361,7 @@ fn killing_compile_never_leaves_a_partial_artifact() {
 fn inspect_verify_fails_on_a_damaged_weight() {
     let good = std::fs::read(two_graph_artifact()).unwrap();
     let doc = inspect_json(two_graph_artifact(), false);
-    // Flip a byte in the middle of the last page: inside the weights, which `open` does not hash.
+    // Flip a byte in the middle of the last page: inside the weights.
     let mut bad = good.clone();
     let p = good.len() - 2048;
     bad[p] ^= 0x40;
@@ -377,8 +377,13 @@ fn inspect_verify_fails_on_a_damaged_weight() {
     assert!(!o.status.success());
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("fail their checksum"), "{err}");
-    // Without --verify the damage is not looked for (weights are checked lazily).
-    ok(&["inspect", s(&path), "--json"]);
+    // Opening checks the weights too (issue 19: a flipped bit is an error naming the tensor),
+    // unless `--trust` says not to look.
+    let o = npuc(&["inspect", s(&path), "--json"]);
+    assert!(!o.status.success(), "a damaged artifact opened without --verify");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("fail their checksum") && err.contains("--trust"), "{err}");
+    ok(&["inspect", s(&path), "--json", "--trust"]);
 }
 
 #[test]

@@ -342,7 +342,33 @@ pub fn load_verified(path: &Path, opts: &CompileOptions) -> Result<Model> {
         );
     }
     npuc_runtime::Plan::for_model(&m).map_err(|e| anyhow!("'{}': {e}", path.display()))?;
+    check_runnable(&m).map_err(|e| anyhow!("'{}': {e}", path.display()))?;
     Ok(m)
+}
+
+/// The checks `run` makes before a node runs, made for the whole graph before compiling, so
+/// that no artifact is written for a graph that cannot run: every node's inputs agree with its
+/// op (static inference finds no problem) and no value's static size exceeds the memory budget.
+pub fn check_runnable(m: &Model) -> Result<()> {
+    let r = npuc_ir::infer::infer_model(m, &HashMap::new());
+    if let Some(p) = r.problems.first() {
+        let more = if r.problems.len() > 1 {
+            format!(" (and {} more problems)", r.problems.len() - 1)
+        } else {
+            String::new()
+        };
+        bail!("the graph cannot run: {p}{more}");
+    }
+    let mut sized: Vec<(&String, &TypeInfo)> = r.types.iter().collect();
+    sized.sort_by(|a, b| a.0.cmp(b.0));
+    for (name, ty) in sized {
+        let Some(bytes) = ty.fixed_bytes() else {
+            continue;
+        };
+        npuc_runtime::limits::check_bytes(bytes, || format!("value '{name}' ({})", ty.describe()))
+            .map_err(|e| anyhow!(e))?;
+    }
+    Ok(())
 }
 
 /// The artifact's source entry for `path`: its file name and bytes.

@@ -364,10 +364,12 @@ pub fn persist_atomic_parts(path: &Path, parts: &[&[u8]]) -> std::io::Result<()>
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
     let fname = path.file_name().and_then(|f| f.to_str()).unwrap_or("out");
+    remove_stale_temps(dir, fname);
     // A hidden temp file beside the target (same filesystem, so the rename is atomic); the
-    // tempfile crate removes it on any error before the rename.
+    // tempfile crate removes it on any error before the rename. Its name carries this process's
+    // id, so a later write can tell the leftovers of a killed writer from a live one's file.
     let mut tmp = tempfile::Builder::new()
-        .prefix(&format!(".{fname}.tmp-"))
+        .prefix(&format!(".{fname}.tmp-{}-", std::process::id()))
         .tempfile_in(dir)?;
     for bytes in parts {
         tmp.write_all(bytes)?;
@@ -375,6 +377,32 @@ pub fn persist_atomic_parts(path: &Path, parts: &[&[u8]]) -> std::io::Result<()>
     tmp.as_file().sync_all()?;
     tmp.persist(path).map_err(|e| e.error)?;
     Ok(())
+}
+
+/// Removes the temp files `.{fname}.tmp-PID-*` in `dir` left by writers of the same target that
+/// were killed (`kill -9`, power loss) before they could clean up: those whose process no longer
+/// exists. Best effort: on systems without `/proc` nothing is removed.
+fn remove_stale_temps(dir: &Path, fname: &str) {
+    let proc_root = Path::new("/proc/self");
+    if !proc_root.exists() {
+        return;
+    }
+    let prefix = format!(".{fname}.tmp-");
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(&prefix)) else {
+            continue;
+        };
+        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else {
+            continue;
+        };
+        if pid != std::process::id() && !Path::new("/proc").join(pid.to_string()).exists() {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
 }
 
 struct MmapBacking(memmap2::Mmap);
@@ -400,10 +428,32 @@ pub struct Artifact {
     weights_len: usize,
 }
 
+/// Whether [`Artifact::open`] checks the weights' checksums (on by default).
+static VERIFY_WEIGHTS_ON_OPEN: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(true);
+
+/// Turns the weight checksums of [`Artifact::open`] on or off for this process (`npuc --trust`
+/// turns them off when load time matters more than catching a corrupt file).
+pub fn set_verify_weights_on_open(on: bool) {
+    VERIFY_WEIGHTS_ON_OPEN.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
 impl Artifact {
-    /// Maps and checks an artifact (header, version, section bounds, META checksum, target).
-    /// Weight checksums are not read here: see [`Artifact::verify_weights`].
+    /// Maps and checks an artifact (header, version, section bounds, META checksum, target) and,
+    /// unless the process trusts artifacts ([`set_verify_weights_on_open`]: `npuc --trust`), every
+    /// weight's checksum, so a flipped bit in the weights is an error naming the tensor instead
+    /// of silently different outputs.
     pub fn open(path: &Path) -> Result<Artifact, FormatError> {
+        let a = Artifact::open_unverified(path)?;
+        if VERIFY_WEIGHTS_ON_OPEN.load(std::sync::atomic::Ordering::Relaxed) {
+            a.check_weights()?;
+        }
+        Ok(a)
+    }
+
+    /// [`Artifact::open`] without the weight checksums (read them with
+    /// [`Artifact::verify_weights`] / [`Artifact::check_weights`]).
+    pub fn open_unverified(path: &Path) -> Result<Artifact, FormatError> {
         let file = std::fs::File::open(path).map_err(|e| FormatError::Io {
             path: path.into(),
             source: e,
@@ -652,6 +702,55 @@ impl Artifact {
                 xxh3_64(&b[off..off + w.len as usize]) != w.xxh3
             })
             .map(|(i, _)| i)
+            .collect()
+    }
+
+    /// Fails when any weight fails its checksum, naming the first corrupt ones by the graph
+    /// initializers stored in them and their offsets.
+    pub fn check_weights(&self) -> Result<(), FormatError> {
+        let bad = self.verify_weights();
+        let Some(&first) = bad.first() else {
+            return Ok(());
+        };
+        let named: Vec<String> = bad
+            .iter()
+            .take(3)
+            .map(|&i| {
+                let names = self.weight_names(i);
+                if names.is_empty() {
+                    format!("weight #{i}")
+                } else {
+                    format!("weight #{i} ({})", names.join(", "))
+                }
+            })
+            .collect();
+        let more = if bad.len() > 3 {
+            format!(" and {} more", bad.len() - 3)
+        } else {
+            String::new()
+        };
+        Err(FormatError::Corrupt {
+            path: self.path.clone(),
+            what: format!(
+                "{}{more} fail their checksum (pass --trust to skip this check)",
+                named.join("; ")
+            ),
+            offset: (self.weights_off as u64) + self.meta.weights[first].offset,
+        })
+    }
+
+    /// The graph initializers (`graph/name`) stored in weight `i`, top-level graphs only.
+    pub fn weight_names(&self, i: usize) -> Vec<String> {
+        self.meta
+            .graphs
+            .iter()
+            .flat_map(|g| {
+                g.body
+                    .initializers
+                    .iter()
+                    .filter(move |(_, w)| *w == i)
+                    .map(move |(n, _)| format!("{}/{n}", g.name))
+            })
             .collect()
     }
 

@@ -46,6 +46,23 @@ pub enum TypeInfo {
 }
 
 impl TypeInfo {
+    /// Bytes of a tensor of this type when its dtype and every dimension are known (saturating,
+    /// so a hostile shape cannot wrap): what memory checks compare against a budget.
+    pub fn fixed_bytes(&self) -> Option<u128> {
+        let TypeInfo::Tensor {
+            dtype: Some(dt),
+            shape: Some(dims),
+        } = self
+        else {
+            return None;
+        };
+        dims.iter()
+            .try_fold(dt.size().max(1) as u128, |b, d| match d {
+                Dim::Fixed(n) => Some(b.saturating_mul(*n as u128)),
+                _ => None,
+            })
+    }
+
     pub fn tensor(dtype: DType, shape: &[usize]) -> TypeInfo {
         TypeInfo::Tensor {
             dtype: Some(dtype),

@@ -131,6 +131,36 @@ pub fn onnx_rule(n: &NodeIn) -> R<Vec<TypeInfo>> {
     }
 }
 
+/// The output types of one node whose inputs are the given tensors (their types, and the values
+/// of small ones, as the rules read shapes, pads, scales or depths from them): what a runtime
+/// checks before it runs a node, e.g. how much memory the outputs will take. `None` when no rule
+/// here covers the op (control flow, model-local functions, ops without a rule).
+pub fn node_output_types(
+    node: &Node,
+    opset: i64,
+    inputs: &[Option<&Tensor>],
+) -> Option<R<Vec<TypeInfo>>> {
+    if node.domain.is_empty() && matches!(node.op_type.as_str(), "If" | "Loop" | "Scan") {
+        return None;
+    }
+    /// Inputs up to this many elements also give their values (shape-like operands).
+    const VALUE_MAX: usize = 64;
+    let tys = inputs.iter().map(|t| t.map(tensor_type)).collect();
+    let vals = inputs
+        .iter()
+        .map(|t| {
+            t.filter(|t| t.len() <= VALUE_MAX)
+                .and_then(Known::from_tensor)
+        })
+        .collect();
+    let ni = ctx::NodeIn::from_parts(node, opset, tys, vals);
+    match ops::infer(&ni) {
+        Outcome::Done(outs) => Some(Ok(outs.into_iter().map(|o| o.ty).collect())),
+        Outcome::Failed(e) => Some(Err(e)),
+        Outcome::NotCovered => None,
+    }
+}
+
 /// The fully unknown type.
 pub(crate) fn unknown() -> TypeInfo {
     TypeInfo::Tensor {

@@ -402,20 +402,16 @@ pub(crate) fn forward<M: Chunked>(m: &mut M, tokens: &[u32], all_logits: bool) -
     Ok(out)
 }
 
-/// Refuses caches larger than the memory the system has available, before allocating them.
+/// Refuses caches larger than the memory budget (`--max-memory`, else the memory the system has
+/// available), before allocating them.
 pub(crate) fn check_fits(need: Option<u128>, what: &str, advice: &str) -> Result<()> {
-    let available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
-        m.lines()
-            .find(|l| l.starts_with("MemAvailable:"))
-            .and_then(|l| l.split_whitespace().nth(1)?.parse::<u128>().ok())
-            .map(|kb| kb * 1024)
-    });
-    match (need, available) {
-        (None, _) => bail!("{what} is too large to address; {advice}"),
-        (Some(n), Some(a)) if n > a => bail!(
-            "{what} needs {:.2} GB, but only {:.2} GB of memory is available; {advice}",
+    let (budget, source) = npuc_runtime::limits::memory_budget();
+    match need {
+        None => bail!("{what} is too large to address; {advice}"),
+        Some(n) if n > budget as u128 => bail!(
+            "{what} needs {:.2} GB, but the memory budget is {:.2} GB ({source}); {advice}",
             n as f64 / 1e9,
-            a as f64 / 1e9
+            budget as f64 / 1e9
         ),
         _ => Ok(()),
     }

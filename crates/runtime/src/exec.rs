@@ -4,7 +4,9 @@ use crate::buffers::{Pool, PoolGuard};
 use crate::error::{Result, RtError};
 use crate::kernel::{registry, Inputs, KernelFn, OpCtx, StepHost};
 use crate::value::Value;
-use npuc_ir::{subgraphs, Attr, DType, Dim, Function, Graph, Model, Node, TypeInfo, ValueInfo};
+use npuc_ir::{
+    subgraphs, Attr, DType, Dim, Function, Graph, Model, Node, Tensor, TypeInfo, ValueInfo,
+};
 use std::any::Any;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -29,10 +31,17 @@ struct Step {
     /// What the kernel derived from its constant inputs (e.g. prepacked weights), built on
     /// the first run and shared by later runs of this plan.
     cache: OnceLock<Arc<dyn Any + Send + Sync>>,
+    /// Whether the outputs' sizes are checked against the memory budget before the kernel runs
+    /// (ops whose outputs can be larger than their inputs; see [`output_sizes_bounded`]).
+    check_sizes: bool,
 }
 
 /// A callback seeing each value a step produces, by name (see [`Session::run_observed`]).
 type Observe<'a> = &'a mut dyn FnMut(&str, &Value);
+
+/// Called after each step with its index, start time, wall time and outputs (see
+/// [`Session::run_timed`]).
+pub type StepTimer<'a> = &'a mut dyn FnMut(usize, Instant, std::time::Duration, &[Value]);
 
 /// A graph ready to run: values mapped to slots, kernels resolved, lifetimes computed.
 pub struct Plan {
@@ -229,6 +238,7 @@ impl Plan {
                 subplans,
                 const_inputs: vec![],
                 cache: OnceLock::new(),
+                check_sizes: !output_sizes_bounded(&n.domain, &n.op_type),
             });
         }
         if !unsupported.is_empty() {
@@ -375,15 +385,15 @@ impl Plan {
     }
 
     /// Runs the steps; `observe` (if any) sees every value a step produces, named, right after
-    /// the step, before a later step can take its buffer. `step_nanos` (if any, one entry per
-    /// step) accumulates each step's wall time, kernel call included, slot bookkeeping not.
+    /// the step, before a later step can take its buffer. `timer` (if any) is told each step's
+    /// start and wall time (kernel call included, slot bookkeeping not) and its outputs.
     fn run_slots(
         &self,
         inputs: Vec<Option<Value>>,
         outer: Option<&Frame>,
         threads: usize,
         mut observe: Option<Observe>,
-        mut step_nanos: Option<&mut [u64]>,
+        mut timer: Option<StepTimer>,
     ) -> Result<Vec<Value>> {
         let _pool = PoolGuard::install(&self.pool, self.reuse.load(Ordering::Relaxed));
         // The previous run's (emptied) slot table when no concurrent run holds it.
@@ -414,7 +424,10 @@ impl Plan {
             for &s in &st.free_before {
                 slots[s] = None;
             }
-            let started = step_nanos.as_ref().map(|_| Instant::now());
+            if st.check_sizes {
+                check_output_sizes(st, &vals)?;
+            }
+            let started = timer.as_ref().map(|_| Instant::now());
             let out = {
                 let frame = Frame {
                     plan: self,
@@ -430,8 +443,8 @@ impl Plan {
                 };
                 (st.kernel)(&ctx, Inputs::new(vals)).map_err(|e| with_node(e, &st.node))?
             };
-            if let (Some(t), Some(acc)) = (started, step_nanos.as_deref_mut()) {
-                acc[si] += t.elapsed().as_nanos() as u64;
+            if let (Some(t), Some(f)) = (started, timer.as_mut()) {
+                f(si, t, t.elapsed(), &out);
             }
             for &s in &st.free_after {
                 if let Some(v) = slots[s].take() {
@@ -483,6 +496,114 @@ impl Plan {
         }
         outs
     }
+}
+
+/// Ops whose outputs never take more memory than a small multiple of their inputs' (shape
+/// preserving, shrinking or reordering): their sizes are not checked before they run. Every other
+/// op (broadcasting, padding, resizing, expanding, one-hot, products) is.
+fn output_sizes_bounded(domain: &str, op: &str) -> bool {
+    // `npuc` ops are made by npuc's own compiler and LLM builder from graphs whose sizes were
+    // checked when they were compiled (and the LLM's token steps run thousands of them).
+    domain == "npuc"
+        || domain.is_empty()
+            && matches!(
+                op,
+                "Abs"
+                    | "Acos"
+                    | "Acosh"
+                    | "Asin"
+                    | "Asinh"
+                    | "Atan"
+                    | "Atanh"
+                    | "BatchNormalization"
+                    | "Cast"
+                    | "CastLike"
+                    | "Ceil"
+                    | "Celu"
+                    | "Clip"
+                    | "Cos"
+                    | "Cosh"
+                    | "DequantizeLinear"
+                    | "Dropout"
+                    | "Elu"
+                    | "Erf"
+                    | "Exp"
+                    | "Flatten"
+                    | "Floor"
+                    | "Gelu"
+                    | "HardSigmoid"
+                    | "HardSwish"
+                    | "Hardmax"
+                    | "Identity"
+                    | "InstanceNormalization"
+                    | "IsInf"
+                    | "IsNaN"
+                    | "LayerNormalization"
+                    | "LeakyRelu"
+                    | "Log"
+                    | "LogSoftmax"
+                    | "Mish"
+                    | "Neg"
+                    | "Not"
+                    | "QuantizeLinear"
+                    | "Reciprocal"
+                    | "Relu"
+                    | "Reshape"
+                    | "Round"
+                    | "Selu"
+                    | "Shape"
+                    | "Sigmoid"
+                    | "Sign"
+                    | "Sin"
+                    | "Sinh"
+                    | "Size"
+                    | "Slice"
+                    | "Softmax"
+                    | "Softplus"
+                    | "Softsign"
+                    | "Sqrt"
+                    | "Squeeze"
+                    | "Tan"
+                    | "Tanh"
+                    | "ThresholdedRelu"
+                    | "Transpose"
+                    | "Unsqueeze"
+                    | "ReduceMean"
+                    | "ReduceSum"
+                    | "ReduceMax"
+                    | "ReduceMin"
+                    | "ReduceProd"
+                    | "ReduceL1"
+                    | "ReduceL2"
+                    | "ReduceLogSum"
+                    | "ReduceLogSumExp"
+                    | "ReduceSumSquare"
+                    | "ArgMax"
+                    | "ArgMin"
+                    | "GlobalAveragePool"
+                    | "GlobalMaxPool"
+            )
+}
+
+/// Refuses to run a step whose outputs (inferred from its actual inputs) would exceed the
+/// memory budget, naming the output and its shape.
+fn check_output_sizes(st: &Step, vals: &[Option<Value>]) -> Result<()> {
+    let ins: Vec<Option<&Tensor>> = vals
+        .iter()
+        .map(|v| v.as_ref().and_then(|v| v.as_tensor()))
+        .collect();
+    let Some(Ok(tys)) = npuc_ir::infer::node_output_types(&st.node, st.opset, &ins) else {
+        // No rule, or the rule found a problem: the kernel checks its inputs itself.
+        return Ok(());
+    };
+    for (ty, name) in tys.iter().zip(&st.node.outputs) {
+        let Some(bytes) = ty.fixed_bytes() else {
+            continue;
+        };
+        crate::limits::check_bytes(bytes, || format!("output '{name}' ({})", ty.describe()))
+            .map_err(|m| with_node(RtError::Msg(m), &st.node))?;
+    }
+    Ok(())
 }
 
 fn with_node(e: RtError, n: &Node) -> RtError {
@@ -679,14 +800,29 @@ impl Session {
                 self.plan.steps.len()
             )));
         }
-        self.run_inner(feeds, None, Some(step_nanos))
+        self.run_inner(
+            feeds,
+            None,
+            Some(&mut |i, _, d, _| step_nanos[i] += d.as_nanos() as u64),
+        )
+    }
+
+    /// Like [`Session::run`], and calls `timer(i, start, wall time, outputs)` after each step
+    /// (`i` in [`Session::steps`] order; a node running a subgraph counts the subgraph's time as
+    /// its own): what `npuc bench --trace` turns into a Chrome trace.
+    pub fn run_timed(
+        &self,
+        feeds: Vec<(String, Value)>,
+        timer: StepTimer,
+    ) -> Result<Vec<(String, Value)>> {
+        self.run_inner(feeds, None, Some(timer))
     }
 
     fn run_inner(
         &self,
         feeds: Vec<(String, Value)>,
         observe: Option<Observe>,
-        step_nanos: Option<&mut [u64]>,
+        timer: Option<StepTimer>,
     ) -> Result<Vec<(String, Value)>> {
         let mut by_name: HashMap<String, Value> = HashMap::new();
         for (n, v) in feeds {
@@ -735,7 +871,7 @@ impl Session {
         }
         let outs = self
             .plan
-            .run_slots(ordered, None, self.opts.threads, observe, step_nanos)?;
+            .run_slots(ordered, None, self.opts.threads, observe, timer)?;
         Ok(self
             .outputs
             .iter()

@@ -6,6 +6,7 @@ pub mod error;
 pub mod exec;
 pub mod kernel;
 pub mod kernels;
+pub mod limits;
 pub mod ops;
 pub mod value;
 

@@ -32,6 +32,16 @@ impl<'a> NodeIn<'a> {
             .iter()
             .map(|s| if s.is_empty() { None } else { scope.val(s) })
             .collect();
+        NodeIn::from_parts(node, opset, tys, vals)
+    }
+
+    /// A view of `node` with the given input types and known values.
+    pub(crate) fn from_parts(
+        node: &'a Node,
+        opset: i64,
+        tys: Vec<Option<TypeInfo>>,
+        vals: Vec<Option<Known>>,
+    ) -> NodeIn<'a> {
         NodeIn {
             node,
             opset,

@@ -175,6 +175,23 @@ impl ConstFold {
                 in_bytes += bytes_of(t);
                 ins.push((s.clone(), t.clone()));
             }
+            // Results too large to keep are never computed: their size is predicted from the
+            // inputs first (a Pad of 2^40 or a OneHot of depth 2^40 must not be materialized to
+            // find out).
+            let refs: Vec<Option<&Tensor>> = n
+                .inputs
+                .iter()
+                .map(|s| if s.is_empty() { None } else { get(s) })
+                .collect();
+            let opset = m.opset(&n.domain).unwrap_or(1);
+            if let Some(Ok(tys)) = npuc_ir::infer::node_output_types(n, opset, &refs) {
+                let predicted = tys
+                    .iter()
+                    .try_fold(0u128, |acc, ty| Some(acc.saturating_add(ty.fixed_bytes()?)));
+                if predicted.is_some_and(|b| b > self.max_bytes as u128 && b > in_bytes as u128) {
+                    continue;
+                }
+            }
             let Some(outs) = evaluate(m, n, &ins) else {
                 continue;
             };

@@ -224,7 +224,17 @@ fn loop_op(ctx: &OpCtx, mut ins: Inputs) -> Result<Vec<Value>> {
     let k_scan = body.outputs.len() - 1 - n_carried;
     let mut scans: Vec<Vec<Value>> = vec![vec![]; k_scan];
     let mut it: i64 = 0;
+    let limit = crate::limits::max_loop_iterations();
+    // Bytes the scan outputs hold so far; stacking them at the end needs as much again.
+    let mut scan_bytes: u128 = 0;
     while cond && max_trip.is_none_or(|m| it < m) {
+        if it as u64 >= limit {
+            bail!(
+                "stopped after {limit} iterations (trip count {}, condition still true): more than \
+                 the iteration limit; set NPUC_MAX_LOOP_ITERATIONS to allow more",
+                max_trip.map_or("none".to_string(), |m| m.to_string())
+            );
+        }
         let mut inputs = Vec::with_capacity(2 + n_carried);
         inputs.push(Value::tensor(Tensor::scalar(it)));
         inputs.push(Value::tensor(Tensor::scalar(cond)));
@@ -243,9 +253,21 @@ fn loop_op(ctx: &OpCtx, mut ins: Inputs) -> Result<Vec<Value>> {
             cond = cond_value(as_tensor(&out[0], "the body's condition")?)?;
         }
         for (acc, v) in scans.iter_mut().zip(scan_vals) {
+            if let Some(t) = v.as_tensor() {
+                scan_bytes += (t.len() * t.dtype().size().max(1)) as u128;
+            }
             acc.push(v);
         }
         it += 1;
+        if k_scan > 0 {
+            crate::limits::check_bytes(2 * scan_bytes, || {
+                format!(
+                    "the scan outputs after {it} iterations (of {})",
+                    max_trip.map_or("an unbounded number".to_string(), |m| m.to_string())
+                )
+            })
+            .map_err(RtError::Msg)?;
+        }
     }
     let mut results = carried;
     for (k, acc) in scans.iter().enumerate() {

@@ -716,6 +716,9 @@ fn prepare<'a>(
     idx_c0: Option<usize>,
     idx_p: Option<usize>,
 ) -> Result<Prepared<'a>> {
+    if hidden == 0 {
+        bail!("hidden size is 0 (from R's shape and the hidden_size attribute): a recurrent op needs at least one hidden unit");
+    }
     let x = ins.tensor(0)?;
     if x.rank() != 3 {
         bail!("X must be rank 3, got shape {:?}", x.shape());

@@ -729,10 +729,18 @@ fn split(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         None => tensor_input_ints(&ins, 1)?,
     };
     let lens: Vec<usize> = match given {
-        Some(s) => s
-            .iter()
-            .map(|&v| to_dim(v, "split length"))
-            .collect::<Result<_>>()?,
+        Some(s) => {
+            if s.len() != ctx.node.outputs.len() {
+                bail!(
+                    "'split' gives {} lengths {s:?} for {} outputs: one length per output is needed",
+                    s.len(),
+                    ctx.node.outputs.len()
+                );
+            }
+            s.iter()
+                .map(|&v| to_dim(v, "split length"))
+                .collect::<Result<_>>()?
+        }
         None => {
             let n = match ctx.node.attr_int("num_outputs")? {
                 Some(n) => to_dim(n, "num_outputs")?,
