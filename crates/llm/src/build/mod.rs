@@ -1008,6 +1008,51 @@ impl Builder<'_> {
         })
     }
 
+    /// The token lookup of an f16 embedder ([`split::PartSpec::embedder_f16`]): the table's
+    /// rows dequantized from the GGUF's blocks (bit-exact, as `npuc.GgmlGather` does) and
+    /// rounded to f16 once, at build time; `Gather` then `Cast` to f32 at run time.
+    fn embed_f16(&mut self) -> Result<String> {
+        let (v, e) = (self.hp.vocab, self.hp.n_embd);
+        let t = self.info("token_embd.weight")?.clone();
+        if t.shape().get(1) != Some(&e) || (t.rows() as usize) < v {
+            return Err(self
+                .g
+                .tensor_err(
+                    "token_embd.weight",
+                    format!("has shape {:?}, expected [>= {v}, {e}]", t.shape()),
+                )
+                .into());
+        }
+        let name = "token_embd.weight.f16";
+        if !self.has_init(name) {
+            let (off, len) = self.g.tensor_range(&t);
+            let backing = self.g.backing();
+            let bytes = &backing.bytes()[off..off + len];
+            let row_bytes = len / t.rows() as usize;
+            let mut row = vec![0f32; e];
+            let mut table = Vec::with_capacity(v * e);
+            for r in 0..v {
+                npuc_ggml::dequantize_row(
+                    t.ggml_type,
+                    &bytes[r * row_bytes..(r + 1) * row_bytes],
+                    &mut row,
+                )
+                .map_err(|err| self.g.tensor_err("token_embd.weight", err.to_string()))?;
+                table.extend(row.iter().map(|&x| half::f16::from_f32(x)));
+            }
+            self.inits.push(Initializer {
+                name: name.into(),
+                tensor: Tensor::from_vec(vec![v, e], table)?,
+            });
+        }
+        let rows = self.op("Gather", &[name, "input_ids"], vec![("axis", Attr::Int(0))]);
+        Ok(self.op(
+            "Cast",
+            &[&rows],
+            vec![("to", Attr::Int(DType::F32.onnx_code() as i64))],
+        ))
+    }
+
     /// The decoder layers of `part`: from the token embedding (first part) or the hidden-state
     /// input, to the logits (last part) or the hidden-state output.
     fn decoder(&mut self, part: &split::PartSpec) -> Result<()> {
@@ -1015,7 +1060,11 @@ impl Builder<'_> {
         let (n, e) = (self.opts.tokens, hp.n_embd);
         let (h, kvh, d) = (hp.n_head, hp.n_kv_head, hp.head_dim);
         let mut x = if part.has_embedding() {
-            let mut x = self.embed()?;
+            let mut x = if part.is_embedder() && part.embedder_f16 {
+                self.embed_f16()?
+            } else {
+                self.embed()?
+            };
             if let Some(s) = hp.embed_scale {
                 let c = self.const_f32("embed_scale", s);
                 x = self.op("Mul", &[&x, &c], vec![]);
