@@ -130,7 +130,7 @@ pub struct LlmComponent {
     /// The decoder component whose LLM bundle holds this component (itself for a decoder).
     pub bundle: String,
     /// Decoders: the checked single-model pipeline of the bundle.
-    pub pipeline: Option<Pipeline>,
+    pub pipeline: Option<Box<Pipeline>>,
     /// Embedders: `f16` or `gguf`.
     pub dtype: String,
 }
@@ -262,9 +262,8 @@ impl ComponentsPipeline {
                 }
                 Ok(())
             };
-            let llm_keys = [
-                ("role", c.role.is_some()),
-                ("dtype", c.dtype.is_some()),
+            // Keys of a decoder only (an embedder takes its decoder's graphs).
+            let decoder_keys = [
                 ("ar", c.ar.is_some()),
                 ("ctx", c.ctx.is_some()),
                 ("sha", c.sha.is_some()),
@@ -273,6 +272,7 @@ impl ComponentsPipeline {
                 ("prompts", c.prompts.is_some()),
                 ("max_tokens", c.max_tokens.is_some()),
             ];
+            let llm_keys = [("role", c.role.is_some()), ("dtype", c.dtype.is_some())];
             let onnx_keys = [
                 ("input_shapes", c.input_shapes.is_some()),
                 ("calibration", c.calibration.is_some()),
@@ -281,6 +281,7 @@ impl ComponentsPipeline {
             let kind = match (&c.onnx, &c.gguf) {
                 (Some(o), None) => {
                     not_for(&llm_keys, "an ONNX component")?;
+                    not_for(&decoder_keys, "an ONNX component")?;
                     let source = existing(&f, name, "onnx", o, base)?;
                     let precision = c.precision.clone().unwrap_or_else(|| "float".into());
                     if precision != "float" {
@@ -321,17 +322,10 @@ impl ComponentsPipeline {
                             })
                         }
                         Some("embedder") => {
-                            let extra = [
-                                ("precision", c.precision.is_some()),
-                                ("ar", c.ar.is_some()),
-                                ("ctx", c.ctx.is_some()),
-                                ("sha", c.sha.is_some()),
-                                ("parts", c.parts.is_some()),
-                                ("max_part_bytes", c.max_part_bytes.is_some()),
-                                ("prompts", c.prompts.is_some()),
-                                ("max_tokens", c.max_tokens.is_some()),
-                            ];
-                            not_for(&extra, "an embedder (it takes the decoder's graphs)")?;
+                            let own = [("precision", c.precision.is_some())];
+                            let why = "an embedder (it takes the decoder's graphs)";
+                            not_for(&own, why)?;
+                            not_for(&decoder_keys, why)?;
                             let Some(decoder) = decoders.get(&source) else {
                                 bail!("{f}: component '{name}' is an embedder of '{}', but no decoder component has that gguf; add one (role = \"decoder\") with the same source", source.display());
                             };
@@ -424,7 +418,7 @@ impl ComponentsPipeline {
                 &format!("components.{name}"),
             )
             .with_context(|| format!("component '{name}'"))?;
-            l.pipeline = Some(p);
+            l.pipeline = Some(Box::new(p));
         }
         let mut connections = vec![];
         for (i, c) in raw.connections.iter().enumerate() {
@@ -523,15 +517,14 @@ fn calibration(cal: &CalibrationRaw, f: &str, ctx: &str, base: &Path) -> Result<
     })
 }
 
+/// Readable images, and skipped ones with the reason.
+pub type ImageList = (Vec<PathBuf>, Vec<(PathBuf, String)>);
+
 /// The images of a calibration folder, sorted, each decoded and preprocessed once here (so an
 /// unreadable file is found before any step runs): `(readable, skipped with the reason)`.
 /// Fails naming the component and the file when a file is unreadable and `skip_unreadable` is
 /// off, or when fewer than `heldout + 1` images remain.
-pub fn calibration_images(
-    component: &str,
-    dir: &Path,
-    cal: &Calibration,
-) -> Result<(Vec<PathBuf>, Vec<(PathBuf, String)>)> {
+pub fn calibration_images(component: &str, dir: &Path, cal: &Calibration) -> Result<ImageList> {
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
         .with_context(|| format!("component '{component}': reading '{}'", dir.display()))?
         .filter_map(|e| e.ok().map(|e| e.path()))

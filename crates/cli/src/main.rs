@@ -732,10 +732,10 @@ fn run_component(
     let t0 = Instant::now();
     let outs = npuc_driver::components::run_image(bundle, component, image, threads)?;
     let npy_file = out.filter(|o| o.extension().is_some_and(|e| e == "npy"));
-    if npy_file.is_some() && outs.len() != 1 {
+    if let Some(f) = npy_file.filter(|_| outs.len() != 1) {
         bail!(
             "-o {}: component '{component}' has {} outputs; give a directory",
-            npy_file.expect("some").display(),
+            f.display(),
             outs.len()
         );
     }

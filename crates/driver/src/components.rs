@@ -213,7 +213,7 @@ fn shapes_fit(from: &[PortDim], to: &[PortDim]) -> bool {
 struct Checked {
     ports: BTreeMap<String, Ports>,
     /// Per ONNX component with a folder: (readable images, skipped with why).
-    images: BTreeMap<String, (Vec<PathBuf>, Vec<(PathBuf, String)>)>,
+    images: BTreeMap<String, npuc_build::components::ImageList>,
 }
 
 fn check(cp: &ComponentsPipeline) -> Result<Checked> {
