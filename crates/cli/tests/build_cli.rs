@@ -692,3 +692,32 @@ fn bad_component_pipelines_fail_before_any_step_naming_component_and_file() {
         &["component 'vision': calibration.resize/layout give images of [1, 3, 256, 256] f32, but input 'input_image' is [1, 3, 224, 224] f32"],
     );
 }
+
+/// `examples/vlm-layout.toml` (ViT-S + Gemma 3 270M) passes every check before a step: a dry
+/// run reads the sources, infers the ports and checks the connection.
+#[test]
+fn the_vlm_example_is_checked_by_a_dry_run() {
+    npuc_testsupport::gemma3_gguf();
+    vit_s();
+    let tmp = tempfile::tempdir().unwrap();
+    let example = npuc_testsupport::workspace_root().join("examples/vlm-layout.toml");
+    let out = tmp.path().join("vlm.bundle");
+    let (ok, stdout, stderr) = npuc(&[
+        "build",
+        example.to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+        "--dry-run",
+    ]);
+    assert!(ok, "{stderr}");
+    for want in [
+        "component decoder: llm decoder; in: inputs_embeds [N, 640] f32; out: logits [N, 262144] f32",
+        "component embedder: llm embedder (f16) of 'decoder'",
+        "component vision: onnx w8a8; in: input_image [1, 3, 224, 224] f32",
+        "connection embedder.hidden_out -> decoder.inputs_embeds: shapes and dtypes fit",
+        "component vision: would write 16 synthetic images",
+    ] {
+        assert!(stdout.contains(want), "{want:?} missing from:\n{stdout}");
+    }
+    assert!(!out.exists(), "a dry run writes nothing");
+}
