@@ -678,12 +678,12 @@ pub fn enforce(step_id: &str, rows: &[CheckRow]) -> Result<()> {
 /// The sanity table (one line per step and graph).
 pub fn table(rows: &[CheckRow]) -> String {
     let mut t = format!(
-        "{:8} {:5} {:12} {:9} {:10} {:>10} {:>10} {:>6}  {}\n",
+        "{:9} {:5} {:12} {:9} {:10} {:>10} {:>10} {:>6}  {}\n",
         "check", "part", "graph", "precision", "output", "max|diff|", "cosine", "top-1", "status"
     );
     for r in rows {
         t += &format!(
-            "{:8} {:5} {:12} {:9} {:10} {:>10.3e} {:>10.7} {:>6}  {}\n",
+            "{:9} {:5} {:12} {:9} {:10} {:>10.3e} {:>10.7} {:>6}  {}\n",
             r.step,
             r.part.map_or("all".into(), |p| p.to_string()),
             r.graph,
