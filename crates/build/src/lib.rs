@@ -22,6 +22,7 @@
 
 pub mod cache;
 mod check;
+pub mod components;
 pub mod handoff;
 pub mod import;
 pub mod pipeline;
@@ -301,10 +302,14 @@ fn part_key(k: &mut KeyHasher, spec: &PartSpec, precision: Precision) {
             &format!("{}..{}", spec.layers.start, spec.layers.end),
         )
         .field("precision", precision.name());
+    // Only when set, so that the keys of pipelines without it stay what they were.
+    if spec.is_embedder() && spec.embedder_f16 {
+        k.field("embedder_dtype", "f16");
+    }
 }
 
 /// The identity of the source file: what the `source` step is keyed on.
-fn source_identity(path: &Path) -> Result<String> {
+pub fn source_identity(path: &Path) -> Result<String> {
     let canon = path
         .canonicalize()
         .with_context(|| format!("'{}'", path.display()))?;
@@ -1156,7 +1161,7 @@ pub const LOCK_FILE: &str = ".npuc-build.lock";
 
 /// Takes the exclusive lock of `out` (creating the directory), or fails saying another build
 /// holds it.
-fn lock_out_dir(out: &Path) -> Result<std::fs::File> {
+pub fn lock_out_dir(out: &Path) -> Result<std::fs::File> {
     std::fs::create_dir_all(out)
         .with_context(|| format!("creating the output directory '{}'", out.display()))?;
     let path = out.join(LOCK_FILE);
@@ -1248,7 +1253,7 @@ fn materialize(
 }
 
 /// Makes `dest` the file `src` (a hard link, else a copy), unless it already is.
-fn link_into(src: &Path, dest: &Path) -> Result<bool> {
+pub fn link_into(src: &Path, dest: &Path) -> Result<bool> {
     #[cfg(unix)]
     {
         use std::os::unix::fs::MetadataExt;

@@ -11,25 +11,25 @@ use std::path::{Path, PathBuf};
 /// The file as written.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct PipelineFile {
-    model: ModelSection,
-    graphs: GraphsSection,
+pub(crate) struct PipelineFile {
+    pub(crate) model: ModelSection,
+    pub(crate) graphs: GraphsSection,
     #[serde(default)]
-    split: SplitSection,
+    pub(crate) split: SplitSection,
     #[serde(default)]
-    test: TestSection,
+    pub(crate) test: TestSection,
     #[serde(default)]
-    target: TargetSection,
+    pub(crate) target: TargetSection,
 }
 
 /// The deployment target's memory limits (pre-flight check; HTP-like defaults).
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct TargetSection {
+pub(crate) struct TargetSection {
     /// Bytes one graph may hold: its part's weights plus its KV cache inputs and outputs.
-    max_graph_bytes: Option<u64>,
+    pub(crate) max_graph_bytes: Option<u64>,
     /// Bytes one context binary (a part: its graphs share the weights) may hold.
-    max_context_bytes: Option<u64>,
+    pub(crate) max_context_bytes: Option<u64>,
 }
 
 /// Default per-graph limit (QNN HTP: about 2 GB per graph).
@@ -39,13 +39,13 @@ pub const DEFAULT_MAX_CONTEXT_BYTES: u64 = 4 << 30;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct ModelSection {
+pub(crate) struct ModelSection {
     /// The GGUF: relative to the pipeline file; `~` and `$NPUC_CACHE` expanded.
-    gguf: Option<String>,
+    pub(crate) gguf: Option<String>,
     /// Or an ONNX LLM decoder (`npuc export` / Optimum layout), imported first.
-    onnx: Option<String>,
+    pub(crate) onnx: Option<String>,
     /// With `onnx`: a GGUF whose tokenizer to use when the ONNX file carries none.
-    tokenizer: Option<String>,
+    pub(crate) tokenizer: Option<String>,
 }
 
 /// Where the model comes from.
@@ -62,38 +62,41 @@ pub enum ModelSource {
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct GraphsSection {
+pub(crate) struct GraphsSection {
     /// Tokens per call of each AR variant.
-    ar: Vec<usize>,
+    pub(crate) ar: Vec<usize>,
     /// Context lengths (one graph per AR x context).
-    ctx: Vec<usize>,
+    pub(crate) ctx: Vec<usize>,
     /// Single-head attention graphs (MHA to SHA): per-head projections and KV tensors.
     #[serde(default)]
-    sha: bool,
+    pub(crate) sha: bool,
 }
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct SplitSection {
-    parts: Option<usize>,
-    max_part_bytes: Option<u64>,
+pub(crate) struct SplitSection {
+    pub(crate) parts: Option<usize>,
+    pub(crate) max_part_bytes: Option<u64>,
     /// Precision of every part.
-    precision: Option<String>,
+    pub(crate) precision: Option<String>,
     /// Precision per part (as many as there are parts); overrides `precision`.
-    part_precision: Option<Vec<String>>,
+    pub(crate) part_precision: Option<Vec<String>>,
     /// The token embedding as a part of its own (the embedder) ahead of the decoder parts,
     /// which then take embeddings as input (the VLM layout).
     #[serde(default)]
-    embedder: bool,
+    pub(crate) embedder: bool,
+    /// How the embedder stores its table: `gguf` (the GGUF's own blocks, the default: its rows
+    /// are bit for bit what the decoder's own lookup gives) or `f16`.
+    pub(crate) embedder_dtype: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct TestSection {
+pub(crate) struct TestSection {
     #[serde(default)]
-    prompts: Vec<String>,
+    pub(crate) prompts: Vec<String>,
     /// Greedy tokens generated per prompt by the `check` step.
-    max_tokens: Option<usize>,
+    pub(crate) max_tokens: Option<usize>,
 }
 
 /// A checked pipeline: paths resolved, the split chosen.
@@ -178,7 +181,7 @@ impl Pipeline {
         self.parts.iter().all(|(_, q)| *q == first).then_some(first)
     }
 
-    fn read(file: &Path) -> Result<PipelineFile> {
+    pub(crate) fn read(file: &Path) -> Result<PipelineFile> {
         let text = std::fs::read_to_string(file)
             .with_context(|| format!("reading pipeline file '{}'", file.display()))?;
         toml::from_str(&text).map_err(|e| {
@@ -259,7 +262,18 @@ impl Pipeline {
     }
 
     fn load_from(file: &Path, gguf: PathBuf, imported_from: Option<PathBuf>) -> Result<Pipeline> {
-        let raw = Self::read(file)?;
+        Self::from_raw(file, Self::read(file)?, gguf, imported_from, "model")
+    }
+
+    /// Checks `raw` (read from `file`, or made from a component of a multi-component file, whose
+    /// keys are then prefixed `components.<name>`: `key_prefix`) against the model `gguf`.
+    pub(crate) fn from_raw(
+        file: &Path,
+        raw: PipelineFile,
+        gguf: PathBuf,
+        imported_from: Option<PathBuf>,
+        key_prefix: &str,
+    ) -> Result<Pipeline> {
         let f = file.display();
         let key = if imported_from.is_some() {
             "onnx"
@@ -267,9 +281,9 @@ impl Pipeline {
             "gguf"
         };
         let g = GgufFile::open(&gguf)
-            .with_context(|| format!("{f}: model.{key} = '{}'", gguf.display()))?;
+            .with_context(|| format!("{f}: {key_prefix}.{key} = '{}'", gguf.display()))?;
         let hp: Hparams = split::model_hparams(&g)
-            .with_context(|| format!("{f}: model.{key} = '{}'", gguf.display()))?;
+            .with_context(|| format!("{f}: {key_prefix}.{key} = '{}'", gguf.display()))?;
 
         let mut ar = raw.graphs.ar.clone();
         let mut ctx = raw.graphs.ctx.clone();
@@ -310,8 +324,18 @@ impl Pipeline {
                 .map_err(|e| anyhow!("{f}: split.{e}"))?,
             (None, None) => split::split_by_count(hp.n_layers, 1)?,
         };
+        let embedder_f16 = match s.embedder_dtype.as_deref() {
+            None | Some("gguf") => false,
+            Some("f16") => true,
+            Some(other) => bail!(
+                "{f}: split.embedder_dtype = \"{other}\" is not an embedder table type (expected gguf or f16)"
+            ),
+        };
+        if s.embedder_dtype.is_some() && !s.embedder {
+            bail!("{f}: split.embedder_dtype applies only with split.embedder = true");
+        }
         let specs = if s.embedder {
-            split::with_embedder(specs)
+            split::with_embedder_table(specs, embedder_f16)
         } else {
             specs
         };
@@ -335,7 +359,16 @@ impl Pipeline {
                     .collect::<Result<Vec<_>>>()?
             }
         };
-        let part_bytes: Vec<u64> = specs.iter().map(|p| census.part_bytes(p)).collect();
+        let part_bytes: Vec<u64> = specs
+            .iter()
+            .map(|p| {
+                if p.is_embedder() && p.embedder_f16 {
+                    (hp.vocab * hp.n_embd * 2) as u64
+                } else {
+                    census.part_bytes(p)
+                }
+            })
+            .collect();
         let test_max_tokens = raw.test.max_tokens.unwrap_or(16);
         if !raw.test.prompts.is_empty() && test_max_tokens == 0 {
             bail!("{f}: test.max_tokens = 0; give at least 1 (or no test.prompts)");

@@ -334,6 +334,15 @@ fn bad_pipeline_files_are_refused_naming_the_key() {
     assert!(e.contains("split.part_precision"), "{e}");
     let e = load_err("[graphs]\nar = [1]\nctx = [128]\n[split]\nprecision = \"quick\"\n");
     assert!(e.contains("split.precision = \"quick\""), "{e}");
+    let e = load_err(
+        "[graphs]\nar = [1]\nctx = [128]\n[split]\nembedder = true\nembedder_dtype = \"int3\"\n",
+    );
+    assert!(e.contains("split.embedder_dtype = \"int3\""), "{e}");
+    let e = load_err("[graphs]\nar = [1]\nctx = [128]\n[split]\nembedder_dtype = \"f16\"\n");
+    assert!(
+        e.contains("split.embedder_dtype applies only with split.embedder = true"),
+        "{e}"
+    );
     // A missing model names the key and the resolved path.
     let tmp = tempfile::tempdir().unwrap();
     let f = tmp.path().join("m.toml");

@@ -93,6 +93,9 @@ pub fn cmd(a: &BuildArgs) -> Result<()> {
         verify_cache: a.verify_cache,
     };
     let mut progress = |line: &str| eprintln!("{line}");
+    if npuc_build::components::is_components_file(&a.pipeline)? {
+        return components(&req, a, &mut progress);
+    }
     let report = npuc_driver::build::build_pipeline(&a.pipeline, &req, &mut progress)?;
     print!("{}", report.table());
     if !report.sanity.is_empty() {
@@ -125,6 +128,43 @@ pub fn cmd(a: &BuildArgs) -> Result<()> {
             report.seconds,
             report.ran(),
             report.steps.len() - report.ran()
+        );
+    }
+    Ok(())
+}
+
+/// `npuc build` of a component pipeline (`[components.<name>]`): per LLM bundle its step
+/// table and sanity table, then the component lines (also on stderr as they happen).
+fn components(
+    req: &BuildRequest,
+    a: &BuildArgs,
+    progress: &mut dyn npuc_driver::Progress,
+) -> Result<()> {
+    let r = npuc_driver::components::build_components(&a.pipeline, req, progress)?;
+    for (name, report) in &r.llm {
+        println!(
+            "component {name} (LLM bundle {}):",
+            report.out_dir.display()
+        );
+        print!("{}", report.table());
+        if !report.sanity.is_empty() {
+            println!("sanity checks (each transform step's input vs output on the test vector):");
+            print!("{}", report.sanity_table());
+        }
+    }
+    for l in &r.lines {
+        println!("{l}");
+    }
+    if a.dry_run {
+        println!("dry run: nothing built");
+    } else {
+        let llm_ran: usize = r.llm.iter().map(|(_, b)| b.ran()).sum();
+        println!(
+            "{} in {:.2} s: {} step(s) ran; manifest {}",
+            req.out_dir.display(),
+            r.seconds,
+            r.ran + llm_ran,
+            r.manifest.display()
         );
     }
     Ok(())

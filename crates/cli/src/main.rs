@@ -55,13 +55,22 @@ enum Cmd {
         verify: bool,
     },
     /// Run a model on inputs from .npy or TensorProto .pb files; write outputs as .npy.
+    /// A component bundle's vision component: `npuc run BUNDLE --component NAME --image IMG`.
     Run {
         model: PathBuf,
         /// `NAME=FILE` (repeatable); FILE is .npy or an ONNX TensorProto .pb.
         #[arg(long = "input", short = 'i', value_name = "NAME=FILE")]
         inputs: Vec<String>,
+        /// Where outputs go as `NAME.npy`; with `--component`, a `.npy` path names the file of
+        /// a component's single output.
         #[arg(long = "output-dir", short = 'o')]
         output_dir: Option<PathBuf>,
+        /// A component of a component bundle (built from a pipeline with `[components]`).
+        #[arg(long, value_name = "NAME", requires = "image")]
+        component: Option<String>,
+        /// With `--component`: the image, preprocessed as the bundle's manifest records.
+        #[arg(long, value_name = "IMG", requires = "component")]
+        image: Option<PathBuf>,
         #[arg(long, default_value_t = 1, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
         threads: usize,
         /// Graph of an artifact to run.
@@ -265,11 +274,27 @@ fn main() {
         }
         Cmd::Run {
             model,
+            output_dir,
+            threads,
+            component: Some(component),
+            image: Some(image),
+            ..
+        } => given
+            .reject(
+                &["inputs", "graph", "simulate"],
+                "--component runs the component's artifact on --image (its input comes from the image)",
+            )
+            .and_then(|_| {
+                run_component(&model, &component, &image, output_dir.as_deref(), threads)
+            }),
+        Cmd::Run {
+            model,
             inputs,
             output_dir,
             threads,
             graph,
             simulate,
+            ..
         } => run(
             &model,
             graph.as_deref(),
@@ -749,6 +774,48 @@ fn run(
     eprintln!(
         "session {load_ms:.1} ms, run {run_ms:.1} ms ({threads} thread{})",
         if threads == 1 { "" } else { "s" }
+    );
+    Ok(())
+}
+
+/// `npuc run BUNDLE --component NAME --image IMG [-o OUT]`: prints each output; `-o X.npy`
+/// writes a single output to that file, `-o DIR` each output as `DIR/NAME.npy`.
+fn run_component(
+    bundle: &Path,
+    component: &str,
+    image: &Path,
+    out: Option<&Path>,
+    threads: usize,
+) -> Result<()> {
+    let t0 = Instant::now();
+    let outs = npuc_driver::components::run_image(bundle, component, image, threads)?;
+    let npy_file = out.filter(|o| o.extension().is_some_and(|e| e == "npy"));
+    if let Some(f) = npy_file.filter(|_| outs.len() != 1) {
+        bail!(
+            "-o {}: component '{component}' has {} outputs; give a directory",
+            f.display(),
+            outs.len()
+        );
+    }
+    if let Some(d) = out.filter(|_| npy_file.is_none()) {
+        std::fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
+    }
+    for (name, t) in &outs {
+        println!("{name}: {} {:?} {}", t.dtype(), t.shape(), stats(t));
+        let dest = match (npy_file, out) {
+            (Some(f), _) => Some(f.to_path_buf()),
+            (None, Some(d)) => Some(d.join(format!("{}.npy", sanitize(name)))),
+            (None, None) => None,
+        };
+        if let Some(p) = dest {
+            let bytes = npy::npy_bytes(t).map_err(|e| anyhow!("output '{name}': {e}"))?;
+            npuc_onnx::export::write_atomic(&p, &bytes)?;
+            eprintln!("wrote {}", p.display());
+        }
+    }
+    eprintln!(
+        "component {component}: {:.1} ms (load, preprocess, run)",
+        t0.elapsed().as_secs_f64() * 1e3
     );
     Ok(())
 }

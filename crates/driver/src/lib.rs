@@ -15,6 +15,7 @@
 
 pub mod build;
 pub mod compile;
+pub mod components;
 pub mod llm;
 pub mod quantize;
 pub mod quantized;

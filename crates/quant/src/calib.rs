@@ -400,3 +400,64 @@ pub fn load_image(file: &Path, pre: &ImagePreprocess) -> Result<Tensor> {
     };
     Ok(Tensor::from_vec(shape, out)?)
 }
+
+/// Writes `count` deterministic synthetic RGB images (`synthetic-NNN.png`, `size` = (H, W)) into
+/// `dir`: smooth colour gradients, a filled disc and stripes at places drawn from `seed`, plus
+/// pixel noise, so that a calibration set covers a range of colours, edges and textures without
+/// any download. The same arguments give the same bytes. Returns the files, in order.
+pub fn write_synthetic_images(
+    dir: &Path,
+    count: usize,
+    size: (usize, usize),
+    seed: u64,
+) -> Result<Vec<PathBuf>> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let (h, w) = size;
+    if h == 0 || w == 0 {
+        bail!("synthetic images need a size of at least 1 x 1");
+    }
+    let mut state = seed ^ 0x9e37_79b9_7f4a_7c15;
+    let mut next = move || {
+        // xorshift64*: a fixed sequence for a fixed seed.
+        state ^= state >> 12;
+        state ^= state << 25;
+        state ^= state >> 27;
+        (state.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 11) as f64 / (1u64 << 53) as f64
+    };
+    let mut files = vec![];
+    for i in 0..count {
+        let c0: [f64; 3] = [next() * 255.0, next() * 255.0, next() * 255.0];
+        let c1: [f64; 3] = [next() * 255.0, next() * 255.0, next() * 255.0];
+        let disc: [f64; 3] = [next() * 255.0, next() * 255.0, next() * 255.0];
+        let (cx, cy, r) = (
+            next() * w as f64,
+            next() * h as f64,
+            (0.1 + 0.3 * next()) * w.min(h) as f64,
+        );
+        let (angle, period) = (next() * std::f64::consts::PI, 4.0 + 28.0 * next());
+        let noise = 4.0 + 24.0 * next();
+        let mut img = image::RgbImage::new(w as u32, h as u32);
+        for y in 0..h {
+            for x in 0..w {
+                let t = (x + y) as f64 / (w + h) as f64;
+                let stripe = ((x as f64 * angle.cos() + y as f64 * angle.sin()) / period).sin();
+                let inside = (x as f64 - cx).powi(2) + (y as f64 - cy).powi(2) < r * r;
+                let mut px = [0u8; 3];
+                for c in 0..3 {
+                    let base = if inside {
+                        disc[c]
+                    } else {
+                        c0[c] * (1.0 - t) + c1[c] * t + 24.0 * stripe
+                    };
+                    px[c] = (base + (next() - 0.5) * noise).clamp(0.0, 255.0) as u8;
+                }
+                img.put_pixel(x as u32, y as u32, image::Rgb(px));
+            }
+        }
+        let path = dir.join(format!("synthetic-{i:03}.png"));
+        img.save_with_format(&path, image::ImageFormat::Png)
+            .with_context(|| format!("writing {}", path.display()))?;
+        files.push(path);
+    }
+    Ok(files)
+}

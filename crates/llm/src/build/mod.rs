@@ -956,7 +956,8 @@ impl Builder<'_> {
         })
     }
 
-    fn embed(&mut self) -> Result<String> {
+    /// The token embedding table, its shape checked against the vocabulary and width.
+    fn embedding_table(&self) -> Result<TensorInfo> {
         let (v, e) = (self.hp.vocab, self.hp.n_embd);
         let t = self.info("token_embd.weight")?.clone();
         if t.shape().get(1) != Some(&e) || (t.rows() as usize) < v {
@@ -968,6 +969,12 @@ impl Builder<'_> {
                 )
                 .into());
         }
+        Ok(t)
+    }
+
+    fn embed(&mut self) -> Result<String> {
+        let e = self.hp.n_embd;
+        let t = self.embedding_table()?;
         // A tied embedding is also the output head: stored once, in the head's layout (an
         // untied one stays in the mapping, where a lookup touches only its rows' pages).
         let x8 = self.hp.tied && self.x8_eligible(&t);
@@ -1008,6 +1015,70 @@ impl Builder<'_> {
         })
     }
 
+    /// The f16 copy of the embedding table `t` (`[v, e]`), shared through the repack cache
+    /// like the x8 weights (one conversion for all of a part's graphs); layout only: its shape
+    /// over never-written pages.
+    fn f16_table(&self, t: &TensorInfo, key: &str, v: usize, e: usize) -> Result<Tensor> {
+        let cache = &self.opts.repacked.tensors;
+        if let Some(hit) = cache.lock().ok().and_then(|c| c.get(key).cloned()) {
+            return Ok(hit);
+        }
+        let len = v * e * 2;
+        let what = |err: String| {
+            self.g
+                .tensor_err(&t.name, format!("{len} bytes of f16 table: {err}"))
+        };
+        let mut out = crate::anon::zeroed(len, false).map_err(|err| what(err.to_string()))?;
+        if !self.opts.repacked.layout_only {
+            let (off, bytes) = self.g.tensor_range(t);
+            let backing = self.g.backing();
+            let src = &backing.bytes()[off..off + bytes];
+            let row_bytes = bytes / t.rows() as usize;
+            let mut row = vec![0f32; e];
+            for (r, dst) in out[..].chunks_exact_mut(2 * e).enumerate() {
+                npuc_ggml::dequantize_row(
+                    t.ggml_type,
+                    &src[r * row_bytes..(r + 1) * row_bytes],
+                    &mut row,
+                )
+                .map_err(|err| self.g.tensor_err(&t.name, err.to_string()))?;
+                for (x, d) in row.iter().zip(dst.chunks_exact_mut(2)) {
+                    d.copy_from_slice(&half::f16::from_f32(*x).to_le_bytes());
+                }
+            }
+        }
+        let owner = crate::anon::seal(out).map_err(|err| what(err.to_string()))?;
+        let tensor = Tensor::from_le_bytes(DType::F16, vec![v, e], owner, 0, len)?;
+        if !self.opts.repacked.layout_only {
+            if let Ok(mut c) = cache.lock() {
+                c.insert(key.to_string(), tensor.clone());
+            }
+        }
+        Ok(tensor)
+    }
+
+    /// The token lookup of an f16 embedder ([`split::PartSpec::embedder_f16`]): the table's
+    /// rows dequantized from the GGUF's blocks (bit-exact, as `npuc.GgmlGather` does) and
+    /// rounded to f16 once, at build time; `Gather` then `Cast` to f32 at run time.
+    fn embed_f16(&mut self) -> Result<String> {
+        let (v, e) = (self.hp.vocab, self.hp.n_embd);
+        let t = self.embedding_table()?;
+        let name = "token_embd.weight.f16";
+        if !self.has_init(name) {
+            let tensor = self.f16_table(&t, name, v, e)?;
+            self.inits.push(Initializer {
+                name: name.into(),
+                tensor,
+            });
+        }
+        let rows = self.op("Gather", &[name, "input_ids"], vec![("axis", Attr::Int(0))]);
+        Ok(self.op(
+            "Cast",
+            &[&rows],
+            vec![("to", Attr::Int(DType::F32.onnx_code() as i64))],
+        ))
+    }
+
     /// The decoder layers of `part`: from the token embedding (first part) or the hidden-state
     /// input, to the logits (last part) or the hidden-state output.
     fn decoder(&mut self, part: &split::PartSpec) -> Result<()> {
@@ -1015,7 +1086,11 @@ impl Builder<'_> {
         let (n, e) = (self.opts.tokens, hp.n_embd);
         let (h, kvh, d) = (hp.n_head, hp.n_kv_head, hp.head_dim);
         let mut x = if part.has_embedding() {
-            let mut x = self.embed()?;
+            let mut x = if part.is_embedder() && part.embedder_f16 {
+                self.embed_f16()?
+            } else {
+                self.embed()?
+            };
             if let Some(s) = hp.embed_scale {
                 let c = self.const_f32("embed_scale", s);
                 x = self.op("Mul", &[&x, &c], vec![]);

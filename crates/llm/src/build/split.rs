@@ -27,6 +27,10 @@ pub struct PartSpec {
     pub index: usize,
     pub count: usize,
     pub layers: Range<usize>,
+    /// An embedder part ([`PartSpec::is_embedder`]) whose table is stored in f16 (each row
+    /// dequantized once from the GGUF's blocks and rounded to f16; looked up by `Gather` and
+    /// widened to f32) instead of as the GGUF's own blocks. Ignored by other parts.
+    pub embedder_f16: bool,
 }
 
 impl PartSpec {
@@ -36,6 +40,7 @@ impl PartSpec {
             index: 0,
             count: 1,
             layers: 0..n_layers,
+            embedder_f16: false,
         }
     }
     /// The first part looks tokens up in the embedding table.
@@ -140,6 +145,7 @@ pub fn split_by_count(n_layers: usize, count: usize) -> Result<Vec<PartSpec>> {
                 index: i,
                 count,
                 layers: start..start + len,
+                embedder_f16: false,
             };
             start += len;
             p
@@ -209,22 +215,30 @@ pub fn split_by_budget(census: &WeightCensus, budget: u64) -> Result<Vec<PartSpe
             index,
             count,
             layers,
+            embedder_f16: false,
         })
         .collect())
 }
 
 /// `decoder` parts (covering every layer) behind an embedder part ([`PartSpec::is_embedder`]).
 pub fn with_embedder(decoder: Vec<PartSpec>) -> Vec<PartSpec> {
+    with_embedder_table(decoder, false)
+}
+
+/// [`with_embedder`], the embedder's table in f16 when `f16` (see [`PartSpec::embedder_f16`]).
+pub fn with_embedder_table(decoder: Vec<PartSpec>, f16: bool) -> Vec<PartSpec> {
     let count = decoder.len() + 1;
     std::iter::once(PartSpec {
         index: 0,
         count,
         layers: 0..0,
+        embedder_f16: f16,
     })
     .chain(decoder.into_iter().map(|p| PartSpec {
         index: p.index + 1,
         count,
         layers: p.layers,
+        embedder_f16: false,
     }))
     .collect()
 }
