@@ -276,6 +276,17 @@ def load():
     print(json.dumps(summary))
 
 
+def wait_cancelled(before, n, what):
+    """Waits (30 s at most) until `n` more generations were cancelled and no session is active."""
+    deadline = time.time() + 30
+    while True:
+        m = metrics()
+        if m["npuc_cancelled_total"] - before["npuc_cancelled_total"] == n and m["npuc_active_sessions"] == 0:
+            return m
+        check(time.time() < deadline, f"{what}: not cancelled within 30 s: {m}")
+        time.sleep(0.05)
+
+
 def busy():
     """Server with --parallel 1 --queue 1."""
     before = metrics()
@@ -313,18 +324,24 @@ def busy():
     conn_b.close()
     conn_a.close()
     t_close = time.time()
-    deadline = t_close + 30
-    while True:
-        m = metrics()
-        if m["npuc_cancelled_total"] - before["npuc_cancelled_total"] == 2 and m["npuc_active_sessions"] == 0:
-            break
-        check(time.time() < deadline, f"disconnected requests not cancelled within 30 s: {m}")
-        time.sleep(0.05)
+    m = wait_cancelled(before, 2, "two disconnected streaming requests")
     cancel_s = time.time() - t_close
     generated = m["npuc_generated_tokens_total"] - before["npuc_generated_tokens_total"]
     check(generated < 400, f"{generated} tokens generated for two requests cancelled early (of 2 x 400 asked)")
     r = client.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=8, temperature=0)
     check(r.choices[0].finish_reason in ("stop", "length"), "the freed session answers")
+    # A non-streaming request whose client goes away is cancelled too.
+    before = metrics()
+    conn = http.client.HTTPConnection(URL.hostname, URL.port, timeout=600)
+    conn.request("POST", "/v1/completions", body=json.dumps({**long, "stream": False}), headers={"Content-Type": "application/json"})
+    deadline = time.time() + 30
+    while metrics()["npuc_active_sessions"] != 1:
+        check(time.time() < deadline, "the non-streaming request never started")
+        time.sleep(0.05)
+    time.sleep(0.5)
+    conn.close()
+    m = wait_cancelled(before, 1, "a disconnected non-streaming request")
+    check(m["npuc_generated_tokens_total"] - before["npuc_generated_tokens_total"] < 400, "the non-streaming request ran on")
     print(json.dumps({"busy": "ok", "tokens_of_cancelled": generated, "cancelled_within_s": round(cancel_s, 3)}))
 
 

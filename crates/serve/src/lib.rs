@@ -159,7 +159,7 @@ async fn generate(app: Arc<App>, endpoint: Endpoint, body: Bytes) -> Response {
         Ok(req) => submit(&app, req).await,
         Err(e) => Err(e),
     };
-    let r = r.unwrap_or_else(|e| axum::response::IntoResponse::into_response(e));
+    let r = r.unwrap_or_else(axum::response::IntoResponse::into_response);
     app.metrics.request(endpoint.path(), r.status().as_u16());
     r
 }
