@@ -78,7 +78,7 @@ pub fn serve_cmd(a: &ServeArgs) -> Result<()> {
     };
     npuc_serve::serve(&opts, sessions, Arc::new(Tok(tok)), |addr| {
         eprintln!(
-            "npuc serve: listening on http://{addr} (model '{model_id}', {} sessions, ctx {ctx}, queue {})",
+            "npuc serve: listening on http://{addr} (model '{model_id}', ctx {ctx}, --parallel {}, --queue {})",
             a.parallel, a.queue
         );
     })
