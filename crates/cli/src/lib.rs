@@ -13,6 +13,7 @@ pub mod llm_cmd;
 pub use npuc_npy as npy;
 pub mod ocr;
 pub mod progress;
+pub mod serve_cmd;
 pub mod verify;
 
 /// Registers the op packs the `npuc` binary serves on top of the core runtime: the LLM/GGML

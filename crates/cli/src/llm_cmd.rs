@@ -1,8 +1,9 @@
 //! LLM subcommands: `npuc generate`, `npuc chat`, `npuc perplexity` and `npuc bench` for GGUF / LLM
 //! artifacts. Argument structs are clap `Args` so `main.rs` only adds one variant per command.
 //!
-//! The engine (`npuc_llm::Engine`) and tokenizer (`npuc_tokenizer::Tokenizer`) are adapted to
-//! npuc-generate's `CausalLm` / `TokenText` traits by the thin wrappers [`Lm`] and [`Tok`].
+//! The loaded model ([`Model`]: an `npuc_llm::Engine` or `Bundle`) implements npuc-generate's
+//! `CausalLm`; the tokenizer (`npuc_tokenizer::Tokenizer`) is adapted to `TokenText` /
+//! `ChatTemplate` by the thin wrapper [`Tok`].
 
 use crate::flags::Given;
 use anyhow::{bail, Context, Result};
@@ -43,39 +44,36 @@ impl Model {
     }
 }
 
-/// `CausalLm` view of a loaded model.
-pub struct Lm<'a>(pub &'a mut Model);
-
-impl CausalLm for Lm<'_> {
+impl CausalLm for Model {
     fn forward(&mut self, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>> {
-        Ok(match &mut *self.0 {
+        Ok(match self {
             Model::Engine(e) => e.forward(tokens, all_logits)?,
             Model::Bundle(b) => b.forward(tokens, all_logits)?,
         })
     }
     fn position(&self) -> usize {
-        match &*self.0 {
+        match self {
             Model::Engine(e) => e.position(),
             Model::Bundle(b) => b.position(),
         }
     }
     fn ctx(&self) -> usize {
-        match &*self.0 {
+        match self {
             Model::Engine(e) => e.ctx(),
             Model::Bundle(b) => b.ctx(),
         }
     }
     fn vocab(&self) -> usize {
-        self.0.vocab()
+        Model::vocab(self)
     }
     fn reset(&mut self) {
-        match &mut *self.0 {
+        match self {
             Model::Engine(e) => e.reset(),
             Model::Bundle(b) => b.reset(),
         }
     }
     fn truncate(&mut self, pos: usize) {
-        match &mut *self.0 {
+        match self {
             Model::Engine(e) => e.truncate(pos),
             Model::Bundle(b) => b.truncate(pos),
         }
@@ -507,7 +505,7 @@ pub fn generate_cmd(a: &GenerateArgs) -> Result<()> {
             bail!("--logits-out writes the prompt's last logits and needs --max-tokens 0");
         }
         let t0 = Instant::now();
-        let logits = Lm(&mut engine).forward(&prompt, false)?;
+        let logits = engine.forward(&prompt, false)?;
         let secs = t0.elapsed().as_secs_f64();
         let t = npuc_ir::Tensor::from_vec(vec![logits.len()], logits)?;
         let bytes = crate::npy::npy_bytes(&t).map_err(anyhow::Error::msg)?;
@@ -522,7 +520,7 @@ pub fn generate_cmd(a: &GenerateArgs) -> Result<()> {
         return Ok(());
     }
     let params = a.sampling.params();
-    let mut lm = Lm(&mut engine);
+    let lm = &mut engine;
     let stdout = std::io::stdout();
     let json = a.json;
     let mut on_text = |s: &str| {
@@ -538,7 +536,7 @@ pub fn generate_cmd(a: &GenerateArgs) -> Result<()> {
         let mut tokens = vec![0u32; prefix_rows];
         tokens.extend_from_slice(&prompt);
         generate_continue(
-            &mut lm,
+            &mut *lm,
             &Tok(&tok),
             &tokens,
             &params,
@@ -548,7 +546,7 @@ pub fn generate_cmd(a: &GenerateArgs) -> Result<()> {
         )?
     } else {
         generate(
-            &mut lm,
+            &mut *lm,
             &Tok(&tok),
             &prompt,
             &params,
@@ -617,7 +615,7 @@ pub fn chat_cmd(a: &ChatArgs) -> Result<()> {
     }
     let params = a.sampling.params();
     let mut session = ChatSession::new(a.system.as_deref());
-    let mut lm = Lm(&mut engine);
+    let lm = &mut engine;
     let t = Tok(&tok);
     let stdin = std::io::stdin();
     let stdout = std::io::stdout();
@@ -633,7 +631,7 @@ pub fn chat_cmd(a: &ChatArgs) -> Result<()> {
             "" => continue,
             "/exit" | "/quit" => break,
             "/reset" => {
-                session.reset(&mut lm);
+                session.reset(&mut *lm);
                 eprintln!("(conversation cleared)");
                 continue;
             }
@@ -645,7 +643,7 @@ pub fn chat_cmd(a: &ChatArgs) -> Result<()> {
             let _ = o.flush();
         };
         match session.turn(
-            &mut lm,
+            &mut *lm,
             &t,
             &t,
             line,
@@ -691,8 +689,8 @@ pub fn perplexity_cmd(a: &PerplexityArgs) -> Result<()> {
     );
     let bos = if tok.add_bos() { tok.bos() } else { None };
     let t0 = Instant::now();
-    let mut lm = Lm(&mut engine);
-    let r = perplexity(&mut lm, &tokens, n_ctx, bos, a.chunks, &mut |k, p| {
+    let lm = &mut engine;
+    let r = perplexity(&mut *lm, &tokens, n_ctx, bos, a.chunks, &mut |k, p| {
         eprint!("[{k}]{p:.4},");
         let _ = std::io::stderr().flush();
     })?;
@@ -810,7 +808,7 @@ pub fn bench_cmd(a: &LlmBenchArgs) -> Result<()> {
     }
     let gen_tokens: Vec<u32> = (0..a.gen).map(|_| next()).collect();
     let weight_bytes = engine.decode_weight_bytes();
-    let mut lm = Lm(&mut engine);
+    let lm = &mut engine;
     if a.prompt_len + a.gen > lm.ctx() {
         bail!(
             "--prompt-len {} + --gen {} exceed the context of {}; raise --ctx",

@@ -151,6 +151,9 @@ enum Cmd {
     Chat(npuc_cli::llm_cmd::ChatArgs),
     /// Perplexity of a text file, llama.cpp's `llama-perplexity` method.
     Perplexity(npuc_cli::llm_cmd::PerplexityArgs),
+    /// Serve an LLM over HTTP with an OpenAI-compatible API (`/v1/chat/completions`,
+    /// `/v1/completions`, `/v1/models`, `/health`, `/metrics`).
+    Serve(npuc_cli::serve_cmd::ServeArgs),
     /// List supported ops with their opset ranges.
     Ops {
         #[arg(long)]
@@ -393,6 +396,8 @@ fn main() {
             .and_then(|_| npuc_cli::llm_cmd::generate_cmd(&a)),
         Cmd::Chat(a) => npuc_cli::llm_cmd::check_model_flags(&a.model, &given)
             .and_then(|_| npuc_cli::llm_cmd::chat_cmd(&a)),
+        Cmd::Serve(a) => npuc_cli::llm_cmd::check_model_flags(&a.model, &given)
+            .and_then(|_| npuc_cli::serve_cmd::serve_cmd(&a)),
         Cmd::Perplexity(a) => npuc_cli::llm_cmd::check_model_flags(&a.model, &given)
             .and_then(|_| {
                 given.reject(

@@ -24,6 +24,8 @@ pub enum StopReason {
     StopString(String),
     /// `max_tokens` tokens were generated (or the context is full).
     MaxTokens,
+    /// The [`TokenObserver`] asked to stop (e.g. the client of a server went away).
+    Cancelled,
 }
 
 impl StopReason {
@@ -33,6 +35,7 @@ impl StopReason {
             StopReason::Eog => "eog",
             StopReason::StopString(_) => "stop_string",
             StopReason::MaxTokens => "max_tokens",
+            StopReason::Cancelled => "cancelled",
         }
     }
 }
@@ -55,6 +58,22 @@ pub struct GenOutput {
     pub stopped: StopReason,
     /// Non-fatal notes for the user (e.g. `max_tokens` capped to the context).
     pub warnings: Vec<String>,
+}
+
+/// A per-token hook of [`generate_observed`]: sees each sampled token (and, when it asks, the
+/// logits it was drawn from) and can stop generation.
+pub trait TokenObserver {
+    /// Whether [`TokenObserver::on_token`] needs the logits row; when it does, the row is copied
+    /// before the sampler transforms it in place.
+    fn wants_logits(&self) -> bool {
+        false
+    }
+    /// Called right after each token is sampled, before its text is streamed. `logits` is the
+    /// model's raw row the token was drawn from (before penalties, temperature and truncation),
+    /// empty unless [`TokenObserver::wants_logits`]. Returning `false` ends generation with
+    /// [`StopReason::Cancelled`] (the token is kept in [`GenOutput::tokens`], its text is not
+    /// streamed).
+    fn on_token(&mut self, token: u32, logits: &[f32]) -> bool;
 }
 
 /// Generates from an empty cache: resets `lm`, feeds `prompt` in one forward call, then samples up to
@@ -85,6 +104,30 @@ pub fn generate_continue<L: CausalLm + ?Sized, T: TokenText + ?Sized>(
     max_tokens: usize,
     stop_strings: &[String],
     on_text: &mut dyn FnMut(&str),
+) -> Result<GenOutput> {
+    generate_observed(
+        lm,
+        text,
+        tokens,
+        params,
+        max_tokens,
+        stop_strings,
+        on_text,
+        None,
+    )
+}
+
+/// [`generate_continue`] with a per-token [`TokenObserver`] (log-probabilities, cancellation).
+#[allow(clippy::too_many_arguments)]
+pub fn generate_observed<L: CausalLm + ?Sized, T: TokenText + ?Sized>(
+    lm: &mut L,
+    text: &T,
+    tokens: &[u32],
+    params: &SamplerParams,
+    max_tokens: usize,
+    stop_strings: &[String],
+    on_text: &mut dyn FnMut(&str),
+    mut observer: Option<&mut dyn TokenObserver>,
 ) -> Result<GenOutput> {
     let cached = lm.position();
     let ctx = lm.ctx();
@@ -134,10 +177,21 @@ pub fn generate_continue<L: CausalLm + ?Sized, T: TokenText + ?Sized>(
     let mut decode_steps = 0usize;
     let mut decode_s = 0.0f64;
     let mut step_start = Instant::now();
+    let mut raw_logits = Vec::new();
     while out_tokens.len() < max_tokens {
+        let wants_logits = observer.as_ref().is_some_and(|o| o.wants_logits());
+        if wants_logits {
+            raw_logits.clone_from(&logits);
+        }
         let tok = sampler.sample(&mut logits, &history)?;
         out_tokens.push(tok);
         history.push(tok);
+        if let Some(o) = observer.as_mut() {
+            if !o.on_token(tok, if wants_logits { &raw_logits } else { &[] }) {
+                stopped = StopReason::Cancelled;
+                break;
+            }
+        }
         if text.is_eog(tok) {
             stopped = StopReason::Eog;
             break;

@@ -17,7 +17,9 @@ pub mod sample;
 pub mod stream;
 
 pub use chat::{ChatMessage, ChatSession, ChatTemplate};
-pub use generate::{generate, generate_continue, GenOutput, StopReason};
+pub use generate::{
+    generate, generate_continue, generate_observed, GenOutput, StopReason, TokenObserver,
+};
 pub use perplexity::{perplexity, PerplexityResult};
 pub use sample::{Sampler, SamplerParams};
 pub use stream::TextStream;

@@ -324,3 +324,83 @@ fn perplexity_follows_llama_cpp_chunking() {
     let z: f64 = row.iter().map(|&x| (x as f64 - m).exp()).sum();
     assert!((nll(&row, 7) - (-(row[7] as f64 - m - z.ln()))).abs() < 1e-5);
 }
+
+/// Records what `generate_observed` shows its observer and stops after `stop_after` tokens.
+struct Recorder {
+    tokens: Vec<u32>,
+    rows: Vec<Vec<f32>>,
+    stop_after: usize,
+}
+
+impl npuc_generate::TokenObserver for Recorder {
+    fn wants_logits(&self) -> bool {
+        true
+    }
+    fn on_token(&mut self, token: u32, logits: &[f32]) -> bool {
+        self.tokens.push(token);
+        self.rows.push(logits.to_vec());
+        self.tokens.len() < self.stop_after
+    }
+}
+
+#[test]
+fn observer_sees_raw_logits_and_can_cancel() {
+    let r = refs();
+    let seq = ids(&r["seq"]);
+    let v = ByteVocab::tiny_qwen2();
+    let mut lm = TinyQwen2::load(256);
+    let mut rec = Recorder {
+        tokens: vec![],
+        rows: vec![],
+        stop_after: 5,
+    };
+    let mut streamed = String::new();
+    // A repetition penalty changes what the sampler sees, not the rows the observer gets.
+    let params = SamplerParams {
+        repeat_penalty: 1.3,
+        ..greedy()
+    };
+    let out = npuc_generate::generate_observed(
+        &mut lm,
+        &v,
+        &seq,
+        &params,
+        16,
+        &[],
+        &mut |s| streamed.push_str(s),
+        Some(&mut rec),
+    )
+    .unwrap();
+    assert_eq!(out.stopped, StopReason::Cancelled);
+    assert_eq!(out.tokens, rec.tokens);
+    assert_eq!(out.tokens.len(), 5);
+    // The first row is the prompt's last-position logits, unpenalized: the same as a plain forward.
+    lm.reset();
+    let first = lm.forward(&seq, false).unwrap();
+    assert_eq!(rec.rows[0], first);
+    // Each later row is the model's logits after feeding the previous tokens.
+    lm.reset();
+    let mut fed = seq.clone();
+    fed.extend_from_slice(&out.tokens[..4]);
+    let all = lm.forward(&fed, true).unwrap();
+    let vocab = lm.vocab();
+    for (k, row) in rec.rows.iter().enumerate() {
+        let at = (seq.len() - 1 + k) * vocab;
+        let max = row
+            .iter()
+            .zip(&all[at..at + vocab])
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        // Cached decode vs one full pass: f32 summation order only (see the 1e-4 above).
+        assert!(max < 1e-4, "row {k}: max |diff| {max}");
+    }
+    // The cancelled token's text was not streamed.
+    let bytes: Vec<u8> = out.tokens[..4]
+        .iter()
+        .flat_map(|&t| v.pieces[t as usize].clone())
+        .collect();
+    assert!(
+        String::from_utf8_lossy(&bytes).starts_with(&streamed),
+        "{streamed:?}"
+    );
+}

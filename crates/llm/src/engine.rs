@@ -16,6 +16,7 @@ use npuc_gguf::GgufMetaJson;
 use npuc_ir::{DType, Model};
 use npuc_runtime::{Session, SessionOptions};
 use std::path::Path;
+use std::sync::Arc;
 
 /// Metadata key (per graph) holding the model facts the engine needs.
 pub const META_KEY: &str = "npuc.llm";
@@ -65,7 +66,9 @@ struct Shape {
 
 /// A decoder LLM ready to run token by token or in chunks.
 pub struct Engine {
-    sessions: Vec<(Variant, usize, Session)>,
+    /// Shared by the engines [`Engine::fork`] makes: a session runs concurrently from several
+    /// threads, and its weights (the mapping, repacked x8 copies) exist once.
+    sessions: Arc<Vec<(Variant, usize, Session)>>,
     /// The caches every variant reads (`past_key.{l}`... or, single-head graphs, per head).
     caches: KvCaches,
     shape: Shape,
@@ -204,7 +207,7 @@ impl Engine {
         )?;
         let caches = KvCaches::new(slots, shape.kv, shape.head_dim, shape.ctx);
         Ok(Engine {
-            sessions,
+            sessions: Arc::new(sessions),
             caches,
             shape,
             position: 0,
@@ -255,6 +258,25 @@ impl Engine {
     pub fn take_metadata(&mut self) -> GgufMetaJson {
         std::mem::take(&mut self.meta)
     }
+    /// Another engine over the same variant graphs and weights (nothing is copied or rebuilt)
+    /// with its own empty KV cache at position 0, e.g. one per concurrent request of a server.
+    /// The tokenizer metadata is not carried over.
+    pub fn fork(&self) -> Engine {
+        Engine {
+            sessions: self.sessions.clone(),
+            caches: KvCaches::new(
+                self.caches.slots.clone(),
+                self.caches.kv,
+                self.shape.head_dim,
+                self.shape.ctx,
+            ),
+            shape: self.shape.clone(),
+            position: 0,
+            meta: GgufMetaJson::default(),
+            decode_weight_bytes: self.decode_weight_bytes,
+        }
+    }
+
     /// Position 0 (the cache contents become invisible).
     pub fn reset(&mut self) {
         self.position = 0;
