@@ -380,9 +380,15 @@ fn inspect_verify_fails_on_a_damaged_weight() {
     // Opening checks the weights too (issue 19: a flipped bit is an error naming the tensor),
     // unless `--trust` says not to look.
     let o = npuc(&["inspect", s(&path), "--json"]);
-    assert!(!o.status.success(), "a damaged artifact opened without --verify");
+    assert!(
+        !o.status.success(),
+        "a damaged artifact opened without --verify"
+    );
     let err = String::from_utf8_lossy(&o.stderr);
-    assert!(err.contains("fail their checksum") && err.contains("--trust"), "{err}");
+    assert!(
+        err.contains("fail their checksum") && err.contains("--trust"),
+        "{err}"
+    );
     ok(&["inspect", s(&path), "--json", "--trust"]);
 }
 
