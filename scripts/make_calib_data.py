@@ -9,15 +9,27 @@
     strings, sizes, colours, slight noise), preprocessed as npuc's ocr.rs does: height 48, width
     scaled by aspect ratio (max 320, zero-padded), BGR, (x/255-0.5)/0.5.
 
-Usage: scripts/make_calib_data.py OUT_DIR   -> OUT_DIR/{vit,ocr}/{calib,heldout}/<input>_NNN.npy
-Needs numpy and pillow (test tooling only); downloads the scikit-image wheel with pip if the
-photos are not cached in OUT_DIR/photos.
+(c) all-MiniLM-L6-v2 (minilm: inputs input_ids / attention_mask / token_type_ids, int64 [1,128]): the
+    96 English sentences of tests/fixtures/text/sentences_en.txt, one sample each (lines 1-64 calibration,
+    65-96 held-out), tokenized with the model's own tokenizer.json (the `tokenizers` library: lower-cased
+    WordPiece, [CLS] ... [SEP]), padded with [PAD] = 0 to 128 tokens (attention_mask 0 there), token types 0.
+    Multi-input layout: one sub-folder per input, OUT_DIR/minilm/{calib,heldout}/<input>/NNN.npy.
+
+Usage: scripts/make_calib_data.py OUT_DIR [MODELS]   MODELS: comma list of vit,ocr,minilm (default: all)
+  -> OUT_DIR/{vit,ocr}/{calib,heldout}/<input>_NNN.npy, OUT_DIR/minilm/{calib,heldout}/<input>/NNN.npy
+Needs numpy and pillow, for minilm also tokenizers (test tooling only) and the model
+(scripts/fetch-data.sh minilm-l6); downloads the scikit-image wheel with pip if the photos are not
+cached in OUT_DIR/photos.
 """
 import glob, io, os, random, subprocess, sys, tempfile, zipfile
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont, ImageFilter
 
-out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.expanduser(os.environ.get("NPUC_CACHE", "~/.cache/npuc")), "quant-data")
+cache = os.path.expanduser(os.environ.get("NPUC_CACHE", "~/.cache/npuc"))
+out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(cache, "quant-data")
+which = (sys.argv[2] if len(sys.argv) > 2 else "vit,ocr,minilm").split(",")
+if set(which) - {"vit", "ocr", "minilm"}:
+    sys.exit(f"unknown model(s) {sorted(set(which) - {'vit', 'ocr', 'minilm'})}: give vit, ocr, minilm")
 rng = random.Random(1234)
 nrng = np.random.default_rng(1234)
 
@@ -86,12 +98,45 @@ def save(d, name, arrs):
     for i, a in enumerate(arrs):
         np.save(os.path.join(d, f"{name}_{i:03d}.npy"), a)
 
-ph = photos()
-imgs = [Image.open(p) for p in ph]
-# Disjoint photos: the last 5 photos only feed held-out samples.
-cal_imgs, held_imgs = imgs[:-5], imgs[-5:]
-save(os.path.join(out, "vit", "calib"), "input_image", [vit_sample(rng.choice(cal_imgs)) for _ in range(64)])
-save(os.path.join(out, "vit", "heldout"), "input_image", [vit_sample(rng.choice(held_imgs + cal_imgs[:3])) for _ in range(32)])
-save(os.path.join(out, "ocr", "calib"), "x", [ocr_sample() for _ in range(64)])
-save(os.path.join(out, "ocr", "heldout"), "x", [ocr_sample() for _ in range(32)])
-print(f"wrote 64 calibration + 32 held-out samples for vit and ocr under {out}")
+def minilm_samples(seq=128):
+    """(calib, heldout): lists of {input: int64 [1, seq]} from the sentence fixture."""
+    from tokenizers import Tokenizer
+    mdir = os.path.join(cache, "models", "minilm-l6")
+    if not os.path.isfile(os.path.join(mdir, "tokenizer.json")):
+        sys.exit(f"{mdir}/tokenizer.json is missing: run scripts/fetch-data.sh minilm-l6")
+    tok = Tokenizer.from_file(os.path.join(mdir, "tokenizer.json"))
+    tok.enable_truncation(seq)
+    tok.enable_padding(length=seq, pad_id=tok.token_to_id("[PAD]"), pad_token="[PAD]")
+    here = os.path.dirname(os.path.abspath(__file__))
+    with open(os.path.join(here, "..", "tests", "fixtures", "text", "sentences_en.txt"), encoding="utf-8") as f:
+        lines = [l.strip() for l in f if l.strip()]
+    assert len(lines) >= 96, f"sentences_en.txt has {len(lines)} sentences, 96 needed"
+    samples = []
+    for e in tok.encode_batch(lines[:96]):
+        assert len(e.ids) == seq
+        samples.append({"input_ids": np.array([e.ids], np.int64),
+                        "attention_mask": np.array([e.attention_mask], np.int64),
+                        "token_type_ids": np.array([e.type_ids], np.int64)})
+    return samples[:64], samples[64:96]
+
+def save_multi(d, samples):
+    for i, feeds in enumerate(samples):
+        for name, a in feeds.items():
+            os.makedirs(os.path.join(d, name), exist_ok=True)
+            np.save(os.path.join(d, name, f"{i:03d}.npy"), a)
+
+if "vit" in which:
+    ph = photos()
+    imgs = [Image.open(p) for p in ph]
+    # Disjoint photos: the last 5 photos only feed held-out samples.
+    cal_imgs, held_imgs = imgs[:-5], imgs[-5:]
+    save(os.path.join(out, "vit", "calib"), "input_image", [vit_sample(rng.choice(cal_imgs)) for _ in range(64)])
+    save(os.path.join(out, "vit", "heldout"), "input_image", [vit_sample(rng.choice(held_imgs + cal_imgs[:3])) for _ in range(32)])
+if "ocr" in which:
+    save(os.path.join(out, "ocr", "calib"), "x", [ocr_sample() for _ in range(64)])
+    save(os.path.join(out, "ocr", "heldout"), "x", [ocr_sample() for _ in range(32)])
+if "minilm" in which:
+    cal, held = minilm_samples()
+    save_multi(os.path.join(out, "minilm", "calib"), cal)
+    save_multi(os.path.join(out, "minilm", "heldout"), held)
+print(f"wrote 64 calibration + 32 held-out samples for {', '.join(which)} under {out}")

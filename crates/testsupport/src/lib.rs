@@ -78,7 +78,7 @@ pub fn onnx_suite() -> PathBuf {
     cached("suite/onnx-1.22.0/data", "scripts/fetch-data.sh suite")
 }
 
-/// The interpreter of the pinned test venv (numpy, onnx, onnxruntime, pillow, openai:
+/// The interpreter of the pinned test venv (numpy, onnx, onnxruntime, pillow, openai, tokenizers:
 /// scripts/requirements-test.txt); fails when it is absent.
 pub fn python_path() -> PathBuf {
     let p = std::env::var_os("NPUC_PYTHON")
