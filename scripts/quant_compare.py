@@ -8,7 +8,8 @@ minmax), each evaluated on 32 held-out samples against the float model run in on
 in dB over all held-out outputs (the model's first output; for all-MiniLM-L6-v2 `last_hidden_state` over
 every position, padding included, as `npuc verify` measures it, plus the same over the real tokens only
 (attention_mask 1) and `sentence_embedding`'s SQNR), plus the wall time of the quantization step
-(quantize_static vs npuc compile, quantize+compile, as whole processes).
+(quantize_static vs npuc compile, quantize+compile, as whole processes). A first npuc row compiles the
+float model (no --quantize): its SQNR shows how far npuc's float run is from onnxruntime's.
 
 Ends with the done-when checks (PASS/MISS per model) against the best onnxruntime recipe.
 
@@ -77,15 +78,15 @@ def npuc_run(art, files, out_names, tmp):
         outs.append([np.load(os.path.join(d, sanitize(o) + ".npy")) for o in out_names])
     return outs
 
-def scores(refs, outs, held):
-    """SQNR of the first output; for a model with attention_mask also over real tokens and of the other outputs."""
+def scores(refs, outs, held, out_names):
+    """SQNR of the first output; with an attention_mask input also over the real tokens; then the other outputs'."""
     first = sqnr([r[0] for r in refs], [o[0] for o in outs])
     extra = []
     if "attention_mask" in held[0]:
         w = [h["attention_mask"][..., None].astype(np.float64) for h in held]
-        extra.append(("real tokens", sqnr([r[0] for r in refs], [o[0] for o in outs], w)))
-    for k in range(1, len(refs[0])):
-        extra.append((f"out{k}", sqnr([r[k] for r in refs], [o[k] for o in outs])))
+        extra.append((f"{out_names[0]} (real tokens)", sqnr([r[0] for r in refs], [o[0] for o in outs], w)))
+    for k in range(1, len(out_names)):
+        extra.append((out_names[k], sqnr([r[k] for r in refs], [o[k] for o in outs])))
     return first, extra
 
 rows = []
@@ -111,24 +112,23 @@ for label, path, sub, inputs, recipes in MODELS:
         t0 = time.time()
         quantize_static(src, qp, Reader(calib), quant_format=QuantFormat.QDQ, per_channel=True,
                         calibrate_method=CalibrationMethod.MinMax, activation_type=QuantType.QUInt8,
-                        weight_type=QuantType.QInt8, op_types_to_quantize=op_types,
-                        extra_options={"CalibMaxIntermediateOutputs": 8})
+                        weight_type=QuantType.QInt8, op_types_to_quantize=op_types)
         t_ort = time.time() - t0
-        rows.append((label, title, *scores(refs, ort_run(qp, held, out_names), held), t_ort))
-    for scheme, method in CONFIGS:
+        rows.append((label, title, *scores(refs, ort_run(qp, held, out_names), held, out_names), t_ort))
+    for scheme, method in [("f32", None)] + CONFIGS:
         art = os.path.join(tmp, f"{label}-{scheme}-{method}.npuc")
         t0 = time.time()
         shapes = [a for n, sh in inputs for a in ("--input-shape", f"{n}={sh}")]
-        r = subprocess.run([npuc, "compile", path, "-o", art, "--quantize", scheme, "--calib", calib_dir,
-                            "--calib-method", method, *shapes, "--no-progress"],
+        title = f"npuc {scheme} {method or '(float, no --quantize)'}"
+        quant = ["--quantize", scheme, "--calib", calib_dir, "--calib-method", method] if method else []
+        r = subprocess.run([npuc, "compile", path, "-o", art, *quant, *shapes, "--no-progress"],
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         t = time.time() - t0
         if r.returncode != 0:
-            print(f"{label}: npuc compile {scheme} {method} failed (exit {r.returncode}): {r.stderr.strip()}",
-                  file=sys.stderr)
-            rows.append((label, f"npuc {scheme} {method}", float("nan"), [], t))
+            print(f"{label}: {title}: npuc compile failed (exit {r.returncode}): {r.stderr.strip()}", file=sys.stderr)
+            rows.append((label, title, float("nan"), [], t))
             continue
-        rows.append((label, f"npuc {scheme} {method}", *scores(refs, npuc_run(art, held_files, out_names, tmp), held), t))
+        rows.append((label, title, *scores(refs, npuc_run(art, held_files, out_names, tmp), held, out_names), t))
     print(f"{label}: done", file=sys.stderr, flush=True)
 
 print(f"{'model':<12} {'quantizer':<46} {'SQNR dB':>8} {'wall s':>8} {'vs ORT time':>12}  other outputs (dB)")
