@@ -4,7 +4,8 @@
 For each model: onnxruntime `quantize_static` (QDQ, per_channel=True, MinMax, uint8 activations,
 int8 weights, the same 64 calibration samples; for the BERT encoder also its MatMul-only recipe,
 op_types_to_quantize=['MatMul']) and `npuc compile --quantize` (w8a8 minmax / percentile / mse, w8a16
-minmax), each evaluated on 32 held-out samples against the float model run in onnxruntime: output SQNR
+minmax, and w8a8 minmax with --emit-qdq: its artifact in npuc and its QDQ ONNX in onnxruntime), each
+evaluated on 32 held-out samples against the float model run in onnxruntime: output SQNR
 in dB over all held-out outputs (the model's first output; for all-MiniLM-L6-v2 `last_hidden_state` over
 every position, padding included, as `npuc verify` measures it, plus the same over the real tokens only
 (attention_mask 1) and `sentence_embedding`'s SQNR), plus the wall time of the quantization step
@@ -120,8 +121,8 @@ for label, path, sub, inputs, recipes in MODELS:
         t0 = time.time()
         shapes = [a for n, sh in inputs for a in ("--input-shape", f"{n}={sh}")]
         title = f"npuc {scheme} {method or '(float, no --quantize)'}"
-        quant = ["--quantize", scheme, "--calib", calib_dir, "--calib-method", method] if method else []
-        r = subprocess.run([npuc, "compile", path, "-o", art, *quant, *shapes, "--no-progress"],
+        quant = ["--quantize", scheme, "--calib", calib_dir, "--calib-method", method, "--no-progress"] if method else []
+        r = subprocess.run([npuc, "compile", path, "-o", art, *quant, *shapes],
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         t = time.time() - t0
         if r.returncode != 0:
@@ -129,6 +130,21 @@ for label, path, sub, inputs, recipes in MODELS:
             rows.append((label, title, float("nan"), [], t))
             continue
         rows.append((label, title, *scores(refs, npuc_run(art, held_files, out_names, tmp), held, out_names), t))
+    # --emit-qdq: the artifact is re-quantized with the exported (QNN EP rule) encodings; both the artifact
+    # in npuc and the exported QDQ ONNX in onnxruntime.
+    art, qdq = os.path.join(tmp, f"{label}-emit.npuc"), os.path.join(tmp, f"{label}-emit-qdq.onnx")
+    t0 = time.time()
+    r = subprocess.run([npuc, "compile", path, "-o", art, "--quantize", "w8a8", "--calib", calib_dir,
+                        "--calib-method", "minmax", "--emit-qdq", qdq, *shapes, "--no-progress"],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    t = time.time() - t0
+    if r.returncode != 0:
+        print(f"{label}: npuc --emit-qdq: compile failed (exit {r.returncode}): {r.stderr.strip()}", file=sys.stderr)
+    else:
+        rows.append((label, "npuc w8a8 minmax --emit-qdq: artifact",
+                     *scores(refs, npuc_run(art, held_files, out_names, tmp), held, out_names), t))
+        rows.append((label, "npuc w8a8 minmax --emit-qdq: Q.onnx in ORT",
+                     *scores(refs, ort_run(qdq, held, out_names), held, out_names), t))
     print(f"{label}: done", file=sys.stderr, flush=True)
 
 print(f"{'model':<12} {'quantizer':<46} {'SQNR dB':>8} {'wall s':>8} {'vs ORT time':>12}  other outputs (dB)")
