@@ -9,7 +9,7 @@
 //! venv (`scripts/setup.sh` makes both; the test fails naming them otherwise).
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Output};
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -19,19 +19,23 @@ fn s(p: &Path) -> &str {
     p.to_str().expect("utf-8 path")
 }
 
+/// The stdout of a command that must succeed (`what` names it in the failure).
+fn stdout_of(what: &str, out: Output) -> String {
+    let (o, e) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{what} failed:\n{o}\n{e}");
+    o.into_owned()
+}
+
 fn python_script(script: &str, args: &[&str]) -> String {
     let out = npuc_testsupport::python()
         .arg(root().join("scripts").join(script))
         .args(args)
         .output()
         .expect("the test venv's python runs");
-    assert!(
-        out.status.success(),
-        "{script} failed:\n{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).expect("utf-8 output")
+    stdout_of(script, out)
 }
 
 fn read_f32(p: &Path) -> (Vec<usize>, Vec<f32>) {
@@ -68,11 +72,7 @@ fn minilm_onnx_matches_numpy_onnxruntime_and_npuc() {
         .args(&args)
         .output()
         .expect("npuc runs");
-    assert!(
-        o.status.success(),
-        "npuc run failed: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
+    stdout_of("npuc run", o);
     for (name, tol) in [("last_hidden_state", 1e-4f32), ("sentence_embedding", 1e-5)] {
         let (rs, r) = read_f32(&dump.join(format!("ort_{name}.npy")));
         let (ns, n) = read_f32(&out.join(format!("{name}.npy")));
