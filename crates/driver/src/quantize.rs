@@ -57,7 +57,11 @@ pub struct QuantizeArgs {
     /// The target's quantization rules: `npuc` (default: per-channel weights on every op) or
     /// `qnn-htp` (ONNX Runtime's QNN EP: per-channel weights only on Conv/ConvTranspose,
     /// unsigned activations). Honoured from planning on; exports never change the artifact.
-    #[arg(long = "quant-profile", default_value = "npuc", value_name = "npuc|qnn-htp")]
+    #[arg(
+        long = "quant-profile",
+        default_value = "npuc",
+        value_name = "npuc|qnn-htp"
+    )]
     pub quant_profile: String,
     /// Also write the artifact's quantization as a QDQ ONNX model (onnxruntime loads it; for its
     /// QNN EP quantize with --quant-profile qnn-htp).
@@ -96,6 +100,11 @@ pub struct QuantizeArgs {
     /// or a fixed α in (0, 1) (still only where it helps).
     #[arg(long, default_value = "auto", value_name = "auto|off|ALPHA")]
     pub smooth: String,
+    /// Keep the fewest 8-bit tensors at 16 bits that bring the output SQNR on a held-out
+    /// quarter of the calibration samples to DB (the search of `npuc verify --suggest`); prints
+    /// what was promoted and its latency cost.
+    #[arg(long = "target-sqnr", value_name = "DB")]
+    pub target_sqnr: Option<f64>,
     /// Weight clipping searched against each layer's output error on calibration rows
     /// (SeqMSE): `auto` (default: on for weights of 4 bits or fewer), `on`, `off`.
     #[arg(long, default_value = "auto", value_name = "auto|on|off")]
@@ -120,6 +129,7 @@ pub const CALIBRATION_FLAGS: &[&str] = &[
     "keep_float",
     "smooth",
     "seqmse",
+    "target_sqnr",
     "max_samples",
     "image_size",
     "mean",
@@ -295,13 +305,17 @@ pub fn quantize_model(
 ) -> Result<(Model, npuc_quant::Encodings, usize, String)> {
     let opts = q.options()?;
     let mut t = Instant::now();
-    let (smoothed, enc, samples, method) = if let Some(e) = &q.encodings {
+    if q.target_sqnr.is_some() && q.encodings.is_some() {
+        bail!("--target-sqnr measures and promotes on calibration samples; it cannot be combined with --encodings");
+    }
+    let (smoothed, enc, samples, method, held) = if let Some(e) = &q.encodings {
         let (sm, enc) = encodings::read(e, m)?;
         (
             (!enc.smoothing.is_empty()).then_some(sm),
             enc,
             0,
             format!("encodings {}", e.display()),
+            vec![],
         )
     } else {
         let plan0 = npuc_quant::plan(m, &opts)?;
@@ -351,7 +365,10 @@ pub fn quantize_model(
         // `auto`: every fourth sample is held out to choose the range method on (spread over
         // the set, in case it is ordered).
         let auto = q.auto_method() && !plan.activations.is_empty();
-        let hold = auto && n >= 8;
+        if q.target_sqnr.is_some() && n < 8 {
+            bail!("--target-sqnr holds out a quarter of the calibration samples to measure the output SQNR on: it needs 8 samples or more, {n} given");
+        }
+        let hold = (auto || q.target_sqnr.is_some()) && n >= 8;
         let (cal, held): (Vec<_>, Vec<_>) = files
             .iter()
             .enumerate()
@@ -384,12 +401,8 @@ pub fn quantize_model(
         let refined = match &stats {
             Some(st) if seqmse => {
                 let base = npuc_quant::encodings_from_ranges(m, &plan, &obs, calib_method)?;
-                let (rep, refined) = npuc_quant::seqmse::search_weights(
-                    m,
-                    &plan,
-                    &st.weight_rows(&scales),
-                    &base,
-                )?;
+                let (rep, refined) =
+                    npuc_quant::seqmse::search_weights(m, &plan, &st.weight_rows(&scales), &base)?;
                 progress.note(&rep.summary());
                 timings.push(("seqmse", t.elapsed().as_secs_f64()));
                 t = Instant::now();
@@ -397,11 +410,11 @@ pub fn quantize_model(
             }
             _ => Default::default(),
         };
-        let method = if hold {
-            let held: Vec<npuc_quant::qdq::Sample> = held
-                .iter()
-                .map(|(_, f)| src.load(f, &inputs))
-                .collect::<Result<_>>()?;
+        let held: Vec<npuc_quant::qdq::Sample> = held
+            .iter()
+            .map(|(_, f)| src.load(f, &inputs))
+            .collect::<Result<_>>()?;
+        let method = if hold && auto {
             let (best, scores) = choose_method(m, &plan, &obs, &refined, &held, &opts)?;
             let best_db = scores
                 .iter()
@@ -426,12 +439,12 @@ pub fn quantize_model(
         let mut enc = npuc_quant::encodings_from_ranges(m, &plan, &obs, method)?;
         npuc_quant::seqmse::overlay(m, &plan, &mut enc, &refined)?;
         enc.smoothing = scales;
-        let label = if hold {
+        let label = if hold && auto {
             format!("auto: {}", method.name())
         } else {
             method.name()
         };
-        (smoothed, enc, ncal, label)
+        (smoothed, enc, ncal, label, held)
     };
     let m = smoothed.as_ref().unwrap_or(m);
     // The QNN HTP profile: unsigned activations (signed symmetric ones become the same grid with
@@ -444,9 +457,133 @@ pub fn quantize_model(
     };
     timings.push(("encodings", t.elapsed().as_secs_f64()));
     t = Instant::now();
-    let qm = npuc_quant::apply(m, &enc)?;
+    let mut qm = npuc_quant::apply(m, &enc)?;
+    let mut enc = enc;
     timings.push(("qdq", t.elapsed().as_secs_f64()));
+    if let Some(target) = q.target_sqnr {
+        t = Instant::now();
+        qm = promote_to_target(m, qm, &held, target, &opts, progress)?;
+        // The encodings the model now holds (exports write these).
+        let float_casts = enc.clone();
+        enc.activations.clear();
+        enc.params.clear();
+        for (name, is_param, e) in npuc_quant::qdq::read_qdq(&qm)? {
+            let map = if is_param {
+                &mut enc.params
+            } else {
+                &mut enc.activations
+            };
+            map.insert(name, npuc_quant::TensorEncoding::Int(e));
+        }
+        for (k, v) in float_casts.activations {
+            if matches!(v, npuc_quant::TensorEncoding::Float(_)) {
+                enc.activations.entry(k).or_insert(v);
+            }
+        }
+        for (k, v) in float_casts.params {
+            if matches!(v, npuc_quant::TensorEncoding::Float(_)) {
+                enc.params.entry(k).or_insert(v);
+            }
+        }
+        timings.push(("target sqnr", t.elapsed().as_secs_f64()));
+    }
     Ok((qm, enc, samples, method))
+}
+
+/// `--target-sqnr`: the fewest 8-bit tensors kept at 16 bits that reach `target` dB output SQNR
+/// on the held-out samples (`npuc verify --suggest`'s search: per-tensor sensitivity, greedy
+/// add, pruning); prints what was promoted, the share of activations now 16-bit, the SQNR
+/// reached, and the latency it costs on this CPU (median of 5 runs of one held-out sample,
+/// integer kernels, before and after).
+fn promote_to_target(
+    m: &Model,
+    qm: Model,
+    held: &[npuc_quant::qdq::Sample],
+    target: f64,
+    opts: &QuantOptions,
+    progress: &mut dyn Progress,
+) -> Result<Model> {
+    use crate::verify::promote;
+    if !target.is_finite() {
+        bail!("--target-sqnr must be a number of dB, got {target}");
+    }
+    let samples: Vec<crate::verify::Sample> = held.iter().map(|s| s.feeds.clone()).collect();
+    let inp = promote::SuggestInput {
+        reference: m,
+        quantized: &qm,
+        samples: &samples,
+        target_db: target,
+        headroom: 1.0,
+        threads: opts.threads.max(1),
+        simulate: false,
+        prune_evals: 24,
+        sensitivity_evals: 64,
+    };
+    let mut lines = vec![];
+    let (s, promoted) = promote::suggest(&inp, &mut |l| lines.push(l.to_string()))?;
+    let acts_before = count_acts(&qm, 8);
+    let acts16 = s.schemes.iter().filter(|k| *k == "w8a16").count();
+    let latency = |model: &Model| -> Result<f64> {
+        let mut lm = model.clone();
+        crate::quantized::prepare(&mut lm, false)?;
+        let sess = npuc_runtime::Session::new(
+            &lm,
+            npuc_runtime::SessionOptions {
+                threads: opts.threads.max(1),
+            },
+        )
+        .map_err(|e| anyhow!("{e}"))?;
+        let feeds: Vec<(String, npuc_runtime::Value)> = samples[0]
+            .iter()
+            .map(|(k, t)| (k.clone(), npuc_runtime::Value::tensor(t.clone())))
+            .collect();
+        let mut ts = vec![];
+        for _ in 0..6 {
+            let t0 = Instant::now();
+            sess.run(feeds.clone()).map_err(|e| anyhow!("{e}"))?;
+            ts.push(t0.elapsed().as_secs_f64());
+        }
+        ts.remove(0);
+        ts.sort_by(f64::total_cmp);
+        Ok(ts[ts.len() / 2])
+    };
+    let (t8, t16) = (latency(&qm)?, latency(&promoted)?);
+    progress.note(&format!(
+        "target SQNR {target} dB: {} on {} held-out samples ({:.2} dB as calibrated, {:.2} dB with every candidate at 16 bits); {} tensors kept at 16 bits ({} of {} 8-bit activations, {:.0}%, and {} weights): {}; latency {:.2} -> {:.2} ms ({:+.0}%)",
+        if s.reached {
+            format!("reached {:.2} dB", s.sqnr_db)
+        } else {
+            format!("NOT reached, best {:.2} dB", s.sqnr_db)
+        },
+        samples.len(),
+        s.baseline_db,
+        s.all_promoted_db,
+        s.tensors.len(),
+        acts16,
+        acts_before,
+        100.0 * acts16 as f64 / acts_before.max(1) as f64,
+        s.tensors.len() - acts16,
+        if s.tensors.is_empty() {
+            "none".to_string()
+        } else {
+            s.tensors.join(", ")
+        },
+        t8 * 1e3,
+        t16 * 1e3,
+        100.0 * (t16 / t8 - 1.0)
+    ));
+    Ok(promoted)
+}
+
+/// Activation quantize nodes of at most `bits` bits in a QDQ model.
+fn count_acts(m: &Model, bits: u32) -> usize {
+    npuc_quant::qdq::read_qdq(m)
+        .map(|v| {
+            v.iter()
+                .filter(|(_, p, e)| !p && npuc_quant::bitwidth(e.dtype) <= bits)
+                .count()
+        })
+        .unwrap_or(0)
 }
 
 /// `--calib-method auto`'s candidates: QNN's "tf" (minmax), a percentile clip and QNN's
@@ -552,7 +689,9 @@ fn smooth_alpha(flag: &str, plan: &npuc_quant::QuantPlan) -> Result<Option<Optio
         "auto" | "" => Ok(eight_bit.then_some(None)),
         a => match a.parse::<f32>() {
             Ok(v) if v > 0.0 && v < 1.0 => Ok(Some(Some(v))),
-            _ => bail!("--smooth takes auto, off or an alpha between 0 and 1 (exclusive), got '{a}'"),
+            _ => {
+                bail!("--smooth takes auto, off or an alpha between 0 and 1 (exclusive), got '{a}'")
+            }
         },
     }
 }

@@ -166,7 +166,9 @@ pub fn smoothing_from_json(text: &str, origin: &str) -> Result<BTreeMap<String, 
                 out.insert(name.clone(), as_f32s(list, &what)?);
             }
         }
-        Some(_) => bail!("{origin}: '{SMOOTHING_KEY}' must be an object of activation name -> list of scales"),
+        Some(_) => bail!(
+            "{origin}: '{SMOOTHING_KEY}' must be an object of activation name -> list of scales"
+        ),
     }
     Ok(out)
 }

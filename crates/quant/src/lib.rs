@@ -33,9 +33,9 @@ pub use calib::{CalibSource, ImagePreprocess};
 pub use encodings::{EncodingsVersion, TensorEncoding};
 pub use observer::CalibMethod;
 pub use overrides::Overrides;
+pub use qdq::{apply, calibrate, encodings_from_ranges, plan, Encodings, QuantPlan};
 pub use seqmse::SeqMseReport;
 pub use smooth::{LinearStats, SmoothOptions, SmoothReport};
-pub use qdq::{apply, calibrate, encodings_from_ranges, plan, Encodings, QuantPlan};
 
 use anyhow::{bail, Result};
 use npuc_ir::DType;

@@ -215,7 +215,9 @@ pub fn search_weights(
     let mut gains = vec![];
     let mut refined = BTreeMap::new();
     for ((w, f), (_, _, _, old, _)) in found.into_iter().zip(&jobs) {
-        let Some((e, before, after)) = f else { continue };
+        let Some((e, before, after)) = f else {
+            continue;
+        };
         rep.weights += 1;
         rep.params += e.scale.len();
         rep.clipped += e

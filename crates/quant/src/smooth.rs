@@ -18,8 +18,8 @@
 //! an RMSNorm-style `Mul gamma`, a previous MatMul's columns and bias); otherwise an explicit
 //! `Mul` by `1/s` feeds the group's linears.
 
-use crate::qdq::{fake_quantize, weight_encoding, QEnc, QuantPlan, Sample, WeightSpec};
 use crate::act_scale_zp;
+use crate::qdq::{fake_quantize, weight_encoding, QEnc, QuantPlan, Sample, WeightSpec};
 use anyhow::{anyhow, bail, Result};
 use npuc_ir::{DType, Graph, Initializer, Model, Node, Tensor};
 use npuc_runtime::{Session, SessionOptions, Value};
@@ -176,9 +176,7 @@ fn use_counts(g: &Graph) -> HashMap<String, usize> {
 /// Elements of `t` when it broadcasts along the last axis only (`[K]` or `[1, .., 1, K]`).
 fn last_axis_vector(t: &Tensor, k: usize) -> bool {
     let s = t.shape();
-    t.dtype() == DType::F32
-        && s.last() == Some(&k)
-        && s[..s.len() - 1].iter().all(|&d| d == 1)
+    t.dtype() == DType::F32 && s.last() == Some(&k) && s[..s.len() - 1].iter().all(|&d| d == 1)
 }
 
 /// The groups of `m`. With a plan: the linears whose weights it quantizes (their data input's
@@ -367,16 +365,14 @@ struct Scored {
 }
 
 /// Scores "no smoothing" and each α on the group's kept rows; returns the best.
-fn choose(
-    gr: &Group,
-    st: &Stats,
-    g: &Graph,
-    plan: &QuantPlan,
-    alphas: &[f32],
-) -> Result<Scored> {
+fn choose(gr: &Group, st: &Stats, g: &Graph, plan: &QuantPlan, alphas: &[f32]) -> Result<Scored> {
     let k = gr.k;
     let inits = init_map(g);
-    let rows: Vec<f32> = st.rows.iter().flat_map(|(_, r)| r.iter().copied()).collect();
+    let rows: Vec<f32> = st
+        .rows
+        .iter()
+        .flat_map(|(_, r)| r.iter().copied())
+        .collect();
     let m = st.rows.len();
     let a: Vec<f32> = st
         .min
@@ -603,11 +599,16 @@ fn fold_into_producer(
                     };
                     rescale_init(g, uses, q, gslot, &by_channel)?;
                     rescale_init(g, uses, p, bslot, &by_channel)?;
-                    Ok(Some(format!("Mul '{}' + Add '{}' (norm affine)", qn.name, n.name)))
+                    Ok(Some(format!(
+                        "Mul '{}' + Add '{}' (norm affine)",
+                        qn.name, n.name
+                    )))
                 }
                 // A previous linear with bias: scale its output columns.
                 "MatMul" => {
-                    let Some(w) = qn.input(1) else { return Ok(None) };
+                    let Some(w) = qn.input(1) else {
+                        return Ok(None);
+                    };
                     let Some(&wi) = inits_ref.get(w) else {
                         return Ok(None);
                     };
@@ -617,7 +618,10 @@ fn fold_into_producer(
                     }
                     rescale_init(g, uses, q, 1, &by_channel)?;
                     rescale_init(g, uses, p, bslot, &by_channel)?;
-                    Ok(Some(format!("MatMul '{}' + Add '{}' (columns)", qn.name, n.name)))
+                    Ok(Some(format!(
+                        "MatMul '{}' + Add '{}' (columns)",
+                        qn.name, n.name
+                    )))
                 }
                 _ => Ok(None),
             }

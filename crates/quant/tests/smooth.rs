@@ -3,7 +3,9 @@
 //! explicit Mul when the activation has other readers), and w8a8 gets measurably closer to float
 //! on activations with outlier channels.
 
-use npuc_ir::{Attr, DType, Graph, Initializer, Model, Node, OpsetImport, Tensor, TypeInfo, ValueInfo};
+use npuc_ir::{
+    Attr, DType, Graph, Initializer, Model, Node, OpsetImport, Tensor, TypeInfo, ValueInfo,
+};
 use npuc_quant::qdq::Sample;
 use npuc_quant::smooth::smooth;
 use npuc_quant::*;
@@ -53,16 +55,27 @@ fn gamma() -> Vec<f32> {
 fn model(decomposed: bool, h_out: bool) -> Model {
     let mut nodes = vec![];
     let mut inits = vec![
-        init("w1", vec![K, 24], rand_vec(K * 24, 1).iter().map(|v| v * 0.2).collect()),
-        init("w2", vec![K, 8], rand_vec(K * 8, 2).iter().map(|v| v * 0.2).collect()),
-        init("beta", vec![K], rand_vec(K, 3).iter().map(|v| v * 0.1).collect()),
+        init(
+            "w1",
+            vec![K, 24],
+            rand_vec(K * 24, 1).iter().map(|v| v * 0.2).collect(),
+        ),
+        init(
+            "w2",
+            vec![K, 8],
+            rand_vec(K * 8, 2).iter().map(|v| v * 0.2).collect(),
+        ),
+        init(
+            "beta",
+            vec![K],
+            rand_vec(K, 3).iter().map(|v| v * 0.1).collect(),
+        ),
         init("gamma", vec![K], gamma()),
     ];
     if decomposed {
         inits.push(init("one", vec![K], vec![1.0; K]));
         nodes.push(named(
-            Node::new("LayerNormalization", &["x", "one"], &["n"])
-                .with_attr("axis", Attr::Int(-1)),
+            Node::new("LayerNormalization", &["x", "one"], &["n"]).with_attr("axis", Attr::Int(-1)),
             "/ln/norm",
         ));
         nodes.push(named(Node::new("Mul", &["n", "gamma"], &["ng"]), "/ln/Mul"));
@@ -74,14 +87,23 @@ fn model(decomposed: bool, h_out: bool) -> Model {
             "/ln/LayerNormalization",
         ));
     }
-    nodes.push(named(Node::new("MatMul", &["h", "w1"], &["y1"]), "/q/MatMul"));
-    nodes.push(named(Node::new("MatMul", &["h", "w2"], &["y2"]), "/k/MatMul"));
+    nodes.push(named(
+        Node::new("MatMul", &["h", "w1"], &["y1"]),
+        "/q/MatMul",
+    ));
+    nodes.push(named(
+        Node::new("MatMul", &["h", "w2"], &["y2"]),
+        "/k/MatMul",
+    ));
     let mut outputs = vec![
         ValueInfo::new("y1", Some(TypeInfo::tensor(DType::F32, &[ROWS, 24]))),
         ValueInfo::new("y2", Some(TypeInfo::tensor(DType::F32, &[ROWS, 8]))),
     ];
     if h_out {
-        outputs.push(ValueInfo::new("h", Some(TypeInfo::tensor(DType::F32, &[ROWS, K]))));
+        outputs.push(ValueInfo::new(
+            "h",
+            Some(TypeInfo::tensor(DType::F32, &[ROWS, K])),
+        ));
     }
     Model {
         ir_version: 8,
@@ -119,13 +141,22 @@ fn outputs(m: &Model, x: &Tensor) -> Vec<(String, Vec<f32>)> {
     s.run(vec![("x".into(), Value::tensor(x.clone()))])
         .unwrap()
         .into_iter()
-        .map(|(n, v)| (n, v.as_tensor().unwrap().as_slice::<f32>().unwrap().to_vec()))
+        .map(|(n, v)| {
+            (
+                n,
+                v.as_tensor().unwrap().as_slice::<f32>().unwrap().to_vec(),
+            )
+        })
         .collect()
 }
 
 fn sqnr(r: &[f32], q: &[f32]) -> f64 {
     let s: f64 = r.iter().map(|x| (*x as f64).powi(2)).sum();
-    let n: f64 = r.iter().zip(q).map(|(x, y)| (*x as f64 - *y as f64).powi(2)).sum();
+    let n: f64 = r
+        .iter()
+        .zip(q)
+        .map(|(x, y)| (*x as f64 - *y as f64).powi(2))
+        .sum();
     10.0 * (s / n).log10()
 }
 
@@ -163,8 +194,14 @@ fn assert_same_function(a: &Model, b: &Model) {
         let x = &sample(i).feeds[0].1;
         for ((n, u), (_, v)) in outputs(a, x).into_iter().zip(outputs(b, x)) {
             let scale = u.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let err = u.iter().zip(&v).fold(0f32, |m, (p, q)| m.max((p - q).abs()));
-            assert!(err <= 1e-4 * scale, "output {n}: max error {err} vs magnitude {scale}");
+            let err = u
+                .iter()
+                .zip(&v)
+                .fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+            assert!(
+                err <= 1e-4 * scale,
+                "output {n}: max error {err} vs magnitude {scale}"
+            );
         }
     }
 }
@@ -175,7 +212,10 @@ fn folds_into_layernorm_and_gains() {
     let (s, rep) = smoothed(&m);
     assert_eq!(rep.groups.len(), 1, "{rep:?}");
     let g = &rep.groups[0];
-    assert!(g.alpha.is_some(), "outlier channels were not smoothed: {rep:?}");
+    assert!(
+        g.alpha.is_some(),
+        "outlier channels were not smoothed: {rep:?}"
+    );
     assert!(g.folded.starts_with("LayerNormalization"), "{}", g.folded);
     assert_eq!(g.consumers.len(), 2);
     // No explicit Mul: the graph keeps its node count.
@@ -185,7 +225,10 @@ fn folds_into_layernorm_and_gains() {
     let after = w8a8_sqnr(&s, &m);
     // 40x outlier channels cost the other channels ~5 bits of an 8-bit range; moving them into
     // the per-channel weights must win back at least 3 dB (half the error power).
-    assert!(after >= before + 3.0, "w8a8 SQNR {before:.2} dB -> {after:.2} dB");
+    assert!(
+        after >= before + 3.0,
+        "w8a8 SQNR {before:.2} dB -> {after:.2} dB"
+    );
     assert!(g.sqnr_after > g.sqnr_before + 3.0, "{g:?}");
 }
 
@@ -212,7 +255,10 @@ fn second_reader_gets_an_explicit_scale() {
     assert_same_function(&m, &s);
     let before = w8a8_sqnr(&m, &m);
     let after = w8a8_sqnr(&s, &m);
-    assert!(after >= before + 3.0, "w8a8 SQNR {before:.2} dB -> {after:.2} dB");
+    assert!(
+        after >= before + 3.0,
+        "w8a8 SQNR {before:.2} dB -> {after:.2} dB"
+    );
 }
 
 #[test]
