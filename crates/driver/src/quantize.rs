@@ -28,8 +28,10 @@ pub struct QuantizeArgs {
     /// input_list.txt of .raw files, or an image folder (with --image-size).
     #[arg(long = "calib", value_name = "SRC")]
     pub calib: Option<PathBuf>,
-    /// Activation range method: minmax, percentile, mse, entropy.
-    #[arg(long = "calib-method", default_value = "minmax")]
+    /// Activation range method: auto (default: with 8 or more samples, every fourth is held
+    /// out and the one of minmax, percentile and mse that gives the best output SQNR on them
+    /// wins; the held-out SQNR is printed), minmax, percentile, mse, entropy.
+    #[arg(long = "calib-method", default_value = "auto")]
     pub calib_method: String,
     /// Percentile for --calib-method percentile.
     #[arg(long, default_value_t = 99.99)]
@@ -52,8 +54,17 @@ pub struct QuantizeArgs {
     /// Quantize with these AIMET encodings (0.6.1 or 1.0.0) instead of calibrating.
     #[arg(long, value_name = "ENC.json")]
     pub encodings: Option<PathBuf>,
-    /// Also write a QDQ ONNX model following onnxruntime QNN-EP conventions; the artifact (and
-    /// --emit-encodings) then use the same quantization (per-tensor MatMul/Gemm weights).
+    /// The target's quantization rules: `npuc` (default: per-channel weights on every op) or
+    /// `qnn-htp` (ONNX Runtime's QNN EP: per-channel weights only on Conv/ConvTranspose,
+    /// unsigned activations). Honoured from planning on; exports never change the artifact.
+    #[arg(
+        long = "quant-profile",
+        default_value = "npuc",
+        value_name = "npuc|qnn-htp"
+    )]
+    pub quant_profile: String,
+    /// Also write the artifact's quantization as a QDQ ONNX model (onnxruntime loads it; for its
+    /// QNN EP quantize with --quant-profile qnn-htp).
     #[arg(long = "emit-qdq", value_name = "Q.onnx")]
     pub emit_qdq: Option<PathBuf>,
     /// Also write AIMET/QNN encodings JSON.
@@ -83,6 +94,21 @@ pub struct QuantizeArgs {
     /// Image calibration: pixel multiplier applied first.
     #[arg(long, default_value = "1/255")]
     pub scale: String,
+    /// Outlier migration before calibration (SmoothQuant): `auto` (default: where activations
+    /// are 8-bit, each linear input gets the α from 0.3-0.8 that minimizes its layer's
+    /// quantization error on the calibration data, or is left alone when none helps), `off`,
+    /// or a fixed α in (0, 1) (still only where it helps).
+    #[arg(long, default_value = "auto", value_name = "auto|off|ALPHA")]
+    pub smooth: String,
+    /// Keep the fewest 8-bit tensors at 16 bits that bring the output SQNR on a held-out
+    /// quarter of the calibration samples to DB (the search of `npuc verify --suggest`); prints
+    /// what was promoted and its latency cost.
+    #[arg(long = "target-sqnr", value_name = "DB")]
+    pub target_sqnr: Option<f64>,
+    /// Weight clipping searched against each layer's output error on calibration rows
+    /// (SeqMSE): `auto` (default: on for weights of 4 bits or fewer), `on`, `off`.
+    #[arg(long, default_value = "auto", value_name = "auto|on|off")]
+    pub seqmse: String,
     /// Threads for calibration runs.
     #[arg(long = "calib-threads", default_value_t = 2)]
     pub threads: usize,
@@ -101,6 +127,9 @@ pub const CALIBRATION_FLAGS: &[&str] = &[
     "symmetric_activations",
     "overrides",
     "keep_float",
+    "smooth",
+    "seqmse",
+    "target_sqnr",
     "max_samples",
     "image_size",
     "mean",
@@ -210,17 +239,28 @@ impl QuantizeArgs {
         }))
     }
 
+    /// `--calib-method auto` (also the value of a `QuantizeArgs::default()` built in code).
+    pub fn auto_method(&self) -> bool {
+        matches!(self.calib_method.as_str(), "auto" | "")
+    }
+
     /// The quantizer options these flags describe.
     pub fn options(&self) -> Result<QuantOptions> {
         let overrides = self.overrides.as_deref().map(Overrides::load).transpose()?;
         Ok(QuantOptions {
             scheme: Scheme::parse(self.scheme.as_deref().unwrap_or("w8a8"))?,
-            method: CalibMethod::parse(&self.calib_method, self.percentile)?,
+            // `auto` calibrates with histograms (every method can be read off them).
+            method: if self.auto_method() {
+                CalibMethod::Mse
+            } else {
+                CalibMethod::parse(&self.calib_method, self.percentile)?
+            },
             granularity: Granularity::parse(&self.granularity, self.block_size)?,
             symmetric_activations: self.symmetric_activations,
             overrides,
             keep_float: self.keep_float.clone(),
             threads: self.threads.max(1),
+            profile: npuc_quant::Profile::parse(&self.quant_profile)?,
         })
     }
 }
@@ -265,14 +305,20 @@ pub fn quantize_model(
 ) -> Result<(Model, npuc_quant::Encodings, usize, String)> {
     let opts = q.options()?;
     let mut t = Instant::now();
-    let (enc, samples, method) = if let Some(e) = &q.encodings {
+    if q.target_sqnr.is_some() && q.encodings.is_some() {
+        bail!("--target-sqnr measures and promotes on calibration samples; it cannot be combined with --encodings");
+    }
+    let (smoothed, enc, samples, method, held) = if let Some(e) = &q.encodings {
+        let (sm, enc) = encodings::read(e, m)?;
         (
-            encodings::read(e, m)?,
+            (!enc.smoothing.is_empty()).then_some(sm),
+            enc,
             0,
             format!("encodings {}", e.display()),
+            vec![],
         )
     } else {
-        let plan = npuc_quant::plan(m, &opts)?;
+        let plan0 = npuc_quant::plan(m, &opts)?;
         let src_path = q.calib.as_ref().ok_or_else(|| {
             anyhow!("--quantize {} needs calibration data: --calib DIR|input_list.txt (or --encodings ENC.json)", q.scheme.as_deref().unwrap_or(""))
         })?;
@@ -280,40 +326,374 @@ pub fn quantize_model(
         let inputs: Vec<npuc_ir::ValueInfo> = m.graph.real_inputs().into_iter().cloned().collect();
         let files = src.list(&inputs, q.max_samples)?;
         let n = files.len();
-        progress.calibrated(0, n);
+        // Statistics of the linears' inputs (first samples) for smoothing and SeqMSE, then
+        // outlier migration: it changes the graph that is then planned and calibrated.
+        let alpha = smooth_alpha(&q.smooth, &plan0)?;
+        let seqmse = seqmse_on(&q.seqmse, &plan0)?;
+        let so = npuc_quant::SmoothOptions {
+            alpha: alpha.flatten(),
+            threads: opts.threads,
+            ..Default::default()
+        };
+        let stats = if alpha.is_some() || seqmse {
+            let st = npuc_quant::LinearStats::collect(
+                m,
+                &plan0,
+                &so,
+                files.iter().map(|f| src.load(f, &inputs)),
+            )?;
+            timings.push(("linear statistics", t.elapsed().as_secs_f64()));
+            t = Instant::now();
+            Some(st)
+        } else {
+            None
+        };
+        let mut scales = Default::default();
+        let (smoothed, plan) = match (&alpha, &stats) {
+            (Some(_), Some(st)) => {
+                let (sm, report) = npuc_quant::smooth::smooth(m, &plan0, &so, st)?;
+                progress.note(&report.summary());
+                timings.push(("smoothing", t.elapsed().as_secs_f64()));
+                t = Instant::now();
+                let p = npuc_quant::plan(&sm, &opts)?;
+                scales = report.scales;
+                (Some(sm), p)
+            }
+            _ => (None, plan0),
+        };
+        let m = smoothed.as_ref().unwrap_or(m);
+        // `auto`: every fourth sample is held out to choose the range method on (spread over
+        // the set, in case it is ordered).
+        let auto = q.auto_method() && !plan.activations.is_empty();
+        if q.target_sqnr.is_some() && n < 8 {
+            bail!("--target-sqnr holds out a quarter of the calibration samples to measure the output SQNR on: it needs 8 samples or more, {n} given");
+        }
+        let hold = (auto || q.target_sqnr.is_some()) && n >= 8;
+        let (cal, held): (Vec<_>, Vec<_>) = files
+            .iter()
+            .enumerate()
+            .partition(|(i, _)| !hold || i % 4 != 3);
+        let ncal = cal.len();
+        let calib_method = if auto && !hold {
+            progress.note(&format!("--calib-method auto needs 8 samples or more to hold out a quarter; {n} given: using minmax"));
+            CalibMethod::MinMax
+        } else {
+            opts.method
+        };
+        progress.calibrated(0, ncal);
         let obs = if plan.activations.is_empty() {
             Default::default()
         } else {
             npuc_quant::calibrate(
                 m,
                 &plan,
-                opts.method,
+                calib_method,
                 opts.threads,
-                files.iter().map(|f| src.load(f, &inputs)),
-                |i| progress.calibrated(i, n),
+                cal.iter().map(|(_, f)| src.load(f, &inputs)),
+                |i| progress.calibrated(i, ncal),
             )?
         };
         progress.calibration_done();
         timings.push(("calibration", t.elapsed().as_secs_f64()));
         t = Instant::now();
-        (
-            npuc_quant::encodings_from_ranges(m, &plan, &obs, opts.method)?,
-            n,
-            opts.method.name(),
-        )
+        // SeqMSE: weight scales searched against each layer's output error (they do not depend
+        // on the activation ranges, so one search serves every method candidate).
+        let refined = match &stats {
+            Some(st) if seqmse => {
+                let base = npuc_quant::encodings_from_ranges(m, &plan, &obs, calib_method)?;
+                let (rep, refined) =
+                    npuc_quant::seqmse::search_weights(m, &plan, &st.weight_rows(&scales), &base)?;
+                progress.note(&rep.summary());
+                timings.push(("seqmse", t.elapsed().as_secs_f64()));
+                t = Instant::now();
+                refined
+            }
+            _ => Default::default(),
+        };
+        let held: Vec<npuc_quant::qdq::Sample> = held
+            .iter()
+            .map(|(_, f)| src.load(f, &inputs))
+            .collect::<Result<_>>()?;
+        let method = if hold && auto {
+            let (best, scores) = choose_method(m, &plan, &obs, &refined, &held, &opts)?;
+            let best_db = scores
+                .iter()
+                .find(|(c, _)| *c == best)
+                .map_or(f64::NAN, |(_, v)| *v);
+            progress.note(&format!(
+                "calibration method auto: output SQNR on {} held-out samples: {} -> {} ({best_db:.2} dB held out; calibrated on the other {ncal})",
+                held.len(),
+                scores
+                    .iter()
+                    .map(|(c, v)| format!("{} {:.2} dB", c.name(), v))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                best.name(),
+            ));
+            timings.push(("method choice", t.elapsed().as_secs_f64()));
+            t = Instant::now();
+            best
+        } else {
+            calib_method
+        };
+        let mut enc = npuc_quant::encodings_from_ranges(m, &plan, &obs, method)?;
+        npuc_quant::seqmse::overlay(m, &plan, &mut enc, &refined)?;
+        enc.smoothing = scales;
+        let label = if hold && auto {
+            format!("auto: {}", method.name())
+        } else {
+            method.name()
+        };
+        (smoothed, enc, ncal, label, held)
     };
-    // With --emit-qdq the artifact runs the exported quantization (QNN-EP rules: per-tensor
-    // MatMul/Gemm weights, unsigned activations), so the export matches what npuc runs.
-    let enc = if q.emit_qdq.is_some() {
+    let m = smoothed.as_ref().unwrap_or(m);
+    // The QNN HTP profile: unsigned activations (signed symmetric ones become the same grid with
+    // the mid-range zero point) and biases re-derived; the plan already made MatMul/Gemm weights
+    // per tensor. Encodings read from a file are brought to the same rules.
+    let enc = if opts.profile == npuc_quant::Profile::QnnHtp {
         npuc_quant::export::qnn_encodings(m, &enc)?
     } else {
         enc
     };
     timings.push(("encodings", t.elapsed().as_secs_f64()));
     t = Instant::now();
-    let qm = npuc_quant::apply(m, &enc)?;
+    let mut qm = npuc_quant::apply(m, &enc)?;
+    let mut enc = enc;
     timings.push(("qdq", t.elapsed().as_secs_f64()));
+    if let Some(target) = q.target_sqnr {
+        t = Instant::now();
+        qm = promote_to_target(m, qm, &held, target, &opts, progress)?;
+        // The encodings the model now holds (exports write these).
+        let float_casts = enc.clone();
+        enc.activations.clear();
+        enc.params.clear();
+        for (name, is_param, e) in npuc_quant::qdq::read_qdq(&qm)? {
+            let map = if is_param {
+                &mut enc.params
+            } else {
+                &mut enc.activations
+            };
+            map.insert(name, npuc_quant::TensorEncoding::Int(e));
+        }
+        for (k, v) in float_casts.activations {
+            if matches!(v, npuc_quant::TensorEncoding::Float(_)) {
+                enc.activations.entry(k).or_insert(v);
+            }
+        }
+        for (k, v) in float_casts.params {
+            if matches!(v, npuc_quant::TensorEncoding::Float(_)) {
+                enc.params.entry(k).or_insert(v);
+            }
+        }
+        timings.push(("target sqnr", t.elapsed().as_secs_f64()));
+    }
     Ok((qm, enc, samples, method))
+}
+
+/// `--target-sqnr`: the fewest 8-bit tensors kept at 16 bits that reach `target` dB output SQNR
+/// on the held-out samples (`npuc verify --suggest`'s search: per-tensor sensitivity, greedy
+/// add, pruning); prints what was promoted, the share of activations now 16-bit, the SQNR
+/// reached, and the latency it costs on this CPU (median of 5 runs of one held-out sample,
+/// integer kernels, before and after).
+fn promote_to_target(
+    m: &Model,
+    qm: Model,
+    held: &[npuc_quant::qdq::Sample],
+    target: f64,
+    opts: &QuantOptions,
+    progress: &mut dyn Progress,
+) -> Result<Model> {
+    use crate::verify::promote;
+    if !target.is_finite() {
+        bail!("--target-sqnr must be a number of dB, got {target}");
+    }
+    let samples: Vec<crate::verify::Sample> = held.iter().map(|s| s.feeds.clone()).collect();
+    let inp = promote::SuggestInput {
+        reference: m,
+        quantized: &qm,
+        samples: &samples,
+        target_db: target,
+        headroom: 1.0,
+        threads: opts.threads.max(1),
+        simulate: false,
+        prune_evals: 24,
+        sensitivity_evals: 64,
+    };
+    let mut lines = vec![];
+    let (s, promoted) = promote::suggest(&inp, &mut |l| lines.push(l.to_string()))?;
+    let acts_before = count_acts(&qm, 8);
+    let acts16 = s.schemes.iter().filter(|k| *k == "w8a16").count();
+    let latency = |model: &Model| -> Result<f64> {
+        let mut lm = model.clone();
+        crate::quantized::prepare(&mut lm, false)?;
+        let sess = npuc_runtime::Session::new(
+            &lm,
+            npuc_runtime::SessionOptions {
+                threads: opts.threads.max(1),
+            },
+        )
+        .map_err(|e| anyhow!("{e}"))?;
+        let feeds: Vec<(String, npuc_runtime::Value)> = samples[0]
+            .iter()
+            .map(|(k, t)| (k.clone(), npuc_runtime::Value::tensor(t.clone())))
+            .collect();
+        let mut ts = vec![];
+        for _ in 0..6 {
+            let t0 = Instant::now();
+            sess.run(feeds.clone()).map_err(|e| anyhow!("{e}"))?;
+            ts.push(t0.elapsed().as_secs_f64());
+        }
+        ts.remove(0);
+        ts.sort_by(f64::total_cmp);
+        Ok(ts[ts.len() / 2])
+    };
+    let (t8, t16) = (latency(&qm)?, latency(&promoted)?);
+    progress.note(&format!(
+        "target SQNR {target} dB: {} on {} held-out samples ({:.2} dB as calibrated, {:.2} dB with every candidate at 16 bits); {} tensors kept at 16 bits ({} of {} 8-bit activations, {:.0}%, and {} weights): {}; latency {:.2} -> {:.2} ms ({:+.0}%)",
+        if s.reached {
+            format!("reached {:.2} dB", s.sqnr_db)
+        } else {
+            format!("NOT reached, best {:.2} dB", s.sqnr_db)
+        },
+        samples.len(),
+        s.baseline_db,
+        s.all_promoted_db,
+        s.tensors.len(),
+        acts16,
+        acts_before,
+        100.0 * acts16 as f64 / acts_before.max(1) as f64,
+        s.tensors.len() - acts16,
+        if s.tensors.is_empty() {
+            "none".to_string()
+        } else {
+            s.tensors.join(", ")
+        },
+        t8 * 1e3,
+        t16 * 1e3,
+        100.0 * (t16 / t8 - 1.0)
+    ));
+    Ok(promoted)
+}
+
+/// Activation quantize nodes of at most `bits` bits in a QDQ model.
+fn count_acts(m: &Model, bits: u32) -> usize {
+    npuc_quant::qdq::read_qdq(m)
+        .map(|v| {
+            v.iter()
+                .filter(|(_, p, e)| !p && npuc_quant::bitwidth(e.dtype) <= bits)
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+/// `--calib-method auto`'s candidates: QNN's "tf" (minmax), a percentile clip and QNN's
+/// "enhanced" (MSE) ranges. Entropy is left out: symmetric by construction, it rarely beats
+/// MSE on unsigned activations and costs the most.
+const AUTO_METHODS: [CalibMethod; 3] = [
+    CalibMethod::MinMax,
+    CalibMethod::Percentile(99.99),
+    CalibMethod::Mse,
+];
+
+/// Output SQNR (dB, all float outputs together) of each [`AUTO_METHODS`] candidate on the
+/// held-out samples, the quantized model run as the artifact runs (lowered to integer
+/// kernels); returns the best method and every score.
+fn choose_method(
+    m: &Model,
+    plan: &npuc_quant::QuantPlan,
+    obs: &std::collections::BTreeMap<String, npuc_quant::observer::Observer>,
+    refined: &std::collections::BTreeMap<String, npuc_quant::qdq::QEnc>,
+    held: &[npuc_quant::qdq::Sample],
+    opts: &QuantOptions,
+) -> Result<(CalibMethod, Vec<(CalibMethod, f64)>)> {
+    use npuc_runtime::{Session, SessionOptions, Value};
+    let so = SessionOptions {
+        threads: opts.threads.max(1),
+    };
+    let feeds = |s: &npuc_quant::qdq::Sample| -> Vec<(String, Value)> {
+        s.feeds
+            .iter()
+            .map(|(k, t)| (k.clone(), Value::tensor(t.clone())))
+            .collect()
+    };
+    let run = |sess: &Session, s: &npuc_quant::qdq::Sample| -> Result<Vec<Vec<f32>>> {
+        let out = sess
+            .run(feeds(s))
+            .map_err(|e| anyhow!("held-out sample {}: {e}", s.label))?;
+        Ok(out
+            .iter()
+            .filter_map(|(_, v)| v.as_tensor())
+            .filter(|t| t.dtype() == DType::F32)
+            .filter_map(|t| t.as_slice::<f32>().ok().map(|x| x.to_vec()))
+            .collect())
+    };
+    let fs = Session::new(m, so.clone()).map_err(|e| anyhow!("float session: {e}"))?;
+    let reference: Vec<Vec<Vec<f32>>> = held.iter().map(|s| run(&fs, s)).collect::<Result<_>>()?;
+    let mut scores = vec![];
+    for c in AUTO_METHODS {
+        let mut enc = npuc_quant::encodings_from_ranges(m, plan, obs, c)?;
+        npuc_quant::seqmse::overlay(m, plan, &mut enc, refined)?;
+        if opts.profile == npuc_quant::Profile::QnnHtp {
+            enc = npuc_quant::export::qnn_encodings(m, &enc)?;
+        }
+        let mut qm = npuc_quant::apply(m, &enc)?;
+        crate::quantized::prepare(&mut qm, false)?;
+        let qs = Session::new(&qm, so.clone()).map_err(|e| anyhow!("quantized session: {e}"))?;
+        let (mut sig, mut noise) = (0f64, 0f64);
+        for (s, r) in held.iter().zip(&reference) {
+            for (a, b) in run(&qs, s)?.iter().zip(r) {
+                for (x, y) in a.iter().zip(b) {
+                    sig += (*y as f64).powi(2);
+                    noise += (*x as f64 - *y as f64).powi(2);
+                }
+            }
+        }
+        scores.push((c, 10.0 * (sig.max(1e-30) / noise.max(1e-30)).log10()));
+    }
+    let best = scores
+        .iter()
+        .fold(None::<(CalibMethod, f64)>, |b, &(c, v)| match b {
+            Some((_, bv)) if bv >= v => b,
+            _ => Some((c, v)),
+        })
+        .map(|(c, _)| c)
+        .unwrap_or(CalibMethod::MinMax);
+    Ok((best, scores))
+}
+
+/// Whether `--seqmse` asks for the weight-clipping search: `auto` (and the empty default of
+/// code-built args) runs it where a planned weight has 4 bits or fewer (int8 per-channel
+/// weights gain little from clipping), `on`, `off`.
+fn seqmse_on(flag: &str, plan: &npuc_quant::QuantPlan) -> Result<bool> {
+    match flag {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        "auto" | "" => Ok(plan
+            .weights
+            .values()
+            .any(|w| npuc_quant::bitwidth(w.dtype) <= 4)),
+        f => bail!("--seqmse takes auto, on or off, got '{f}'"),
+    }
+}
+
+/// The α setting `--smooth` asks for: `None` when smoothing is off (or nothing is 8-bit under
+/// `auto`), `Some(None)` for a per-layer search, `Some(Some(α))` for a fixed α.
+fn smooth_alpha(flag: &str, plan: &npuc_quant::QuantPlan) -> Result<Option<Option<f32>>> {
+    let eight_bit = plan
+        .activations
+        .values()
+        .any(|d| npuc_quant::bitwidth(*d) == 8);
+    match flag {
+        "off" => Ok(None),
+        // Empty: a `QuantizeArgs::default()` built in code (the build pipeline) means the default.
+        "auto" | "" => Ok(eight_bit.then_some(None)),
+        a => match a.parse::<f32>() {
+            Ok(v) if v > 0.0 && v < 1.0 => Ok(Some(Some(v))),
+            _ => {
+                bail!("--smooth takes auto, off or an alpha between 0 and 1 (exclusive), got '{a}'")
+            }
+        },
+    }
 }
 
 /// `npuc compile MODEL --quantize ...`: one quantized graph into `out`.
@@ -331,8 +711,8 @@ pub fn compile_quantized(
     let mut timings = vec![("load+prepare", t0.elapsed().as_secs_f64())];
     let nodes_before = m.graph.nodes.len();
     let (qm, enc, samples, method) = quantize_model(&m, q, &mut timings, progress)?;
-    if q.emit_qdq.is_some() {
-        progress.note("--emit-qdq: the artifact holds the exported (QNN-EP) quantization: per-channel weights only on Conv/ConvTranspose");
+    if q.emit_qdq.is_some() && q.options()?.profile == npuc_quant::Profile::Npuc {
+        progress.note("--emit-qdq: the export holds the artifact's quantization (profile npuc: per-channel MatMul/Gemm weights); for ONNX Runtime's QNN EP quantize with --quant-profile qnn-htp");
     }
     let mut t = Instant::now();
     if let Some(p) = &q.emit_encodings {
@@ -359,8 +739,8 @@ pub fn compile_quantized(
         ));
     }
     if let Some(p) = &q.emit_qdq {
-        // `enc` is already in QNN-EP form (see quantize_model): the export is the artifact's
-        // QDQ graph with the com.microsoft domain where the opset needs it.
+        // The export is the artifact's QDQ graph, with the com.microsoft domain where the
+        // opset needs it.
         let mut em = qm.clone();
         npuc_quant::export::qnn_domains(&mut em);
         npuc_onnx::save_model(&em, p, &Default::default())
@@ -376,7 +756,7 @@ pub fn compile_quantized(
         "dims": opts.dims.iter().collect::<std::collections::BTreeMap<_, _>>(),
         "optimize": opts.optimize,
         "target": target.name,
-        "quantize": { "scheme": q.scheme.as_deref().unwrap_or(""), "method": method, "granularity": q.granularity, "samples": samples },
+        "quantize": { "scheme": q.scheme.as_deref().unwrap_or(""), "method": method, "granularity": q.granularity, "samples": samples, "profile": q.options()?.profile.name(), "smoothed_inputs": enc.smoothing.len() },
     });
     let mut w = ArtifactWriter::new(target, options);
     add_source(&mut w, path)?;

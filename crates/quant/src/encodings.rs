@@ -95,6 +95,7 @@ pub fn to_json(enc: &Encodings, version: EncodingsVersion, quantizer_args: J) ->
                 top.insert(key.into(), J::Object(m));
             }
             top.insert("quantizer_args".into(), quantizer_args);
+            smoothing_json(enc, &mut top);
             top.insert("version".into(), json!("0.6.1"));
             J::Object(top)
         }
@@ -134,11 +135,42 @@ pub fn to_json(enc: &Encodings, version: EncodingsVersion, quantizer_args: J) ->
             }
             top.insert("excluded_layers".into(), json!([]));
             top.insert("quantizer_args".into(), quantizer_args);
+            smoothing_json(enc, &mut top);
             top.insert("version".into(), json!("1.0.0"));
             J::Object(top)
         }
     };
     Ok(serde_json::to_string_pretty(&v)?)
+}
+
+/// The key holding npuc's outlier-migration scales. AIMET has no such field; tools that read
+/// AIMET encodings ignore unknown top-level keys, and the QDQ export (`--emit-qdq`) carries the
+/// smoothed weights itself, so only a read back into npuc (`--encodings`) needs it.
+pub const SMOOTHING_KEY: &str = "npuc_smoothing";
+
+fn smoothing_json(enc: &Encodings, top: &mut Map<String, J>) {
+    if !enc.smoothing.is_empty() {
+        top.insert(SMOOTHING_KEY.into(), json!(enc.smoothing));
+    }
+}
+
+/// The smoothing scales an encodings file records (empty when none).
+pub fn smoothing_from_json(text: &str, origin: &str) -> Result<BTreeMap<String, Vec<f32>>> {
+    let v: J = serde_json::from_str(text).map_err(|e| anyhow!("{origin}: not valid JSON: {e}"))?;
+    let mut out = BTreeMap::new();
+    match v.get(SMOOTHING_KEY) {
+        None | Some(J::Null) => {}
+        Some(J::Object(map)) => {
+            for (name, list) in map {
+                let what = format!("{origin}: {SMOOTHING_KEY}['{name}']");
+                out.insert(name.clone(), as_f32s(list, &what)?);
+            }
+        }
+        Some(_) => bail!(
+            "{origin}: '{SMOOTHING_KEY}' must be an object of activation name -> list of scales"
+        ),
+    }
+    Ok(out)
 }
 
 /// Writes encodings atomically (temp file + rename).
@@ -449,8 +481,19 @@ fn names_exist(m: &Model, name: &str, is_param: bool) -> bool {
 }
 
 /// Reads an encodings file (either version) for model `m`.
-pub fn read(path: &Path, m: &Model) -> Result<Encodings> {
+///
+/// When the file records smoothing scales ([`SMOOTHING_KEY`]), they are applied to `m` first and
+/// the encodings are checked against (and belong to) the smoothed model: the returned model is
+/// the one to quantize.
+pub fn read(path: &Path, m: &Model) -> Result<(Model, Encodings)> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("reading encodings {}", path.display()))?;
-    from_json(&text, m, &path.display().to_string())
+    let origin = path.display().to_string();
+    let smoothing = smoothing_from_json(&text, &origin)?;
+    let sm = crate::smooth::apply_scales(m, &smoothing)
+        .with_context(|| origin.clone())?
+        .0;
+    let mut enc = from_json(&text, &sm, &origin)?;
+    enc.smoothing = smoothing;
+    Ok((sm, enc))
 }

@@ -26,12 +26,16 @@ pub mod export;
 pub mod observer;
 pub mod overrides;
 pub mod qdq;
+pub mod seqmse;
+pub mod smooth;
 
 pub use calib::{CalibSource, ImagePreprocess};
 pub use encodings::{EncodingsVersion, TensorEncoding};
 pub use observer::CalibMethod;
 pub use overrides::Overrides;
 pub use qdq::{apply, calibrate, encodings_from_ranges, plan, Encodings, QuantPlan};
+pub use seqmse::SeqMseReport;
+pub use smooth::{LinearStats, SmoothOptions, SmoothReport};
 
 use anyhow::{bail, Result};
 use npuc_ir::DType;
@@ -174,6 +178,48 @@ impl Granularity {
     }
 }
 
+/// The constraint set a quantization must satisfy: which encodings the runtime that will
+/// execute the model can take. The quantizer honours it from the start (planning, smoothing,
+/// calibration), so the same flags give the same artifact whether or not files are exported.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Profile {
+    /// npuc's own integer kernels: per-channel (or per-row/per-block) weights on every
+    /// quantized op, signed or unsigned activations.
+    #[default]
+    Npuc,
+    /// ONNX Runtime's QNN execution provider on a Hexagon HTP (the rules of its QDQ
+    /// converter): weights symmetric, per-channel only on Conv/ConvTranspose (MatMul/Gemm per
+    /// tensor), no blocked weights; activations unsigned asymmetric (u8/u16; a signed symmetric
+    /// request becomes the same grid with the mid-range zero point); biases int32 at
+    /// `s_x * s_w`.
+    QnnHtp,
+}
+
+impl Profile {
+    /// Every profile name accepted by `--quant-profile`.
+    pub const NAMES: &'static [&'static str] = &["npuc", "qnn-htp"];
+
+    /// Parses a profile name.
+    pub fn parse(s: &str) -> Result<Profile> {
+        Ok(match s {
+            "npuc" | "" => Profile::Npuc,
+            "qnn-htp" | "qnn" => Profile::QnnHtp,
+            _ => bail!(
+                "unknown quantization profile '{s}'; expected one of: {}",
+                Profile::NAMES.join(", ")
+            ),
+        })
+    }
+
+    /// The canonical name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Profile::Npuc => "npuc",
+            Profile::QnnHtp => "qnn-htp",
+        }
+    }
+}
+
 /// Everything that decides how a model is quantized.
 #[derive(Clone, Debug)]
 pub struct QuantOptions {
@@ -191,6 +237,8 @@ pub struct QuantOptions {
     pub keep_float: Vec<String>,
     /// Threads for the calibration runs.
     pub threads: usize,
+    /// The target's constraint set.
+    pub profile: Profile,
 }
 
 impl Default for QuantOptions {
@@ -203,6 +251,7 @@ impl Default for QuantOptions {
             overrides: None,
             keep_float: vec![],
             threads: 1,
+            profile: Profile::Npuc,
         }
     }
 }

@@ -66,6 +66,10 @@ pub struct Encodings {
     pub activations: BTreeMap<String, TensorEncoding>,
     /// Parameters (initializers: weights and biases).
     pub params: BTreeMap<String, TensorEncoding>,
+    /// Outlier-migration scales applied to the float model before these encodings were made
+    /// (activation name -> per-channel `s`, [`crate::smooth::apply_scales`]); the encodings
+    /// name tensors of the smoothed model. Empty when not smoothed.
+    pub smoothing: BTreeMap<String, Vec<f32>>,
 }
 
 /// How a weight initializer is quantized.
@@ -237,8 +241,16 @@ pub fn plan(m: &Model, opts: &QuantOptions) -> Result<QuantPlan> {
             .weight_dtype()
             .expect("integer schemes have a weight type");
         if let Some(wt) = float_init(w) {
+            let conv = n.op_type == "Conv" || n.op_type == "ConvTranspose";
+            if opts.profile == crate::Profile::QnnHtp {
+                if let crate::Granularity::PerBlock(b) = opts.granularity {
+                    bail!("--granularity per-block (block {b}) is not in the qnn-htp profile: ONNX Runtime's QNN EP takes per-tensor or per-channel weights; use --quant-profile npuc");
+                }
+            }
             let (axis, block) = match weight_axes(n, wt.rank()) {
                 None => (None, None),
+                // QNN HTP: per-channel weights on convolutions only.
+                Some(_) if opts.profile == crate::Profile::QnnHtp && !conv => (None, None),
                 Some((out, inp)) => match opts.granularity {
                     crate::Granularity::PerTensor => (None, None),
                     crate::Granularity::PerChannel => (Some(out), None),
@@ -833,6 +845,21 @@ pub fn quantize_tensor(w: &Tensor, e: &QEnc, name: &str) -> Result<Tensor> {
         ),
     }
     int_tensor(e.dtype, shape, &q)
+}
+
+/// Quantize-dequantize of float data of `shape` with an encoding: what a QDQ pair computes.
+pub fn fake_quantize(data: &[f32], shape: &[usize], e: &QEnc) -> Vec<f32> {
+    let sp = e.axis.map(|a| split(shape, a)).unwrap_or((1, 1, 1));
+    let (qmin, qmax) = qrange(e.dtype);
+    data.iter()
+        .enumerate()
+        .map(|(i, &x)| {
+            let p = param_index(i, sp, e.axis, e.block_size);
+            let (s, zp) = (e.scale[p], e.zero_point[p]);
+            let q = ((x / s).round_ties_even() as i64 + zp).clamp(qmin, qmax);
+            (q - zp) as f32 * s
+        })
+        .collect()
 }
 
 /// Builds an integer tensor of `d` from i64 values already in range.

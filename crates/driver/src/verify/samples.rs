@@ -145,7 +145,7 @@ pub fn load_samples(dir: &Path, inputs: &[&ValueInfo]) -> Result<Vec<Sample>> {
         let mut s = Vec::with_capacity(inputs.len());
         for (vi, files) in inputs.iter().zip(&per) {
             let p = &files[i];
-            let t = crate::npy::read_npy(p).map_err(|e| anyhow!("'{}': {e}", p.display()))?;
+            let t = npuc_npy::read_npy(p).map_err(|e| anyhow!("'{}': {e}", p.display()))?;
             check(p, vi, &t)?;
             s.push((vi.name.clone(), t));
         }

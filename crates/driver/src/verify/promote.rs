@@ -248,7 +248,7 @@ fn weight_i16(
             axis
         } as usize)
     };
-    npuc_driver::quantize::quantize_weight_symmetric(float, DType::I16, axis, name)
+    crate::quantize::quantize_weight_symmetric(float, DType::I16, axis, name)
 }
 
 trait BlockSize {
@@ -355,8 +355,7 @@ pub fn promote(m: &Model, cands: &[Candidate], chosen: &[usize], headroom: f64) 
                 bail!("'{}': scale {sc} cannot be promoted", qn.display_name());
             }
             // The quantizer's uint16 encoding of the range (its scale and rounding).
-            let (new_s, new_z) =
-                npuc_driver::quantize::act_scale_zp(lo as f32, hi as f32, DType::U16);
+            let (new_s, new_z) = crate::quantize::act_scale_zp(lo as f32, hi as f32, DType::U16);
             ns.push(new_s);
             nz.push(new_z as u16);
         }
