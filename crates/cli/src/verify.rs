@@ -88,6 +88,7 @@ pub fn cmd(a: &VerifyArgs) -> Result<()> {
             samples: &samples,
             target_db: target,
             headroom: a.headroom,
+            ranges: None,
             threads: a.threads,
             simulate: a.simulate,
             prune_evals: a.prune_evals,

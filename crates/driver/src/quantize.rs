@@ -308,7 +308,7 @@ pub fn quantize_model(
     if q.target_sqnr.is_some() && q.encodings.is_some() {
         bail!("--target-sqnr measures and promotes on calibration samples; it cannot be combined with --encodings");
     }
-    let (smoothed, enc, samples, method, held) = if let Some(e) = &q.encodings {
+    let (smoothed, enc, samples, method, held, ranges) = if let Some(e) = &q.encodings {
         let (sm, enc) = encodings::read(e, m)?;
         (
             (!enc.smoothing.is_empty()).then_some(sm),
@@ -316,6 +316,7 @@ pub fn quantize_model(
             0,
             format!("encodings {}", e.display()),
             vec![],
+            HashMap::new(),
         )
     } else {
         let plan0 = npuc_quant::plan(m, &opts)?;
@@ -444,7 +445,12 @@ pub fn quantize_model(
         } else {
             method.name()
         };
-        (smoothed, enc, ncal, label, held)
+        let ranges: HashMap<String, (f32, f32)> = obs
+            .iter()
+            .filter(|(_, o)| o.count > 0)
+            .map(|(k, o)| (k.clone(), (o.min, o.max)))
+            .collect();
+        (smoothed, enc, ncal, label, held, ranges)
     };
     let m = smoothed.as_ref().unwrap_or(m);
     // The QNN HTP profile: unsigned activations (signed symmetric ones become the same grid with
@@ -462,7 +468,7 @@ pub fn quantize_model(
     timings.push(("qdq", t.elapsed().as_secs_f64()));
     if let Some(target) = q.target_sqnr {
         t = Instant::now();
-        qm = promote_to_target(m, qm, &held, target, &opts, progress)?;
+        qm = promote_to_target(m, qm, &held, &ranges, target, &opts, progress)?;
         // The encodings the model now holds (exports write these).
         let float_casts = enc.clone();
         enc.activations.clear();
@@ -490,8 +496,9 @@ pub fn quantize_model(
     Ok((qm, enc, samples, method))
 }
 
-/// `--target-sqnr`: the fewest 8-bit tensors kept at 16 bits that reach `target` dB output SQNR
-/// on the held-out samples (`npuc verify --suggest`'s search: per-tensor sensitivity, greedy
+/// `--target-sqnr`: the fewest 8-bit tensors kept at 16 bits (re-calibrated: an activation's
+/// 16-bit range is its whole observed range) that reach `target` dB output SQNR on the held-out
+/// samples (`npuc verify --suggest`'s search: per-tensor sensitivity, greedy
 /// add, pruning); prints what was promoted, the share of activations now 16-bit, the SQNR
 /// reached, and the latency it costs on this CPU (median of 5 runs of one held-out sample,
 /// integer kernels, before and after).
@@ -499,6 +506,7 @@ fn promote_to_target(
     m: &Model,
     qm: Model,
     held: &[npuc_quant::qdq::Sample],
+    ranges: &HashMap<String, (f32, f32)>,
     target: f64,
     opts: &QuantOptions,
     progress: &mut dyn Progress,
@@ -514,6 +522,7 @@ fn promote_to_target(
         samples: &samples,
         target_db: target,
         headroom: 1.0,
+        ranges: Some(ranges),
         threads: opts.threads.max(1),
         simulate: false,
         prune_evals: 24,

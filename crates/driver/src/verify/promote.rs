@@ -263,7 +263,13 @@ impl BlockSize for npuc_ir::Node {
 }
 
 /// A copy of `m` with the chosen candidates promoted to 16 bits.
-pub fn promote(m: &Model, cands: &[Candidate], chosen: &[usize], headroom: f64) -> Result<Model> {
+pub fn promote(
+    m: &Model,
+    cands: &[Candidate],
+    chosen: &[usize],
+    headroom: f64,
+    ranges: Option<&HashMap<String, (f32, f32)>>,
+) -> Result<Model> {
     if !(headroom.is_finite() && headroom >= 1.0) {
         bail!("--headroom must be a number >= 1, got {headroom}");
     }
@@ -346,10 +352,21 @@ pub fn promote(m: &Model, cands: &[Candidate], chosen: &[usize], headroom: f64) 
         }
         let mut ns = Vec::with_capacity(s.len());
         let mut nz = Vec::with_capacity(s.len());
+        // Re-calibrated: the tensor's whole observed range (16 bits hold what an 8-bit clip
+        // such as a percentile cut off), when the caller has it.
+        let observed = ranges
+            .and_then(|r| r.get(&cand.tensor))
+            .filter(|_| s.len() == 1)
+            .filter(|(lo, hi)| lo.is_finite() && hi.is_finite());
         for (&sc, &z) in s.iter().zip(&zp) {
             let sc = sc as f64;
-            let lo = (sc * (qmin - z)).min(0.0) * headroom;
-            let hi = (sc * (qmax - z)).max(0.0) * headroom;
+            let (lo, hi) = match observed {
+                Some(&(lo, hi)) => ((lo as f64).min(0.0) * headroom, (hi as f64).max(0.0) * headroom),
+                None => (
+                    (sc * (qmin - z)).min(0.0) * headroom,
+                    (sc * (qmax - z)).max(0.0) * headroom,
+                ),
+            };
             let range_s = (hi - lo) as f32 / 65535.0;
             if !(range_s > 0.0 && range_s.is_finite()) {
                 bail!("'{}': scale {sc} cannot be promoted", qn.display_name());
@@ -461,6 +478,9 @@ pub struct SuggestInput<'a> {
     pub target_db: f64,
     /// Range multiplier for promoted tensors (1 = same real range).
     pub headroom: f64,
+    /// Observed (min, max) of activations by tensor name: promoted activations take this whole
+    /// range (re-calibration) instead of the 8-bit pair's; `None` keeps the pair's range.
+    pub ranges: Option<&'a HashMap<String, (f32, f32)>>,
     /// Threads per session.
     pub threads: usize,
     /// Passed to [`prepare_quantized`].
@@ -539,7 +559,7 @@ pub fn suggest(inp: &SuggestInput, log: &mut dyn FnMut(&str)) -> Result<(Suggest
         simulate: inp.simulate,
         evaluations: 0,
     };
-    let build = |set: &[usize]| promote(q, &cands, set, inp.headroom);
+    let build = |set: &[usize]| promote(q, &cands, set, inp.headroom, inp.ranges);
     let (base_db, base_cos) = ev.eval(q)?;
     log(&format!(
         "suggest: {} candidate tensors; output SQNR as given {} dB",
