@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test venv and the generated test data (test tooling only; npuc itself never runs Python):
-#   $NPUC_CACHE/venv          pinned scripts/requirements-test.txt (numpy, onnx, onnxruntime, pillow, openai);
+#   $NPUC_CACHE/venv          pinned scripts/requirements-test.txt (numpy, onnx, onnxruntime, pillow, openai,
+#                             maturin, pytest);
 #                             recreated when that file changes
 #   $NPUC_CACHE/qdq/          onnxruntime quantize_static QDQ model of ViT-S and onnxruntime's outputs
 #                             for its committed test input on this CPU (crates/cli/tests/quantized.rs)
