@@ -14,7 +14,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver};
+use std::sync::mpsc::{channel, Receiver};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// The options of `npuc generate` that `generate`/`stream` take besides the sampling flags (by
@@ -174,7 +174,10 @@ impl Llm {
         options: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<TokenStream> {
         let a = generate_args(&self.path, prompt, options, "stream")?;
-        let (tx, rx) = sync_channel::<Msg>(64);
+        // Unbounded: the generation never waits for its reader, so it always ends (at
+        // max_tokens, or at the next token once closed) and frees the model for the next call,
+        // even when a stream is left half read.
+        let (tx, rx) = channel::<Msg>();
         let cancel = Arc::new(AtomicBool::new(false));
         let loaded = self.loaded.clone();
         let last = self.last.clone();
