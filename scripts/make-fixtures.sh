@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test venv and the generated test data (test tooling only; npuc itself never runs Python):
 #   $NPUC_CACHE/venv          pinned scripts/requirements-test.txt (numpy, onnx, onnxruntime, pillow, openai,
-#                             tokenizers); recreated when that file changes
+#                             tokenizers, maturin, pytest); recreated when that file changes
 #   $NPUC_CACHE/qdq/          onnxruntime quantize_static QDQ model of ViT-S and onnxruntime's outputs
 #                             for its committed test input on this CPU (crates/cli/tests/quantized.rs)
 #   $NPUC_CACHE/quant-data/   real calibration / held-out samples for ViT-S and PP-OCRv5 rec

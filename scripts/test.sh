@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Runs npuc's tests: unit and integration tests (real models against onnxruntime references),
+# the Python package's tests (scripts/python_test.sh: wheel built and pip-installed, pytest),
 # then the ONNX backend conformance suite. Fetches the data it needs first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,5 +9,6 @@ scripts/setup.sh
 # release-built tests too; a broken pass fails with its name.
 export NPUC_VERIFY_PASSES=1
 cargo test --release --workspace --no-fail-fast
+scripts/python_test.sh
 cargo xtask conformance
 cargo xtask conformance --compiled

@@ -8,6 +8,7 @@ use anyhow::{anyhow, bail, Result};
 use npuc_driver::compile::{parse_bindings, CompileOptions};
 use npuc_driver::llm::LlmCompileOptions;
 use npuc_driver::quantize::{QuantizeArgs, CALIBRATION_FLAGS, IMAGE_FLAGS};
+use npuc_driver::Progress;
 use std::path::{Path, PathBuf};
 
 #[derive(Clone, Debug, clap::Args)]
@@ -79,8 +80,93 @@ fn quant_flags() -> Vec<&'static str> {
     v
 }
 
-/// Runs `npuc compile`; `given` says which flags were given on the command line.
+/// What `npuc compile` made: the driver's summary for the mode chosen.
+#[derive(Debug)]
+pub enum Compiled {
+    /// ONNX models into one artifact.
+    Graphs(npuc_driver::CompileSummary),
+    /// One ONNX model quantized (its graph name and the quantizer's summary).
+    Quantized {
+        name: String,
+        summary: npuc_driver::quantize::QuantSummary,
+    },
+    /// A `.gguf` LLM, one graph per variant.
+    Gguf(npuc_driver::CompileSummary),
+}
+
+impl Compiled {
+    /// The lines `npuc compile` prints (the last one is the summary line); `print_passes` adds
+    /// what each optimization pass changed.
+    pub fn lines(&self, output: &Path, print_passes: bool) -> Vec<String> {
+        let mut out = vec![];
+        match self {
+            Compiled::Graphs(s) => {
+                for g in &s.graphs {
+                    if print_passes {
+                        out.push(format!("[{}] passes:", g.name));
+                        out.extend(g.pass_records.iter().map(|r| format!("  {r}")));
+                    }
+                    out.push(format!(
+                        "graph {:<20} nodes {} -> {}, arena {:.2} MB",
+                        g.name,
+                        g.nodes_before,
+                        g.nodes_after,
+                        g.arena_bytes as f64 / 1e6
+                    ));
+                }
+                out.push(s.line(output));
+            }
+            Compiled::Quantized { name, summary: s } => {
+                if print_passes {
+                    out.push(format!("[{name}] passes:"));
+                    out.extend(s.pass_records.iter().map(|r| format!("  {r}")));
+                }
+                out.push(format!(
+                    "quantized {} activations + {} params, scheme {}, method {}, {} samples; wrote {} ({:.2} MB) in {:.2} s",
+                    s.activations,
+                    s.params,
+                    s.scheme,
+                    s.method,
+                    s.samples,
+                    output.display(),
+                    s.file_bytes as f64 / 1e6,
+                    s.seconds
+                ));
+            }
+            Compiled::Gguf(s) => {
+                for g in &s.graphs {
+                    out.push(format!("graph {:<8} nodes {}", g.name, g.nodes_after));
+                }
+                out.push(format!(
+                    "compiled {} graphs into {} ({:.2} MB): weights {:.2} MB unique / {:.2} MB referenced, {:.2} s",
+                    s.graphs.len(),
+                    output.display(),
+                    s.file_bytes as f64 / 1e6,
+                    s.weight_bytes_unique as f64 / 1e6,
+                    s.weight_bytes_referenced as f64 / 1e6,
+                    s.seconds
+                ));
+            }
+        }
+        out
+    }
+}
+
+/// Runs `npuc compile` and prints its summary; `given` says which flags were given on the
+/// command line.
 pub fn cmd(a: &CompileArgs, given: &Given) -> Result<()> {
+    let bar = a.quant.scheme.is_some() && !a.quant.no_progress;
+    let c = compile(a, given, &mut TermProgress::new(bar))?;
+    for l in c.lines(&a.output, a.print_passes) {
+        println!("{l}");
+    }
+    Ok(())
+}
+
+/// `npuc compile` without printing (the Python package's `npuc.compile` runs this too): checks
+/// the flags against the mode (ONNX, quantized ONNX, GGUF), runs the driver's pipeline and
+/// returns its summary.
+pub fn compile(a: &CompileArgs, given: &Given, progress: &mut dyn Progress) -> Result<Compiled> {
     let gguf = a.models.iter().any(|m| npuc_driver::llm::is_gguf(m));
     if gguf {
         if a.models.len() != 1 {
@@ -95,7 +181,14 @@ pub fn cmd(a: &CompileArgs, given: &Given) -> Result<()> {
             &ids,
             "not supported when compiling a .gguf model (it takes --variants, --ctx, --precision and --target)",
         )?;
-        return gguf_cmd(&a.models[0], &a.output, a);
+        let opts = LlmCompileOptions {
+            variants: npuc_llm::Variant::parse_list(&a.variants)?,
+            ctx: a.ctx,
+            precision: npuc_llm::Precision::parse(&a.precision)?,
+            target: a.target.clone(),
+        };
+        let s = npuc_driver::llm::compile_gguf(&a.models[0], &opts, &a.output, progress)?;
+        return Ok(Compiled::Gguf(s));
     }
     given.reject(GGUF_FLAGS, "applies to .gguf models only")?;
     if a.no_optimize {
@@ -113,30 +206,28 @@ pub fn cmd(a: &CompileArgs, given: &Given) -> Result<()> {
     };
     if a.quant.scheme.is_some() {
         check_quant_flags(&a.quant, given)?;
-        return quantized_cmd(&list, &opts, a.print_passes, &a.quant, &a.output);
+        if list.len() != 1 {
+            bail!(
+                "--quantize takes exactly one model ({} given); quantize each model separately",
+                list.len()
+            );
+        }
+        let (name, path) = &list[0];
+        let summary = npuc_driver::quantize::compile_quantized(
+            name, path, &opts, &a.quant, &a.output, progress,
+        )?;
+        return Ok(Compiled::Quantized {
+            name: name.clone(),
+            summary,
+        });
     }
     given.reject(&quant_flags(), "applies only with --quantize")?;
     if list.is_empty() {
         bail!("no models given: npuc compile MODEL.onnx -o OUT.npuc");
     }
-    let s = npuc_driver::compile(&list, &opts, &a.output, &mut TermProgress::new(false))?;
-    for g in &s.graphs {
-        if a.print_passes {
-            println!("[{}] passes:", g.name);
-            for r in &g.pass_records {
-                println!("  {r}");
-            }
-        }
-        println!(
-            "graph {:<20} nodes {} -> {}, arena {:.2} MB",
-            g.name,
-            g.nodes_before,
-            g.nodes_after,
-            g.arena_bytes as f64 / 1e6
-        );
-    }
-    println!("{}", s.line(&a.output));
-    Ok(())
+    Ok(Compiled::Graphs(npuc_driver::compile(
+        &list, &opts, &a.output, progress,
+    )?))
 }
 
 /// `(graph name, model)`: each model under its file stem, then the `--name GRAPH=MODEL` ones.
@@ -187,73 +278,5 @@ fn check_quant_flags(q: &QuantizeArgs, given: &Given) -> Result<()> {
     if q.granularity != "per-block" {
         given.reject(&["block_size"], "applies only with --granularity per-block")?;
     }
-    Ok(())
-}
-
-/// `npuc compile MODEL --quantize ...`: one model (a graph named after its file stem, or
-/// `--name GRAPH=MODEL`), printing the summary line.
-fn quantized_cmd(
-    list: &[(String, PathBuf)],
-    opts: &CompileOptions,
-    print_passes: bool,
-    q: &QuantizeArgs,
-    output: &Path,
-) -> Result<()> {
-    if list.len() != 1 {
-        bail!(
-            "--quantize takes exactly one model ({} given); quantize each model separately",
-            list.len()
-        );
-    }
-    let (name, path) = &list[0];
-    let s = npuc_driver::quantize::compile_quantized(
-        name,
-        path,
-        opts,
-        q,
-        output,
-        &mut TermProgress::new(!q.no_progress),
-    )?;
-    if print_passes {
-        println!("[{name}] passes:");
-        for r in &s.pass_records {
-            println!("  {r}");
-        }
-    }
-    println!(
-        "quantized {} activations + {} params, scheme {}, method {}, {} samples; wrote {} ({:.2} MB) in {:.2} s",
-        s.activations,
-        s.params,
-        s.scheme,
-        s.method,
-        s.samples,
-        output.display(),
-        s.file_bytes as f64 / 1e6,
-        s.seconds
-    );
-    Ok(())
-}
-
-/// `npuc compile MODEL.gguf`: one graph per variant.
-fn gguf_cmd(model: &Path, output: &Path, a: &CompileArgs) -> Result<()> {
-    let opts = LlmCompileOptions {
-        variants: npuc_llm::Variant::parse_list(&a.variants)?,
-        ctx: a.ctx,
-        precision: npuc_llm::Precision::parse(&a.precision)?,
-        target: a.target.clone(),
-    };
-    let s = npuc_driver::llm::compile_gguf(model, &opts, output, &mut TermProgress::new(false))?;
-    for g in &s.graphs {
-        println!("graph {:<8} nodes {}", g.name, g.nodes_after);
-    }
-    println!(
-        "compiled {} graphs into {} ({:.2} MB): weights {:.2} MB unique / {:.2} MB referenced, {:.2} s",
-        s.graphs.len(),
-        output.display(),
-        s.file_bytes as f64 / 1e6,
-        s.weight_bytes_unique as f64 / 1e6,
-        s.weight_bytes_referenced as f64 / 1e6,
-        s.seconds
-    );
     Ok(())
 }

@@ -188,7 +188,8 @@ pub struct SamplingArgs {
 }
 
 impl SamplingArgs {
-    fn params(&self) -> SamplerParams {
+    /// The sampler parameters these flags give.
+    pub fn params(&self) -> SamplerParams {
         SamplerParams {
             temperature: self.temperature,
             top_k: self.top_k,
@@ -324,7 +325,7 @@ pub fn check_model_flags(m: &ModelArgs, given: &Given) -> Result<()> {
 }
 
 /// Sampling flags, by clap id.
-const SAMPLING_FLAGS: &[&str] = &[
+pub const SAMPLING_FLAGS: &[&str] = &[
     "temperature",
     "top_k",
     "top_p",
@@ -464,7 +465,8 @@ fn tokenizer_for(
     Ok(tok)
 }
 
-fn json_out(out: &GenOutput, prompt: &[u32]) -> serde_json::Value {
+/// What `npuc generate --json` prints about a generation.
+pub fn json_out(out: &GenOutput, prompt: &[u32]) -> serde_json::Value {
     serde_json::json!({
         "prompt_tokens": prompt,
         "tokens": out.tokens,
@@ -475,13 +477,13 @@ fn json_out(out: &GenOutput, prompt: &[u32]) -> serde_json::Value {
     })
 }
 
-/// `npuc generate`: streams text to stdout, speeds to stderr (or one JSON object with `--json`).
-pub fn generate_cmd(a: &GenerateArgs) -> Result<()> {
-    let (mut engine, tok) = load(&a.model)?;
+/// The prompt's token ids as `npuc generate` feeds them: `--prompt-tokens` verbatim, or
+/// `--prompt` tokenized (wrapped in the chat template with `--chat`; BOS unless `--no-bos`).
+pub fn prompt_ids(a: &GenerateArgs, tok: &Tokenizer) -> Result<Vec<u32>> {
     let prompt: Vec<u32> = match (&a.prompt, &a.prompt_tokens) {
         (_, Some(ids)) => ids.clone(),
         (Some(text), None) if a.chat => {
-            let t = Tok(&tok);
+            let t = Tok(tok);
             let rendered = t.render(&[ChatMessage::new("user", text.clone())], true)?;
             if a.no_bos {
                 tok.encode(&rendered, false)?
@@ -495,6 +497,13 @@ pub fn generate_cmd(a: &GenerateArgs) -> Result<()> {
     if prompt.is_empty() {
         bail!("the prompt is empty (no tokens); give a non-empty --prompt or drop --no-bos");
     }
+    Ok(prompt)
+}
+
+/// `npuc generate`: streams text to stdout, speeds to stderr (or one JSON object with `--json`).
+pub fn generate_cmd(a: &GenerateArgs) -> Result<()> {
+    let (mut engine, tok) = load(&a.model)?;
+    let prompt = prompt_ids(a, &tok)?;
     // Prefix embeddings: fed first; the prompt's tokens continue after them.
     let prefix_rows = match &a.prefix_embeddings {
         Some(path) => prefix_embeddings(&mut engine, path)?,

@@ -56,8 +56,34 @@ pub struct VerifyArgs {
     pub threads: usize,
 }
 
-/// `npuc verify`.
-pub fn cmd(a: &VerifyArgs) -> Result<()> {
+/// What `npuc verify` found: the report, and the `--suggest` result when asked for.
+pub struct Verified {
+    pub report: VerifyReport,
+    pub suggestion: Option<promote::Suggestion>,
+}
+
+impl Verified {
+    /// The JSON object `npuc verify --json` prints.
+    pub fn json(&self) -> serde_json::Value {
+        let mut j = report_json(&self.report);
+        if let Some(s) = &self.suggestion {
+            j["suggest"] = serde_json::json!({
+                "tensors": s.tensors, "schemes": s.schemes,
+                "local_sqnr_db": s.local_sqnr_db.iter().map(|x| json_num(*x)).collect::<Vec<_>>(),
+                "sqnr_db": json_num(s.sqnr_db), "cosine": json_num(s.cosine),
+                "baseline_db": json_num(s.baseline_db), "all_promoted_db": json_num(s.all_promoted_db),
+                "candidates": s.candidates, "reached": s.reached, "target_db": s.target_db,
+                "evaluations": s.evaluations,
+            });
+        }
+        j
+    }
+}
+
+/// `npuc verify` without printing the report (the Python package's `npuc.verify` runs this
+/// too): compares, writes `--report`, `--apply` and `--apply-model`; `note` receives the
+/// search's progress lines.
+pub fn verify(a: &VerifyArgs, note: &mut dyn FnMut(&str)) -> Result<Verified> {
     if !a.threshold_db.is_finite() {
         bail!("--threshold-db must be a number");
     }
@@ -94,7 +120,7 @@ pub fn cmd(a: &VerifyArgs) -> Result<()> {
             prune_evals: a.prune_evals,
             sensitivity_evals: a.sensitivity_evals,
         };
-        let (s, promoted) = promote::suggest(&inp, &mut |m| eprintln!("{m}"))?;
+        let (s, promoted) = promote::suggest(&inp, note)?;
         if let Some(p) = &a.apply {
             let default = promote::model_scheme(&q).unwrap_or_else(|| "w8a8".into());
             promote::write_overrides(p, &default, &s)?;
@@ -104,22 +130,21 @@ pub fn cmd(a: &VerifyArgs) -> Result<()> {
         }
         suggestion = Some(s);
     }
+    Ok(Verified {
+        report: r,
+        suggestion,
+    })
+}
+
+/// `npuc verify`.
+pub fn cmd(a: &VerifyArgs) -> Result<()> {
+    let v = verify(a, &mut |m| eprintln!("{m}"))?;
     if a.json {
-        let mut j = report_json(&r);
-        if let Some(s) = &suggestion {
-            j["suggest"] = serde_json::json!({
-                "tensors": s.tensors, "schemes": s.schemes,
-                "local_sqnr_db": s.local_sqnr_db.iter().map(|x| json_num(*x)).collect::<Vec<_>>(),
-                "sqnr_db": json_num(s.sqnr_db), "cosine": json_num(s.cosine),
-                "baseline_db": json_num(s.baseline_db), "all_promoted_db": json_num(s.all_promoted_db),
-                "candidates": s.candidates, "reached": s.reached, "target_db": s.target_db,
-                "evaluations": s.evaluations,
-            });
-        }
-        println!("{}", serde_json::to_string_pretty(&j)?);
+        println!("{}", serde_json::to_string_pretty(&v.json())?);
         return Ok(());
     }
-    let text = report_text(&r);
+    let (r, suggestion) = (&v.report, &v.suggestion);
+    let text = report_text(r);
     let (body, last) = match text.trim_end().rsplit_once('\n') {
         Some((b, l)) => (b.to_string(), l.to_string()),
         None => (String::new(), text.trim_end().to_string()),

@@ -361,7 +361,10 @@ pub fn promote(
         for (&sc, &z) in s.iter().zip(&zp) {
             let sc = sc as f64;
             let (lo, hi) = match observed {
-                Some(&(lo, hi)) => ((lo as f64).min(0.0) * headroom, (hi as f64).max(0.0) * headroom),
+                Some(&(lo, hi)) => (
+                    (lo as f64).min(0.0) * headroom,
+                    (hi as f64).max(0.0) * headroom,
+                ),
                 None => (
                     (sc * (qmin - z)).min(0.0) * headroom,
                     (sc * (qmax - z)).max(0.0) * headroom,
