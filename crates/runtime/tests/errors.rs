@@ -148,3 +148,49 @@ fn kernel_errors_name_the_node() {
         .to_string();
     assert!(e.contains("'bad_add'") && e.contains("Add"), "{e}");
 }
+
+/// Found by the fuzzer (`onnx-graph-suite`): Split with `num_outputs = 2^40` and two outputs
+/// sized its list of lengths from the attribute and aborted the process allocating 8 TB.
+#[test]
+fn split_num_outputs_other_than_the_outputs_is_an_error() {
+    for n in [1i64 << 40, 3, 1] {
+        let mut m = model(
+            vec![named(
+                Node::new("Split", &["x"], &["a", "b"])
+                    .with_attr("num_outputs", npuc_ir::Attr::Int(n)),
+                "split",
+            )],
+            vec![input("x", vec![Dim::Fixed(4)])],
+            &["a", "b"],
+        );
+        m.opset_imports[0].version = 18;
+        let s = Session::new(&m, SessionOptions::default()).unwrap();
+        let e = s
+            .run(vec![("x".into(), f32s(vec![4]))])
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(
+            e.contains("num_outputs") && e.contains(&n.to_string()) && e.contains("'split'"),
+            "{e}"
+        );
+    }
+    // num_outputs equal to the outputs still splits (the last part may be smaller).
+    let mut m = model(
+        vec![
+            Node::new("Split", &["x"], &["a", "b"]).with_attr("num_outputs", npuc_ir::Attr::Int(2))
+        ],
+        vec![input("x", vec![Dim::Fixed(3)])],
+        &["a", "b"],
+    );
+    m.opset_imports[0].version = 18;
+    let out = Session::new(&m, SessionOptions::default())
+        .unwrap()
+        .run(vec![("x".into(), f32s(vec![3]))])
+        .unwrap();
+    let shapes: Vec<Vec<usize>> = out
+        .iter()
+        .map(|(_, v)| v.as_tensor().unwrap().shape().to_vec())
+        .collect();
+    assert_eq!(shapes, vec![vec![2], vec![1]]);
+}
