@@ -194,3 +194,68 @@ fn split_num_outputs_other_than_the_outputs_is_an_error() {
         .collect();
     assert_eq!(shapes, vec![vec![2], vec![1]]);
 }
+
+/// Found by the fuzzer (`onnx-graph-suite`): RoiAlign kept `output_height x output_width x
+/// sampling_ratio^2` samples per ROI without a check, so a large `sampling_ratio` aborted the
+/// process (6 GB asked under a 6 GB address-space limit; OOM-killed without one).
+#[test]
+fn roi_align_sample_count_is_checked_against_the_memory_budget() {
+    let mut m = model(
+        vec![named(
+            Node::new("RoiAlign", &["x", "rois", "idx"], &["y"])
+                .with_attr("sampling_ratio", npuc_ir::Attr::Int(1 << 20)),
+            "roi",
+        )],
+        vec![
+            input(
+                "x",
+                vec![Dim::Fixed(1), Dim::Fixed(1), Dim::Fixed(4), Dim::Fixed(4)],
+            ),
+            input("rois", vec![Dim::Fixed(1), Dim::Fixed(4)]),
+            ValueInfo::new(
+                "idx",
+                Some(TypeInfo::Tensor {
+                    dtype: Some(DType::I64),
+                    shape: Some(vec![Dim::Fixed(1)]),
+                }),
+            ),
+        ],
+        &["y"],
+    );
+    m.opset_imports[0].version = 16;
+    let s = Session::new(&m, SessionOptions::default()).unwrap();
+    let feeds = || {
+        vec![
+            ("x".to_string(), f32s(vec![1, 1, 4, 4])),
+            (
+                "rois".to_string(),
+                Value::tensor(Tensor::from_vec(vec![1, 4], vec![0f32, 0.0, 3.0, 3.0]).unwrap()),
+            ),
+            (
+                "idx".to_string(),
+                Value::tensor(Tensor::from_vec(vec![1], vec![0i64]).unwrap()),
+            ),
+        ]
+    };
+    let t = std::time::Instant::now();
+    let e = s.run(feeds()).err().expect("refused").to_string();
+    assert!(
+        e.contains("'roi'") && e.contains("sampling_ratio") && e.contains("memory budget"),
+        "{e}"
+    );
+    assert!(t.elapsed() < std::time::Duration::from_secs(5));
+    // A sensible ratio runs: all ones in, ones out.
+    m.graph.nodes[0].attrs = vec![("sampling_ratio".into(), npuc_ir::Attr::Int(2))];
+    let out = Session::new(&m, SessionOptions::default())
+        .unwrap()
+        .run(feeds())
+        .unwrap();
+    let y = out[0]
+        .1
+        .as_tensor()
+        .unwrap()
+        .as_slice::<f32>()
+        .unwrap()
+        .to_vec();
+    assert_eq!(y, vec![1.0]);
+}
