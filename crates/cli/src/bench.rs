@@ -137,6 +137,20 @@ pub fn bench(
     crate::check_simulate(path, simulate, &opened)?;
     let sess = opened.session;
     let load_ms = t0.elapsed().as_secs_f64() * 1e3;
+    // Every --input names an input of the model, once (as `npuc run` checks).
+    let mut named: Vec<&str> = vec![];
+    for s in inputs {
+        let (n, _) = s
+            .split_once('=')
+            .ok_or_else(|| anyhow!("--input expects NAME=FILE, got '{s}'"))?;
+        if !sess.inputs().iter().any(|i| i.name == n) {
+            bail!("--input {n}: the model has no such input");
+        }
+        if named.contains(&n) {
+            bail!("--input {n} is given twice; give each input once");
+        }
+        named.push(n);
+    }
     let mut feeds = vec![];
     for vi in sess.inputs() {
         let given = inputs
@@ -147,14 +161,6 @@ pub fn bench(
             None => Value::tensor(synth_input(&vi.name, &vi.ty)?),
         };
         feeds.push((vi.name.clone(), v));
-    }
-    for s in inputs {
-        let (n, _) = s
-            .split_once('=')
-            .ok_or_else(|| anyhow!("--input expects NAME=FILE, got '{s}'"))?;
-        if !sess.inputs().iter().any(|i| i.name == n) {
-            bail!("--input {n}: the model has no such input");
-        }
     }
     let t1 = Instant::now();
     sess.run(feeds.clone())?;

@@ -52,7 +52,8 @@ pub struct VerifyArgs {
     /// Print one JSON object instead of the table.
     #[arg(long)]
     pub json: bool,
-    #[arg(long, default_value_t = 1)]
+    /// Threads per session (at least 1, as for run and bench).
+    #[arg(long, default_value_t = 1, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub threads: usize,
 }
 

@@ -402,11 +402,22 @@ fn bad_bindings_threads_and_paths_are_refused_by_name() {
     assert!(e.contains("--input-shape x is given twice"), "{e}");
     let e = fails(&["inspect", s(&m), "--dim", "batch=1", "--dim", "batch=2"]);
     assert!(e.contains("--dim batch is given twice"), "{e}");
-    // --threads 0 (was accepted by run and bench).
+    // --threads 0 (was accepted by run and bench; by verify until the CLI fuzzer found it).
     for cmd in ["run", "bench"] {
         let e = fails(&[cmd, s(&m), "--threads", "0"]);
         assert!(e.contains("--threads") && e.contains("'0'"), "{cmd}: {e}");
     }
+    let e = fails(&[
+        "verify",
+        s(&m),
+        "--reference",
+        s(&m),
+        "--inputs",
+        s(tmp.path()),
+        "--threads",
+        "0",
+    ]);
+    assert!(e.contains("--threads") && e.contains("'0'"), "verify: {e}");
     // A directory as the model: one clear sentence (was "No such device" twice).
     let e = fails(&["run", s(tmp.path())]);
     assert!(

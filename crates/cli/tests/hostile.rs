@@ -540,3 +540,201 @@ fn a_killed_writers_temp_file_is_removed_by_the_next_write() {
         "the dead writer's temp file is still there"
     );
 }
+
+/// Writes `t` as `.npy` at `dir/name`.
+fn npy(dir: &Path, name: &str, t: &Tensor) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, npuc_cli::npy::npy_bytes(t).unwrap()).unwrap();
+    p
+}
+
+#[test]
+fn lstm_with_zero_hidden_units_is_refused_by_inspect_and_run_too() {
+    let d = tempfile::tempdir().unwrap();
+    let w = Tensor::from_vec(vec![1, 0, 3], Vec::<f32>::new()).unwrap();
+    let r = Tensor::from_vec(vec![1, 0, 0], Vec::<f32>::new()).unwrap();
+    let m = write(
+        d.path(),
+        "lstm0.onnx",
+        vec![Node::new("LSTM", &["x", "W", "R"], &["y"]).with_attr("hidden_size", Attr::Int(0))],
+        vec![f32_input("x", &[2, 1, 3])],
+        &["y"],
+        vec![init("W", w), init("R", r)],
+    );
+    let x = npy(
+        d.path(),
+        "x.npy",
+        &Tensor::from_vec(vec![2, 1, 3], vec![0.5f32; 6]).unwrap(),
+    );
+    refused(
+        &["run", s(&m), "--input", &format!("x={}", s(&x))],
+        &[],
+        &["LSTM", "hidden size is 0"],
+    );
+    // inspect reports the graph as invalid (exit 1, the reason first), not "all supported";
+    // compile refuses it.
+    let (o, took) = npuc(&["inspect", s(&m)], &[]);
+    let out = String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{out}");
+    assert!(took < Duration::from_secs(MAX_SECONDS));
+    assert!(
+        out.starts_with("INVALID") && out.contains("hidden size is 0"),
+        "{out}"
+    );
+    let art = d.path().join("lstm0.npuc");
+    refused(
+        &["compile", s(&m), "-o", s(&art)],
+        &[],
+        &["cannot run", "hidden size is 0"],
+    );
+    assert!(!art.exists());
+}
+
+#[test]
+fn a_loop_that_never_ends_is_stopped_in_run_and_inspect_ends() {
+    let d = tempfile::tempdir().unwrap();
+    let m = loop_model(d.path(), "loop.onnx", 1 << 62, false);
+    let x = npy(
+        d.path(),
+        "x.npy",
+        &Tensor::from_vec(vec![1], vec![0f32]).unwrap(),
+    );
+    refused(
+        &["run", s(&m), "--input", &format!("x={}", s(&x))],
+        &[("NPUC_MAX_LOOP_ITERATIONS", "1000")],
+        &[
+            "Loop",
+            "stopped after 1000 iterations",
+            "NPUC_MAX_LOOP_ITERATIONS",
+        ],
+    );
+    // inspect (static inference and constant folding) does not run the loop: it ends.
+    let (o, took) = npuc(&["inspect", s(&m)], &[]);
+    assert!(
+        matches!(o.status.code(), Some(0..=2)) && took < Duration::from_secs(MAX_SECONDS),
+        "inspect: {:?} after {took:?}: {}",
+        o.status,
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+#[test]
+fn the_same_input_given_twice_is_refused() {
+    let d = tempfile::tempdir().unwrap();
+    let m = write(
+        d.path(),
+        "relu.onnx",
+        vec![Node::new("Relu", &["x"], &["y"])],
+        vec![f32_input("x", &[4])],
+        &["y"],
+        vec![],
+    );
+    let x = npy(
+        d.path(),
+        "x.npy",
+        &Tensor::from_vec(vec![4], vec![1f32; 4]).unwrap(),
+    );
+    let arg = format!("x={}", s(&x));
+    for cmd in ["run", "bench"] {
+        refused(
+            &[cmd, s(&m), "-i", &arg, "--input", &arg],
+            &[],
+            &["--input x is given twice"],
+        );
+    }
+}
+
+#[test]
+fn a_context_no_machine_holds_is_refused_naming_the_flag_and_size() {
+    let gguf = npuc_testsupport::smollm2_gguf();
+    let err = refused(
+        &[
+            "generate",
+            s(&gguf),
+            "--prompt",
+            "Hi",
+            "--max-tokens",
+            "1",
+            "--ctx",
+            "4294967295",
+        ],
+        &[],
+        &["--ctx"],
+    );
+    assert!(
+        err.contains("bytes") || err.contains("memory") || err.contains("GB"),
+        "the error does not give the size: {err}"
+    );
+}
+
+/// The section of kind `kind` of an artifact: (offset, length).
+fn section(b: &[u8], kind: u32) -> (usize, usize) {
+    let le64 = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap()) as usize;
+    let n = u32::from_le_bytes(b[16..20].try_into().unwrap()) as usize;
+    let table = le64(24);
+    (0..n)
+        .map(|i| table + i * npuc_format::SECTION_ENTRY_LEN)
+        .find(|&e| u32::from_le_bytes(b[e..e + 4].try_into().unwrap()) == kind)
+        .map(|e| (le64(e + 8), le64(e + 16)))
+        .expect("the artifact has the section")
+}
+
+#[test]
+fn every_one_of_54_weight_bit_flips_is_caught() {
+    // The review found 51 of 54 flips unnoticed; each must now be an error naming a tensor.
+    let d = tempfile::tempdir().unwrap();
+    let w: Vec<f32> = (0..64 * 64).map(|i| (i % 17) as f32 / 17.0).collect();
+    let b: Vec<f32> = (0..64).map(|i| i as f32 + 0.25).collect();
+    let bytes = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+    let (wb, bb) = (bytes(&w), bytes(&b));
+    let m = write(
+        d.path(),
+        "mm.onnx",
+        vec![
+            Node::new("MatMul", &["x", "w"], &["h"]),
+            Node::new("Add", &["h", "b"], &["y"]),
+        ],
+        vec![f32_input("x", &[1, 64])],
+        &["y"],
+        vec![
+            init("w", Tensor::from_vec(vec![64, 64], w).unwrap()),
+            init("b", Tensor::from_vec(vec![64], b).unwrap()),
+        ],
+    );
+    let art = d.path().join("mm.npuc");
+    // Unoptimized, so the weights are stored as given and can be found by their bytes.
+    let (o, _) = npuc(&["compile", s(&m), "-o", s(&art), "--no-optimize"], &[]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let orig = std::fs::read(&art).unwrap();
+    let (off, len) = section(&orig, npuc_format::SECTION_WEIGHTS);
+    let find = |t: &[u8]| {
+        off + orig[off..off + len]
+            .windows(t.len())
+            .position(|x| x == t)
+            .expect("the weight's bytes are in the weights section")
+    };
+    let (w_at, b_at) = (find(&wb), find(&bb));
+    // 48 flips across w, 6 across b.
+    let spots: Vec<usize> = (0..48)
+        .map(|k| w_at + k * (wb.len() - 1) / 47)
+        .chain((0..6).map(|k| b_at + k * (bb.len() - 1) / 5))
+        .collect();
+    let bad = d.path().join("bad.npuc");
+    for (k, &at) in spots.iter().enumerate() {
+        // One bit each, in different bit positions.
+        let mut b = orig.clone();
+        b[at] ^= 1 << (k % 8);
+        std::fs::write(&bad, &b).unwrap();
+        let tensor = if at >= b_at && at < b_at + bb.len() {
+            "/b"
+        } else {
+            "/w"
+        };
+        refused(
+            &["bench", s(&bad), "--runs", "1"],
+            &[],
+            &["corrupt", "checksum", tensor],
+        );
+    }
+    assert_eq!(spots.len(), 54);
+}

@@ -173,7 +173,8 @@ pub fn smoothing_from_json(text: &str, origin: &str) -> Result<BTreeMap<String, 
     Ok(out)
 }
 
-/// Writes encodings atomically (temp file + rename).
+/// Writes encodings atomically through npuc's one atomic writer (a hidden temp file beside
+/// `path`, removed on any error: a failed rename, e.g. onto a directory, leaves nothing behind).
 pub fn write(
     path: &Path,
     enc: &Encodings,
@@ -181,9 +182,8 @@ pub fn write(
     quantizer_args: J,
 ) -> Result<()> {
     let text = to_json(enc, version, quantizer_args)?;
-    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-    std::fs::write(&tmp, text).with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("renaming to {}", path.display()))?;
+    npuc_format::persist_atomic(path, text.as_bytes())
+        .with_context(|| format!("writing encodings {}", path.display()))?;
     Ok(())
 }
 

@@ -706,3 +706,32 @@ fn observer_min_max_and_non_finite_detection_match_a_scalar_scan() {
         }
     }
 }
+
+/// Found by the CLI fuzzer (`--emit-encodings DIR`): a write that fails at the rename left a
+/// `DIR.tmpPID` file beside the target. Now nothing is left and the error names the path.
+#[test]
+fn a_failed_encodings_write_leaves_no_temp_file() {
+    let m = small_model();
+    let (_, enc) = quantize(&m, &QuantOptions::default());
+    let d = tempfile::tempdir().unwrap();
+    let target = d.path().join("enc.json");
+    std::fs::create_dir(&target).unwrap();
+    let e = npuc_quant::encodings::write(
+        &target,
+        &enc,
+        EncodingsVersion::V0_6_1,
+        serde_json::json!({}),
+    )
+    .unwrap_err();
+    assert!(format!("{e:#}").contains("enc.json"), "{e:#}");
+    let left: Vec<_> = std::fs::read_dir(d.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(left, vec![std::ffi::OsString::from("enc.json")], "{left:?}");
+    // And a normal write still works and reads back.
+    let ok = d.path().join("ok.json");
+    npuc_quant::encodings::write(&ok, &enc, EncodingsVersion::V1_0_0, serde_json::json!({}))
+        .unwrap();
+    assert_eq!(npuc_quant::encodings::read(&ok, &m).unwrap(), enc);
+}

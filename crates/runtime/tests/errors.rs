@@ -148,3 +148,114 @@ fn kernel_errors_name_the_node() {
         .to_string();
     assert!(e.contains("'bad_add'") && e.contains("Add"), "{e}");
 }
+
+/// Found by the fuzzer (`onnx-graph-suite`): Split with `num_outputs = 2^40` and two outputs
+/// sized its list of lengths from the attribute and aborted the process allocating 8 TB.
+#[test]
+fn split_num_outputs_other_than_the_outputs_is_an_error() {
+    for n in [1i64 << 40, 3, 1] {
+        let mut m = model(
+            vec![named(
+                Node::new("Split", &["x"], &["a", "b"])
+                    .with_attr("num_outputs", npuc_ir::Attr::Int(n)),
+                "split",
+            )],
+            vec![input("x", vec![Dim::Fixed(4)])],
+            &["a", "b"],
+        );
+        m.opset_imports[0].version = 18;
+        let s = Session::new(&m, SessionOptions::default()).unwrap();
+        let e = s
+            .run(vec![("x".into(), f32s(vec![4]))])
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(
+            e.contains("num_outputs") && e.contains(&n.to_string()) && e.contains("'split'"),
+            "{e}"
+        );
+    }
+    // num_outputs equal to the outputs still splits (the last part may be smaller).
+    let mut m = model(
+        vec![
+            Node::new("Split", &["x"], &["a", "b"]).with_attr("num_outputs", npuc_ir::Attr::Int(2))
+        ],
+        vec![input("x", vec![Dim::Fixed(3)])],
+        &["a", "b"],
+    );
+    m.opset_imports[0].version = 18;
+    let out = Session::new(&m, SessionOptions::default())
+        .unwrap()
+        .run(vec![("x".into(), f32s(vec![3]))])
+        .unwrap();
+    let shapes: Vec<Vec<usize>> = out
+        .iter()
+        .map(|(_, v)| v.as_tensor().unwrap().shape().to_vec())
+        .collect();
+    assert_eq!(shapes, vec![vec![2], vec![1]]);
+}
+
+/// Found by the fuzzer (`onnx-graph-suite`): RoiAlign kept `output_height x output_width x
+/// sampling_ratio^2` samples per ROI without a check, so a large `sampling_ratio` aborted the
+/// process (6 GB asked under a 6 GB address-space limit; OOM-killed without one).
+#[test]
+fn roi_align_sample_count_is_checked_against_the_memory_budget() {
+    let mut m = model(
+        vec![named(
+            Node::new("RoiAlign", &["x", "rois", "idx"], &["y"])
+                .with_attr("sampling_ratio", npuc_ir::Attr::Int(1 << 20)),
+            "roi",
+        )],
+        vec![
+            input(
+                "x",
+                vec![Dim::Fixed(1), Dim::Fixed(1), Dim::Fixed(4), Dim::Fixed(4)],
+            ),
+            input("rois", vec![Dim::Fixed(1), Dim::Fixed(4)]),
+            ValueInfo::new(
+                "idx",
+                Some(TypeInfo::Tensor {
+                    dtype: Some(DType::I64),
+                    shape: Some(vec![Dim::Fixed(1)]),
+                }),
+            ),
+        ],
+        &["y"],
+    );
+    m.opset_imports[0].version = 16;
+    let s = Session::new(&m, SessionOptions::default()).unwrap();
+    let feeds = || {
+        vec![
+            ("x".to_string(), f32s(vec![1, 1, 4, 4])),
+            (
+                "rois".to_string(),
+                Value::tensor(Tensor::from_vec(vec![1, 4], vec![0f32, 0.0, 3.0, 3.0]).unwrap()),
+            ),
+            (
+                "idx".to_string(),
+                Value::tensor(Tensor::from_vec(vec![1], vec![0i64]).unwrap()),
+            ),
+        ]
+    };
+    let t = std::time::Instant::now();
+    let e = s.run(feeds()).err().expect("refused").to_string();
+    assert!(
+        e.contains("'roi'") && e.contains("sampling_ratio") && e.contains("memory budget"),
+        "{e}"
+    );
+    assert!(t.elapsed() < std::time::Duration::from_secs(5));
+    // A sensible ratio runs: all ones in, ones out.
+    m.graph.nodes[0].attrs = vec![("sampling_ratio".into(), npuc_ir::Attr::Int(2))];
+    let out = Session::new(&m, SessionOptions::default())
+        .unwrap()
+        .run(feeds())
+        .unwrap();
+    let y = out[0]
+        .1
+        .as_tensor()
+        .unwrap()
+        .as_slice::<f32>()
+        .unwrap()
+        .to_vec();
+    assert_eq!(y, vec![1.0]);
+}

@@ -6,6 +6,8 @@
 //! `~/.cache/npuc`; the Python interpreter is `$NPUC_PYTHON`, else `$NPUC_CACHE/venv/bin/python`.
 #![forbid(unsafe_code)]
 
+pub mod fuzz;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 

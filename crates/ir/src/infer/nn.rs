@@ -621,6 +621,10 @@ pub fn rnn(n: &NodeIn) -> R<Vec<Out>> {
             })
             .unwrap_or(Dim::Unknown),
     };
+    if hidden == Dim::Fixed(0) {
+        // What the kernel refuses too: inspect and compile report it instead of a shape.
+        return Err("hidden size is 0 (from R's shape and the hidden_size attribute): a recurrent op needs at least one hidden unit".into());
+    }
     let layout = n.int_or("layout", 0)?;
     let (seq, batch) = match n.shape(0) {
         Some(x) if x.len() == 3 => {

@@ -749,6 +749,13 @@ fn split(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
             if n == 0 {
                 bail!("Split into zero outputs");
             }
+            if n != ctx.node.outputs.len() {
+                // The spec's rule; also what keeps a huge num_outputs from sizing the split.
+                bail!(
+                    "num_outputs is {n} but the node has {} outputs: they must be equal",
+                    ctx.node.outputs.len()
+                );
+            }
             if ctx.node.attr_int("num_outputs")?.is_some() {
                 let chunk = dim.div_ceil(n);
                 (0..n)

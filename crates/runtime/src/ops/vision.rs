@@ -460,6 +460,17 @@ fn roi_align_run<T: GemmFloat>(
         } else {
             (adaptive(bin_h), adaptive(bin_w))
         };
+        // The samples of one ROI are kept: their count comes from attributes, so it is checked
+        // against the memory budget before anything is allocated (and before gh * gw can wrap).
+        let samples = (p.ph as u128) * (p.pw as u128) * (gh as u128) * (gw as u128);
+        crate::limits::check_bytes(samples * std::mem::size_of::<Tap<T>>() as u128, || {
+            format!(
+                "{samples} bilinear samples per ROI ({} x {} bins, {gh} x {gw} per bin: \
+                 output_height, output_width, sampling_ratio)",
+                p.ph, p.pw
+            )
+        })
+        .map_err(crate::RtError::Msg)?;
         let count = T::from_f64((gh * gw).max(1) as f64);
         // Sample positions and weights are shared by every channel: compute them once per ROI.
         taps.clear();
