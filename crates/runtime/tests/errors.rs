@@ -167,8 +167,7 @@ fn split_num_outputs_other_than_the_outputs_is_an_error() {
         let s = Session::new(&m, SessionOptions::default()).unwrap();
         let e = s
             .run(vec![("x".into(), f32s(vec![4]))])
-            .err()
-            .expect("refused")
+            .expect_err("refused")
             .to_string();
         assert!(
             e.contains("num_outputs") && e.contains(&n.to_string()) && e.contains("'split'"),
@@ -238,7 +237,7 @@ fn roi_align_sample_count_is_checked_against_the_memory_budget() {
         ]
     };
     let t = std::time::Instant::now();
-    let e = s.run(feeds()).err().expect("refused").to_string();
+    let e = s.run(feeds()).expect_err("refused").to_string();
     assert!(
         e.contains("'roi'") && e.contains("sampling_ratio") && e.contains("memory budget"),
         "{e}"
