@@ -29,22 +29,7 @@ fn ok(c: &mut Command) -> String {
     )
 }
 
-fn npy_files(dir: &Path, prefix: &str) -> Vec<PathBuf> {
-    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
-        .map(|r| {
-            r.filter_map(|e| e.ok().map(|e| e.path()))
-                .filter(|p| {
-                    p.file_name().is_some_and(|f| {
-                        let f = f.to_string_lossy();
-                        f.starts_with(prefix) && f.ends_with(".npy")
-                    })
-                })
-                .collect()
-        })
-        .unwrap_or_default();
-    v.sort();
-    v
-}
+use npuc_testsupport::npy_files;
 
 /// The calibration directory and the first `held` held-out samples (one file per input) of a
 /// model's real samples: `<input>_NNN.npy` (one input) or `<input>/NNN.npy` (several).

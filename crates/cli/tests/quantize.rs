@@ -409,22 +409,7 @@ fn quantize_bad_inputs() {
 }
 
 /// The `.npy` files of `dir` whose names start with `prefix`, sorted.
-fn npy_files(dir: &Path, prefix: &str) -> Vec<PathBuf> {
-    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
-        .map(|r| {
-            r.filter_map(|e| e.ok().map(|e| e.path()))
-                .filter(|p| {
-                    p.file_name().is_some_and(|f| {
-                        let f = f.to_string_lossy();
-                        f.starts_with(prefix) && f.ends_with(".npy")
-                    })
-                })
-                .collect()
-        })
-        .unwrap_or_default();
-    v.sort();
-    v
-}
+use npuc_testsupport::npy_files;
 
 /// Calibration directory and held-out inputs for a real model: the real samples
 /// `scripts/make_calib_data.py` writes (`SUB/calib`, 64, and the first `held` of `SUB/heldout`)

@@ -100,3 +100,22 @@ pub fn python_path() -> PathBuf {
 pub fn python() -> Command {
     Command::new(python_path())
 }
+
+/// The `.npy` files in `dir` whose names start with `prefix`, sorted (empty when `dir` is
+/// missing: callers assert on the count and name the command that makes the data).
+pub fn npy_files(dir: &std::path::Path, prefix: &str) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map(|r| {
+            r.filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| {
+                    p.file_name().is_some_and(|f| {
+                        let f = f.to_string_lossy();
+                        f.starts_with(prefix) && f.ends_with(".npy")
+                    })
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}
