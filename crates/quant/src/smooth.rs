@@ -824,6 +824,7 @@ pub fn apply_scales(m: &Model, scales: &Scales) -> Result<(Model, BTreeMap<Strin
         }
     }
     let g0 = &m.graph;
+    let inits0 = init_map(g0);
     let mut out = m.clone();
     let g = &mut out.graph;
     let mut uses = use_counts(g);
@@ -834,9 +835,7 @@ pub fn apply_scales(m: &Model, scales: &Scales) -> Result<(Model, BTreeMap<Strin
         };
         let inv: Vec<f32> = s.iter().map(|v| 1.0 / v).collect();
         for c in &gr.consumers {
-            let n = g0.initializers[init_map(g0)[c.weight.as_str()]]
-                .tensor
-                .shape()[1];
+            let n = g0.initializers[inits0[c.weight.as_str()]].tensor.shape()[1];
             let f = |i: usize| match c.k_axis {
                 // [K, N]: element i is in row i / N.
                 KAxis::Rows => s[i / n],
