@@ -23,6 +23,7 @@
 pub mod calib;
 pub mod encodings;
 pub mod export;
+pub mod lpbq;
 pub mod observer;
 pub mod overrides;
 pub mod qdq;
