@@ -92,7 +92,7 @@ pub fn quantize(
             w.len()
         );
     }
-    if block == 0 || cols % block != 0 {
+    if block == 0 || !cols.is_multiple_of(block) {
         bail!("LPBQ: block size {block} does not divide the {cols} input channels");
     }
     if !(2..=8).contains(&bw) {
