@@ -121,6 +121,7 @@ pub(crate) fn run(
                 ctx: Some(ctx),
                 variants: p.ar.iter().map(|&n| Variant::Ar(n)).collect(),
                 precision,
+                weight_quant: Default::default(),
             },
         )?),
         None => None,

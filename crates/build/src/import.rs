@@ -153,6 +153,7 @@ pub fn import(
                 threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
                 ctx: Some(probe.len().next_power_of_two().max(16)),
                 precision: npuc_llm::Precision::Exact,
+                weight_quant: Default::default(),
                 variants: vec![npuc_llm::Variant::Ar(1), npuc_llm::Variant::Ar(16)],
             },
         )?;

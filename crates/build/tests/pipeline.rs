@@ -114,6 +114,7 @@ fn assert_bundle_gives_unsplit_tokens(
             ctx: Some(engine_ctx),
             variants: vec![Variant::Ar(1), Variant::Ar(32)],
             precision,
+            weight_quant: Default::default(),
         },
     )
     .unwrap();

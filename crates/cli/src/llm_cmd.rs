@@ -12,7 +12,7 @@ use npuc_generate::chat::{ChatMessage, ChatSession, ChatTemplate};
 use npuc_generate::{
     generate, generate_continue, perplexity, CausalLm, GenOutput, SamplerParams, TokenText,
 };
-use npuc_llm::{Bundle, BundleOptions, Engine, EngineOptions, Precision, Variant};
+use npuc_llm::{Bundle, BundleOptions, Engine, EngineOptions, Precision, Variant, WeightQuant};
 use npuc_tokenizer::Tokenizer;
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
@@ -147,6 +147,14 @@ pub struct ModelArgs {
     /// Graph variants to build (GGUF) or use (artifact), e.g. `ar1,ar32,ar128` (default: ar1,ar32,ar128).
     #[arg(long)]
     pub variants: Option<String>,
+    /// Re-quantize the linear layers' weights (GGUF only) from their f32 values, as an NPU
+    /// deployment would: `lpbq4[:BLOCK]` (int4 blocks of BLOCK input channels, default 64, with
+    /// 4-bit block scales over a per-channel scale: QAIRT's LLM default), `lpbq8[:BLOCK]`,
+    /// `int8` / `int4` (one scale per output channel), `gguf` (the file's own blocks, the
+    /// default). The quantized weights run dequantized; with `--precision exact` the rest of
+    /// the model is f32, so perplexity shows the quantization's cost alone.
+    #[arg(long, value_name = "SCHEME")]
+    pub quantize_weights: Option<String>,
 }
 
 /// Sampling options (llama.cpp's names and defaults, except the seed: fixed 0 for reproducibility).
@@ -316,6 +324,12 @@ pub fn check_precision(model: &Path, given: &Given) -> Result<()> {
             "an LLM artifact's precision was fixed by `npuc compile --precision`",
         )?;
     }
+    if npuc_llm::bundle::is_bundle(model) || is_llm_artifact(model) {
+        given.reject(
+            &["quantize_weights"],
+            "an artifact's or bundle's weights were fixed when it was compiled; give the GGUF",
+        )?;
+    }
     Ok(())
 }
 
@@ -417,6 +431,10 @@ pub fn load(args: &ModelArgs) -> Result<(Model, Tokenizer)> {
             PrecisionArg::Fast => Precision::Fast,
             PrecisionArg::Parity => Precision::Parity,
             PrecisionArg::Exact => Precision::Exact,
+        },
+        weight_quant: match &args.quantize_weights {
+            Some(s) => WeightQuant::parse(s)?,
+            None => WeightQuant::Gguf,
         },
         ..Default::default()
     };

@@ -345,6 +345,7 @@ fn main() {
                             precision,
                             chat_template: None,
                             variants,
+                            quantize_weights: None,
                         },
                         prompt_len: prompt_len.unwrap_or(128),
                         gen,

@@ -736,6 +736,7 @@ fn fuzz_llm_engine_from_gguf() {
                 ctx: Some(64),
                 variants: vec![npuc_llm::Variant::Ar(1), npuc_llm::Variant::Ar(4)],
                 precision: npuc_llm::Precision::Fast,
+                weight_quant: Default::default(),
             };
             let Ok(mut e) = npuc_llm::Engine::from_gguf(&p, &opts) else {
                 return Ok(Verdict::Rejected);

@@ -48,6 +48,7 @@ fn check(gguf: &Path, dtype: WeightDtype, inline_limit: usize, tol: f32) {
             ctx: Some(64),
             precision: Precision::Exact,
             variants: vec![Variant::Ar(1), Variant::Ar(4)],
+            weight_quant: Default::default(),
         },
     )
     .unwrap();
@@ -138,6 +139,7 @@ fn round_trip(gguf: &Path, dtype: WeightDtype, tol: f32) {
                 ctx: Some(64),
                 precision: Precision::Exact,
                 variants: vec![Variant::Ar(1), Variant::Ar(4)],
+                weight_quant: Default::default(),
             },
         )
         .unwrap();

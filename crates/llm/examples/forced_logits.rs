@@ -39,6 +39,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ctx: Some(256),
         variants: vec![Variant::Ar(1), Variant::Ar(32), Variant::Ar(128)],
         precision,
+        weight_quant: Default::default(),
     };
     let mut e = Engine::from_gguf(Path::new(&a[1]), &opts)?;
     let mut out = std::io::BufWriter::new(std::fs::File::create(&a[5])?);

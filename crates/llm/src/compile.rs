@@ -64,6 +64,7 @@ pub fn compile_gguf(
         ctx: opts.ctx,
         variants: opts.variants.clone(),
         precision: opts.precision,
+        weight_quant: Default::default(),
     };
     log(&format!(
         "[{}] building {} for {}",

@@ -5,7 +5,7 @@
 //! run, never copied), then writes the call's `new_key.{l}` / `new_value.{l}` into them in place
 //! at the call's positions.
 
-use crate::build::{self, BuildOptions, Precision, Variant, WeightMode};
+use crate::build::{self, BuildOptions, Precision, Variant, WeightMode, WeightQuant};
 use crate::kv::{
     self, check_fits, input_ids, kv_slots, logit_rows, outputs_by_name, Chunked, KvCaches,
     StepInputs,
@@ -37,6 +37,8 @@ pub struct EngineOptions {
     pub variants: Vec<Variant>,
     /// Numerics (GGUF only; an artifact's precision was fixed at compile time).
     pub precision: Precision,
+    /// Re-quantization of the linear layers' weights (GGUF only).
+    pub weight_quant: WeightQuant,
 }
 
 impl Default for EngineOptions {
@@ -48,6 +50,7 @@ impl Default for EngineOptions {
             // so longer chunks amortize it (512 measured slower: its packed activations leave L2).
             variants: vec![Variant::Ar(1), Variant::Ar(32), Variant::Ar(128)],
             precision: Precision::Fast,
+            weight_quant: WeightQuant::Gguf,
         }
     }
 }
@@ -492,6 +495,7 @@ pub fn build_variants(
                 ctx,
                 precision: opts.precision,
                 weights,
+                weight_quant: opts.weight_quant,
                 repacked: repacked.clone(),
             },
         )?;

@@ -60,6 +60,7 @@ fn tiny_artifact_equals_gguf_engine() {
         ctx: Some(32),
         variants,
         precision: Precision::Exact,
+        weight_quant: Default::default(),
     };
     let mut a = Engine::from_artifact(
         &out,
@@ -131,6 +132,7 @@ fn gemma3_artifact_same_tokens_as_gguf() {
         ctx: Some(256),
         variants,
         precision: Precision::Fast,
+        weight_quant: Default::default(),
     };
     let prompt = [2u32, 818, 5279, 529, 7001, 563];
     let mut toks = vec![];

@@ -33,6 +33,7 @@ fn err(g: &GgufFile) -> String {
         ctx: 16,
         precision: Precision::Exact,
         weights: WeightMode::Auto,
+        weight_quant: Default::default(),
         repacked: Default::default(),
     };
     build(g, &o).expect_err("the build must fail").to_string()
@@ -104,6 +105,7 @@ fn context_larger_than_memory_is_refused() {
             ctx: Some(ctx),
             variants: vec![npuc_llm::Variant::Ar(1)],
             precision: Precision::Exact,
+            weight_quant: Default::default(),
         };
         let e = match npuc_llm::Engine::from_gguf(&path, &opts) {
             Ok(_) => panic!("a context of {ctx} slots must be refused"),

@@ -19,6 +19,7 @@ fn opts(precision: Precision, variants: &[Variant]) -> EngineOptions {
         ctx: Some(256),
         variants: variants.to_vec(),
         precision,
+        weight_quant: Default::default(),
     }
 }
 

@@ -57,6 +57,7 @@ fn every_value_of_built_llm_graphs_has_a_static_shape() {
                     ctx: 16,
                     precision,
                     weights: WeightMode::Auto,
+                    weight_quant: Default::default(),
                     repacked: Default::default(),
                 };
                 let m = build(&g, &opts).unwrap();

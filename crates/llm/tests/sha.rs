@@ -39,6 +39,7 @@ fn engine(path: &Path, precision: Precision, single_head: bool) -> Engine {
                     ctx: 96,
                     precision,
                     weights: WeightMode::Auto,
+                    weight_quant: Default::default(),
                     repacked: Default::default(),
                 },
             )

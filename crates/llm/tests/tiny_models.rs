@@ -20,6 +20,7 @@ fn opts(variants: &[Variant], ctx: usize) -> EngineOptions {
         ctx: Some(ctx),
         variants: variants.to_vec(),
         precision: Precision::Exact,
+        weight_quant: Default::default(),
     }
 }
 

@@ -74,6 +74,80 @@ impl Precision {
     }
 }
 
+/// Weight re-quantization of the linear layers (attention and FFN projections, the output
+/// head) at build time, from the GGUF's weights dequantized to f32: what an NPU toolchain
+/// deploys (QAIRT's LLM default is LPBQ int4), measured on CPU. The quantized weights enter
+/// the graph dequantized (f32 `[N, K]`, the exact values `q * scale`), so a build in `exact`
+/// precision isolates the quantization's effect (perplexity against the same model unquantized).
+/// Embedding lookups keep the GGUF's own blocks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum WeightQuant {
+    /// The GGUF's own blocks (no re-quantization).
+    #[default]
+    Gguf,
+    /// LPBQ ([`npuc_quant::lpbq`]): `bits`-bit blocks of `block` input channels, 4-bit block
+    /// scales over a per-channel float scale.
+    Lpbq { bits: u8, block: usize },
+    /// Symmetric `bits`-bit, one scale per output channel (absmax / qmax).
+    PerChannel { bits: u8 },
+}
+
+impl WeightQuant {
+    /// Parses `gguf`, `lpbq4[:BLOCK]` (default block 64), `lpbq8[:BLOCK]`, `int8`, `int4`.
+    pub fn parse(s: &str) -> Result<WeightQuant> {
+        let bad = || {
+            LlmError::msg(format!(
+                "unknown weight quantization '{s}' (expected gguf, lpbq4[:BLOCK], lpbq8[:BLOCK], int8 or int4)"
+            ))
+        };
+        let (head, block) = match s.split_once(':') {
+            Some((h, b)) => (h, Some(b.parse::<usize>().map_err(|_| bad())?)),
+            None => (s, None),
+        };
+        let q = match head {
+            "gguf" => WeightQuant::Gguf,
+            "lpbq4" | "lpbq8" => WeightQuant::Lpbq {
+                bits: if head == "lpbq4" { 4 } else { 8 },
+                block: block.unwrap_or(64),
+            },
+            "int8" => WeightQuant::PerChannel { bits: 8 },
+            "int4" => WeightQuant::PerChannel { bits: 4 },
+            _ => return Err(bad()),
+        };
+        if block.is_some() && !matches!(q, WeightQuant::Lpbq { .. }) || block == Some(0) {
+            return Err(bad());
+        }
+        Ok(q)
+    }
+
+    /// The name [`WeightQuant::parse`] reads back.
+    pub fn name(self) -> String {
+        match self {
+            WeightQuant::Gguf => "gguf".into(),
+            WeightQuant::Lpbq { bits, block } => format!("lpbq{bits}:{block}"),
+            WeightQuant::PerChannel { bits } => format!("int{bits}"),
+        }
+    }
+
+    /// `w` (`rows x cols`, one row per output channel) quantized and dequantized.
+    pub fn fake_quantize(self, w: &[f32], rows: usize, cols: usize) -> Result<Vec<f32>> {
+        let q = match self {
+            WeightQuant::Gguf => return Ok(w.to_vec()),
+            WeightQuant::Lpbq { bits, block } => {
+                npuc_quant::lpbq::quantize(w, rows, cols, block, bits, 4)
+            }
+            // One block per row with a 15-bit integer scale: the row's scale is its absmax /
+            // qmax to within 2^-15 (the integer search keeps whichever of the neighbouring
+            // scales reconstructs the row best).
+            WeightQuant::PerChannel { bits } => {
+                npuc_quant::lpbq::quantize(w, rows, cols, cols, bits, 15)
+            }
+        }
+        .map_err(|e| LlmError::msg(e.to_string()))?;
+        Ok(q.dequantize())
+    }
+}
+
 /// How weights enter the graph.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum WeightMode {
@@ -184,6 +258,8 @@ pub struct BuildOptions {
     pub ctx: usize,
     pub precision: Precision,
     pub weights: WeightMode,
+    /// Re-quantization of the linear layers' weights (default: none).
+    pub weight_quant: WeightQuant,
     /// Repacked weights shared between builds (a fresh default repacks for this build only).
     pub repacked: RepackCache,
 }
@@ -743,6 +819,42 @@ impl Builder<'_> {
         Ok(tensor)
     }
 
+    /// A linear weight re-quantized by [`BuildOptions::weight_quant`] (f32 `[N, K]`, the
+    /// quantized values times their scales), from the shared cache or made now: the GGUF rows
+    /// dequantized to f32, then quantized as the option says.
+    fn requantized_tensor(&self, t: &TensorInfo, key: &str) -> Result<Tensor> {
+        let cache = &self.opts.repacked.tensors;
+        if let Some(hit) = cache.lock().ok().and_then(|c| c.get(key).cloned()) {
+            return Ok(hit);
+        }
+        let (rows, cols) = (t.rows() as usize, t.row_len() as usize);
+        let w: Vec<f32> = match t.ggml_type {
+            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => {
+                self.f32_tensor(t)?.into_vec::<f32>()?
+            }
+            ty => {
+                let bytes = self.raw_tensor(t)?.to_le_bytes()?;
+                let rb = bytes.len() / rows.max(1);
+                let mut w = vec![0f32; rows * cols];
+                for (src, dst) in bytes.chunks_exact(rb).zip(w.chunks_exact_mut(cols)) {
+                    npuc_ggml::dequantize_row(ty, src, dst)
+                        .map_err(|e| self.g.tensor_err(&t.name, e.0))?;
+                }
+                w
+            }
+        };
+        let q = self
+            .opts
+            .weight_quant
+            .fake_quantize(&w, rows, cols)
+            .map_err(|e| self.g.tensor_err(&t.name, e.to_string()))?;
+        let tensor = Tensor::from_vec(vec![rows, cols], q)?;
+        if let Ok(mut c) = cache.lock() {
+            c.insert(key.to_string(), tensor.clone());
+        }
+        Ok(tensor)
+    }
+
     /// A tensor as f32 (zero-copy for F32; F16/BF16 widened; quantized types refused).
     fn f32_tensor(&self, t: &TensorInfo) -> Result<Tensor> {
         let raw = self.raw_tensor(t)?;
@@ -894,14 +1006,19 @@ impl Builder<'_> {
             Some(b) => Some(self.param(b, n_out)?),
             None => None,
         };
-        let x8 = self.x8_eligible(&t);
+        let wq = self.opts.weight_quant;
+        let requant = wq != WeightQuant::Gguf && self.mode == WeightMode::Ggml;
+        let x8 = !requant && self.x8_eligible(&t);
         let wname = if x8 {
             format!("{name}.x8")
+        } else if requant {
+            format!("{name}.{}", wq.name())
         } else {
             name.to_string()
         };
         if !self.has_init(&wname) {
             let tensor = match self.mode {
+                WeightMode::Ggml if requant => self.requantized_tensor(&t, &wname)?,
                 WeightMode::Ggml if x8 => self.repacked_tensor(&t, &wname)?,
                 WeightMode::Ggml => self.raw_tensor(&t)?,
                 _ => self.f32_tensor(&t)?,
@@ -928,7 +1045,14 @@ impl Builder<'_> {
                     .opt_input("token_count", token_count)
                     .opt_input("row_start", (head && act_quant).then_some("logits_from"))
                     .output("y", &out)
-                    .attr("ggml_type", Attr::String(t.ggml_type.name().into()))
+                    .attr(
+                        "ggml_type",
+                        Attr::String(if requant {
+                            GgmlType::F32.name().into()
+                        } else {
+                            t.ggml_type.name().into()
+                        }),
+                    )
                     .attr("k", Attr::Int(k as i64))
                     .attr(
                         "act_quant",

@@ -286,6 +286,7 @@ pub fn build_part_shared(
             ctx,
             precision,
             weights: WeightMode::Auto,
+            weight_quant: Default::default(),
             repacked: repacked.clone(),
         },
         Some(part),

@@ -92,6 +92,7 @@ pub fn assert_parity_greedy(name: &str, model: &std::path::Path, rel: &str) {
         ctx: Some(256),
         variants: vec![Variant::Ar(1), Variant::Ar(32), Variant::Ar(128)],
         precision: Precision::Parity,
+        weight_quant: Default::default(),
     };
     let mut e = Engine::from_gguf(model, &opts).unwrap();
     let (mut same, mut total, mut prompts_ok) = (0, 0, 0);
