@@ -12,7 +12,10 @@ use npuc_generate::chat::{ChatMessage, ChatSession, ChatTemplate};
 use npuc_generate::{
     generate, generate_continue, perplexity, CausalLm, GenOutput, SamplerParams, TokenText,
 };
-use npuc_llm::{Bundle, BundleOptions, Engine, EngineOptions, Precision, Variant, WeightQuant};
+use npuc_llm::{
+    Bundle, BundleOptions, Engine, EngineOptions, Precision, Variant, WeightQuant,
+    WeightQuantOptions,
+};
 use npuc_tokenizer::Tokenizer;
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
@@ -155,6 +158,16 @@ pub struct ModelArgs {
     /// the model is f32, so perplexity shows the quantization's cost alone.
     #[arg(long, value_name = "SCHEME")]
     pub quantize_weights: Option<String>,
+    /// Calibration text for `--quantize-weights`: the unquantized model is run over it first
+    /// and each linear layer's input statistics weight the quantizer's error (expected output
+    /// error instead of the weights' own). Use text other than what you evaluate on.
+    #[arg(long, value_name = "FILE", requires = "quantize_weights")]
+    pub calib_text: Option<PathBuf>,
+    /// Activation-aware weight scaling (AWQ-style) before `--quantize-weights`, exponent ALPHA
+    /// in [0, 1] (0.5 is AWQ's usual choice): input channels with large calibration activations
+    /// get a finer grid; the inverse scale folds into the producing norm or projection.
+    #[arg(long, value_name = "ALPHA", requires = "calib_text")]
+    pub awq_alpha: Option<f32>,
 }
 
 /// Sampling options (llama.cpp's names and defaults, except the seed: fixed 0 for reproducibility).
@@ -326,7 +339,7 @@ pub fn check_precision(model: &Path, given: &Given) -> Result<()> {
     }
     if npuc_llm::bundle::is_bundle(model) || is_llm_artifact(model) {
         given.reject(
-            &["quantize_weights"],
+            &["quantize_weights", "calib_text", "awq_alpha"],
             "an artifact's or bundle's weights were fixed when it was compiled; give the GGUF",
         )?;
     }
@@ -380,6 +393,21 @@ pub fn check_generate_flags(a: &GenerateArgs, given: &Given) -> Result<()> {
 }
 
 /// Loads the model (engine or bundle) and the tokenizer for `args.model`.
+/// `file` tokenized with the GGUF `model`'s tokenizer (no special tokens).
+fn calibration_tokens(model: &Path, file: &Path) -> Result<Vec<u32>> {
+    let text = std::fs::read_to_string(file)
+        .with_context(|| format!("reading the calibration text '{}'", file.display()))?;
+    let g = npuc_gguf::GgufFile::open(model)
+        .with_context(|| format!("loading '{}'", model.display()))?;
+    let meta = npuc_llm::GgufMetaJson::filtered(&g.metadata, npuc_llm::engine::TOKENIZER_PREFIXES);
+    let tok = Tokenizer::from_metadata_named(&model.display().to_string(), &meta.entries)?;
+    let ids = tok.encode(&text, false)?;
+    if ids.is_empty() {
+        bail!("the calibration text '{}' is empty", file.display());
+    }
+    Ok(ids)
+}
+
 pub fn load(args: &ModelArgs) -> Result<(Model, Tokenizer)> {
     let threads = args
         .threads
@@ -432,9 +460,22 @@ pub fn load(args: &ModelArgs) -> Result<(Model, Tokenizer)> {
             PrecisionArg::Parity => Precision::Parity,
             PrecisionArg::Exact => Precision::Exact,
         },
-        weight_quant: match &args.quantize_weights {
-            Some(s) => WeightQuant::parse(s)?,
-            None => WeightQuant::Gguf,
+        weight_quant: WeightQuantOptions {
+            scheme: match &args.quantize_weights {
+                Some(s) => WeightQuant::parse(s)?,
+                None => WeightQuant::Gguf,
+            },
+            calib_tokens: match &args.calib_text {
+                Some(f) => calibration_tokens(path, f)?,
+                None => vec![],
+            },
+            awq_alpha: match args.awq_alpha {
+                Some(a) if !(0.0..=1.0).contains(&a) => {
+                    bail!("--awq-alpha {a}: expected a value in [0, 1]")
+                }
+                a => a,
+            },
+            ..Default::default()
         },
         ..Default::default()
     };

@@ -346,6 +346,8 @@ fn main() {
                             chat_template: None,
                             variants,
                             quantize_weights: None,
+                            calib_text: None,
+                            awq_alpha: None,
                         },
                         prompt_len: prompt_len.unwrap_or(128),
                         gen,

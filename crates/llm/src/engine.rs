@@ -5,7 +5,9 @@
 //! run, never copied), then writes the call's `new_key.{l}` / `new_value.{l}` into them in place
 //! at the call's positions.
 
-use crate::build::{self, BuildOptions, Precision, Variant, WeightMode, WeightQuant};
+use crate::build::{
+    self, BuildOptions, Precision, Variant, WeightMode, WeightQuant, WeightQuantOptions,
+};
 use crate::kv::{
     self, check_fits, input_ids, kv_slots, logit_rows, outputs_by_name, Chunked, KvCaches,
     StepInputs,
@@ -13,8 +15,9 @@ use crate::kv::{
 use crate::{bail, LlmError, Result};
 use npuc_gguf::GgufFile;
 use npuc_gguf::GgufMetaJson;
-use npuc_ir::{DType, Model};
+use npuc_ir::{DType, Model, Tensor};
 use npuc_runtime::{Session, SessionOptions};
+use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -38,7 +41,7 @@ pub struct EngineOptions {
     /// Numerics (GGUF only; an artifact's precision was fixed at compile time).
     pub precision: Precision,
     /// Re-quantization of the linear layers' weights (GGUF only).
-    pub weight_quant: WeightQuant,
+    pub weight_quant: WeightQuantOptions,
 }
 
 impl Default for EngineOptions {
@@ -50,7 +53,7 @@ impl Default for EngineOptions {
             // so longer chunks amortize it (512 measured slower: its packed activations leave L2).
             variants: vec![Variant::Ar(1), Variant::Ar(32), Variant::Ar(128)],
             precision: Precision::Fast,
-            weight_quant: WeightQuant::Gguf,
+            weight_quant: WeightQuantOptions::default(),
         }
     }
 }
@@ -79,12 +82,27 @@ pub struct Engine {
     meta: GgufMetaJson,
     /// Weight bytes one decode step reads (every product's weights; one row of each gather).
     decode_weight_bytes: u64,
+    /// Statistics of the linear layers' inputs (calibration engines only).
+    observer: Option<LinearInputObserver>,
 }
 
 impl Engine {
     /// Builds the variant graphs of a GGUF model in memory (weights stay in the file mapping).
     pub fn from_gguf(path: &Path, opts: &EngineOptions) -> Result<Engine> {
         let g = GgufFile::open(path)?;
+        let wq = &opts.weight_quant;
+        let calibrated;
+        let opts = if wq.scheme != WeightQuant::Gguf
+            && !wq.calib_tokens.is_empty()
+            && wq.importance.is_none()
+        {
+            let mut o = opts.clone();
+            o.weight_quant.importance = Some(Arc::new(linear_input_importance(&g, opts)?));
+            calibrated = o;
+            &calibrated
+        } else {
+            opts
+        };
         let models = build_variants(&g, opts, WeightMode::Auto)?;
         let meta = GgufMetaJson::filtered(&g.metadata, TOKENIZER_PREFIXES);
         Engine::from_models(models, meta, opts.threads)
@@ -216,6 +234,7 @@ impl Engine {
             position: 0,
             meta,
             decode_weight_bytes,
+            observer: None,
         })
     }
 
@@ -277,6 +296,7 @@ impl Engine {
             position: 0,
             meta: GgufMetaJson::default(),
             decode_weight_bytes: self.decode_weight_bytes,
+            observer: None,
         }
     }
 
@@ -330,6 +350,9 @@ impl Chunked for Engine {
         self.caches.feed(&mut feeds);
         let mut outs = outputs_by_name(sess.run(feeds)?)?;
         self.caches.store(&mut outs, n, count, pos)?;
+        if let Some(obs) = &mut self.observer {
+            obs.add(&outs, count)?;
+        }
         let Some(logits) = outs.remove("logits") else {
             bail!("the graph has no 'logits' output");
         };
@@ -495,11 +518,110 @@ pub fn build_variants(
                 ctx,
                 precision: opts.precision,
                 weights,
-                weight_quant: opts.weight_quant,
+                weight_quant: opts.weight_quant.clone(),
                 repacked: repacked.clone(),
             },
         )?;
         out.push((v, m));
+    }
+    Ok(out)
+}
+
+/// Per-channel sums of squares of every linear layer's input over the real rows of each call.
+struct LinearInputObserver {
+    /// Weight name -> input value name.
+    inputs: Vec<(String, String)>,
+    /// Input value name -> (sum of squares per channel, rows seen).
+    sums: HashMap<String, (Vec<f64>, usize)>,
+}
+
+impl LinearInputObserver {
+    fn add(&mut self, outs: &HashMap<String, Arc<Tensor>>, rows: usize) -> Result<()> {
+        for (_, x) in &self.inputs {
+            let Some(t) = outs.get(x) else {
+                bail!("calibration graph lacks the linear input '{x}' among its outputs");
+            };
+            let k = *t.shape().last().unwrap_or(&0);
+            let v = t.as_slice::<f32>()?;
+            if k == 0 || v.len() < rows * k {
+                bail!(
+                    "linear input '{x}' has {} values, expected {rows} rows",
+                    v.len()
+                );
+            }
+            let (sum, n) = self
+                .sums
+                .entry(x.clone())
+                .or_insert_with(|| (vec![0f64; k], 0));
+            for row in v[..rows * k].chunks_exact(k) {
+                for (s, &a) in sum.iter_mut().zip(row) {
+                    *s += (a as f64) * (a as f64);
+                }
+            }
+            *n += rows;
+        }
+        Ok(())
+    }
+}
+
+/// Context of the calibration run's chunks.
+const CALIB_CTX: usize = 512;
+
+/// Runs the model unquantized (exact precision) over `opts.weight_quant.calib_tokens`, in
+/// chunks of [`CALIB_CTX`] tokens each from an empty cache, and returns each linear weight's
+/// per-input-channel mean square of its input (the importance its re-quantization weighs the
+/// error with).
+fn linear_input_importance(
+    g: &GgufFile,
+    opts: &EngineOptions,
+) -> Result<HashMap<String, Vec<f32>>> {
+    let hp = build::hparams(g)?;
+    let ctx = CALIB_CTX.min(hp.ctx_train.max(1));
+    let copts = EngineOptions {
+        threads: opts.threads,
+        ctx: Some(ctx),
+        variants: vec![Variant::Ar(ctx.min(128))],
+        precision: Precision::Exact,
+        weight_quant: WeightQuantOptions {
+            observe: true,
+            ..Default::default()
+        },
+    };
+    let models = build_variants(g, &copts, WeightMode::Auto)?;
+    let facts: serde_json::Value = models
+        .first()
+        .and_then(|(_, m)| m.metadata(META_KEY))
+        .and_then(|j| serde_json::from_str(j).ok())
+        .unwrap_or_default();
+    let inputs: Vec<(String, String)> = facts
+        .get("linear_inputs")
+        .and_then(|m| m.as_object())
+        .map(|m| {
+            m.iter()
+                .filter_map(|(w, x)| Some((w.clone(), x.as_str()?.to_string())))
+                .collect()
+        })
+        .unwrap_or_default();
+    if inputs.is_empty() {
+        bail!("the calibration graph records no linear inputs");
+    }
+    let mut e = Engine::from_models(models, GgufMetaJson::default(), opts.threads)?;
+    e.observer = Some(LinearInputObserver {
+        inputs: inputs.clone(),
+        sums: HashMap::new(),
+    });
+    for chunk in opts.weight_quant.calib_tokens.chunks(ctx) {
+        e.reset();
+        e.forward(chunk, false)?;
+    }
+    let obs = e.observer.take().expect("set above");
+    let mut out = HashMap::new();
+    for (w, x) in inputs {
+        let Some((sum, n)) = obs.sums.get(&x) else {
+            continue;
+        };
+        let n = (*n).max(1) as f64;
+        out.insert(w, sum.iter().map(|s| (s / n) as f32).collect());
     }
     Ok(out)
 }

@@ -17,7 +17,9 @@ pub mod interop;
 pub mod kv;
 pub mod ops;
 
-pub use build::{build, BuildOptions, Hparams, Precision, Variant, WeightMode, WeightQuant};
+pub use build::{
+    build, BuildOptions, Hparams, Precision, Variant, WeightMode, WeightQuant, WeightQuantOptions,
+};
 pub use bundle::{Bundle, BundleOptions};
 pub use engine::{Engine, EngineOptions};
 pub use npuc_gguf::GgufMetaJson;

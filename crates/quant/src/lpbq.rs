@@ -86,6 +86,36 @@ pub fn quantize(
     bw: u8,
     compressed_bw: u8,
 ) -> Result<LpbqWeight> {
+    quantize_weighted(w, rows, cols, block, bw, compressed_bw, None)
+}
+
+/// [`quantize`] with the block-scale search weighting each input channel's squared error by
+/// `importance[c]` (e.g. the mean square of that input channel's activations on calibration
+/// data: then the search minimizes the expected error of the layer's output, diagonal
+/// approximation of `||X (Q(W) - W)||^2`, instead of the weight's own error).
+pub fn quantize_weighted(
+    w: &[f32],
+    rows: usize,
+    cols: usize,
+    block: usize,
+    bw: u8,
+    compressed_bw: u8,
+    importance: Option<&[f32]>,
+) -> Result<LpbqWeight> {
+    if let Some(imp) = importance {
+        if imp.len() != cols {
+            bail!(
+                "LPBQ: {} importance values for {cols} input channels",
+                imp.len()
+            );
+        }
+        if let Some(i) = imp.iter().position(|x| !x.is_finite() || *x < 0.0) {
+            bail!(
+                "LPBQ: importance of input channel {i} is {} (must be finite and >= 0)",
+                imp[i]
+            );
+        }
+    }
     if w.len() != rows * cols {
         bail!(
             "LPBQ: weight has {} values, expected {rows} x {cols}",
@@ -139,17 +169,21 @@ pub fn quantize(
             *cs = c;
             for (bi, (blk, &s)) in row.chunks(block).zip(&ideal).enumerate() {
                 let t = s / c;
-                let lo = (t.floor() as i64 - 1).clamp(1, kmax as i64) as u32;
+                // Down to 60% of the ideal scale: clipping the extremes of a block can pay when
+                // its grid then fits the bulk of its values (the error decides).
+                let lo = ((t * 0.6).floor() as i64).clamp(1, kmax as i64) as u32;
                 let hi = (t.ceil() as i64 + 1).clamp(1, kmax as i64) as u32;
                 let mut best = (f64::INFINITY, hi);
                 for k in lo..=hi {
                     let sc = c * k as f32;
+                    let imp = importance.map(|m| &m[bi * block..(bi + 1) * block]);
                     let err: f64 = blk
                         .iter()
-                        .map(|&x| {
+                        .enumerate()
+                        .map(|(j, &x)| {
                             let q = (x / sc).round().clamp(qmin, qmax);
                             let d = (q * sc - x) as f64;
-                            d * d
+                            d * d * imp.map_or(1.0, |m| m[j] as f64)
                         })
                         .sum();
                     if err < best.0 {

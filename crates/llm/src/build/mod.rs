@@ -130,22 +130,55 @@ impl WeightQuant {
     }
 
     /// `w` (`rows x cols`, one row per output channel) quantized and dequantized.
-    pub fn fake_quantize(self, w: &[f32], rows: usize, cols: usize) -> Result<Vec<f32>> {
+    /// `importance`: per input channel weights of the error (see [`WeightQuantOptions`]).
+    pub fn fake_quantize(
+        self,
+        w: &[f32],
+        rows: usize,
+        cols: usize,
+        importance: Option<&[f32]>,
+    ) -> Result<Vec<f32>> {
         let q = match self {
             WeightQuant::Gguf => return Ok(w.to_vec()),
             WeightQuant::Lpbq { bits, block } => {
-                npuc_quant::lpbq::quantize(w, rows, cols, block, bits, 4)
+                npuc_quant::lpbq::quantize_weighted(w, rows, cols, block, bits, 4, importance)
             }
             // One block per row with a 15-bit integer scale: the row's scale is its absmax /
             // qmax to within 2^-15 (the integer search keeps whichever of the neighbouring
             // scales reconstructs the row best).
             WeightQuant::PerChannel { bits } => {
-                npuc_quant::lpbq::quantize(w, rows, cols, cols, bits, 15)
+                npuc_quant::lpbq::quantize_weighted(w, rows, cols, cols, bits, 15, importance)
             }
         }
         .map_err(|e| LlmError::msg(e.to_string()))?;
         Ok(q.dequantize())
     }
+}
+
+/// Weight re-quantization of a build: the scheme and, when calibrated, each linear weight's
+/// per-input-channel importance.
+#[derive(Clone, Debug, Default)]
+pub struct WeightQuantOptions {
+    pub scheme: WeightQuant,
+    /// Token ids of calibration text: when given with a re-quantizing scheme, the engine first
+    /// runs the unquantized model (exact precision) over them and measures each linear input's
+    /// per-channel mean square, which then weights the quantizer's error (the expected error of
+    /// each layer's output instead of its weights' own error). Empty: weights alone decide.
+    pub calib_tokens: Vec<u32>,
+    /// Weight name -> per-input-channel importance (filled by the engine from the calibration run).
+    pub importance: Option<std::sync::Arc<std::collections::HashMap<String, Vec<f32>>>>,
+    /// Expose every linear layer's input as a graph output (the calibration run's graphs); the
+    /// graph's `npuc.llm` facts map `linear_inputs` {weight name: value name}.
+    pub observe: bool,
+    /// Activation-aware scaling (AWQ-style) with this exponent, calibrated builds only: each
+    /// input channel `j` of a weight is multiplied by `s_j = (E[x_j^2])^(alpha/2)` (normalized
+    /// to geometric mean 1) before quantization and divided by it after, so the channels whose
+    /// activations are large get a finer grid. Deployed, `1/s` folds exactly into the producer
+    /// of the input (the RMSNorm gamma before q/k/v, gate/up and the head; the `up` rows before
+    /// `down`); it depends only on the input's statistics, so every weight reading one input
+    /// gets the same `s`. Not applied to the attention output projection, whose producer (the
+    /// value projection, shared by the heads of a KV group) cannot take a per-head scale.
+    pub awq_alpha: Option<f32>,
 }
 
 /// How weights enter the graph.
@@ -259,7 +292,7 @@ pub struct BuildOptions {
     pub precision: Precision,
     pub weights: WeightMode,
     /// Re-quantization of the linear layers' weights (default: none).
-    pub weight_quant: WeightQuant,
+    pub weight_quant: WeightQuantOptions,
     /// Repacked weights shared between builds (a fresh default repacks for this build only).
     pub repacked: RepackCache,
 }
@@ -531,6 +564,7 @@ pub(crate) fn build_layers(
         nodes: vec![],
         inits: vec![],
         n: 0,
+        linear_inputs: vec![],
     };
     let whole = split::PartSpec::whole(hp.n_layers);
     let part = part.unwrap_or(&whole);
@@ -605,6 +639,16 @@ pub(crate) fn build_layers(
         "n_kv_heads": kvh, "head_dim": d, "vocab": hp.vocab,
         "kv_dtype": kv.name(), "precision": opts.precision.name(),
     });
+    if opts.weight_quant.observe {
+        let mut map = serde_json::Map::new();
+        for (w, x) in &b.linear_inputs {
+            if !outputs.iter().any(|o| &o.name == x) {
+                outputs.push(ValueInfo::new(x.clone(), None));
+            }
+            map.insert(w.clone(), serde_json::json!(x));
+        }
+        facts["linear_inputs"] = serde_json::Value::Object(map);
+    }
     let name = if part.is_whole(hp.n_layers) {
         format!("{}-n{n}-c{c}", hp.arch)
     } else {
@@ -658,6 +702,8 @@ struct Builder<'a> {
     inits: Vec<Initializer>,
     /// Counter for fresh value names.
     n: usize,
+    /// (weight name, input value name) of every linear layer, for calibration graphs.
+    linear_inputs: Vec<(String, String)>,
 }
 
 impl Builder<'_> {
@@ -843,11 +889,36 @@ impl Builder<'_> {
                 w
             }
         };
-        let q = self
-            .opts
-            .weight_quant
-            .fake_quantize(&w, rows, cols)
-            .map_err(|e| self.g.tensor_err(&t.name, e.to_string()))?;
+        let wq = &self.opts.weight_quant;
+        let importance = wq
+            .importance
+            .as_ref()
+            .and_then(|m| m.get(&t.name))
+            .map(|v| v.as_slice());
+        let awq = wq
+            .awq_alpha
+            .filter(|_| !t.name.contains("attn_output"))
+            .zip(importance);
+        let q = match awq {
+            Some((alpha, imp)) => {
+                let s = awq_scales(imp, alpha);
+                let scaled: Vec<f32> = w
+                    .chunks_exact(cols)
+                    .flat_map(|row| row.iter().zip(&s).map(|(x, s)| x * s))
+                    .collect();
+                // The error of a scaled column counts 1/s^2 as much in the original units.
+                let imp_s: Vec<f32> = imp.iter().zip(&s).map(|(m, s)| m / (s * s)).collect();
+                wq.scheme
+                    .fake_quantize(&scaled, rows, cols, Some(&imp_s))
+                    .map(|q| {
+                        q.chunks_exact(cols)
+                            .flat_map(|row| row.iter().zip(&s).map(|(x, s)| x / s))
+                            .collect::<Vec<f32>>()
+                    })
+            }
+            None => wq.scheme.fake_quantize(&w, rows, cols, importance),
+        }
+        .map_err(|e| self.g.tensor_err(&t.name, e.to_string()))?;
         let tensor = Tensor::from_vec(vec![rows, cols], q)?;
         if let Ok(mut c) = cache.lock() {
             c.insert(key.to_string(), tensor.clone());
@@ -1002,11 +1073,12 @@ impl Builder<'_> {
         head: bool,
     ) -> Result<String> {
         let t = self.expect_shape(name, &[n_out, k])?.clone();
+        self.linear_inputs.push((name.to_string(), x.to_string()));
         let bias = match bias {
             Some(b) => Some(self.param(b, n_out)?),
             None => None,
         };
-        let wq = self.opts.weight_quant;
+        let wq = self.opts.weight_quant.scheme;
         let requant = wq != WeightQuant::Gguf && self.mode == WeightMode::Ggml;
         let x8 = !requant && self.x8_eligible(&t);
         let wname = if x8 {
@@ -1396,4 +1468,21 @@ impl Builder<'_> {
         self.push("Identity", "", &[&logits], "logits", vec![]);
         Ok(())
     }
+}
+
+/// AWQ-style per-input-channel scales `(E[x^2])^(alpha/2)`, normalized to geometric mean 1 (see
+/// [`WeightQuantOptions::awq_alpha`]); channels that never fired get the smallest scale seen.
+fn awq_scales(mean_sq: &[f32], alpha: f32) -> Vec<f32> {
+    let floor = mean_sq
+        .iter()
+        .copied()
+        .filter(|&m| m > 0.0)
+        .fold(f32::INFINITY, f32::min);
+    let floor = if floor.is_finite() { floor } else { 1.0 };
+    let logs: Vec<f64> = mean_sq
+        .iter()
+        .map(|&m| (m.max(floor) as f64).ln() * alpha as f64 / 2.0)
+        .collect();
+    let mean = logs.iter().sum::<f64>() / logs.len().max(1) as f64;
+    logs.iter().map(|l| (l - mean).exp() as f32).collect()
 }
