@@ -738,7 +738,7 @@ pub fn compile_quantized(
     }
     let mut t = Instant::now();
     if let Some(p) = &q.emit_encodings {
-        let args = serde_json::json!({
+        let made = serde_json::json!({
             "activation_bitwidth": enc.activations.values().find_map(|e| match e { npuc_quant::TensorEncoding::Int(q) => Some(npuc_quant::bitwidth(q.dtype)), _ => None }).unwrap_or(32),
             "param_bitwidth": enc.params.values().find_map(|e| match e { npuc_quant::TensorEncoding::Int(q) if q.dtype != DType::I32 => Some(npuc_quant::bitwidth(q.dtype)), _ => None }).unwrap_or(32),
             "dtype": "int",
@@ -748,6 +748,16 @@ pub fn compile_quantized(
             "npuc_scheme": q.scheme.as_deref().unwrap_or(""),
             "npuc_calib_method": method,
         });
+        // Encodings read with --encodings keep the record of how they were made, so writing
+        // them again gives the file that was read (the AIMET round trip is byte for byte).
+        let args = match &q.encodings {
+            Some(src) => std::fs::read_to_string(src)
+                .ok()
+                .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+                .and_then(|v| v.get("quantizer_args").cloned())
+                .unwrap_or(made),
+            None => made,
+        };
         encodings::write(
             p,
             &enc,
