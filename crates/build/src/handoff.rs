@@ -104,6 +104,7 @@ pub fn part_encodings(m: &Model) -> Result<String> {
                 axis: Some(1),
                 block_size: Some(block),
                 param_shape: vec![rows, per_row],
+                lpbq: None,
             }),
         );
     }

@@ -275,8 +275,14 @@ fn check_quant_flags(q: &QuantizeArgs, given: &Given) -> Result<()> {
             "applies only with --calib-method percentile",
         )?;
     }
-    if q.granularity != "per-block" {
-        given.reject(&["block_size"], "applies only with --granularity per-block")?;
+    if q.granularity != "per-block" && q.granularity != "lpbq" {
+        given.reject(
+            &["block_size"],
+            "applies only with --granularity per-block or lpbq",
+        )?;
+    }
+    if q.granularity != "lpbq" {
+        given.reject(&["compressed_bw"], "applies only with --granularity lpbq")?;
     }
     Ok(())
 }

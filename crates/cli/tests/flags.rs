@@ -225,6 +225,17 @@ fn quantized_compile_prints_passes_and_rejects_ignored_flags() {
             vec!["--calib", s(&calib), "--block-size", "16"],
             "--block-size",
         ),
+        (
+            vec![
+                "--calib",
+                s(&calib),
+                "--granularity",
+                "per-block",
+                "--compressed-bw",
+                "4",
+            ],
+            "--compressed-bw",
+        ),
         (vec!["--calib", s(&calib), "--mean", "0.5"], "--mean"),
         (
             vec!["--calib", s(&calib), "--encodings-version", "1.0.0"],

@@ -1598,9 +1598,10 @@ fn fuzz_cli_quantize() {
         ("--percentile", Kind::Float),
         (
             "--granularity",
-            Kind::Choice(&["per-tensor", "per-channel", "per-row", "per-block"]),
+            Kind::Choice(&["per-tensor", "per-channel", "per-row", "per-block", "lpbq"]),
         ),
         ("--block-size", Kind::Size),
+        ("--compressed-bw", Kind::Size),
         ("--symmetric-activations", Kind::Switch),
         ("--overrides", Kind::Path),
         ("--keep-float", Kind::Text),

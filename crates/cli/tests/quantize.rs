@@ -689,3 +689,205 @@ fn opset13_model(g: Graph) -> Model {
         ..Default::default()
     }
 }
+
+/// x[1,64] -> Gemm(transB, w1[32,64], b1) -> Relu -> MatMul(w2[32,24]) -> Relu -> MatMul(w3[24,5])
+/// -> y: two linear weights a block size of 16 divides, one it does not (K = 24).
+fn write_mlp(dir: &Path) -> (PathBuf, Vec<(&'static str, Tensor)>) {
+    let scaled = |n: usize, seed: u64, k: usize| -> Vec<f32> {
+        // Magnitudes that change along the input channels, so block scales differ.
+        rand_vec(n, seed)
+            .iter()
+            .enumerate()
+            .map(|(i, v)| v * (0.2 + ((i % k) / 8) as f32 * 0.3))
+            .collect()
+    };
+    let params = vec![
+        (
+            "w1",
+            Tensor::from_vec(vec![32, 64], scaled(2048, 11, 64)).unwrap(),
+        ),
+        ("b1", Tensor::from_vec(vec![32], rand_vec(32, 12)).unwrap()),
+        (
+            "w2",
+            Tensor::from_vec(vec![32, 24], scaled(768, 13, 24)).unwrap(),
+        ),
+        (
+            "w3",
+            Tensor::from_vec(vec![24, 5], rand_vec(120, 14)).unwrap(),
+        ),
+    ];
+    let g = Graph {
+        name: "mlp".into(),
+        nodes: vec![
+            node("Gemm", &["x", "w1", "b1"], &["h1"], "/fc1/Gemm")
+                .with_attr("transB", Attr::Int(1)),
+            node("Relu", &["h1"], &["r1"], "/fc1/Relu"),
+            node("MatMul", &["r1", "w2"], &["h2"], "/fc2/MatMul"),
+            node("Relu", &["h2"], &["r2"], "/fc2/Relu"),
+            node("MatMul", &["r2", "w3"], &["y"], "/fc3/MatMul"),
+        ],
+        inputs: vec![ValueInfo::new(
+            "x",
+            Some(TypeInfo::tensor(DType::F32, &[1, 64])),
+        )],
+        outputs: vec![ValueInfo::new(
+            "y",
+            Some(TypeInfo::tensor(DType::F32, &[1, 5])),
+        )],
+        initializers: params
+            .iter()
+            .map(|(n, t)| Initializer {
+                name: (*n).into(),
+                tensor: t.clone(),
+            })
+            .collect(),
+        ..Default::default()
+    };
+    let p = dir.join("mlp.onnx");
+    npuc_onnx::save_model(&opset13_model(g), &p, &Default::default()).unwrap();
+    (p, params)
+}
+
+/// `--granularity lpbq` end to end: LPBQ on the linear weights the block size divides (a note
+/// names the one it does not), AIMET 1.0.0 `LPBQ` entries, the encodings round trip through
+/// `--encodings` (the same encodings and QDQ export, byte for byte), and the artifact's output
+/// against numpy reading nothing but the encodings file and the float weights (AIMET's LPBQ
+/// definition: block scale = `scale[c] * per_block_int_scale`, symmetric 4-bit grid).
+#[test]
+fn lpbq_weights_encodings_round_trip_and_numpy_reference() {
+    let t = tempfile::tempdir().unwrap();
+    let d = t.path();
+    let (model, params) = write_mlp(d);
+    let calib = d.join("calib");
+    std::fs::create_dir_all(&calib).unwrap();
+    for i in 0..4 {
+        write_npy(
+            &calib.join(format!("x_{i:03}.npy")),
+            &Tensor::from_vec(vec![1, 64], rand_vec(64, 200 + i)).unwrap(),
+        );
+    }
+    let (q1, e1, x1) = (d.join("q1.npuc"), d.join("enc.json"), d.join("q1.onnx"));
+    let flags =
+        "--quantize w4 --granularity lpbq --block-size 16 --encodings-version 1.0.0 --no-progress";
+    let mut c = npuc();
+    c.arg("compile").arg(&model).args(flags.split(' '));
+    for (flag, p) in [
+        ("--calib", &calib),
+        ("--emit-encodings", &e1),
+        ("--emit-qdq", &x1),
+        ("-o", &q1),
+    ] {
+        c.arg(flag).arg(p);
+    }
+    let o = c.output().unwrap();
+    let log = format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(o.status.success(), "{log}");
+    assert!(
+        log.contains("weight 'w3' of MatMul '/fc3/MatMul': per-channel instead of LPBQ (block size 16 does not divide its 24 input channels)"),
+        "{log}"
+    );
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&e1).unwrap()).unwrap();
+    let kind = |n: &str| {
+        v["param_encodings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["name"] == n)
+            .map(|e| e["enc_type"].as_str().unwrap().to_string())
+    };
+    assert_eq!(kind("w1").as_deref(), Some("LPBQ"));
+    assert_eq!(kind("w2").as_deref(), Some("LPBQ"));
+    assert_eq!(kind("w3").as_deref(), Some("PER_CHANNEL"));
+    // The encodings round trip: the same encodings and the same QDQ export.
+    let (q2, e2, x2) = (d.join("q2.npuc"), d.join("enc2.json"), d.join("q2.onnx"));
+    ok(npuc()
+        .arg("compile")
+        .arg(&model)
+        .args([
+            "--quantize",
+            "w4",
+            "--encodings-version",
+            "1.0.0",
+            "--encodings",
+        ])
+        .arg(&e1)
+        .arg("--emit-encodings")
+        .arg(&e2)
+        .arg("--emit-qdq")
+        .arg(&x2)
+        .arg("-o")
+        .arg(&q2));
+    assert!(
+        std::fs::read(&e1).unwrap() == std::fs::read(&e2).unwrap(),
+        "the encodings written from --encodings differ from the ones read"
+    );
+    assert_eq!(std::fs::read(&x1).unwrap(), std::fs::read(&x2).unwrap());
+    // numpy from the encodings file alone.
+    for (n, t) in &params {
+        write_npy(&d.join(format!("{n}.npy")), t);
+    }
+    let x = d.join("in.npy");
+    write_npy(
+        &x,
+        &Tensor::from_vec(vec![1, 64], rand_vec(64, 999)).unwrap(),
+    );
+    let code = r#"import sys, json, numpy as np
+d = sys.argv[1]
+enc = {e['name']: e for e in json.load(open(d + '/enc.json'))['param_encodings']}
+def dq(name, in_axis):
+    w = np.load(f'{d}/{name}.npy'); e = enc[name]; s = np.array(e['scale'], np.float32)
+    cs = s.reshape((-1, 1)) if in_axis == 1 else s.reshape((1, -1))
+    if e['enc_type'] == 'LPBQ':
+        b = e['block_size']; shp = list(w.shape); shp[in_axis] //= b
+        k = np.array(e['per_block_int_scale'], np.float32).reshape(shp)
+        assert k.min() >= 1 and k.max() <= 2 ** e['compressed_bw']
+        full = np.repeat((cs * k).astype(np.float32), b, axis=in_axis)
+    else:
+        full = np.broadcast_to(cs, w.shape)
+    assert all(o == -(1 << (e['bw'] - 1)) for o in e['offset'])
+    lo, hi = -(1 << (e['bw'] - 1)), (1 << (e['bw'] - 1)) - 1
+    q = np.clip(np.round(w.astype(np.float64) / full.astype(np.float64)), lo, hi)
+    return (q * full).astype(np.float32)
+x = np.load(d + '/in.npy')
+h = np.maximum(x @ dq('w1', 1).T + np.load(d + '/b1.npy'), 0)
+h = np.maximum(h @ dq('w2', 0), 0)
+np.save(d + '/ref.npy', (h @ dq('w3', 0)).astype(np.float32))
+"#;
+    let o = npuc_testsupport::python()
+        .arg("-c")
+        .arg(code)
+        .arg(d)
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "numpy reference failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let r = npy::read_npy(&d.join("ref.npy")).unwrap();
+    let r = r.as_slice::<f32>().unwrap();
+    let got = npuc_out(&q1, "x", &x, &d.join("o"), "y");
+    let scale = r.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let diff = r
+        .iter()
+        .zip(&got)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    // Same quantized weights, float sums in another order: f32 rounding only.
+    assert!(
+        diff <= 1e-5 * scale.max(1.0),
+        "max abs {diff} (outputs up to {scale})"
+    );
+    // And the quantization did something: the float model differs by more than that.
+    let fl = npuc_out(&model, "x", &x, &d.join("of"), "y");
+    let fd = fl
+        .iter()
+        .zip(&got)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(fd > 1e-3 * scale, "LPBQ output equals float ({fd})");
+}

@@ -920,7 +920,6 @@ fn compile_onnx(
             calib_method: cal.method.clone(),
             percentile: 99.99,
             granularity: "per-channel".into(),
-            block_size: 32,
             image_size: Some(format!("{},{}", pre.size.0, pre.size.1)),
             mean: Some(pre.mean.map(|x| x.to_string()).join(",")),
             std: Some(pre.std.map(|x| x.to_string()).join(",")),

@@ -36,12 +36,17 @@ pub struct QuantizeArgs {
     /// Percentile for --calib-method percentile.
     #[arg(long, default_value_t = 99.99)]
     pub percentile: f64,
-    /// Weight granularity: per-tensor, per-channel, per-row, per-block.
+    /// Weight granularity: per-tensor, per-channel, per-row, per-block, or lpbq (MatMul/Gemm
+    /// weights in blocks whose scales are small integers times one float scale per output
+    /// channel, QNN's LPBQ; other weights per-channel).
     #[arg(long, default_value = "per-channel")]
     pub granularity: String,
-    /// Block size for --granularity per-block.
-    #[arg(long = "block-size", default_value_t = 32)]
-    pub block_size: usize,
+    /// Input channels per block for --granularity per-block (default 32) or lpbq (default 64).
+    #[arg(long = "block-size", value_name = "N")]
+    pub block_size: Option<usize>,
+    /// Bits of LPBQ's integer block scales (--granularity lpbq; default 4).
+    #[arg(long = "compressed-bw", value_name = "BITS")]
+    pub compressed_bw: Option<u8>,
     /// Signed symmetric activations (int8/int16, zero point 0) instead of unsigned asymmetric.
     #[arg(long = "symmetric-activations")]
     pub symmetric_activations: bool,
@@ -125,6 +130,7 @@ pub const CALIBRATION_FLAGS: &[&str] = &[
     "percentile",
     "granularity",
     "block_size",
+    "compressed_bw",
     "symmetric_activations",
     "overrides",
     "keep_float",
@@ -256,7 +262,13 @@ impl QuantizeArgs {
             } else {
                 CalibMethod::parse(&self.calib_method, self.percentile)?
             },
-            granularity: Granularity::parse(&self.granularity, self.block_size)?,
+            granularity: match self.granularity.as_str() {
+                "lpbq" => Granularity::lpbq(
+                    self.block_size.unwrap_or(64),
+                    self.compressed_bw.unwrap_or(4),
+                )?,
+                g => Granularity::parse(g, self.block_size.unwrap_or(32))?,
+            },
             symmetric_activations: self.symmetric_activations,
             overrides,
             keep_float: self.keep_float.clone(),
@@ -363,6 +375,9 @@ pub fn quantize_model(
             }
             _ => (None, plan0),
         };
+        for note in &plan.notes {
+            progress.note(note);
+        }
         let m = smoothed.as_ref().unwrap_or(m);
         // `auto`: every fourth sample is held out to choose the range method on (spread over
         // the set, in case it is ordered).
@@ -723,7 +738,7 @@ pub fn compile_quantized(
     }
     let mut t = Instant::now();
     if let Some(p) = &q.emit_encodings {
-        let args = serde_json::json!({
+        let made = serde_json::json!({
             "activation_bitwidth": enc.activations.values().find_map(|e| match e { npuc_quant::TensorEncoding::Int(q) => Some(npuc_quant::bitwidth(q.dtype)), _ => None }).unwrap_or(32),
             "param_bitwidth": enc.params.values().find_map(|e| match e { npuc_quant::TensorEncoding::Int(q) if q.dtype != DType::I32 => Some(npuc_quant::bitwidth(q.dtype)), _ => None }).unwrap_or(32),
             "dtype": "int",
@@ -733,6 +748,16 @@ pub fn compile_quantized(
             "npuc_scheme": q.scheme.as_deref().unwrap_or(""),
             "npuc_calib_method": method,
         });
+        // Encodings read with --encodings keep the record of how they were made, so writing
+        // them again gives the file that was read (the AIMET round trip is byte for byte).
+        let args = match &q.encodings {
+            Some(src) => std::fs::read_to_string(src)
+                .ok()
+                .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+                .and_then(|v| v.get("quantizer_args").cloned())
+                .unwrap_or(made),
+            None => made,
+        };
         encodings::write(
             p,
             &enc,
@@ -853,6 +878,7 @@ pub fn quantize_weight_symmetric(
         dtype,
         axis,
         block: None,
+        lpbq: None,
     };
     let e = npuc_quant::qdq::weight_encoding(&w32, &spec, name)?;
     let q = npuc_quant::qdq::quantize_tensor(&w32, &e, name)?;

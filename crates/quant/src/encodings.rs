@@ -20,7 +20,9 @@ pub use crate::qdq::TensorEncoding;
 pub enum EncodingsVersion {
     /// `0.6.1`: `{tensor: [ {bitwidth, dtype, is_symmetric, max, min, offset, scale}, ...]}`.
     V0_6_1,
-    /// `1.0.0`: `[ {name, enc_type, dtype, bw, is_sym, scale[], offset[], block_size?}, ...]`.
+    /// `1.0.0`: `[ {name, enc_type, dtype, bw, is_sym, scale[], offset[], block_size?}, ...]`;
+    /// `LPBQ` entries add `compressed_bw` and `per_block_int_scale[]` (`scale`/`offset` then
+    /// per output channel).
     V1_0_0,
 }
 
@@ -109,6 +111,7 @@ pub fn to_json(enc: &Encodings, version: EncodingsVersion, quantizer_args: J) ->
                 for (name, te) in map {
                     list.push(match te {
                         TensorEncoding::Float(d) => json!({"name": name, "dtype": "FP", "bw": float_bits(name, *d)?, "enc_type": "PER_TENSOR"}),
+                        TensorEncoding::Int(e) if e.lpbq.is_some() => lpbq_entry(name, e)?,
                         TensorEncoding::Int(e) => {
                             let kind = match (e.scale.len(), e.block_size) {
                                 (_, Some(_)) => "PER_BLOCK",
@@ -141,6 +144,29 @@ pub fn to_json(enc: &Encodings, version: EncodingsVersion, quantizer_args: J) ->
         }
     };
     Ok(serde_json::to_string_pretty(&v)?)
+}
+
+/// A 1.0.0 `LPBQ` entry: `scale`/`offset` per output channel, `per_block_int_scale` in the
+/// layout of the weight's block scales (the weight's own axis order with the input axis cut
+/// into blocks, as `PER_BLOCK` entries write their scales), `compressed_bw`, `block_size`.
+fn lpbq_entry(name: &str, e: &QEnc) -> Result<J> {
+    let (Some(l), Some(b)) = (&e.lpbq, e.block_size) else {
+        bail!("'{name}': an LPBQ encoding needs block scales");
+    };
+    let channels = l.channel_scales.len();
+    let off = qnn_offset(e, 0);
+    Ok(json!({
+        "name": name,
+        "enc_type": "LPBQ",
+        "dtype": "INT",
+        "bw": crate::bitwidth(e.dtype),
+        "is_sym": signed(e.dtype),
+        "scale": l.channel_scales,
+        "offset": vec![off; channels],
+        "block_size": b,
+        "compressed_bw": l.compressed_bw,
+        "per_block_int_scale": l.int_scales,
+    }))
 }
 
 /// The key holding npuc's outlier-migration scales. AIMET has no such field; tools that read
@@ -350,6 +376,7 @@ fn build(
         axis,
         block_size: block,
         param_shape,
+        lpbq: None,
     })
 }
 
@@ -442,10 +469,14 @@ pub fn from_json(text: &str, m: &Model, origin: &str) -> Result<Encodings> {
                         .get("block_size")
                         .and_then(|b| b.as_u64())
                         .map(|b| b as usize);
-                    if let Some(t) = e.get("enc_type").and_then(|t| t.as_str()) {
-                        if t == "LPBQ" {
-                            bail!("{what}: LPBQ encodings are not supported");
+                    if e.get("enc_type").and_then(|t| t.as_str()) == Some("LPBQ") {
+                        if !is_param {
+                            bail!("{what}: LPBQ encodings are for weights, not activations");
                         }
+                        let q = lpbq_from(m, &name, e, bw, sym, scale, offset, block)
+                            .with_context(|| what.clone())?;
+                        target.insert(name.clone(), TensorEncoding::Int(q));
+                        continue;
                     }
                     target.insert(
                         name.clone(),
@@ -468,6 +499,87 @@ pub fn from_json(text: &str, m: &Model, origin: &str) -> Result<Encodings> {
     }
     crate::qdq::check_names(m, &enc).with_context(|| origin.to_string())?;
     Ok(enc)
+}
+
+/// An `LPBQ` entry back into a blocked encoding whose scales are `scale[c] * k` per block.
+#[allow(clippy::too_many_arguments)]
+fn lpbq_from(
+    m: &Model,
+    name: &str,
+    e: &J,
+    bw: u32,
+    sym: bool,
+    channel_scales: Vec<f32>,
+    offset: Vec<i64>,
+    block: Option<usize>,
+) -> Result<QEnc> {
+    let block = block.ok_or_else(|| anyhow!("an LPBQ encoding needs 'block_size'"))?;
+    let cbw = get(e, "compressed_bw", "LPBQ")?
+        .as_u64()
+        .filter(|b| (1..=15).contains(b))
+        .ok_or_else(|| anyhow!("'compressed_bw' must be an integer 1..=15"))? as u8;
+    let int_scales: Vec<u16> = match get(e, "per_block_int_scale", "LPBQ")? {
+        J::Array(a) => a
+            .iter()
+            .map(|x| {
+                x.as_u64()
+                    .and_then(|k| u16::try_from(k).ok())
+                    .ok_or_else(|| {
+                        anyhow!("'per_block_int_scale' holds {x}, not a small unsigned integer")
+                    })
+            })
+            .collect::<Result<_>>()?,
+        _ => bail!("'per_block_int_scale' must be a list"),
+    };
+    if !sym {
+        bail!("LPBQ encodings are symmetric (is_sym true)");
+    }
+    if channel_scales.len() != offset.len() {
+        bail!(
+            "{} scales and {} offsets",
+            channel_scales.len(),
+            offset.len()
+        );
+    }
+    if let Some(s) = channel_scales
+        .iter()
+        .find(|s| !(s.is_finite() && **s > 0.0))
+    {
+        bail!("channel scale {s} must be positive and finite");
+    }
+    let mut dtype = None;
+    for &o in &offset {
+        let (d, _) = int_type(bw, true, o, "LPBQ")?;
+        if dtype.is_some_and(|x| x != d) {
+            bail!("mixed offsets across channels");
+        }
+        dtype = Some(d);
+    }
+    let dtype = dtype.ok_or_else(|| anyhow!("no channel scales"))?;
+    let (axis, param_shape) = layout_for(m, name, int_scales.len(), Some(block))?;
+    if param_shape.len() != 2 {
+        bail!(
+            "LPBQ takes 2-D weights; '{name}' has shape rank {}",
+            param_shape.len()
+        );
+    }
+    let inp = axis.unwrap_or(0);
+    let lpbq = crate::qdq::LpbqScales {
+        compressed_bw: cbw,
+        int_scales,
+        channel_scales,
+        out_axis: 1 - inp,
+    };
+    let scale = lpbq.block_scales(&param_shape)?;
+    Ok(QEnc {
+        dtype,
+        zero_point: vec![0; scale.len()],
+        scale,
+        axis,
+        block_size: Some(block),
+        param_shape,
+        lpbq: Some(lpbq),
+    })
 }
 
 fn names_exist(m: &Model, name: &str, is_param: bool) -> bool {

@@ -72,6 +72,7 @@ pub fn qnn_encodings(m: &Model, enc: &Encodings) -> Result<Encodings> {
                 dtype: q.dtype,
                 axis: want_axis,
                 block: None,
+                lpbq: None,
             };
             e.params.insert(
                 w.to_string(),

@@ -157,10 +157,21 @@ pub enum Granularity {
     /// One scale per block of `n` consecutive elements along the reduction (input) axis, per
     /// output channel (ONNX opset-21 `block_size`).
     PerBlock(usize),
+    /// LPBQ on linear-layer (MatMul/Gemm, 2-D) weights: blocks of `block` input channels whose
+    /// scales are `compressed_bw`-bit unsigned integers times one float scale per output
+    /// channel ([`lpbq`]); other weights, and linear weights whose input channels `block` does
+    /// not divide, are per-channel (the plan says which, [`QuantPlan::notes`]).
+    Lpbq {
+        /// Input channels per block.
+        block: usize,
+        /// Bits of each per-block integer scale.
+        compressed_bw: u8,
+    },
 }
 
 impl Granularity {
-    /// Parses `per-tensor|per-channel|per-row|per-block` (`block` used for per-block).
+    /// Parses `per-tensor|per-channel|per-row|per-block|lpbq` (`block` used for per-block;
+    /// LPBQ takes [`Granularity::lpbq`]).
     pub fn parse(s: &str, block: usize) -> Result<Granularity> {
         Ok(match s {
             "per-tensor" => Granularity::PerTensor,
@@ -172,9 +183,24 @@ impl Granularity {
                 }
                 Granularity::PerBlock(block)
             }
+            "lpbq" => Granularity::lpbq(block, 4)?,
             _ => bail!(
-                "unknown granularity '{s}'; expected per-tensor, per-channel, per-row or per-block"
+                "unknown granularity '{s}'; expected per-tensor, per-channel, per-row, per-block or lpbq"
             ),
+        })
+    }
+
+    /// LPBQ with `block` input channels per block and `compressed_bw`-bit block scales.
+    pub fn lpbq(block: usize, compressed_bw: u8) -> Result<Granularity> {
+        if block == 0 {
+            bail!("--block-size must be at least 1");
+        }
+        if !(1..=15).contains(&compressed_bw) {
+            bail!("--compressed-bw must be 1..=15 bits, got {compressed_bw}");
+        }
+        Ok(Granularity::Lpbq {
+            block,
+            compressed_bw,
         })
     }
 }

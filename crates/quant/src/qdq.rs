@@ -27,6 +27,60 @@ pub struct QEnc {
     /// Shape of the scale/zero-point tensors (`[]` per tensor, `[C]` per axis, the input's shape
     /// with `ceil(d/block)` on the axis for blocked).
     pub param_shape: Vec<usize>,
+    /// For an LPBQ weight ([`crate::lpbq`]): how the blocked `scale`s are made of integer
+    /// block scales and per-channel float scales (what AIMET's `LPBQ` encodings record).
+    pub lpbq: Option<LpbqScales>,
+}
+
+/// The structure of an LPBQ weight encoding: every effective block scale (`QEnc::scale`, in
+/// `param_shape` layout) is `channel_scales[c] * int_scales[p] as f32` (one f32 product, as
+/// [`crate::lpbq::LpbqWeight::block_scale`] computes it), `c` the block's output channel.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LpbqScales {
+    /// Bits of each integer block scale (values `1..=2^compressed_bw`).
+    pub compressed_bw: u8,
+    /// Integer block scales, same layout as `QEnc::scale`.
+    pub int_scales: Vec<u16>,
+    /// One float scale per output channel.
+    pub channel_scales: Vec<f32>,
+    /// The weight's output-channel axis (an axis of `param_shape`).
+    pub out_axis: usize,
+}
+
+impl LpbqScales {
+    /// The effective block scales for `param_shape` (`channel_scale * k` per block); errors when
+    /// the sizes do not fit the layout or an integer scale is outside `1..=2^compressed_bw`.
+    pub fn block_scales(&self, param_shape: &[usize]) -> Result<Vec<f32>> {
+        let np: usize = param_shape.iter().product();
+        let Some(&channels) = param_shape.get(self.out_axis) else {
+            bail!(
+                "LPBQ: output axis {} outside the scale shape {param_shape:?}",
+                self.out_axis
+            );
+        };
+        if self.int_scales.len() != np || self.channel_scales.len() != channels {
+            bail!(
+                "LPBQ: {} integer block scales and {} channel scales do not fit the block layout {param_shape:?} (need {np} and {channels})",
+                self.int_scales.len(),
+                self.channel_scales.len()
+            );
+        }
+        let kmax = 1u32 << self.compressed_bw;
+        if let Some(k) = self
+            .int_scales
+            .iter()
+            .find(|&&k| k == 0 || u32::from(k) > kmax)
+        {
+            bail!(
+                "LPBQ: integer block scale {k} outside 1..={kmax} ({} bits)",
+                self.compressed_bw
+            );
+        }
+        let inner: usize = param_shape[self.out_axis + 1..].iter().product();
+        Ok((0..np)
+            .map(|p| self.channel_scales[(p / inner) % channels] * self.int_scales[p] as f32)
+            .collect())
+    }
 }
 
 impl QEnc {
@@ -39,6 +93,7 @@ impl QEnc {
             axis: None,
             block_size: None,
             param_shape: vec![],
+            lpbq: None,
         }
     }
 
@@ -81,6 +136,8 @@ pub struct WeightSpec {
     pub axis: Option<usize>,
     /// Block size for blocked quantization.
     pub block: Option<usize>,
+    /// LPBQ (with `block`): bits of the integer block scales.
+    pub lpbq: Option<u8>,
 }
 
 /// A bias to quantize as int32 with scale `s_input * s_weight`.
@@ -107,6 +164,9 @@ pub struct QuantPlan {
     pub weight_casts: BTreeMap<String, DType>,
     /// Bias initializers to quantize as int32.
     pub biases: BTreeMap<String, BiasSpec>,
+    /// What the plan could not do as asked (e.g. an LPBQ block size that does not divide a
+    /// weight's input channels, so that weight is per-channel), one line each, for the user.
+    pub notes: Vec<String>,
 }
 
 /// Output-channel axis and reduction axis of a quantizable op's weight of the given rank.
@@ -243,10 +303,13 @@ pub fn plan(m: &Model, opts: &QuantOptions) -> Result<QuantPlan> {
         if let Some(wt) = float_init(w) {
             let conv = n.op_type == "Conv" || n.op_type == "ConvTranspose";
             if opts.profile == crate::Profile::QnnHtp {
-                if let crate::Granularity::PerBlock(b) = opts.granularity {
-                    bail!("--granularity per-block (block {b}) is not in the qnn-htp profile: ONNX Runtime's QNN EP takes per-tensor or per-channel weights; use --quant-profile npuc");
+                match opts.granularity {
+                    crate::Granularity::PerBlock(b) => bail!("--granularity per-block (block {b}) is not in the qnn-htp profile: ONNX Runtime's QNN EP takes per-tensor or per-channel weights; use --quant-profile npuc"),
+                    crate::Granularity::Lpbq { block, .. } => bail!("--granularity lpbq (block {block}) is not in the qnn-htp profile: npuc's QNN-EP export does not write LPBQ weights yet; use --quant-profile npuc"),
+                    _ => {}
                 }
             }
+            let mut lpbq = None;
             let (axis, block) = match weight_axes(n, wt.rank()) {
                 None => (None, None),
                 // QNN HTP: per-channel weights on convolutions only.
@@ -256,12 +319,31 @@ pub fn plan(m: &Model, opts: &QuantOptions) -> Result<QuantPlan> {
                     crate::Granularity::PerChannel => (Some(out), None),
                     crate::Granularity::PerRow => (Some(0), None),
                     crate::Granularity::PerBlock(b) => (Some(inp), Some(b)),
+                    crate::Granularity::Lpbq {
+                        block,
+                        compressed_bw,
+                    } => match lpbq_fallback(n, wt, inp, block, wd) {
+                        None => {
+                            lpbq = Some(compressed_bw);
+                            (Some(inp), Some(block))
+                        }
+                        Some(why) => {
+                            if !conv {
+                                p.notes.push(format!(
+                                    "weight '{w}' of {} '{}': per-channel instead of LPBQ ({why})",
+                                    n.op_type, n.name
+                                ));
+                            }
+                            (Some(out), None)
+                        }
+                    },
                 },
             };
             let spec = WeightSpec {
                 dtype: wd,
                 axis,
                 block,
+                lpbq,
             };
             match p.weights.get(w) {
                 // Shared weight: the wider type wins.
@@ -288,6 +370,27 @@ pub fn plan(m: &Model, opts: &QuantOptions) -> Result<QuantPlan> {
         }
     }
     Ok(p)
+}
+
+/// Why a weight cannot be LPBQ-quantized (`None` when it can): LPBQ applies to the 2-D weight
+/// of a MatMul/Gemm whose input channels the block size divides, with 4- or 8-bit values.
+fn lpbq_fallback(n: &Node, w: &Tensor, inp: usize, block: usize, wd: DType) -> Option<String> {
+    if n.op_type != "MatMul" && n.op_type != "Gemm" {
+        return Some("LPBQ applies to MatMul/Gemm weights".into());
+    }
+    if w.rank() != 2 {
+        return Some(format!("a {}-D weight, LPBQ takes 2-D ones", w.rank()));
+    }
+    let k = w.shape()[inp];
+    if !k.is_multiple_of(block) {
+        return Some(format!(
+            "block size {block} does not divide its {k} input channels"
+        ));
+    }
+    if !matches!(wd, DType::I4 | DType::I8) {
+        return Some(format!("{wd} weights; LPBQ takes 4- or 8-bit ones"));
+    }
+    None
 }
 
 /// One calibration sample: a label for messages (e.g. its file) and the input feeds.
@@ -653,6 +756,9 @@ pub fn weight_encoding(w: &Tensor, spec: &WeightSpec, name: &str) -> Result<QEnc
         }
     }
     let (param_shape, np) = param_layout(shape, spec.axis, spec.block);
+    if let Some(cbw) = spec.lpbq {
+        return lpbq_encoding(data, shape, spec, cbw, param_shape, name);
+    }
     let sp = spec.axis.map(|a| split(shape, a)).unwrap_or((1, 1, 1));
     let mut amax = vec![0f32; np];
     for (e, &x) in data.iter().enumerate() {
@@ -681,6 +787,75 @@ pub fn weight_encoding(w: &Tensor, spec: &WeightSpec, name: &str) -> Result<QEnc
         axis,
         block_size: spec.block,
         param_shape,
+        lpbq: None,
+    })
+}
+
+/// An LPBQ weight encoding ([`crate::lpbq::quantize`] chooses the scales) of a 2-D weight
+/// blocked along `spec.axis`; the other axis holds the output channels.
+fn lpbq_encoding(
+    data: &[f32],
+    shape: &[usize],
+    spec: &WeightSpec,
+    cbw: u8,
+    param_shape: Vec<usize>,
+    name: &str,
+) -> Result<QEnc> {
+    let (Some(inp), Some(block), 2) = (spec.axis, spec.block, shape.len()) else {
+        bail!("weight '{name}': LPBQ needs a 2-D weight blocked along its input axis");
+    };
+    let bw = match spec.dtype {
+        DType::I4 => 4,
+        DType::I8 => 8,
+        d => bail!("weight '{name}': LPBQ takes 4- or 8-bit weights, not {d}"),
+    };
+    let out_axis = 1 - inp;
+    let (rows, cols) = (shape[out_axis], shape[inp]);
+    // lpbq::quantize wants one row per output channel.
+    let rowmajor: Vec<f32> = if inp == 1 {
+        data.to_vec()
+    } else {
+        (0..rows * cols)
+            .map(|i| data[(i % cols) * rows + i / cols])
+            .collect()
+    };
+    let q = crate::lpbq::quantize(&rowmajor, rows, cols, block, bw, cbw)
+        .with_context(|| format!("weight '{name}'"))?;
+    let nb = q.blocks_per_row();
+    // Back to the weight's own block layout (`param_shape`).
+    let at = |p: usize| -> (usize, usize) {
+        if inp == 1 {
+            (p / nb, p % nb)
+        } else {
+            (p % rows, p / rows)
+        }
+    };
+    let np = rows * nb;
+    let int_scales: Vec<u16> = (0..np)
+        .map(|p| {
+            let (r, b) = at(p);
+            q.int_scales[r * nb + b]
+        })
+        .collect();
+    let scale: Vec<f32> = (0..np)
+        .map(|p| {
+            let (r, b) = at(p);
+            q.block_scale(r, b)
+        })
+        .collect();
+    Ok(QEnc {
+        dtype: spec.dtype,
+        scale,
+        zero_point: vec![0; np],
+        axis: Some(inp),
+        block_size: Some(block),
+        param_shape,
+        lpbq: Some(LpbqScales {
+            compressed_bw: cbw,
+            int_scales,
+            channel_scales: q.channel_scales,
+            out_axis,
+        }),
     })
 }
 
@@ -793,6 +968,7 @@ pub fn bias_encoding(g: &Graph, enc: &Encodings, name: &str, b: &BiasSpec) -> Re
         axis: if per { Some(0) } else { None },
         scale: scales,
         block_size: None,
+        lpbq: None,
     }))
 }
 
@@ -1175,6 +1351,8 @@ pub fn read_qdq(m: &Model) -> Result<Vec<(String, bool, QEnc)>> {
                 zero_point,
                 axis,
                 block_size: (block > 0).then_some(block as usize),
+                // The graph holds the effective block scales only.
+                lpbq: None,
             },
         ));
     }

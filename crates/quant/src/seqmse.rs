@@ -182,7 +182,13 @@ pub fn search_weights(
         else {
             continue;
         };
-        if wt.dtype() != DType::F32 || wt.rank() != 2 || !plan.weights.contains_key(w) {
+        // LPBQ block scales are integers over a channel scale: clipping one block would
+        // leave that grid, so LPBQ weights keep the scales `lpbq` chose.
+        if wt.dtype() != DType::F32
+            || wt.rank() != 2
+            || !plan.weights.contains_key(w)
+            || e.lpbq.is_some()
+        {
             continue;
         }
         let k_rows = !(n.op_type == "Gemm" && n.int_or("transB", 0).unwrap_or(0) != 0);

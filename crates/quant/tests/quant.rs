@@ -735,3 +735,176 @@ fn a_failed_encodings_write_leaves_no_temp_file() {
         .unwrap();
     assert_eq!(npuc_quant::encodings::read(&ok, &m).unwrap().1, enc);
 }
+
+/// LPBQ weights: the plan blocks linear weights only, the encoding's effective block scales are
+/// `lpbq::quantize`'s (`channel scale * k`) in the weight's own layout (MatMul `[K, N]` and Gemm
+/// `transB` `[N, K]` alike), the 1.0.0 `LPBQ` entry round-trips byte for byte, and what cannot
+/// be LPBQ says so.
+#[test]
+fn lpbq_weights_plan_layout_and_encodings() {
+    let m = small_model();
+    let opts = QuantOptions {
+        scheme: Scheme::W4A16,
+        granularity: Granularity::lpbq(64, 4).unwrap(),
+        ..Default::default()
+    };
+    let p = plan(&m, &opts).unwrap();
+    assert_eq!(p.weights["fc.w"].lpbq, Some(4));
+    assert_eq!(p.weights["fc.w"].block, Some(64));
+    assert_eq!(
+        p.weights["conv.w"].lpbq, None,
+        "Conv weights stay per-channel"
+    );
+    assert!(p.notes.is_empty(), "{:?}", p.notes);
+    let (q, enc) = quantize(&m, &opts);
+    let TensorEncoding::Int(e) = &enc.params["fc.w"] else {
+        panic!()
+    };
+    let l = e.lpbq.as_ref().unwrap();
+    assert_eq!((e.axis, e.block_size), (Some(0), Some(64)));
+    assert_eq!(e.param_shape, vec![4, 10]);
+    // Independent layout check: LPBQ of the transposed weight (one row per output channel).
+    let w = m
+        .graph
+        .initializer("fc.w")
+        .unwrap()
+        .as_slice::<f32>()
+        .unwrap();
+    let wt: Vec<f32> = (0..2560).map(|i| w[(i % 256) * 10 + i / 256]).collect();
+    let want = npuc_quant::lpbq::quantize(&wt, 10, 256, 64, 4, 4).unwrap();
+    assert_eq!(l.channel_scales, want.channel_scales);
+    for n in 0..10 {
+        for kb in 0..4 {
+            assert_eq!(l.int_scales[kb * 10 + n], want.int_scales[n * 4 + kb]);
+            assert_eq!(
+                e.scale[kb * 10 + n].to_bits(),
+                want.block_scale(n, kb).to_bits()
+            );
+        }
+    }
+    assert_eq!(
+        q.graph.initializer("fc.w_quantized").unwrap().dtype(),
+        DType::I4
+    );
+    // The graph runs (QuantSim) close to float.
+    let x = &samples(9)[8].feeds[0].1;
+    let c = cosine(&run(&m, x), &run(&q, x));
+    assert!(c > 0.98, "LPBQ w4a16 vs float: cosine {c}");
+    // Encodings 1.0.0: an LPBQ entry, read back to the same encodings, written again byte for
+    // byte; 0.6.1 cannot say it.
+    let text = to_json(&enc, EncodingsVersion::V1_0_0, serde_json::json!({})).unwrap();
+    let j: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let fe = j["param_encodings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["name"] == "fc.w")
+        .unwrap();
+    assert_eq!(fe["enc_type"], "LPBQ");
+    assert_eq!(fe["bw"], 4);
+    assert_eq!(fe["compressed_bw"], 4);
+    assert_eq!(fe["block_size"], 64);
+    assert_eq!(fe["scale"].as_array().unwrap().len(), 10);
+    assert_eq!(fe["offset"], serde_json::json!(vec![-8; 10]));
+    assert_eq!(fe["per_block_int_scale"].as_array().unwrap().len(), 40);
+    let back = from_json(&text, &m, "enc.json").unwrap();
+    assert_eq!(back, enc);
+    assert_eq!(apply(&m, &back).unwrap(), q);
+    assert_eq!(
+        to_json(&back, EncodingsVersion::V1_0_0, serde_json::json!({})).unwrap(),
+        text
+    );
+    let e = to_json(&enc, EncodingsVersion::V0_6_1, serde_json::json!({}))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("fc.w") && e.contains("1.0.0"), "{e}");
+    // Bad LPBQ entries name the problem.
+    for (from, to, what) in [
+        (
+            "\"compressed_bw\": 4",
+            "\"compressed_bw\": 2",
+            "outside 1..=4",
+        ),
+        ("\"block_size\": 64", "\"block_size\": 32", "do not fit"),
+        (
+            "\"compressed_bw\": 4",
+            "\"compressed_bw\": 0",
+            "compressed_bw",
+        ),
+    ] {
+        let bad = text.replacen(from, to, 1);
+        assert_ne!(bad, text);
+        let e = format!("{:#}", from_json(&bad, &m, "enc.json").unwrap_err());
+        assert!(e.contains("fc.w") && e.contains(what), "{what}: {e}");
+    }
+    // A block size that does not divide K: per-channel, with a note naming the weight.
+    let p = plan(
+        &m,
+        &QuantOptions {
+            granularity: Granularity::lpbq(48, 4).unwrap(),
+            ..opts.clone()
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        (
+            p.weights["fc.w"].axis,
+            p.weights["fc.w"].block,
+            p.weights["fc.w"].lpbq
+        ),
+        (Some(1), None, None)
+    );
+    assert!(
+        p.notes.len() == 1 && p.notes[0].contains("'fc.w'") && p.notes[0].contains("48"),
+        "{:?}",
+        p.notes
+    );
+    // Not in the qnn-htp profile.
+    let e = plan(
+        &m,
+        &QuantOptions {
+            profile: Profile::QnnHtp,
+            ..opts.clone()
+        },
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("lpbq") && e.contains("qnn-htp"), "{e}");
+}
+
+/// A Gemm `transB` weight `[N, K]` is LPBQ-quantized row by row as stored (no transpose).
+#[test]
+fn lpbq_weight_encoding_of_a_row_major_weight() {
+    let (n, k) = (6, 128);
+    let w: Vec<f32> = rand_vec(n * k, 77)
+        .iter()
+        .enumerate()
+        .map(|(i, v)| v * (1.0 + (i % k / 32) as f32))
+        .collect();
+    let t = Tensor::from_vec(vec![n, k], w.clone()).unwrap();
+    let spec = npuc_quant::qdq::WeightSpec {
+        dtype: DType::I4,
+        axis: Some(1),
+        block: Some(32),
+        lpbq: Some(3),
+    };
+    let e = npuc_quant::qdq::weight_encoding(&t, &spec, "w").unwrap();
+    let want = npuc_quant::lpbq::quantize(&w, n, k, 32, 4, 3).unwrap();
+    let l = e.lpbq.as_ref().unwrap();
+    assert_eq!(l.out_axis, 0);
+    assert_eq!(l.int_scales, want.int_scales);
+    assert_eq!(e.scale, want.block_scales());
+    assert_eq!(e.param_shape, vec![n, k / 32]);
+    // 16-bit weights are not LPBQ.
+    let e = npuc_quant::qdq::weight_encoding(
+        &t,
+        &npuc_quant::qdq::WeightSpec {
+            dtype: DType::I16,
+            ..spec
+        },
+        "w",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("'w'") && e.contains("4- or 8-bit"), "{e}");
+}
