@@ -168,6 +168,15 @@ pub struct ModelArgs {
     /// get a finer grid; the inverse scale folds into the producing norm or projection.
     #[arg(long, value_name = "ALPHA", requires = "calib_text")]
     pub awq_alpha: Option<f32>,
+    /// Quantize the linear layers' inputs to BITS (16 or 8; one static symmetric scale per
+    /// input from the calibration text's range), e.g. `--quantize-weights lpbq4 --act-bits 16`
+    /// for w4a16 as QAIRT deploys LLMs.
+    #[arg(long, value_name = "BITS", requires = "calib_text", value_parser = ["8", "16"])]
+    pub act_bits: Option<String>,
+    /// The output head's scheme when it should differ from `--quantize-weights` (e.g. `int8`:
+    /// deployments often keep the head at 8 bits, its error lands directly on the logits).
+    #[arg(long, value_name = "SCHEME", requires = "quantize_weights")]
+    pub quantize_head: Option<String>,
 }
 
 /// Sampling options (llama.cpp's names and defaults, except the seed: fixed 0 for reproducibility).
@@ -339,7 +348,13 @@ pub fn check_precision(model: &Path, given: &Given) -> Result<()> {
     }
     if npuc_llm::bundle::is_bundle(model) || is_llm_artifact(model) {
         given.reject(
-            &["quantize_weights", "calib_text", "awq_alpha"],
+            &[
+                "quantize_weights",
+                "calib_text",
+                "awq_alpha",
+                "act_bits",
+                "quantize_head",
+            ],
             "an artifact's or bundle's weights were fixed when it was compiled; give the GGUF",
         )?;
     }
@@ -469,6 +484,15 @@ pub fn load(args: &ModelArgs) -> Result<(Model, Tokenizer)> {
                 Some(f) => calibration_tokens(path, f)?,
                 None => vec![],
             },
+            act_bits: args
+                .act_bits
+                .as_deref()
+                .map(|b| if b == "8" { 8 } else { 16 }),
+            head: args
+                .quantize_head
+                .as_deref()
+                .map(WeightQuant::parse)
+                .transpose()?,
             awq_alpha: match args.awq_alpha {
                 Some(a) if !(0.0..=1.0).contains(&a) => {
                     bail!("--awq-alpha {a}: expected a value in [0, 1]")

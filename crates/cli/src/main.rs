@@ -348,6 +348,8 @@ fn main() {
                             quantize_weights: None,
                             calib_text: None,
                             awq_alpha: None,
+                            act_bits: None,
+                            quantize_head: None,
                         },
                         prompt_len: prompt_len.unwrap_or(128),
                         gen,

@@ -97,7 +97,9 @@ impl Engine {
             && wq.importance.is_none()
         {
             let mut o = opts.clone();
-            o.weight_quant.importance = Some(Arc::new(linear_input_importance(&g, opts)?));
+            let (importance, absmax) = linear_input_stats(&g, opts)?;
+            o.weight_quant.importance = Some(Arc::new(importance));
+            o.weight_quant.act_absmax = Some(Arc::new(absmax));
             calibrated = o;
             &calibrated
         } else {
@@ -351,7 +353,10 @@ impl Chunked for Engine {
         let mut outs = outputs_by_name(sess.run(feeds)?)?;
         self.caches.store(&mut outs, n, count, pos)?;
         if let Some(obs) = &mut self.observer {
-            obs.add(&outs, count)?;
+            // The first token of a sequence is an attention sink: its hidden state carries
+            // activations orders of magnitude above every other position in a few channels,
+            // which would dominate each channel's mean square; its row is left out.
+            obs.add(&outs, usize::from(pos == 0), count)?;
         }
         let Some(logits) = outs.remove("logits") else {
             bail!("the graph has no 'logits' output");
@@ -531,12 +536,13 @@ pub fn build_variants(
 struct LinearInputObserver {
     /// Weight name -> input value name.
     inputs: Vec<(String, String)>,
-    /// Input value name -> (sum of squares per channel, rows seen).
-    sums: HashMap<String, (Vec<f64>, usize)>,
+    /// Input value name -> (sum of squares per channel, rows seen, absolute maximum).
+    sums: HashMap<String, (Vec<f64>, usize, f32)>,
 }
 
 impl LinearInputObserver {
-    fn add(&mut self, outs: &HashMap<String, Arc<Tensor>>, rows: usize) -> Result<()> {
+    /// Adds every observed input's rows `..rows` to its range, rows `skip..rows` to its mean square.
+    fn add(&mut self, outs: &HashMap<String, Arc<Tensor>>, skip: usize, rows: usize) -> Result<()> {
         for (_, x) in &self.inputs {
             let Some(t) = outs.get(x) else {
                 bail!("calibration graph lacks the linear input '{x}' among its outputs");
@@ -549,16 +555,18 @@ impl LinearInputObserver {
                     v.len()
                 );
             }
-            let (sum, n) = self
+            let (sum, n, absmax) = self
                 .sums
                 .entry(x.clone())
-                .or_insert_with(|| (vec![0f64; k], 0));
-            for row in v[..rows * k].chunks_exact(k) {
+                .or_insert_with(|| (vec![0f64; k], 0, 0.0));
+            // The range covers every row (a static activation scale must hold the sink too).
+            *absmax = v[..rows * k].iter().fold(*absmax, |m, a| m.max(a.abs()));
+            for row in v[skip.min(rows) * k..rows * k].chunks_exact(k) {
                 for (s, &a) in sum.iter_mut().zip(row) {
                     *s += (a as f64) * (a as f64);
                 }
             }
-            *n += rows;
+            *n += rows - skip.min(rows);
         }
         Ok(())
     }
@@ -567,14 +575,14 @@ impl LinearInputObserver {
 /// Context of the calibration run's chunks.
 const CALIB_CTX: usize = 512;
 
+/// Linear weight name -> its input's per-channel mean square (the importance its
+/// re-quantization weighs the error with), and -> its input's absolute maximum.
+type LinearInputStats = (HashMap<String, Vec<f32>>, HashMap<String, f32>);
+
 /// Runs the model unquantized (exact precision) over `opts.weight_quant.calib_tokens`, in
-/// chunks of [`CALIB_CTX`] tokens each from an empty cache, and returns each linear weight's
-/// per-input-channel mean square of its input (the importance its re-quantization weighs the
-/// error with).
-fn linear_input_importance(
-    g: &GgufFile,
-    opts: &EngineOptions,
-) -> Result<HashMap<String, Vec<f32>>> {
+/// chunks of [`CALIB_CTX`] tokens each from an empty cache, and returns the statistics of each
+/// linear layer's input.
+fn linear_input_stats(g: &GgufFile, opts: &EngineOptions) -> Result<LinearInputStats> {
     let hp = build::hparams(g)?;
     let ctx = CALIB_CTX.min(hp.ctx_train.max(1));
     let copts = EngineOptions {
@@ -615,13 +623,14 @@ fn linear_input_importance(
         e.forward(chunk, false)?;
     }
     let obs = e.observer.take().expect("set above");
-    let mut out = HashMap::new();
+    let (mut importance, mut absmax) = (HashMap::new(), HashMap::new());
     for (w, x) in inputs {
-        let Some((sum, n)) = obs.sums.get(&x) else {
+        let Some((sum, n, amax)) = obs.sums.get(&x) else {
             continue;
         };
         let n = (*n).max(1) as f64;
-        out.insert(w, sum.iter().map(|s| (s / n) as f32).collect());
+        importance.insert(w.clone(), sum.iter().map(|s| (s / n) as f32).collect());
+        absmax.insert(w, *amax);
     }
-    Ok(out)
+    Ok((importance, absmax))
 }

@@ -171,8 +171,10 @@ pub fn quantize_weighted(
                 let t = s / c;
                 // Down to 60% of the ideal scale: clipping the extremes of a block can pay when
                 // its grid then fits the bulk of its values (the error decides).
-                let lo = ((t * 0.6).floor() as i64).clamp(1, kmax as i64) as u32;
                 let hi = (t.ceil() as i64 + 1).clamp(1, kmax as i64) as u32;
+                // At most 16 candidates (wide integer scales would make the search quadratic).
+                let lo = ((t * 0.6).floor() as i64).clamp(1, kmax as i64) as u32;
+                let lo = lo.max(hi.saturating_sub(16)).max(1);
                 let mut best = (f64::INFINITY, hi);
                 for k in lo..=hi {
                     let sc = c * k as f32;

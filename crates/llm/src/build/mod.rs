@@ -143,11 +143,18 @@ impl WeightQuant {
             WeightQuant::Lpbq { bits, block } => {
                 npuc_quant::lpbq::quantize_weighted(w, rows, cols, block, bits, 4, importance)
             }
-            // One block per row with a 15-bit integer scale: the row's scale is its absmax /
-            // qmax to within 2^-15 (the integer search keeps whichever of the neighbouring
-            // scales reconstructs the row best).
+            // absmax / qmax per row, round to nearest (the importance has no choice to make).
             WeightQuant::PerChannel { bits } => {
-                npuc_quant::lpbq::quantize_weighted(w, rows, cols, cols, bits, 15, importance)
+                let qmax = ((1i32 << (bits - 1)) - 1) as f32;
+                return Ok(w
+                    .chunks_exact(cols)
+                    .flat_map(|row| {
+                        let s = row.iter().fold(0f32, |m, x| m.max(x.abs())) / qmax;
+                        let s = if s > 0.0 { s } else { 1.0 };
+                        row.iter()
+                            .map(move |&x| (x / s).round().clamp(-qmax - 1.0, qmax) * s)
+                    })
+                    .collect());
             }
         }
         .map_err(|e| LlmError::msg(e.to_string()))?;
@@ -179,6 +186,15 @@ pub struct WeightQuantOptions {
     /// gets the same `s`. Not applied to the attention output projection, whose producer (the
     /// value projection, shared by the heads of a KV group) cannot take a per-head scale.
     pub awq_alpha: Option<f32>,
+    /// Quantize every linear layer's input to this many bits (8 or 16; symmetric, one static
+    /// scale per input from the calibration run's absolute maximum), as an NPU's integer
+    /// activations would be: `QuantizeLinear -> DequantizeLinear` before the product.
+    pub act_bits: Option<u8>,
+    /// Weight name -> absolute maximum of its input over the calibration run.
+    pub act_absmax: Option<std::sync::Arc<std::collections::HashMap<String, f32>>>,
+    /// The output head's scheme when it differs from the other linear layers' (deployments
+    /// often keep it at 8 bits: its error lands directly on the logits).
+    pub head: Option<WeightQuant>,
 }
 
 /// How weights enter the graph.
@@ -868,7 +884,7 @@ impl Builder<'_> {
     /// A linear weight re-quantized by [`BuildOptions::weight_quant`] (f32 `[N, K]`, the
     /// quantized values times their scales), from the shared cache or made now: the GGUF rows
     /// dequantized to f32, then quantized as the option says.
-    fn requantized_tensor(&self, t: &TensorInfo, key: &str) -> Result<Tensor> {
+    fn requantized_tensor(&self, t: &TensorInfo, key: &str, scheme: WeightQuant) -> Result<Tensor> {
         let cache = &self.opts.repacked.tensors;
         if let Some(hit) = cache.lock().ok().and_then(|c| c.get(key).cloned()) {
             return Ok(hit);
@@ -908,7 +924,7 @@ impl Builder<'_> {
                     .collect();
                 // The error of a scaled column counts 1/s^2 as much in the original units.
                 let imp_s: Vec<f32> = imp.iter().zip(&s).map(|(m, s)| m / (s * s)).collect();
-                wq.scheme
+                scheme
                     .fake_quantize(&scaled, rows, cols, Some(&imp_s))
                     .map(|q| {
                         q.chunks_exact(cols)
@@ -916,7 +932,7 @@ impl Builder<'_> {
                             .collect::<Vec<f32>>()
                     })
             }
-            None => wq.scheme.fake_quantize(&w, rows, cols, importance),
+            None => scheme.fake_quantize(&w, rows, cols, importance),
         }
         .map_err(|e| self.g.tensor_err(&t.name, e.to_string()))?;
         let tensor = Tensor::from_vec(vec![rows, cols], q)?;
@@ -924,6 +940,45 @@ impl Builder<'_> {
             c.insert(key.to_string(), tensor.clone());
         }
         Ok(tensor)
+    }
+
+    /// `x` through a symmetric `act_bits` quantize-dequantize with the static scale of the
+    /// linear `weight`'s input ([`WeightQuantOptions::act_bits`]); `None` when not asked for
+    /// or no range was measured. One pair per input value (q/k/v, gate/up share theirs).
+    fn act_fake_quant(&mut self, weight: &str, x: &str) -> Result<Option<String>> {
+        let wq = &self.opts.weight_quant;
+        let (Some(bits), Some(ranges)) = (wq.act_bits, wq.act_absmax.as_ref()) else {
+            return Ok(None);
+        };
+        let Some(&absmax) = ranges.get(weight) else {
+            return Ok(None);
+        };
+        let out = format!("{x}.a{bits}");
+        if self.nodes.iter().any(|n| n.outputs.first() == Some(&out)) {
+            return Ok(Some(out));
+        }
+        let (zp, qmax) = match bits {
+            8 => (Tensor::scalar(0i8), 127f32),
+            16 => (Tensor::scalar(0i16), 32767f32),
+            b => bail!("activation bits {b} unsupported (8 or 16)"),
+        };
+        let scale = if absmax > 0.0 { absmax / qmax } else { 1.0 };
+        let (sn, zn) = (
+            format!("{x}.a{bits}.scale"),
+            format!("{x}.a{bits}.zero_point"),
+        );
+        self.inits.push(Initializer {
+            name: sn.clone(),
+            tensor: Tensor::scalar(scale),
+        });
+        self.inits.push(Initializer {
+            name: zn.clone(),
+            tensor: zp,
+        });
+        let q = format!("{x}.a{bits}.q");
+        self.push("QuantizeLinear", "", &[x, &sn, &zn], &q, vec![]);
+        self.push("DequantizeLinear", "", &[&q, &sn, &zn], &out, vec![]);
+        Ok(Some(out))
     }
 
     /// A tensor as f32 (zero-copy for F32; F16/BF16 widened; quantized types refused).
@@ -1074,11 +1129,22 @@ impl Builder<'_> {
     ) -> Result<String> {
         let t = self.expect_shape(name, &[n_out, k])?.clone();
         self.linear_inputs.push((name.to_string(), x.to_string()));
+        let fq;
+        let x = match self.act_fake_quant(name, x)? {
+            Some(q) => {
+                fq = q;
+                fq.as_str()
+            }
+            None => x,
+        };
         let bias = match bias {
             Some(b) => Some(self.param(b, n_out)?),
             None => None,
         };
-        let wq = self.opts.weight_quant.scheme;
+        let wq = match (head, self.opts.weight_quant.head) {
+            (true, Some(h)) if self.opts.weight_quant.scheme != WeightQuant::Gguf => h,
+            _ => self.opts.weight_quant.scheme,
+        };
         let requant = wq != WeightQuant::Gguf && self.mode == WeightMode::Ggml;
         let x8 = !requant && self.x8_eligible(&t);
         let wname = if x8 {
@@ -1090,7 +1156,7 @@ impl Builder<'_> {
         };
         if !self.has_init(&wname) {
             let tensor = match self.mode {
-                WeightMode::Ggml if requant => self.requantized_tensor(&t, &wname)?,
+                WeightMode::Ggml if requant => self.requantized_tensor(&t, &wname, wq)?,
                 WeightMode::Ggml if x8 => self.repacked_tensor(&t, &wname)?,
                 WeightMode::Ggml => self.raw_tensor(&t)?,
                 _ => self.f32_tensor(&t)?,
