@@ -17,6 +17,7 @@ use npuc_ir::{DType, Tensor};
 
 pub fn register(r: &mut Registry) {
     r.add_range("com.microsoft", "RotaryEmbedding", 1, 1, rotary_embedding);
+    super::contrib_attention::register(r);
 }
 
 fn rotary_embedding(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
