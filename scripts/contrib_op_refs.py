@@ -125,6 +125,30 @@ def main():
     attention_cases(out)
 
 
+def repack(out, name, op, feeds, order, attrs):
+    """Replaces case `name`'s graph and inputs (its outputs stay: onnxruntime's on the unpacked
+    inputs) by `op` on `feeds`: for layouts onnxruntime's CPU kernels do not take (packed
+    MultiHeadAttention inputs), whose reference is the same attention on the inputs unpacked."""
+    d = os.path.join(out, name)
+    meta = json.load(open(os.path.join(d, "meta.json")))
+    for f in os.listdir(d):
+        if f.startswith("in_"):
+            os.remove(os.path.join(d, f))
+    node = helper.make_node(op, order, ["y"], domain="com.microsoft", **attrs)
+    g_in = [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape)
+            for n, a in feeds]
+    g_out = [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]
+    m = helper.make_model(helper.make_graph([node], name, g_in, g_out),
+                          opset_imports=[helper.make_opsetid("", 17),
+                                         helper.make_opsetid("com.microsoft", 1)])
+    m.ir_version = 8
+    onnx.save(m, os.path.join(d, "model.onnx"))
+    for i, (n, a) in enumerate(feeds):
+        np.save(os.path.join(d, f"in_{i}.npy"), a)
+    meta["inputs"] = [n for n, _ in feeds]
+    json.dump(meta, open(os.path.join(d, "meta.json"), "w"))
+
+
 def i32(a):
     return np.array(a, np.int32)
 
@@ -168,6 +192,19 @@ def attention_cases(out):
                                 ("m", i32([[1, 1, 0, 1, 1], [1, 1, 1, 0, 0]])),
                                 ("ab", f32(2, 1, 3, 5))],
         ["q", "k", "v", "", "m", "ab"], attrs={"mask_filter_value": -500.0})
+    # Packed KV [B, L, N, 2, H] and packed QKV [B, S, N, 3, H] (no CPU kernel in onnxruntime:
+    # the reference is its result on the same values unpacked).
+    kvp = np.stack([k.reshape(2, 5, 2, 8), v.reshape(2, 5, 2, 8)], axis=3)
+    m2 = i32([[1, 1, 1, 0, 0], [0, 1, 1, 1, 1]])
+    mha("mha_packed_kv", [("q", q), ("k", k), ("v", v), ("m", m2)], ["q", "k", "v", "", "m"])
+    repack(out, "mha_packed_kv", "MultiHeadAttention", [("q", q), ("kv", kvp), ("m", m2)],
+           ["q", "kv", "", "", "m"], {"num_heads": 2})
+    qkv = f32(2, 5, 2, 3, 8)
+    unp = [qkv[:, :, :, j, :].reshape(2, 5, 16).copy() for j in range(3)]
+    mha("mha_packed_qkv", [("q", unp[0]), ("k", unp[1]), ("v", unp[2])], ["q", "k", "v"],
+        attrs={"scale": 0.5})
+    repack(out, "mha_packed_qkv", "MultiHeadAttention", [("qkv", qkv)], ["qkv"],
+           {"num_heads": 2, "scale": 0.5})
     qs, ks, vs = f32(2, 2, 16), f32(2, 2, 16), f32(2, 2, 16)
     mha("mha_past_causal", [("q", qs), ("k", ks), ("v", vs), ("pk", f32(2, 2, 3, 8)),
                             ("pv", f32(2, 2, 3, 8))],

@@ -33,7 +33,7 @@ fn contrib_ops_match_onnxruntime() {
         .map(|e| e.unwrap().path())
         .collect();
     cases.sort();
-    assert_eq!(cases.len(), 43, "{cases:?}");
+    assert_eq!(cases.len(), 45, "{cases:?}");
     for case in &cases {
         check(case);
     }

@@ -142,10 +142,20 @@ fn multi_head_attention_refusals() {
     let e = refusal(
         "MultiHeadAttention",
         vec![heads()],
-        vec![Some(f32s(&[1, 2, 2, 3, 4]))],
+        vec![Some(f32s(&[1, 2, 2, 3, 4])), None, None, Some(f32s(&[24]))],
         &["y"],
     );
-    assert_names(&e, "packed QKV");
+    assert_names(&e, "bias with packed QKV / packed KV is not supported");
+    let e = refusal(
+        "MultiHeadAttention",
+        vec![heads()],
+        vec![Some(f32s(&[1, 2, 2, 2, 4]))],
+        &["y"],
+    );
+    assert_names(
+        &e,
+        "packed QKV query [1, 2, 2, 2, 4] must be [batch, seq, 2, 3, head_size]",
+    );
     let q = || Some(f32s(&[1, 2, 8]));
     let e = refusal(
         "MultiHeadAttention",
@@ -172,6 +182,16 @@ fn multi_head_attention_refusals() {
         &["y"],
     );
     assert_names(&e, "key_padding_mask [5]");
+    let e = refusal(
+        "MultiHeadAttention",
+        vec![heads(), ("unidirectional", Attr::Int(1))],
+        vec![q(), Some(f32s(&[1, 3, 8])), Some(f32s(&[1, 3, 8]))],
+        &["y"],
+    );
+    assert_names(
+        &e,
+        "unidirectional with a key length 3 other than the query length 2",
+    );
 }
 
 #[test]

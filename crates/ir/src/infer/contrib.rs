@@ -72,22 +72,37 @@ pub fn attention(n: &NodeIn) -> R<Vec<Out>> {
     ])
 }
 
-/// `MultiHeadAttention`: output `[B, S, Dv]`, present key/value `[B, N, P + L, H/Hv]`.
+/// `MultiHeadAttention`: output `[B, S, Dv]`, present key/value `[B, N, P + L, H/Hv]` (packed
+/// QKV `[B, S, N, 3, H]` and packed KV `[B, L, N, 2, H]` too).
 pub fn multi_head_attention(n: &NodeIn) -> R<Vec<Out>> {
     n.need(0)?;
-    if !n.has(1) || !n.has(2) {
-        return Err("packed QKV / packed KV inputs (key or value absent) are not supported".into());
-    }
-    rank_is(n, 0, 3, "query")?;
     let nh = heads(n, "num_heads")?;
     let dt = n.dt(0);
-    let (b, s, d) = (dim(n, 0, 0), dim(n, 0, 1), dim(n, 0, 2));
+    let (b, s) = (dim(n, 0, 0), dim(n, 0, 1));
+    let packed_qkv = !n.has(1);
+    if packed_qkv {
+        rank_is(n, 0, 5, "packed QKV query")?;
+    } else {
+        rank_is(n, 0, 3, "query")?;
+    }
+    let d = if packed_qkv {
+        dim_mul(&dim(n, 0, 4), &Dim::Fixed(nh))
+    } else {
+        dim(n, 0, 2)
+    };
     let h = dim_div_exact(&d, nh, "query hidden size / num_heads")?;
-    let (l, dv) = match n.rank(1) {
-        Some(4) => (dim(n, 1, 2), dim_mul(&dim(n, 2, 3), &Dim::Fixed(nh))),
-        Some(3) => (dim(n, 1, 1), dim(n, 2, 2)),
-        Some(r) => return Err(format!("key must have rank 3 or 4, found {r}")),
-        None => (Dim::Unknown, Dim::Unknown),
+    let (l, dv) = if packed_qkv {
+        (s.clone(), d.clone())
+    } else if !n.has(2) {
+        rank_is(n, 1, 5, "packed KV key")?;
+        (dim(n, 1, 1), dim_mul(&dim(n, 1, 4), &Dim::Fixed(nh)))
+    } else {
+        match n.rank(1) {
+            Some(4) => (dim(n, 1, 2), dim_mul(&dim(n, 2, 3), &Dim::Fixed(nh))),
+            Some(3) => (dim(n, 1, 1), dim(n, 2, 2)),
+            Some(r) => return Err(format!("key must have rank 3 or 4, found {r}")),
+            None => (Dim::Unknown, Dim::Unknown),
+        }
     };
     let past = if n.has(6) {
         dim(n, 6, 2)

@@ -4,7 +4,8 @@
 //! - `Attention(input, weights[, bias][, mask_index][, past][, attention_bias])`: BERT-style
 //!   self-attention with packed Q/K/V weights (`qkv_hidden_sizes` for unequal parts).
 //! - `MultiHeadAttention(query, key, value[, bias][, key_padding_mask][, attention_bias]
-//!   [, past_key, past_value])`: separate Q/K/V `[B, S, D]`, or K/V already `[B, N, L, H]`.
+//!   [, past_key, past_value])`: separate Q/K/V `[B, S, D]`, K/V already `[B, N, L, H]`, or
+//!   packed QKV `[B, S, N, 3, H]` / KV `[B, L, N, 2, H]` (without bias).
 //! - `GroupQueryAttention(query[, key, value], past_key, past_value, seqlens_k,
 //!   total_sequence_length[, cos_cache, sin_cache][, , attention_bias])`: GenAI's decoder
 //!   attention (BNSH KV cache, per-batch lengths, rotary, local window, softcap, packed QKV).
@@ -18,9 +19,10 @@
 //! leaves keys outside `(pos - local_window_size, pos]` (the window holds `local_window_size`
 //! keys, the query's own included) and beyond `seqlens_k[b]` out of the softmax. What the CPU
 //! kernels refuse or npuc does not cover (other dtypes, 4-D masks,
-//! packed MHA inputs, shared past/present buffers, rotary in Attention, beam-search cache
+//! bias with packed MHA inputs, shared past/present buffers, rotary in Attention, beam-search cache
 //! indirection, smooth softmax, head sinks, QK outputs) is refused with the node named.
 
+use super::contrib::rotate;
 use super::matmul::attention::{run, Dims, Mask, Opts};
 use super::matmul::{gemm_into, Mat};
 use crate::bail;
@@ -276,6 +278,34 @@ fn sdpa(
     Ok(bnsh_to_bsd(&y, b, n, s, hv))
 }
 
+/// `Attention`/`MultiHeadAttention`'s core: Q `[B, N, S, H]`, K/V `[B, N, P + L, H/Hv]`
+/// (past included), the node's mask (`unidirectional`, `mask_filter_value`) and attention
+/// bias; Y `[B, S, N·Hv]`.
+fn masked_attention(
+    ctx: &OpCtx,
+    (q, k, v): (&[f32], &[f32], &[f32]),
+    (mask, bias): (Option<&Tensor>, Option<&Tensor>),
+    (b, heads, s, p, h, hv): (usize, usize, usize, usize, usize, usize),
+) -> Result<Tensor> {
+    let n = ctx.node;
+    let t = k.len() / (b * heads * h).max(1);
+    let causal = n.int_or("unidirectional", 0)? != 0;
+    let filter = n.float_or("mask_filter_value", -10000.0)?;
+    let base = prepare_mask(mask, causal, filter, b, s, p, t)?;
+    let mask = combine_mask(base, bias, b, heads, s, t)?;
+    let y = sdpa(
+        q,
+        k,
+        v,
+        mask.as_ref(),
+        (b, heads, heads, s, t, h, hv),
+        scale_of(n, h)?,
+        0.0,
+        ctx.threads,
+    )?;
+    Ok(Tensor::from_vec(vec![b, s, heads * hv], y)?)
+}
+
 /// The `scale` attribute, 0 (absent) meaning `1 / sqrt(head_size)`.
 fn scale_of(n: &Node, head: usize) -> Result<f64> {
     let s = n.float_or("scale", 0.0)?;
@@ -397,21 +427,12 @@ fn attention(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         v = concat_seq(&pv[half..], &v, b * heads, p, s, hd);
     }
     let t = p + s;
-    let causal = n.int_or("unidirectional", 0)? != 0;
-    let filter = n.float_or("mask_filter_value", -10000.0)?;
-    let base = prepare_mask(ins.opt_tensor(3), causal, filter, b, s, p, t)?;
-    let mask = combine_mask(base, ins.opt_tensor(5), b, heads, s, t)?;
-    let y = sdpa(
-        &q,
-        &k,
-        &v,
-        mask.as_ref(),
-        (b, heads, heads, s, t, hd, hdv),
-        scale_of(n, hd)?,
-        0.0,
-        ctx.threads,
+    let y = masked_attention(
+        ctx,
+        (&q, &k, &v),
+        (ins.opt_tensor(3), ins.opt_tensor(5)),
+        (b, heads, s, p, hd, hdv),
     )?;
-    let y = Tensor::from_vec(vec![b, s, vh], y)?;
     let present = if n.outputs.get(1).is_some_and(|o| !o.is_empty()) {
         if hd != hdv {
             bail!("present needs equal K and V head sizes");
@@ -425,8 +446,26 @@ fn attention(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     outputs(n, vec![Some(y), present])
 }
 
+/// A packed `[B, S, N, parts, H]` input as `parts` tensors `[B, S, N·H]`.
+fn unpack(t: &Tensor, parts: usize, heads: usize, what: &str) -> Result<Vec<Tensor>> {
+    let (b, s, h) = match *t.shape() {
+        [b, s, nh, p, h] if nh == heads && p == parts => (b, s, h),
+        ref o => bail!("{what} {o:?} must be [batch, seq, {heads}, {parts}, head_size]"),
+    };
+    let x = f32_in(t, what)?;
+    let mut outs = vec![Vec::with_capacity(b * s * heads * h); parts];
+    for group in x.chunks_exact((parts * h).max(1)) {
+        for (j, o) in outs.iter_mut().enumerate() {
+            o.extend_from_slice(&group[j * h..(j + 1) * h]);
+        }
+    }
+    outs.into_iter()
+        .map(|v| Ok(Tensor::from_vec(vec![b, s, heads * h], v)?))
+        .collect()
+}
+
 /// `MultiHeadAttention`: separate Q `[B, S, D]`, K/V `[B, L, D]` (bias added, past
-/// concatenated) or K/V `[B, N, L, H]` (used as they are).
+/// concatenated) or K/V `[B, N, L, H]` (used as they are); packed QKV or KV split first.
 fn multi_head_attention(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     let n = ctx.node;
     refuse_inputs(
@@ -437,9 +476,25 @@ fn multi_head_attention(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         bail!("the qk output is not supported");
     }
     let heads = num_heads(n, "num_heads")?;
-    let q = ins.tensor(0)?;
-    let (Some(k), Some(v)) = (ins.opt_tensor(1), ins.opt_tensor(2)) else {
-        bail!("packed QKV / packed KV inputs (key or value absent) are not supported (onnxruntime's CPU kernel has no such path either)");
+    // Packed QKV `[B, S, N, 3, H]` or packed KV `[B, L, N, 2, H]`: split into `[B, S, N·H]`.
+    let unpacked: Vec<Tensor>;
+    let (q, k, v) = match (ins.opt_tensor(1), ins.opt_tensor(2)) {
+        (Some(k), Some(v)) => (ins.tensor(0)?, k, v),
+        (k, None) => {
+            if ins.opt_tensor(3).is_some() {
+                bail!("bias with packed QKV / packed KV is not supported");
+            }
+            unpacked = match k {
+                None => unpack(ins.tensor(0)?, 3, heads, "packed QKV query")?,
+                Some(k) => {
+                    let mut kv = unpack(k, 2, heads, "packed KV key")?;
+                    kv.insert(0, ins.tensor(0)?.clone());
+                    kv
+                }
+            };
+            (&unpacked[0], &unpacked[1], &unpacked[2])
+        }
+        (None, Some(_)) => bail!("value without key is not supported"),
     };
     let (qv, kv, vv) = (f32_in(q, "query")?, f32_in(k, "key")?, f32_in(v, "value")?);
     let (b, s, d) = match *q.shape() {
@@ -513,46 +568,27 @@ fn multi_head_attention(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         _ => bail!("past_key and past_value must be given together"),
     }
     let t = p + l;
-    let causal = n.int_or("unidirectional", 0)? != 0;
-    let filter = n.float_or("mask_filter_value", -10000.0)?;
+    if l != s && n.int_or("unidirectional", 0)? != 0 {
+        // onnxruntime's CPU kernel lays its causal mask out for key length = query length.
+        bail!(
+            "unidirectional with a key length {l} other than the query length {s} is not supported"
+        );
+    }
     let kpm = ins.opt_tensor(4);
     if let Some(m) = kpm {
         if m.rank() == 1 && m.shape()[0] != b {
             bail!("key_padding_mask {:?}: only [batch] key lengths, [batch, total] or [batch, seq, total] are supported", m.shape());
         }
     }
-    let base = prepare_mask(kpm, causal, filter, b, s, p, t)?;
-    let mask = combine_mask(base, ins.opt_tensor(5), b, heads, s, t)?;
-    let y = sdpa(
-        &qb,
-        &kb,
-        &vb,
-        mask.as_ref(),
-        (b, heads, heads, s, t, h, hv),
-        scale_of(n, h)?,
-        0.0,
-        ctx.threads,
+    let y = masked_attention(
+        ctx,
+        (&qb, &kb, &vb),
+        (kpm, ins.opt_tensor(5)),
+        (b, heads, s, p, h, hv),
     )?;
-    let y = Tensor::from_vec(vec![b, s, dv], y)?;
     let pk = Tensor::from_vec(vec![b, heads, t, h], kb)?;
     let pv = Tensor::from_vec(vec![b, heads, t, hv], vb)?;
     outputs(n, vec![Some(y), Some(pk), Some(pv)])
-}
-
-/// Rotates the first `2 · cos.len()` features of `x` (one head at one position) as
-/// onnxruntime's RotaryEmbedding does.
-fn rotate(x: &mut [f32], cos: &[f32], sin: &[f32], interleaved: bool) {
-    let half = cos.len();
-    for i in 0..half {
-        let (a, b) = if interleaved {
-            (2 * i, 2 * i + 1)
-        } else {
-            (i, i + half)
-        };
-        let (x1, x2) = (x[a], x[b]);
-        x[a] = x1 * cos[i] - x2 * sin[i];
-        x[b] = x2 * cos[i] + x1 * sin[i];
-    }
 }
 
 /// `GroupQueryAttention`: per batch `b`, `seqlens_k[b] + 1` keys in all; a first prompt
