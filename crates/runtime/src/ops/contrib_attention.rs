@@ -93,7 +93,8 @@ fn refuse_inputs(ins: &Inputs, which: &[(usize, &str)]) -> Result<()> {
     Ok(())
 }
 
-/// `[B, S, N, H]` (row-major) to `[B, N, S, H]`.
+/// `[B, S, N, H]` (row-major) to `[B, N, S, H]`; with the middle dims named the other way
+/// round, `[B, N, S, H]` back to `[B, S, N·H]`.
 fn bsnh_to_bnsh(x: &[f32], b: usize, s: usize, n: usize, h: usize) -> Vec<f32> {
     let mut out = vec![0f32; b * s * n * h];
     for bi in 0..b {
@@ -101,20 +102,6 @@ fn bsnh_to_bnsh(x: &[f32], b: usize, s: usize, n: usize, h: usize) -> Vec<f32> {
             for ni in 0..n {
                 let src = &x[((bi * s + si) * n + ni) * h..][..h];
                 out[((bi * n + ni) * s + si) * h..][..h].copy_from_slice(src);
-            }
-        }
-    }
-    out
-}
-
-/// `[B, N, S, H]` to `[B, S, N·H]`.
-fn bnsh_to_bsd(y: &[f32], b: usize, n: usize, s: usize, h: usize) -> Vec<f32> {
-    let mut out = vec![0f32; y.len()];
-    for bi in 0..b {
-        for ni in 0..n {
-            for si in 0..s {
-                let src = &y[((bi * n + ni) * s + si) * h..][..h];
-                out[((bi * s + si) * n + ni) * h..][..h].copy_from_slice(src);
             }
         }
     }
@@ -275,7 +262,7 @@ fn sdpa(
         want_qk: false,
     };
     let (y, _) = run::<f32>(q, k, v, mask, None, &dims, &opts, threads)?;
-    Ok(bnsh_to_bsd(&y, b, n, s, hv))
+    Ok(bsnh_to_bnsh(&y, b, n, s, hv))
 }
 
 /// `Attention`/`MultiHeadAttention`'s core: Q `[B, N, S, H]`, K/V `[B, N, P + L, H/Hv]`
