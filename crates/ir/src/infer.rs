@@ -11,6 +11,7 @@
 //! naming its node; inference never panics and carries on with unknown types after a problem.
 //! Ops without a rule are listed in [`InferResult::not_inferred`]; their outputs are unknown.
 
+mod contrib;
 mod control;
 mod ctx;
 mod nn;

@@ -17,6 +17,23 @@
 //!
 //! An output these rewrites cannot produce (the RMS norms' `inv_std_var`, `mean`) or an
 //! attribute they do not cover (`transBatchA/B`) is refused naming the node.
+//!
+//! These stay as they are and run on runtime kernels (`npuc_runtime::ops::contrib` and
+//! `contrib_attention`, float32, onnxruntime's CPU semantics; shape inference in
+//! `npuc_ir::infer`, so `npuc compile` plans them):
+//!
+//! | contrib op | kernel |
+//! |---|---|
+//! | `RotaryEmbedding(input, position_ids, cos_cache, sin_cache)` | rotary embedding, 3-D or 4-D input, interleaved or half-split, partial rotary dim |
+//! | `Attention(input, weights[, bias][, mask_index][, past][, attention_bias])` | `Q/K/V = input · weights + bias` split by `qkv_hidden_sizes`; mask_index 1-D `[B]`/`[2B]`, 2-D, 3-D; `unidirectional`, `mask_filter_value`, `scale`; `past` `[2, B, N, P, H]` → `present` |
+//! | `MultiHeadAttention(query, key, value[, bias][, key_padding_mask][, attention_bias][, past_key, past_value])` | K/V `[B, L, D]` (bias added, past concatenated → present_key/value) or `[B, N, L, H]`, or packed QKV `[B, S, N, 3, H]` / KV `[B, L, N, 2, H]` (split first); masks as Attention; `unidirectional`, `scale` |
+//! | `GroupQueryAttention(query[, key, value], past_key, past_value, seqlens_k, total_sequence_length[, cos_cache, sin_cache][, , attention_bias])` | BNSH cache, per-batch lengths from `seqlens_k`, present `[B, Nkv, max(P, total), H]`; `do_rotary` (+ `rotary_interleaved`), `local_window_size`, `softcap`, `scale`, packed QKV when key/value are absent |
+//! | `EmbedLayerNormalization(input_ids[, segment_ids], word, position[, segment], gamma[, beta][, mask][, position_ids])` | `LayerNorm(word[id] + position[pos] (+ segment[seg]))` → output; mask_index = ones per mask row; embedding_sum |
+//!
+//! Refused, naming the node: bias with packed MHA inputs, `past_sequence_length` / shared
+//! buffers, 4-D masks, `do_rotary` in Attention,
+//! `cache_indirection`, GQA `smooth_softmax`, `head_sink`, `position_ids`, QK outputs,
+//! `mask_index_type` other than 1, non-float32 data.
 
 use npuc_ir::{Attr, Graph, Initializer, Model, Node, OpsetImport, Tensor, TypeInfo};
 use std::collections::HashMap;

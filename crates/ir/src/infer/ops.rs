@@ -21,6 +21,10 @@ pub fn infer(n: &NodeIn) -> Outcome {
         "com.microsoft" => match n.op() {
             "DynamicQuantizeLSTM" => Some(nn::rnn(n)),
             "RotaryEmbedding" => Some(same(n, 0)),
+            "Attention" => Some(super::contrib::attention(n)),
+            "MultiHeadAttention" => Some(super::contrib::multi_head_attention(n)),
+            "GroupQueryAttention" => Some(super::contrib::group_query_attention(n)),
+            "EmbedLayerNormalization" => Some(super::contrib::embed_layer_normalization(n)),
             _ => None,
         },
         _ => None,

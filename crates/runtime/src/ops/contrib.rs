@@ -17,6 +17,7 @@ use npuc_ir::{DType, Tensor};
 
 pub fn register(r: &mut Registry) {
     r.add_range("com.microsoft", "RotaryEmbedding", 1, 1, rotary_embedding);
+    super::contrib_attention::register(r);
 }
 
 fn rotary_embedding(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
@@ -97,20 +98,25 @@ fn rotary_embedding(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
             let (c, sn) = (&cs[pidx * half..][..half], &ss[pidx * half..][..half]);
             for hi in 0..h {
                 let base = bi * batch_stride + hi * head_stride + si * seq_stride;
-                let v = &xs[base..base + d];
-                let o = &mut out[base..base + d];
-                for i in 0..half {
-                    let (a, bidx) = if interleaved {
-                        (2 * i, 2 * i + 1)
-                    } else {
-                        (i, i + half)
-                    };
-                    let (x1, x2) = (v[a], v[bidx]);
-                    o[a] = x1 * c[i] - x2 * sn[i];
-                    o[bidx] = x2 * c[i] + x1 * sn[i];
-                }
+                rotate(&mut out[base..base + d], c, sn, interleaved);
             }
         }
     }
     Ok(vec![Value::tensor(Tensor::from_vec(s.to_vec(), out)?)])
+}
+
+/// Rotates the first `2 · cos.len()` features of `x` (one head at one position): pairs
+/// `(i, i + half)`, or `(2i, 2i + 1)` when `interleaved`; `x1·cos − x2·sin`, `x2·cos + x1·sin`.
+pub(crate) fn rotate(x: &mut [f32], cos: &[f32], sin: &[f32], interleaved: bool) {
+    let half = cos.len();
+    for i in 0..half {
+        let (a, b) = if interleaved {
+            (2 * i, 2 * i + 1)
+        } else {
+            (i, i + half)
+        };
+        let (x1, x2) = (x[a], x[b]);
+        x[a] = x1 * cos[i] - x2 * sin[i];
+        x[b] = x2 * cos[i] + x1 * sin[i];
+    }
 }

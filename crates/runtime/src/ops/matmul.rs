@@ -4,7 +4,7 @@
 //! (which is also what numpy-based references effectively accumulate in); integer products use a
 //! plain wrapping triple loop.
 
-mod attention;
+pub(crate) mod attention;
 mod einsum;
 mod linear;
 

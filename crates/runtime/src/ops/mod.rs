@@ -2,6 +2,7 @@
 
 pub mod common;
 pub mod contrib;
+pub mod contrib_attention;
 pub mod control;
 pub mod conv;
 pub mod elementwise;

@@ -23,16 +23,16 @@ pub fn register(r: &mut Registry) {
 }
 
 /// Shapes of one Attention call, in 4-D `[batch, heads, seq, head_size]` terms.
-struct Dims {
-    b: usize,
-    hq: usize,
-    hkv: usize,
-    sq: usize,
+pub(crate) struct Dims {
+    pub b: usize,
+    pub hq: usize,
+    pub hkv: usize,
+    pub sq: usize,
     /// Total key/value length (past + new).
-    skv: usize,
-    past: usize,
-    d: usize,
-    dv: usize,
+    pub skv: usize,
+    pub past: usize,
+    pub d: usize,
+    pub dv: usize,
 }
 
 /// Reads Q/K/V (3-D `[B, S, H*D]` or 4-D `[B, H, S, D]`) as 4-D buffers.
@@ -79,10 +79,11 @@ fn concat_seq<T: Copy>(
     out
 }
 
-/// The additive mask broadcast to `[B, Hq, Sq, Skv]`: data plus 4-D broadcast strides.
-struct Mask<T> {
-    data: Vec<T>,
-    st: [usize; 4],
+/// The additive mask broadcast to `[B, Hq, Sq, Skv]`: data plus 4-D broadcast strides (the
+/// last one 1).
+pub(crate) struct Mask<T> {
+    pub data: Vec<T>,
+    pub st: [usize; 4],
 }
 
 fn load_mask<T: GemmFloat>(m: &Tensor, dims: &Dims) -> Result<Mask<T>> {
@@ -130,16 +131,19 @@ fn load_mask<T: GemmFloat>(m: &Tensor, dims: &Dims) -> Result<Mask<T>> {
     Ok(Mask { data, st })
 }
 
-struct Opts {
-    scale: f64,
-    softcap: f64,
-    causal: bool,
-    mode: i64,
-    want_qk: bool,
+pub(crate) struct Opts {
+    pub scale: f64,
+    pub softcap: f64,
+    pub causal: bool,
+    pub mode: i64,
+    pub want_qk: bool,
 }
 
+/// `softmax(softcap(scale · Q Kᵀ) + mask [+ causal]) V` per head: Q `[B, Hq, Sq, D]`, K/V
+/// `[B, Hkv, Skv, D/Dv]` (query head `h` reads kv head `h / (Hq / Hkv)`); returns Y
+/// `[B, Hq, Sq, Dv]` and, when asked, the QK values of `mode`.
 #[allow(clippy::too_many_arguments)]
-fn run<T: GemmFloat>(
+pub(crate) fn run<T: GemmFloat>(
     q: &[T],
     k: &[T],
     v: &[T],
