@@ -26,6 +26,7 @@ use crate::util::{is_op, Index};
 use crate::{GraphPatch, Pass, PassError, PassStats, Rewriter};
 use npuc_ir::opdef::NodeBuilder;
 use npuc_ir::{Attr, DType, Graph, Model, Node};
+use npuc_runtime::ops::blockmm::{self, BLOCK_MATMUL};
 use npuc_runtime::ops::qlinear::{QCONV_TRANSPOSE, QLUT, QMATMUL};
 use npuc_runtime::ops::qsoftmax::QSOFTMAX;
 use std::collections::HashSet;
@@ -166,7 +167,9 @@ impl QuantLower {
         if !has_qdq(rw.model()) {
             return Ok((0, 0));
         }
-        let products = self.lower_products(rw)? + self.lower_conv_transpose(rw)?;
+        let products = self.lower_products(rw)?
+            + self.lower_conv_transpose(rw)?
+            + self.lower_block_products(rw)?;
         // Lookup regions need their constants as constants: the DQ of a constant bias or
         // scale (and Q -> DQ of constant operands) fold first. The weights of lowered
         // products are dead by now and removed before folding, so they never expand to f32.
@@ -424,6 +427,117 @@ impl QuantLower {
                 node = node.attr("clip_max", Attr::Float(hi));
             }
             if patch.fuse(pi, built(node)?, &remove) {
+                lowered += 1;
+            }
+        }
+        Ok(apply_lowered(rw, patch, lowered))
+    }
+}
+
+/// Set to `0` to fold blocked 4-bit weights to f32 instead of running `npuc.BlockMatMul`.
+pub const BLOCK_MATMUL_ENV: &str = "NPUC_BLOCK_MATMUL";
+
+impl QuantLower {
+    /// `DequantizeLinear(int4/uint4 W [K, N], f32 scale [K/B, N] blocked on axis 0[, zero
+    /// point]) -> MatMul(X, W)` (and `Gemm(X, W[, C])` without transposes, alpha = beta = 1, a
+    /// constant f32 bias of N values) into `npuc.BlockMatMul`, whose weight stays packed (two
+    /// codes a byte plus the block parameters) instead of being folded into an f32 `W`
+    /// (w4a16 per-block / LPBQ). One packing per DQ, shared by every product reading it.
+    ///
+    /// Left to the fold into an f32 weight (not covered by the kernel): int8/uint8 and other
+    /// blocked weight types, blocks along N (a Gemm's `transB` weight, axis 1), K not a whole
+    /// number of blocks, a transposed or scaled Gemm or one with another bias, non-constant
+    /// weights or parameters, a DQ with `output_dtype`.
+    ///
+    /// `NPUC_BLOCK_MATMUL=0` in the environment turns the lowering off (the fold path), for
+    /// A/B measurements and the tests that compare both paths.
+    fn lower_block_products(&self, rw: &mut Rewriter<'_>) -> Result<usize, PassError> {
+        if std::env::var(BLOCK_MATMUL_ENV).is_ok_and(|v| v.trim() == "0") {
+            return Ok(0);
+        }
+        let g = &rw.model().graph;
+        let ix = Index::new(g);
+        let mut patch = GraphPatch::new();
+        let mut taken = HashSet::new();
+        let mut packed: std::collections::HashMap<String, Option<(String, String, usize)>> =
+            Default::default();
+        let mut lowered = 0;
+        for (pi, p) in g.nodes.iter().enumerate() {
+            let gemm = is_op(p, "Gemm");
+            if !(is_op(p, "MatMul") || gemm) || p.outputs.len() != 1 {
+                continue;
+            }
+            if gemm
+                && (attr_int(p, "transA", 0) != 0
+                    || attr_int(p, "transB", 0) != 0
+                    || attr_float(p, "alpha", 1.0) != 1.0
+                    || attr_float(p, "beta", 1.0) != 1.0)
+            {
+                continue;
+            }
+            let (Some(xn), Some(wn)) = (p.input(0), p.input(1)) else {
+                continue;
+            };
+            if !packed.contains_key(wn) {
+                let made = ix.prod(g, wn).and_then(|(_, d)| {
+                    if !is_op(d, "DequantizeLinear")
+                        || d.outputs.len() != 1
+                        || d.attr("output_dtype").is_some()
+                    {
+                        return None;
+                    }
+                    let block = attr_int(d, "block_size", 0);
+                    let axis = attr_int(d, "axis", 1);
+                    if block <= 0 || !(axis == 0 || axis == -2) {
+                        return None;
+                    }
+                    let q = ix.constant(g, d.input(0)?)?;
+                    let scale = ix.constant(g, d.input(1)?)?;
+                    let zp = match d.input(2) {
+                        None | Some("") => None,
+                        Some(z) => Some(ix.constant(g, z)?),
+                    };
+                    let n = *q.shape().get(1)?;
+                    let (b, center) = blockmm::pack_weight(&q, &scale, zp.as_deref(), block as usize)?;
+                    let b = patch.add_fresh_initializer(g, &mut taken, &format!("{wn}_q4"), b);
+                    let c = patch.add_fresh_initializer(g, &mut taken, &format!("{wn}_center"), center);
+                    Some((b, c, n))
+                });
+                packed.insert(wn.to_string(), made);
+            }
+            let Some(Some((b, center, n))) = packed.get(wn) else {
+                continue;
+            };
+            let Some(scale) = ix.prod(g, wn).and_then(|(_, d)| d.input(1)) else {
+                continue;
+            };
+            let bias = if gemm { p.input(2).unwrap_or("") } else { "" };
+            if !bias.is_empty()
+                && !ix
+                    .constant(g, bias)
+                    .is_some_and(|t| t.dtype() == DType::F32 && t.len() == *n)
+            {
+                continue;
+            }
+            let name = if p.name.is_empty() {
+                String::new()
+            } else {
+                format!("{}_block", p.name)
+            };
+            let node = BLOCK_MATMUL
+                .node(name)
+                .input("a", xn)
+                .input("b", b)
+                .input("b_scale", scale)
+                .input("b_center", center)
+                .input("bias", bias)
+                .output("y", &p.outputs[0])
+                .attr(
+                    "block_size",
+                    Attr::Int(ix.prod(g, wn).map_or(0, |(_, d)| attr_int(d, "block_size", 0))),
+                )
+                .attr("n", Attr::Int(*n as i64));
+            if patch.fuse(pi, built(node)?, &[]) {
                 lowered += 1;
             }
         }

@@ -1,5 +1,6 @@
 //! Op kernels, one module per family. Each module's `register` adds its kernels.
 
+pub mod blockmm;
 pub mod common;
 pub mod contrib;
 pub mod contrib_attention;
@@ -26,6 +27,7 @@ pub mod vision;
 use crate::kernel::Registry;
 
 pub fn register_all(r: &mut Registry) {
+    blockmm::register(r);
     contrib::register(r);
     control::register(r);
     conv::register(r);
