@@ -169,6 +169,11 @@ impl Case {
             .arg(&self.calib)
             .arg("-o")
             .arg(&art));
+        (self.artifact_sqnr(&art, tag, &[]), log)
+    }
+
+    /// Output SQNR of the compiled `art` on the held-out inputs, run with `env` set.
+    fn artifact_sqnr(&self, art: &Path, tag: &str, env: &[(&str, &str)]) -> f64 {
         let outs: Vec<Vec<f32>> = self
             .held
             .iter()
@@ -176,7 +181,8 @@ impl Case {
             .map(|(i, xs)| {
                 let d = self.dir.path().join(format!("{tag}-{i}"));
                 let mut c = npuc();
-                c.arg("run").arg(&art);
+                c.envs(env.iter().copied());
+                c.arg("run").arg(art);
                 for (name, x) in self.inputs.iter().zip(xs) {
                     c.arg("--input").arg(format!("{name}={}", x.display()));
                 }
@@ -189,7 +195,7 @@ impl Case {
             "{tag}: output SQNR {s:.2} dB over {} held-out samples",
             self.held.len()
         );
-        (s, log)
+        s
     }
 }
 
@@ -338,6 +344,41 @@ fn lpbq_w4a16_close_to_per_block_on_minilm() {
     // Per-block's gain over one scale per channel must survive the 4-bit block scales (a k
     // stuck at 2^cbw would be per-channel).
     assert!(lp >= pc + 3.0, "LPBQ {lp:.2} vs per-channel {pc:.2} dB");
+}
+
+/// The packed 4-bit product (`npuc.BlockMatMul`, weights kept two codes a byte) gives the
+/// output SQNR of the path it replaces (`NPUC_BLOCK_MATMUL=0`: the blocked DequantizeLinear
+/// folded into an f32 weight at load), on real held-out inputs of MiniLM (LPBQ, block 64) and
+/// ViT-S (per-block, block 32; its convolutions' blocked weights stay on the fold path). Both
+/// multiply the same f32 weights, so only f32 summation order may differ: measured identical
+/// outputs; the bound allows 0.01 dB.
+#[test]
+fn block_matmul_keeps_the_folded_sqnr() {
+    let cases = [(minilm(4), "lpbq", "64"), (vit_s(4), "per-block", "32")];
+    for (c, granularity, block) in cases {
+        let tag = format!("w4a16-{granularity}{block}");
+        let flags = [
+            "--quantize",
+            "w4a16",
+            "--calib-method",
+            "minmax",
+            "--granularity",
+            granularity,
+            "--block-size",
+            block,
+        ];
+        let (packed, _) = c.quantized_sqnr(&tag, &flags);
+        let art = c.dir.path().join(format!("{tag}.npuc"));
+        let folded = c.artifact_sqnr(&art, &format!("{tag}-fold"), &[("NPUC_BLOCK_MATMUL", "0")]);
+        eprintln!("{tag}: BlockMatMul {packed:.3} dB, folded f32 weights {folded:.3} dB");
+        assert!(
+            (packed - folded).abs() <= 0.01,
+            "{tag}: BlockMatMul {packed:.3} dB vs folded {folded:.3} dB"
+        );
+        // The packed path must be the one that ran: its weights stay 4-bit in memory.
+        let profile = ok(npuc().args(["bench", "--runs", "1", "--profile"]).arg(&art));
+        assert!(profile.contains("BlockMatMul"), "{profile}");
+    }
 }
 
 /// LPBQ's allowance against free f32 per-block scales: each block scale becomes one of 16

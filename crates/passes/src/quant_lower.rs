@@ -498,9 +498,11 @@ impl QuantLower {
                         Some(z) => Some(ix.constant(g, z)?),
                     };
                     let n = *q.shape().get(1)?;
-                    let (b, center) = blockmm::pack_weight(&q, &scale, zp.as_deref(), block as usize)?;
+                    let (b, center) =
+                        blockmm::pack_weight(&q, &scale, zp.as_deref(), block as usize)?;
                     let b = patch.add_fresh_initializer(g, &mut taken, &format!("{wn}_q4"), b);
-                    let c = patch.add_fresh_initializer(g, &mut taken, &format!("{wn}_center"), center);
+                    let c =
+                        patch.add_fresh_initializer(g, &mut taken, &format!("{wn}_center"), center);
                     Some((b, c, n))
                 });
                 packed.insert(wn.to_string(), made);
@@ -534,7 +536,10 @@ impl QuantLower {
                 .output("y", &p.outputs[0])
                 .attr(
                     "block_size",
-                    Attr::Int(ix.prod(g, wn).map_or(0, |(_, d)| attr_int(d, "block_size", 0))),
+                    Attr::Int(
+                        ix.prod(g, wn)
+                            .map_or(0, |(_, d)| attr_int(d, "block_size", 0)),
+                    ),
                 )
                 .attr("n", Attr::Int(*n as i64));
             if patch.fuse(pi, built(node)?, &[]) {

@@ -5,8 +5,8 @@
 //! the dequantized weights are the same f32 values, so the outputs may differ only by the
 //! summation order of the f32 products, bounded by `K * eps * sum_k |x_k w_k|` per output.
 
-use npuc_ir::{Attr, DType, Graph, Initializer, Model, Node, OpsetImport, Tensor, TypeInfo};
 use npuc_ir::ValueInfo;
+use npuc_ir::{Attr, DType, Graph, Initializer, Model, Node, OpsetImport, Tensor, TypeInfo};
 use npuc_passes::quant_lower::lower_quantized;
 use npuc_runtime::{Session, SessionOptions, Value};
 use proptest::prelude::*;
@@ -75,11 +75,10 @@ fn model(c: Case, seed: u64) -> Model {
         dq_in.push("zw");
     }
     let mut dq = Node::new("DequantizeLinear", &dq_in, &["wd"]);
-    dq.attrs.push(("block_size".into(), Attr::Int(c.block as i64)));
-    dq.attrs.push((
-        "axis".into(),
-        Attr::Int(if c.trans_b { 1 } else { 0 }),
-    ));
+    dq.attrs
+        .push(("block_size".into(), Attr::Int(c.block as i64)));
+    dq.attrs
+        .push(("axis".into(), Attr::Int(if c.trans_b { 1 } else { 0 })));
     let (op, x_shape) = if c.gemm {
         let bias: Vec<f32> = (0..c.n).map(|_| r.unit() - 0.5).collect();
         inits.push(init("bias", Tensor::from_vec(vec![c.n], bias).unwrap()));
@@ -128,7 +127,13 @@ fn run(m: &Model, x: &Tensor, threads: usize) -> Vec<f32> {
     let out = s
         .run(vec![("x".to_string(), Value::tensor(x.clone()))])
         .expect("run");
-    out[0].1.as_tensor().unwrap().as_slice::<f32>().unwrap().to_vec()
+    out[0]
+        .1
+        .as_tensor()
+        .unwrap()
+        .as_slice::<f32>()
+        .unwrap()
+        .to_vec()
 }
 
 fn count(m: &Model, op: &str) -> usize {
@@ -148,10 +153,22 @@ fn check(c: Case, seed: u64, want_block: bool) {
         lowered.graph.nodes
     );
     if want_block {
-        assert_eq!(count(&lowered, "DequantizeLinear"), 0, "{c:?}: weight not packed");
-        let packed = lowered.graph.initializers.iter().map(|i| i.tensor.bytes()).sum::<usize>();
+        assert_eq!(
+            count(&lowered, "DequantizeLinear"),
+            0,
+            "{c:?}: weight not packed"
+        );
+        let packed = lowered
+            .graph
+            .initializers
+            .iter()
+            .map(|i| i.tensor.bytes())
+            .sum::<usize>();
         let plain = c.k * c.n * 4;
-        assert!(packed * 3 < plain, "{c:?}: {packed} bytes of weights vs f32 {plain}");
+        assert!(
+            packed * 3 < plain,
+            "{c:?}: {packed} bytes of weights vs f32 {plain}"
+        );
     }
     let x = x_for(c, seed);
     let want = run(&m, &x, 1);

@@ -93,6 +93,9 @@ mod x86 {
     use std::arch::x86_64::*;
 
     /// AVX2 panel: 16 columns (8 bytes) per step, the rest of the row by the scalar code.
+    ///
+    /// # Safety
+    /// AVX2 must be available, `w.valid()`, `n0` even, `n0 + nc <= w.n`, `out.len() >= w.k * nc`.
     #[target_feature(enable = "avx2")]
     pub unsafe fn panel(w: &Packed, n0: usize, nc: usize, out: &mut [f32]) {
         let rb = row_bytes(w.n);
@@ -139,7 +142,9 @@ mod tests {
         let scale = (0..nb)
             .map(|_| (xorshift(&mut s) % 1000) as f32 * 1e-4 + 1e-5)
             .collect();
-        let center = (0..nb).map(|_| (xorshift(&mut s) % 31) as f32 - 7.0).collect();
+        let center = (0..nb)
+            .map(|_| (xorshift(&mut s) % 31) as f32 - 7.0)
+            .collect();
         (packed, scale, center)
     }
 
@@ -176,11 +181,27 @@ mod tests {
     #[test]
     fn refuses_bad_panels() {
         let (codes, scale, center) = weight(3, 32, 10, 16);
-        let w = Packed { codes: &codes, scale: &scale, center: &center, k: 32, n: 10, block: 16 };
+        let w = Packed {
+            codes: &codes,
+            scale: &scale,
+            center: &center,
+            k: 32,
+            n: 10,
+            block: 16,
+        };
         let mut out = vec![0f32; 32 * 10];
-        assert!(!dequant_panel(Isa::detect(), &w, 1, 4, &mut out), "odd start");
-        assert!(!dequant_panel(Isa::detect(), &w, 8, 4, &mut out), "past the end");
+        assert!(
+            !dequant_panel(Isa::detect(), &w, 1, 4, &mut out),
+            "odd start"
+        );
+        assert!(
+            !dequant_panel(Isa::detect(), &w, 8, 4, &mut out),
+            "past the end"
+        );
         let short = Packed { k: 48, ..w };
-        assert!(!dequant_panel(Isa::detect(), &short, 0, 4, &mut out), "k not whole blocks");
+        assert!(
+            !dequant_panel(Isa::detect(), &short, 0, 4, &mut out),
+            "k not whole blocks"
+        );
     }
 }

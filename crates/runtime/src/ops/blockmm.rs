@@ -28,8 +28,9 @@ pub fn register(r: &mut Registry) {
     r.define(&BLOCK_MATMUL, block_matmul);
 }
 
-/// Largest dequantized panel (f32 values `k x nc`), sized for a core's L2 share.
-pub const PANEL_BYTES: usize = 256 << 10;
+/// Largest dequantized panel (f32 values `k x nc`): about a core's L2, so the GEMM packs it
+/// from cache, and wide enough that each product packs its activations only a few times.
+pub const PANEL_BYTES: usize = 1 << 20;
 
 /// Products smaller than this many multiply-adds run on one thread.
 const PAR_WORK: usize = 1 << 20;
@@ -145,7 +146,10 @@ fn block_matmul(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     let center = f32_input(ins.tensor(3)?, "b_center")?;
     for (t, what) in [(ins.tensor(2)?, "b_scale"), (ins.tensor(3)?, "b_center")] {
         if t.shape() != params {
-            bail!("BlockMatMul: {what} must be {params:?}, found {:?}", t.shape());
+            bail!(
+                "BlockMatMul: {what} must be {params:?}, found {:?}",
+                t.shape()
+            );
         }
     }
     let bias = match ins.opt_tensor(4) {
@@ -211,7 +215,11 @@ pub fn pack_weight(
     // Codes as unsigned nibbles: int4 shifted by 8 (the center shifts with it).
     let (codes, shift): (Vec<u8>, i32) = match q.dtype() {
         DType::I4 => (
-            q.as_slice::<i8>().ok()?.iter().map(|&v| (v as i32 + 8) as u8).collect(),
+            q.as_slice::<i8>()
+                .ok()?
+                .iter()
+                .map(|&v| (v as i32 + 8) as u8)
+                .collect(),
             8,
         ),
         DType::U4 => (q.as_slice::<u8>().ok()?.to_vec(), 0),
