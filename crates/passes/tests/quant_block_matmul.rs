@@ -162,7 +162,7 @@ fn check(c: Case, seed: u64, want_block: bool) {
             .graph
             .initializers
             .iter()
-            .map(|i| i.tensor.bytes())
+            .map(|i| i.tensor.len() * i.tensor.dtype().size())
             .sum::<usize>();
         let plain = c.k * c.n * 4;
         assert!(
