@@ -45,7 +45,7 @@ impl Packed<'_> {
     /// Whether the slices hold a whole `k x n` weight.
     pub fn valid(&self) -> bool {
         self.block > 0
-            && self.k % self.block == 0
+            && self.k.is_multiple_of(self.block)
             && self.codes.len() >= self.k * row_bytes(self.n)
             && self.scale.len() >= (self.k / self.block) * self.n
             && self.center.len() >= (self.k / self.block) * self.n
@@ -55,7 +55,7 @@ impl Packed<'_> {
 /// Writes columns `n0 .. n0 + nc` of every row into `out` (`k x nc`, row-major). `n0` must be
 /// even and the panel inside the weight; returns false (writing nothing) otherwise.
 pub fn dequant_panel(isa: Isa, w: &Packed, n0: usize, nc: usize, out: &mut [f32]) -> bool {
-    if !w.valid() || n0 % 2 != 0 || n0 + nc > w.n || out.len() < w.k * nc {
+    if !w.valid() || !n0.is_multiple_of(2) || n0 + nc > w.n || out.len() < w.k * nc {
         return false;
     }
     #[cfg(target_arch = "x86_64")]

@@ -138,7 +138,7 @@ fn block_matmul(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
             b.shape()
         );
     }
-    if k % block != 0 {
+    if !k.is_multiple_of(block) {
         bail!("BlockMatMul: k {k} is not a multiple of block_size {block}");
     }
     let params = [k / block, n];
@@ -203,7 +203,7 @@ pub fn pack_weight(
     let &[k, n] = q.shape() else {
         return None;
     };
-    if block == 0 || k % block != 0 || scale.shape() != [k / block, n] {
+    if block == 0 || !k.is_multiple_of(block) || scale.shape() != [k / block, n] {
         return None;
     }
     if scale.dtype() != DType::F32 || zero_point.is_some_and(|z| z.dtype() != q.dtype()) {
