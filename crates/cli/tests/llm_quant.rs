@@ -78,7 +78,7 @@ fn requantized_weights_cost_and_calibration_gain() {
         lpbq > float && lpbq < 3.0 * float,
         "lpbq4 {lpbq} vs {float}"
     );
-    // The calibrated search weighs each input channel by its activations' mean square; it must
+    // The calibrated search weighs each input channel by its activations' RMS; it must
     // beat the weights-only search by at least 5% of perplexity (smaller differences are within
     // the noise of 512 scored tokens).
     assert!(

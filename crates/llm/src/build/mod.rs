@@ -169,7 +169,7 @@ pub struct WeightQuantOptions {
     pub scheme: WeightQuant,
     /// Token ids of calibration text: when given with a re-quantizing scheme, the engine first
     /// runs the unquantized model (exact precision) over them and measures each linear input's
-    /// per-channel mean square, which then weights the quantizer's error (the expected error of
+    /// per-channel RMS, which then weights the quantizer's error (the expected error of
     /// each layer's output instead of its weights' own error). Empty: weights alone decide.
     pub calib_tokens: Vec<u32>,
     /// Weight name -> per-input-channel importance (filled by the engine from the calibration run).
@@ -178,7 +178,7 @@ pub struct WeightQuantOptions {
     /// graph's `npuc.llm` facts map `linear_inputs` {weight name: value name}.
     pub observe: bool,
     /// Activation-aware scaling (AWQ-style) with this exponent, calibrated builds only: each
-    /// input channel `j` of a weight is multiplied by `s_j = (E[x_j^2])^(alpha/2)` (normalized
+    /// input channel `j` of a weight is multiplied by `s_j = rms(x_j)^alpha` (normalized
     /// to geometric mean 1) before quantization and divided by it after, so the channels whose
     /// activations are large get a finer grid. Deployed, `1/s` folds exactly into the producer
     /// of the input (the RMSNorm gamma before q/k/v, gate/up and the head; the `up` rows before
@@ -1536,18 +1536,18 @@ impl Builder<'_> {
     }
 }
 
-/// AWQ-style per-input-channel scales `(E[x^2])^(alpha/2)`, normalized to geometric mean 1 (see
+/// AWQ-style per-input-channel scales `rms^alpha`, normalized to geometric mean 1 (see
 /// [`WeightQuantOptions::awq_alpha`]); channels that never fired get the smallest scale seen.
-fn awq_scales(mean_sq: &[f32], alpha: f32) -> Vec<f32> {
-    let floor = mean_sq
+fn awq_scales(rms: &[f32], alpha: f32) -> Vec<f32> {
+    let floor = rms
         .iter()
         .copied()
         .filter(|&m| m > 0.0)
         .fold(f32::INFINITY, f32::min);
     let floor = if floor.is_finite() { floor } else { 1.0 };
-    let logs: Vec<f64> = mean_sq
+    let logs: Vec<f64> = rms
         .iter()
-        .map(|&m| (m.max(floor) as f64).ln() * alpha as f64 / 2.0)
+        .map(|&m| (m.max(floor) as f64).ln() * alpha as f64)
         .collect();
     let mean = logs.iter().sum::<f64>() / logs.len().max(1) as f64;
     logs.iter().map(|l| (l - mean).exp() as f32).collect()
