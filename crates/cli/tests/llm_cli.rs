@@ -1,11 +1,3 @@
-// Pending end-to-end tests for the LLM CLI (gen engineer). Destination: crates/cli/tests/llm_cli.rs,
-// once npuc-llm + npuc-tokenizer are on main and `npuc generate/chat/perplexity` + LLM `bench` are
-// wired in crates/cli/src/main.rs (see the gen branch: crates/cli/src/llm_cmd.rs). If the gen branch
-// already contains crates/cli/tests/llm_cli.rs, that file supersedes this one.
-// Wiring: `python3 /work/notes/gen/wire_main.py <repo root>` adds `pub mod llm_cmd;` to crates/cli/src/lib.rs,
-// the npuc-llm/npuc-tokenizer/npuc-generate deps to crates/cli/Cargo.toml, and the Generate/Chat/Perplexity
-// subcommands + LLM branch of `bench` (--prompt-len/--gen/--ctx/--precision/--variants) to main.rs.
-//
 //! `npuc generate / chat / perplexity / bench` on real models, against independent references:
 //! tiny-qwen2 (HF transformers logits and greedy ids, tests/fixtures/llm/tiny-qwen2/) and Gemma 3 270M
 //! Q4_K_M (llama.cpp's greedy ids and perplexity, tests/fixtures/llm/gemma3/).
