@@ -56,8 +56,13 @@ pub(crate) fn has_simd_dot(ty: GgmlType) -> bool {
     false
 }
 
-/// The fastest kernel for `ty` on this CPU.
+/// The fastest kernel for `ty` on this CPU. The AVX-512 ones equal the AVX2 ones bit for bit
+/// (exact integer block totals, the same f32 steps), so parity precision may take them too.
 pub(crate) fn best_fn(ty: GgmlType) -> Option<DotFn> {
+    #[cfg(target_arch = "x86_64")]
+    if crate::has_avx512() && ty == GgmlType::Q4_K {
+        return Some(crate::x86_512::q4_k_q8_k);
+    }
     #[cfg(target_arch = "x86_64")]
     if crate::has_avx2() {
         if let Some(f) = crate::x86::avx2_fn(ty) {

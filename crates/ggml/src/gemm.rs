@@ -42,14 +42,37 @@ pub(crate) fn micro_scalar(
     }
 }
 
-/// The micro-kernel and dequantizer of this CPU (or the scalar twins).
-pub(crate) fn kernels(scalar: bool) -> (MicroFn, crate::dequant::DequantFn) {
+/// Weight rows per call of a wide micro-kernel (two 6-row panels dequantized together).
+pub(crate) const WIDE_MR: usize = 2 * MR;
+
+/// A wider micro-kernel (AVX-512): up to [`WIDE_MR`] weight rows times `groups` (1 or 2) packed
+/// activation groups (`xp` holds group 0's `[k][NR]`, then group 1's):
+/// `out[g * WIDE_MR * NR + r * NR + i]` is what [`micro_scalar`] gives for weight row `r` and
+/// group `g`'s row `i`, bit for bit (each output the same fused multiply-add chain in `kk` order).
+pub(crate) type WideFn = fn(
+    w: &[f32],
+    ldw: usize,
+    rows: usize,
+    xp: &[f32],
+    k: usize,
+    groups: usize,
+    out: &mut [f32; 2 * WIDE_MR * NR],
+);
+
+/// The micro-kernels and dequantizer of this CPU (or the scalar twins): the 6 x 16 kernel, the
+/// wide one where the CPU has it (AVX-512), and the row dequantizer.
+pub(crate) fn kernels(scalar: bool) -> (MicroFn, Option<WideFn>, crate::dequant::DequantFn) {
     #[cfg(target_arch = "x86_64")]
     if !scalar && crate::has_avx2() {
-        return (crate::x86::gemm_micro, crate::x86::dequantize_row);
+        let wide = if crate::has_avx512() {
+            Some(crate::x86_512::gemm_micro_wide as WideFn)
+        } else {
+            None
+        };
+        return (crate::x86::gemm_micro, wide, crate::x86::dequantize_row);
     }
     let _ = scalar;
-    (micro_scalar, crate::dequant::dequantize_row_scalar)
+    (micro_scalar, None, crate::dequant::dequantize_row_scalar)
 }
 
 /// `y`'s rows as a place every task writes its own columns of.
@@ -120,7 +143,7 @@ pub(crate) fn gemm(
     if m == 0 || n == 0 {
         return Ok(());
     }
-    let (micro, dequant) = kernels(scalar);
+    let (micro, wide, dequant) = kernels(scalar);
     let dequant_group = crate::x8::dequant_group_fn(scalar);
     // Activations as [m / 16][k][16] (zero rows past m): the micro-kernel's vector operand, in
     // this thread's reusable buffer (no megabyte allocation and zeroing per product).
@@ -150,7 +173,7 @@ pub(crate) fn gemm(
             m,
             y,
             threads,
-            (micro, dequant, dequant_group),
+            (micro, wide, dequant, dequant_group),
         );
         cell.replace(xp);
         r
@@ -174,14 +197,17 @@ fn products(
     m: usize,
     y: &mut [f32],
     threads: usize,
-    (micro, dequant, dequant_group): (
+    (micro, wide, dequant, dequant_group): (
         MicroFn,
+        Option<WideFn>,
         crate::dequant::DequantFn,
         crate::x8::DequantGroupFn,
     ),
 ) -> Result<()> {
     let groups = m.div_ceil(NR);
-    let panels = n.div_ceil(MR);
+    // Weight rows dequantized together: one wide kernel call's, or one 6 x 16 call's.
+    let pr = if wide.is_some() { WIDE_MR } else { MR };
+    let panels = n.div_ceil(pr);
     // A few tasks per thread so uneven progress evens out; one when running alone.
     let per_task = if threads > 1 {
         panels.div_ceil(threads * 4).max(1)
@@ -197,25 +223,26 @@ fn products(
     let out = &out;
     let failed = std::sync::Mutex::new(None);
     let task = |t: usize| {
-        let p0 = t * per_task * MR;
-        let p1 = ((t + 1) * per_task * MR).min(n);
+        let p0 = t * per_task * pr;
+        let p1 = ((t + 1) * per_task * pr).min(n);
         let run = |wd: &mut Vec<f32>| -> Result<()> {
             // Interleaved weights: whole 8-row groups dequantized at once into a two-group ring
-            // (a 6-row panel spans at most two), the panel's rows copied out of it.
+            // (a panel of 6 or 12 rows starting at a multiple of its size spans at most two),
+            // the panel's rows copied out of it.
             const G: usize = crate::x8::X8_ROWS;
             let mut ring = Vec::new();
             let mut loaded = [usize::MAX; 2];
             match src {
-                Rows::Quant { .. } => wd.resize(MR * k, 0.0),
+                Rows::Quant { .. } => wd.resize(pr * k, 0.0),
                 Rows::QuantX8 { .. } => {
-                    wd.resize(MR * k, 0.0);
+                    wd.resize(pr * k, 0.0);
                     ring.resize(2 * G * k, 0f32);
                 }
                 Rows::F32(_) => {}
             }
-            let mut tile = [0f32; MR * NR];
-            for p in (p0..p1).step_by(MR) {
-                let rows = MR.min(p1 - p);
+            let mut tile = [0f32; 2 * WIDE_MR * NR];
+            for p in (p0..p1).step_by(pr) {
+                let rows = pr.min(p1 - p);
                 let wrows: &[f32] = match src {
                     Rows::Quant { ty, w, wrb } => {
                         for r in 0..rows {
@@ -244,25 +271,47 @@ fn products(
                     }
                     Rows::F32(w) => &w[p * k..(p + rows) * k],
                 };
-                for g in 0..groups {
-                    micro(
-                        wrows,
-                        k,
-                        rows,
-                        &xp[g * k * NR..(g + 1) * k * NR],
-                        k,
-                        &mut tile,
-                    );
-                    for i in 0..NR.min(m - g * NR) {
-                        let at = (g * NR + i) * n + p;
-                        debug_assert!(at + rows <= out.len);
-                        // SAFETY: row g * 16 + i < m and columns p .. p + rows <= p1 <= n lie
-                        // inside `y` (m x n); this task alone owns columns p0 .. p1.
-                        let dst = unsafe { std::slice::from_raw_parts_mut(out.ptr.add(at), rows) };
-                        for (r, d) in dst.iter_mut().enumerate() {
-                            *d = tile[r * NR + i];
+                let mut g = 0;
+                while g < groups {
+                    // The wide kernel takes two groups per call (an odd last one alone); its
+                    // outputs for group g + h sit at h * WIDE_MR * NR, the 6 x 16 kernel's at 0.
+                    let (span, stride) = match wide {
+                        Some(f) => {
+                            let span = 2.min(groups - g);
+                            f(
+                                wrows,
+                                k,
+                                rows,
+                                &xp[g * k * NR..(g + span) * k * NR],
+                                k,
+                                span,
+                                &mut tile,
+                            );
+                            (span, WIDE_MR * NR)
+                        }
+                        None => {
+                            let one: &mut [f32; MR * NR] = (&mut tile[..MR * NR])
+                                .try_into()
+                                .expect("a tile holds at least one 6 x 16 call's outputs");
+                            micro(wrows, k, rows, &xp[g * k * NR..(g + 1) * k * NR], k, one);
+                            (1, 0)
+                        }
+                    };
+                    for h in 0..span {
+                        let gg = g + h;
+                        for i in 0..NR.min(m - gg * NR) {
+                            let at = (gg * NR + i) * n + p;
+                            debug_assert!(at + rows <= out.len);
+                            // SAFETY: row gg * 16 + i < m and columns p .. p + rows <= p1 <= n
+                            // lie inside `y` (m x n); this task alone owns columns p0 .. p1.
+                            let dst =
+                                unsafe { std::slice::from_raw_parts_mut(out.ptr.add(at), rows) };
+                            for (r, d) in dst.iter_mut().enumerate() {
+                                *d = tile[h * stride + r * NR + i];
+                            }
                         }
                     }
+                    g += span;
                 }
             }
             Ok(())

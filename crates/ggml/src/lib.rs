@@ -33,6 +33,8 @@ mod x8;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 #[cfg(target_arch = "x86_64")]
+mod x86_512;
+#[cfg(target_arch = "x86_64")]
 mod x86_x8;
 
 use std::fmt;
@@ -167,5 +169,17 @@ pub fn has_avx2() -> bool {
     static HAS: OnceLock<bool> = OnceLock::new();
     *HAS.get_or_init(|| {
         std::env::var_os("NPUC_GGML_SCALAR").is_none() && npuc_isa::Isa::detect().has_avx2()
+    })
+}
+
+/// Whether the AVX-512 kernels (`x86_512.rs`) may run: the process-wide level allows `avx512`
+/// (AVX-512 F/BW/DQ/VL on top of AVX2; `NPUC_ISA=avx2` or `scalar` caps it) and the CPU also
+/// has AVX-512 VNNI (`vpdpbusd`), which the integer kernels use. Older hosts keep the AVX2 ones.
+#[inline]
+pub fn has_avx512() -> bool {
+    use std::sync::OnceLock;
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| {
+        has_avx2() && npuc_isa::Isa::detect().has_avx512() && npuc_isa::host_has("avx512vnni")
     })
 }

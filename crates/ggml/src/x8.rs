@@ -297,6 +297,10 @@ fn one_group_scalar(
 /// The interleaved kernel of this CPU (or the scalar twin).
 pub(crate) fn x8_fn(scalar: bool) -> X8Fn {
     #[cfg(target_arch = "x86_64")]
+    if !scalar && crate::has_avx512() {
+        return crate::x86_512::x8_group;
+    }
+    #[cfg(target_arch = "x86_64")]
     if !scalar && crate::has_avx2() {
         return crate::x86_x8::x8_group;
     }

@@ -422,15 +422,16 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(64))]
 
     /// The fast path's f32 products for batches (weights dequantized panel by panel, 6 x 16
-    /// micro-kernel): SIMD (AVX2 dequantization + micro-kernel) equals the scalar twins bit for
-    /// bit at 1 and 2 threads, over partial panels, partial row groups and several k-slices, and
-    /// equals the f64 product of the dequantized weights and the f32 activations.
+    /// micro-kernel; on AVX-512 two 16-row groups per call, an odd last group alone): SIMD
+    /// (AVX2 dequantization + micro-kernel) equals the scalar twins bit for bit at 1 and 2
+    /// threads, over partial panels, partial row groups (1 to 4 groups) and several k-slices,
+    /// and equals the f64 product of the dequantized weights and the f32 activations.
     #[test]
     fn f32_gemm_equals_scalar_twin(
         ti in 0usize..7,
         nb in 1usize..13,
         n in 1usize..40,
-        m in 16usize..31,
+        m in 16usize..50,
         seed in prop::collection::vec(any::<u8>(), 1..64),
         scales in prop::collection::vec(-0.05f32..0.05, 1..16),
         x in prop::collection::vec(-4.0f32..4.0, 1..64),
@@ -600,5 +601,87 @@ proptest! {
         let fast = vec_dot(GgmlType::Q4_1, &w, &xq, k).unwrap();
         let slow = vec_dot_scalar(GgmlType::Q4_1, &w, &xq, k).unwrap();
         prop_assert_eq!(fast.to_bits(), slow.to_bits(), "simd {} scalar {}", fast, slow);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// The one-row Q4_K kernel (AVX-512 VNNI or AVX2) equals its scalar twin bit for bit: exact
+    /// integer block totals, then the same two f32 FMA chains. Parity precision relies on it.
+    #[test]
+    fn q4_k_simd_equals_scalar_bit_for_bit(
+        nb in 1usize..6,
+        seed in prop::collection::vec(any::<u8>(), 1..64),
+        scales in prop::collection::vec(-0.05f32..0.05, 1..16),
+        x in prop::collection::vec(-4.0f32..4.0, 1..64),
+    ) {
+        let (k, w) = weight_row(GgmlType::Q4_K, nb, &seed, &scales);
+        let xs: Vec<f32> = (0..k).map(|i| x[i % x.len()] * (1.0 + (i % 5) as f32 * 0.3)).collect();
+        let mut xq = vec![0u8; GgmlType::Q8_K.row_bytes(k).unwrap()];
+        quantize_row_q8_K(&xs, &mut xq).unwrap();
+        let fast = vec_dot(GgmlType::Q4_K, &w, &xq, k).unwrap();
+        let slow = vec_dot_scalar(GgmlType::Q4_K, &w, &xq, k).unwrap();
+        prop_assert_eq!(fast.to_bits(), slow.to_bits(), "simd {} scalar {}", fast, slow);
+    }
+}
+
+/// The proptests above compare the kernels of the level this process runs at (the best the
+/// host has, unless `NPUC_ISA` caps it) with their scalar twins. Run without `NPUC_ISA`, this
+/// test re-runs them in child processes at every lower level the host has (`avx2`, `scalar`),
+/// so one `cargo test` exercises the AVX-512, AVX2 and scalar paths alike. It also checks the
+/// AVX-512 gate: the VNNI kernels run exactly when the level allows `avx512` and the CPU has
+/// AVX-512 VNNI.
+#[test]
+fn kernels_equal_twins_at_every_isa_level_the_host_has() {
+    use npuc_isa::Isa;
+    assert_eq!(
+        has_avx512(),
+        Isa::detect().has_avx512() && npuc_isa::host_has("avx512vnni") && has_avx2()
+    );
+    if std::env::var_os(npuc_isa::ENV).is_some() || std::env::var_os("NPUC_GGML_SCALAR").is_some() {
+        return; // a child (or a run already pinned to one level): the level under test.
+    }
+    eprintln!(
+        "this process: level {} (AVX-512 VNNI kernels {})",
+        Isa::detect().name(),
+        if has_avx512() { "on" } else { "off" }
+    );
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let tests = [
+        "simd_equals_scalar_and_dequantized_reference",
+        "matmul_modes_threads_and_scalar_agree",
+        "multi_row_kernels_equal_scalar_twins",
+        "dequantizers_equal_scalar_twins",
+        "f32_gemm_equals_scalar_twin",
+        "x8_products_equal_scalar_twins_and_plain_layout",
+        "q4_1_simd_equals_scalar_bit_for_bit",
+        "q4_k_simd_equals_scalar_bit_for_bit",
+        "attention_vector_kernels_equal_scalar_twins",
+        "activation_quantizers_equal_scalar_twins",
+    ];
+    for level in Isa::ALL.into_iter().filter(|&l| l < Isa::detect()) {
+        let mut cmd = std::process::Command::new(&exe);
+        cmd.env(npuc_isa::ENV, level.name()).arg("--exact");
+        cmd.args(tests);
+        let out = cmd.output().expect("re-running the test binary");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "kernel tests at NPUC_ISA={} failed:\n{text}\n{}",
+            level.name(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let want = format!("test result: ok. {} passed", tests.len());
+        assert!(
+            text.contains(&want),
+            "NPUC_ISA={}: expected '{want}' in:\n{text}",
+            level.name()
+        );
+        eprintln!(
+            "NPUC_ISA={}: {} kernel tests passed",
+            level.name(),
+            tests.len()
+        );
     }
 }
