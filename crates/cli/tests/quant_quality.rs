@@ -288,23 +288,66 @@ fn target_sqnr_20_on_vit_s_w8a8() {
     let c = vit_s(8);
     let (s, log) = c.quantized_sqnr("w8a8-t20", &["--quantize", "w8a8", "--target-sqnr", "20"]);
     eprintln!("{log}");
+    let (a, b) = promoted_share(&log, "target SQNR 20 dB:");
+    assert!(a <= 0.25 * b, "{a} of {b} activations promoted");
+    assert!(s >= 19.0, "held-out SQNR {s:.2} dB with --target-sqnr 20");
+}
+
+/// The `--target-sqnr` summary line starting with `head` must say the target was reached;
+/// returns its "(A of B 8-bit activations" counts.
+fn promoted_share(log: &str, head: &str) -> (f64, f64) {
     let line = log
         .lines()
-        .find(|l| l.contains("target SQNR 20 dB:"))
+        .find(|l| l.contains(head))
         .unwrap_or_else(|| panic!("no target line in:\n{log}"));
     assert!(line.contains("reached"), "{line}");
     assert!(!line.contains("NOT reached"), "{line}");
-    // "(A of B 8-bit activations"
-    let (a, b) = line
-        .split_once(" 8-bit activations")
+    line.split_once(" 8-bit activations")
         .and_then(|(h, _)| {
             let h = h.rsplit_once('(')?.1;
             let (a, b) = h.split_once(" of ")?;
             Some((a.trim().parse::<f64>().ok()?, b.trim().parse::<f64>().ok()?))
         })
-        .unwrap_or_else(|| panic!("cannot read the promoted share from: {line}"));
-    assert!(a <= 0.25 * b, "{a} of {b} activations promoted: {line}");
-    assert!(s >= 19.0, "held-out SQNR {s:.2} dB with --target-sqnr 20");
+        .unwrap_or_else(|| panic!("cannot read the promoted share from: {line}"))
+}
+
+/// `--target-sqnr 20` on all-MiniLM-L6-v2 w8a8 (issue 20's bar), the default
+/// `--max-16bit-fraction 0.25`: weights first (they do not count), then the activations with the
+/// largest measured noise share. The promotions are chosen on the held-out quarter of the 32
+/// calibration samples; on 8 other real sentences the output SQNR must be >= 20 dB with at most
+/// a quarter of the 8-bit activations at 16 bits.
+#[test]
+fn target_sqnr_20_on_minilm_within_a_quarter() {
+    let c = minilm(8);
+    let (s, log) = c.quantized_sqnr("w8a8-t20", &["--quantize", "w8a8", "--target-sqnr", "20"]);
+    eprintln!("{log}");
+    let (a, b) = promoted_share(&log, "target SQNR 20 dB:");
+    assert!(a <= 0.25 * b, "{a} of {b} activations promoted");
+    assert!(s >= 20.0, "held-out SQNR {s:.2} dB with --target-sqnr 20");
+}
+
+/// A budget the target cannot be met within is reported with the best reached and the
+/// fraction that would reach it, and the compile still writes the best artifact.
+#[test]
+fn target_sqnr_beyond_the_budget_says_what_would_reach_it() {
+    let c = minilm(4);
+    let (_, log) = c.quantized_sqnr(
+        "w8a8-t30",
+        &[
+            "--quantize",
+            "w8a8",
+            "--target-sqnr",
+            "30",
+            "--max-16bit-fraction",
+            "0.02",
+        ],
+    );
+    assert!(log.contains("NOT reached within the budget, best"), "{log}");
+    assert!(
+        log.contains("cannot be met within --max-16bit-fraction 0.02")
+            || log.contains("cannot be met even with every candidate at 16 bits"),
+        "{log}"
+    );
 }
 
 /// See [`smoothing_gains_on_minilm_w8a8`].
