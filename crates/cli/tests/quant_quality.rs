@@ -1,7 +1,8 @@
 //! Quantization quality on real models (issue 20): each technique's measured gain against the
 //! same compile without it, as output SQNR against the float model run by onnxruntime on real
 //! held-out inputs (`scripts/make_calib_data.py` samples, `$NPUC_CACHE/quant-data`):
-//! SmoothQuant-style outlier migration on all-MiniLM-L6-v2 w8a8, `--target-sqnr` on ViT-S,
+//! SmoothQuant-style outlier migration on all-MiniLM-L6-v2 w8a8, SeqMSE on all-MiniLM-L6-v2
+//! w4a16, `--target-sqnr` on ViT-S and on all-MiniLM-L6-v2 within a quarter of the activations,
 //! and the default recipe (smoothing + range method chosen on a held-out quarter), which prints
 //! its held-out SQNR. Missing models, samples or venv fail with the command that makes them.
 
@@ -156,6 +157,13 @@ impl Case {
     /// Compiles with `flags` (32 calibration samples), runs the held-out inputs; returns the
     /// output SQNR and the compile's printed lines.
     fn quantized_sqnr(&self, tag: &str, flags: &[&str]) -> (f64, String) {
+        let (art, log) = self.compile(tag, 32, flags);
+        (self.artifact_sqnr(&art, tag, &[]), log)
+    }
+
+    /// Compiles with `flags` on the first `samples` calibration samples; returns the artifact
+    /// and the compile's printed lines.
+    fn compile(&self, tag: &str, samples: usize, flags: &[&str]) -> (PathBuf, String) {
         let art = self.dir.path().join(format!("{tag}.npuc"));
         let mut c = npuc();
         c.arg("compile").arg(&self.model);
@@ -163,13 +171,13 @@ impl Case {
             c.args(["--input-shape", s]);
         }
         let log = ok(c
-            .args(["--max-samples", "32", "--no-progress"])
+            .args(["--max-samples", &samples.to_string(), "--no-progress"])
             .args(flags)
             .arg("--calib")
             .arg(&self.calib)
             .arg("-o")
             .arg(&art));
-        (self.artifact_sqnr(&art, tag, &[]), log)
+        (art, log)
     }
 
     /// Output SQNR of the compiled `art` on the held-out inputs, run with `env` set.
@@ -327,12 +335,14 @@ fn target_sqnr_20_on_minilm_within_a_quarter() {
 }
 
 /// A budget the target cannot be met within is reported with the best reached and the
-/// fraction that would reach it, and the compile still writes the best artifact.
+/// fraction that would reach it, and the compile still writes the best artifact (8 samples:
+/// the search measures on 2, enough to exercise the report).
 #[test]
 fn target_sqnr_beyond_the_budget_says_what_would_reach_it() {
-    let c = minilm(4);
-    let (_, log) = c.quantized_sqnr(
+    let c = minilm(1);
+    let (art, log) = c.compile(
         "w8a8-t30",
+        8,
         &[
             "--quantize",
             "w8a8",
@@ -342,13 +352,42 @@ fn target_sqnr_beyond_the_budget_says_what_would_reach_it() {
             "0.02",
         ],
     );
+    eprintln!("{log}");
+    assert!(art.is_file(), "no artifact written");
     assert!(log.contains("NOT reached within the budget, best"), "{log}");
+    // 30 dB is below MiniLM's all-16-bit SQNR (48.56 dB measured), so the report names the
+    // fraction that would reach it.
     assert!(
-        log.contains("cannot be met within --max-16bit-fraction 0.02")
-            || log.contains("cannot be met even with every candidate at 16 bits"),
+        log.contains("cannot be met within --max-16bit-fraction 0.02:") && log.contains("would)"),
         "{log}"
     );
 }
+
+/// SeqMSE (per-column clip ratio against the layer's output error on calibration rows) on
+/// all-MiniLM-L6-v2 w4a16 per-channel, minmax: 4-bit absmax scales waste most of the grid on a
+/// few large weights of each column, which the layer's own data says are worth clipping.
+/// Measured with 64 samples / 32 held-out: 3.60 -> 6.44 dB.
+#[test]
+fn seqmse_gains_on_minilm_w4a16_per_channel() {
+    let c = minilm(8);
+    let base = [
+        "--quantize",
+        "w4a16",
+        "--granularity",
+        "per-channel",
+        "--calib-method",
+        "minmax",
+    ];
+    let (off, _) = c.quantized_sqnr("w4-plain", &[&base[..], &["--seqmse", "off"]].concat());
+    let (on, log) = c.quantized_sqnr("w4-seqmse", &[&base[..], &["--seqmse", "on"]].concat());
+    eprintln!("seqmse: {off:.2} -> {on:.2} dB");
+    assert!(log.contains("seqmse: 36 weights searched"), "{log}");
+    assert!(on >= off + SEQMSE_GAIN_DB, "seqmse: {off:.2} -> {on:.2} dB");
+}
+
+/// See [`seqmse_gains_on_minilm_w4a16_per_channel`]: about half the gain measured with 64
+/// samples (2.84 dB), as this test calibrates on 32 and measures on 8.
+const SEQMSE_GAIN_DB: f64 = 1.5;
 
 /// See [`smoothing_gains_on_minilm_w8a8`].
 const SMOOTH_GAIN_DB: f64 = 3.0;

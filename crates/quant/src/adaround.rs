@@ -201,6 +201,8 @@ fn round_layer(j: &LinearJob, o: &AdaRoundOptions) -> Result<Option<Rounded>> {
     let (b1, b2, eps) = (0.9f64, 0.999f64, 1e-8);
     let warm = (o.warmup * o.iterations as f64) as usize;
     let mut ev = vec![0f32; k * n];
+    // sigmoid(V) of the forward pass, reused by the backward one.
+    let mut sgv = vec![0f64; k * n];
     for t in 0..o.iterations {
         let beta = if t < warm {
             None
@@ -209,7 +211,12 @@ fn round_layer(j: &LinearJob, o: &AdaRoundOptions) -> Result<Option<Rounded>> {
             Some(o.beta.0 + (o.beta.1 - o.beta.0) * f)
         };
         for at in 0..k * n {
-            let h = (sigmoid(v[at]) * (ZETA - GAMMA) + GAMMA).clamp(0.0, 1.0);
+            if step[at] == 0.0 {
+                ev[at] = down[at] - w[at];
+                continue;
+            }
+            sgv[at] = sigmoid(v[at]);
+            let h = (sgv[at] * (ZETA - GAMMA) + GAMMA).clamp(0.0, 1.0);
             ev[at] = down[at] + (h as f32) * step[at] - w[at];
         }
         let (_, ge) = pr.grad(&ev)?;
@@ -218,7 +225,7 @@ fn round_layer(j: &LinearJob, o: &AdaRoundOptions) -> Result<Option<Rounded>> {
             if step[at] == 0.0 {
                 continue;
             }
-            let sg = sigmoid(v[at]);
+            let sg = sgv[at];
             let raw = sg * (ZETA - GAMMA) + GAMMA;
             // d h / d V: zero where the rectification clips.
             let dh = if (0.0..=1.0).contains(&raw) {
@@ -226,9 +233,9 @@ fn round_layer(j: &LinearJob, o: &AdaRoundOptions) -> Result<Option<Rounded>> {
             } else {
                 0.0
             };
-            let h = raw.clamp(0.0, 1.0);
+            let h = raw;
             let mut g = 2.0 * ge[at] as f64 * step[at] as f64 / l0;
-            if let Some(b) = beta {
+            if let (Some(b), true) = (beta, dh > 0.0) {
                 // d/dh of (1 - |2h - 1|^β), averaged over the free elements.
                 let u = 2.0 * h - 1.0;
                 g += o.reg / free as f64 * (-2.0 * b * u.abs().powf(b - 1.0) * u.signum());
@@ -274,7 +281,7 @@ pub fn round_weights(
     enc: &Encodings,
     o: &AdaRoundOptions,
 ) -> Result<(AdaRoundReport, Model, BTreeMap<String, QEnc>)> {
-    if o.iterations == 0 || !(o.lr > 0.0) || !(o.reg >= 0.0) {
+    if o.iterations == 0 || o.lr.is_nan() || o.lr <= 0.0 || o.reg.is_nan() || o.reg < 0.0 {
         return Err(anyhow!(
             "adaround: iterations, learning rate and regularizer must be positive"
         ));

@@ -213,7 +213,7 @@ pub fn suggest_within_budget(inp: &BudgetInput, log: &mut dyn FnMut(&str)) -> Re
         }
     }
     let Some((chosen_acts, at)) = passing else {
-        if !(all_db >= target) {
+        if all_db.is_nan() || all_db < target {
             return out.finish(best.0, best.1, None, &ev, &build);
         }
         // What would reach it: the fewest activations of the ranking, every weight at 16 bits
