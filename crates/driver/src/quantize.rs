@@ -127,7 +127,9 @@ pub struct QuantizeArgs {
     pub seqmse: String,
     /// Learned up/down rounding of each MatMul/Gemm weight against its layer's output error on
     /// calibration rows (AdaRound, 300 Adam steps per layer, layers in parallel), under the
-    /// weight scales the other flags chose: `on`, or `off` (default).
+    /// weight scales the other flags chose: `on`, or `off` (default: on all-MiniLM-L6-v2 it gained
+    /// 0.05 dB at w4a16 per-channel, 0.26 dB after SeqMSE, lost 0.27 dB at w8a8, and took ~30x
+    /// the calibration time).
     #[arg(long, default_value = "off", value_name = "on|off")]
     pub adaround: String,
     /// Threads for calibration runs.
