@@ -323,7 +323,9 @@ fn promoted_share(log: &str, head: &str) -> (f64, f64) {
 /// `--max-16bit-fraction 0.25`: weights first (they do not count), then the activations with the
 /// largest measured noise share. The promotions are chosen on the held-out quarter of the 32
 /// calibration samples; on 8 other real sentences the output SQNR must be >= 20 dB with at most
-/// a quarter of the 8-bit activations at 16 bits.
+/// a quarter of the 8-bit activations at 16 bits. Measured: 20.01 dB on the 8 search samples with
+/// 24 of 96 activations and 29 weights, 20.21 dB on the 8 held-out (a thin margin); with 64
+/// samples (scripts-style run, 32 held-out) 20.28 / 20.45 dB with 19 activations and 1 weight.
 #[test]
 fn target_sqnr_20_on_minilm_within_a_quarter() {
     let c = minilm(8);
