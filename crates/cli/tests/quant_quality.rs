@@ -1,7 +1,8 @@
 //! Quantization quality on real models (issue 20): each technique's measured gain against the
 //! same compile without it, as output SQNR against the float model run by onnxruntime on real
 //! held-out inputs (`scripts/make_calib_data.py` samples, `$NPUC_CACHE/quant-data`):
-//! SmoothQuant-style outlier migration on all-MiniLM-L6-v2 w8a8, `--target-sqnr` on ViT-S,
+//! SmoothQuant-style outlier migration on all-MiniLM-L6-v2 w8a8, SeqMSE on all-MiniLM-L6-v2
+//! w4a16, `--target-sqnr` on ViT-S and on all-MiniLM-L6-v2 within a quarter of the activations,
 //! and the default recipe (smoothing + range method chosen on a held-out quarter), which prints
 //! its held-out SQNR. Missing models, samples or venv fail with the command that makes them.
 
@@ -156,6 +157,13 @@ impl Case {
     /// Compiles with `flags` (32 calibration samples), runs the held-out inputs; returns the
     /// output SQNR and the compile's printed lines.
     fn quantized_sqnr(&self, tag: &str, flags: &[&str]) -> (f64, String) {
+        let (art, log) = self.compile(tag, 32, flags);
+        (self.artifact_sqnr(&art, tag, &[]), log)
+    }
+
+    /// Compiles with `flags` on the first `samples` calibration samples; returns the artifact
+    /// and the compile's printed lines.
+    fn compile(&self, tag: &str, samples: usize, flags: &[&str]) -> (PathBuf, String) {
         let art = self.dir.path().join(format!("{tag}.npuc"));
         let mut c = npuc();
         c.arg("compile").arg(&self.model);
@@ -163,13 +171,13 @@ impl Case {
             c.args(["--input-shape", s]);
         }
         let log = ok(c
-            .args(["--max-samples", "32", "--no-progress"])
+            .args(["--max-samples", &samples.to_string(), "--no-progress"])
             .args(flags)
             .arg("--calib")
             .arg(&self.calib)
             .arg("-o")
             .arg(&art));
-        (self.artifact_sqnr(&art, tag, &[]), log)
+        (art, log)
     }
 
     /// Output SQNR of the compiled `art` on the held-out inputs, run with `env` set.
@@ -288,24 +296,100 @@ fn target_sqnr_20_on_vit_s_w8a8() {
     let c = vit_s(8);
     let (s, log) = c.quantized_sqnr("w8a8-t20", &["--quantize", "w8a8", "--target-sqnr", "20"]);
     eprintln!("{log}");
+    let (a, b) = promoted_share(&log, "target SQNR 20 dB:");
+    assert!(a <= 0.25 * b, "{a} of {b} activations promoted");
+    assert!(s >= 19.0, "held-out SQNR {s:.2} dB with --target-sqnr 20");
+}
+
+/// The `--target-sqnr` summary line starting with `head` must say the target was reached;
+/// returns its "(A of B 8-bit activations" counts.
+fn promoted_share(log: &str, head: &str) -> (f64, f64) {
     let line = log
         .lines()
-        .find(|l| l.contains("target SQNR 20 dB:"))
+        .find(|l| l.contains(head))
         .unwrap_or_else(|| panic!("no target line in:\n{log}"));
     assert!(line.contains("reached"), "{line}");
     assert!(!line.contains("NOT reached"), "{line}");
-    // "(A of B 8-bit activations"
-    let (a, b) = line
-        .split_once(" 8-bit activations")
+    line.split_once(" 8-bit activations")
         .and_then(|(h, _)| {
             let h = h.rsplit_once('(')?.1;
             let (a, b) = h.split_once(" of ")?;
             Some((a.trim().parse::<f64>().ok()?, b.trim().parse::<f64>().ok()?))
         })
-        .unwrap_or_else(|| panic!("cannot read the promoted share from: {line}"));
-    assert!(a <= 0.25 * b, "{a} of {b} activations promoted: {line}");
-    assert!(s >= 19.0, "held-out SQNR {s:.2} dB with --target-sqnr 20");
+        .unwrap_or_else(|| panic!("cannot read the promoted share from: {line}"))
 }
+
+/// `--target-sqnr 20` on all-MiniLM-L6-v2 w8a8 (issue 20's bar), the default
+/// `--max-16bit-fraction 0.25`: weights first (they do not count), then the activations with the
+/// largest measured noise share. The promotions are chosen on the held-out quarter of the 32
+/// calibration samples; on 8 other real sentences the output SQNR must be >= 20 dB with at most
+/// a quarter of the 8-bit activations at 16 bits. Measured: 20.01 dB on the 8 search samples with
+/// 24 of 96 activations and 29 weights, 20.21 dB on the 8 held-out (a thin margin); with 64
+/// samples (scripts-style run, 32 held-out) 20.28 / 20.45 dB with 19 activations and 1 weight.
+#[test]
+fn target_sqnr_20_on_minilm_within_a_quarter() {
+    let c = minilm(8);
+    let (s, log) = c.quantized_sqnr("w8a8-t20", &["--quantize", "w8a8", "--target-sqnr", "20"]);
+    eprintln!("{log}");
+    let (a, b) = promoted_share(&log, "target SQNR 20 dB:");
+    assert!(a <= 0.25 * b, "{a} of {b} activations promoted");
+    assert!(s >= 20.0, "held-out SQNR {s:.2} dB with --target-sqnr 20");
+}
+
+/// A budget the target cannot be met within is reported with the best reached and the
+/// fraction that would reach it, and the compile still writes the best artifact (8 samples:
+/// the search measures on 2, enough to exercise the report).
+#[test]
+fn target_sqnr_beyond_the_budget_says_what_would_reach_it() {
+    let c = minilm(1);
+    let (art, log) = c.compile(
+        "w8a8-t30",
+        8,
+        &[
+            "--quantize",
+            "w8a8",
+            "--target-sqnr",
+            "30",
+            "--max-16bit-fraction",
+            "0.02",
+        ],
+    );
+    eprintln!("{log}");
+    assert!(art.is_file(), "no artifact written");
+    assert!(log.contains("NOT reached within the budget, best"), "{log}");
+    // 30 dB is below MiniLM's all-16-bit SQNR (48.56 dB measured), so the report names the
+    // fraction that would reach it.
+    assert!(
+        log.contains("cannot be met within --max-16bit-fraction 0.02:") && log.contains("would)"),
+        "{log}"
+    );
+}
+
+/// SeqMSE (per-column clip ratio against the layer's output error on calibration rows) on
+/// all-MiniLM-L6-v2 w4a16 per-channel, minmax: 4-bit absmax scales waste most of the grid on a
+/// few large weights of each column, which the layer's own data says are worth clipping.
+/// Measured with 64 samples / 32 held-out: 3.60 -> 6.44 dB.
+#[test]
+fn seqmse_gains_on_minilm_w4a16_per_channel() {
+    let c = minilm(8);
+    let base = [
+        "--quantize",
+        "w4a16",
+        "--granularity",
+        "per-channel",
+        "--calib-method",
+        "minmax",
+    ];
+    let (off, _) = c.quantized_sqnr("w4-plain", &[&base[..], &["--seqmse", "off"]].concat());
+    let (on, log) = c.quantized_sqnr("w4-seqmse", &[&base[..], &["--seqmse", "on"]].concat());
+    eprintln!("seqmse: {off:.2} -> {on:.2} dB");
+    assert!(log.contains("seqmse: 36 weights searched"), "{log}");
+    assert!(on >= off + SEQMSE_GAIN_DB, "seqmse: {off:.2} -> {on:.2} dB");
+}
+
+/// See [`seqmse_gains_on_minilm_w4a16_per_channel`]: about half the gain measured with 64
+/// samples (2.84 dB), as this test calibrates on 32 and measures on 8.
+const SEQMSE_GAIN_DB: f64 = 1.5;
 
 /// See [`smoothing_gains_on_minilm_w8a8`].
 const SMOOTH_GAIN_DB: f64 = 3.0;

@@ -20,6 +20,7 @@
 //! stay float unless they feed or leave one of those ops.
 #![forbid(unsafe_code)]
 
+pub mod adaround;
 pub mod calib;
 pub mod encodings;
 pub mod export;

@@ -1024,6 +1024,13 @@ pub fn quantize_tensor(w: &Tensor, e: &QEnc, name: &str) -> Result<Tensor> {
 }
 
 /// Quantize-dequantize of float data of `shape` with an encoding: what a QDQ pair computes.
+/// The parameter (scale/zero point) index of each flat element of a tensor of `shape` under `e`.
+pub(crate) fn element_param(shape: &[usize], e: &QEnc) -> impl Fn(usize) -> usize {
+    let sp = e.axis.map(|a| split(shape, a)).unwrap_or((1, 1, 1));
+    let (axis, block) = (e.axis, e.block_size);
+    move |i| param_index(i, sp, axis, block)
+}
+
 pub fn fake_quantize(data: &[f32], shape: &[usize], e: &QEnc) -> Vec<f32> {
     let sp = e.axis.map(|a| split(shape, a)).unwrap_or((1, 1, 1));
     let (qmin, qmax) = qrange(e.dtype);

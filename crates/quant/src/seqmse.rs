@@ -47,18 +47,18 @@ impl SeqMseReport {
 }
 
 /// The layout of a linear's weight relative to its input.
-struct Layout {
+pub(crate) struct Layout {
     /// Stored shape.
-    shape: Vec<usize>,
+    pub(crate) shape: Vec<usize>,
     /// `[K, N]` (MatMul, Gemm transB=0) or `[N, K]` (Gemm transB=1).
-    k_rows: bool,
-    k: usize,
-    n: usize,
+    pub(crate) k_rows: bool,
+    pub(crate) k: usize,
+    pub(crate) n: usize,
 }
 
 impl Layout {
     /// Flat stored index of element `(kk, j)`.
-    fn at(&self, kk: usize, j: usize) -> usize {
+    pub(crate) fn at(&self, kk: usize, j: usize) -> usize {
         if self.k_rows {
             kk * self.n + j
         } else {
@@ -68,7 +68,7 @@ impl Layout {
 }
 
 /// `a [m, k] x b [k, n]` through the runtime's GEMM.
-fn matmul(a: &[f32], m: usize, k: usize, b: Vec<f32>, n: usize) -> Result<Vec<f32>> {
+pub(crate) fn matmul(a: &[f32], m: usize, k: usize, b: Vec<f32>, n: usize) -> Result<Vec<f32>> {
     let at = Tensor::from_vec(vec![m, k], a.to_vec())?;
     let bt = Tensor::from_vec(vec![k, n], b)?;
     let y = npuc_runtime::ops::matmul::matmul_tensors(&at, &bt, 1)
@@ -170,57 +170,21 @@ pub fn search_weights(
     rows: &WeightRows,
     enc: &Encodings,
 ) -> Result<(SeqMseReport, BTreeMap<String, QEnc>)> {
-    let g = &m.graph;
-    let mut jobs = vec![];
-    for n in &g.nodes {
-        if !(n.domain.is_empty() && (n.op_type == "MatMul" || n.op_type == "Gemm")) {
-            continue;
-        }
-        let Some(w) = n.input(1) else { continue };
-        let (Some((k, x)), Some(TensorEncoding::Int(e)), Some(wt)) =
-            (rows.get(w), enc.params.get(w), g.initializer(w))
-        else {
-            continue;
-        };
-        // LPBQ block scales are integers over a channel scale: clipping one block would
-        // leave that grid, so LPBQ weights keep the scales `lpbq` chose.
-        if wt.dtype() != DType::F32
-            || wt.rank() != 2
-            || !plan.weights.contains_key(w)
-            || e.lpbq.is_some()
-        {
-            continue;
-        }
-        let k_rows = !(n.op_type == "Gemm" && n.int_or("transB", 0).unwrap_or(0) != 0);
-        let (kk, nn) = if k_rows {
-            (wt.shape()[0], wt.shape()[1])
-        } else {
-            (wt.shape()[1], wt.shape()[0])
-        };
-        if kk != *k || x.is_empty() {
-            continue;
-        }
-        jobs.push((
-            w.to_string(),
-            wt,
-            Layout {
-                shape: wt.shape().to_vec(),
-                k_rows,
-                k: kk,
-                n: nn,
-            },
-            e.clone(),
-            x,
-        ));
-    }
+    let jobs = linear_jobs(m, plan, rows, enc);
     let found: Vec<(String, Option<Searched>)> = jobs
         .par_iter()
-        .map(|(w, wt, l, e, x)| Ok((w.clone(), search(wt, l, e, x)?)))
+        .map(|j| {
+            Ok((
+                j.weight.clone(),
+                search(j.tensor, &j.layout, &j.enc, j.rows)?,
+            ))
+        })
         .collect::<Result<_>>()?;
     let mut rep = SeqMseReport::default();
     let mut gains = vec![];
     let mut refined = BTreeMap::new();
-    for ((w, f), (_, _, _, old, _)) in found.into_iter().zip(&jobs) {
+    for ((w, f), job) in found.into_iter().zip(&jobs) {
+        let old = &job.enc;
         let Some((e, before, after)) = f else {
             continue;
         };
@@ -241,6 +205,69 @@ pub fn search_weights(
         rep.mean_gain_db = gains.iter().sum::<f64>() / gains.len() as f64;
     }
     Ok((rep, refined))
+}
+
+/// A quantized 2-D MatMul/Gemm weight with calibration rows of its input.
+pub(crate) struct LinearJob<'a> {
+    pub(crate) weight: String,
+    pub(crate) tensor: &'a Tensor,
+    pub(crate) layout: Layout,
+    pub(crate) enc: QEnc,
+    /// `rows * k` input values.
+    pub(crate) rows: &'a [f32],
+}
+
+/// The quantized MatMul/Gemm layers of `m` with f32 2-D weights that have rows in `rows` and an
+/// integer encoding in `enc` (LPBQ weights left out: their block scales are integers over a
+/// channel scale, which clipping one block would leave).
+pub(crate) fn linear_jobs<'a>(
+    m: &'a Model,
+    plan: &QuantPlan,
+    rows: &'a WeightRows,
+    enc: &Encodings,
+) -> Vec<LinearJob<'a>> {
+    let g = &m.graph;
+    let mut jobs = vec![];
+    for n in &g.nodes {
+        if !(n.domain.is_empty() && (n.op_type == "MatMul" || n.op_type == "Gemm")) {
+            continue;
+        }
+        let Some(w) = n.input(1) else { continue };
+        let (Some((k, x)), Some(TensorEncoding::Int(e)), Some(wt)) =
+            (rows.get(w), enc.params.get(w), g.initializer(w))
+        else {
+            continue;
+        };
+        if wt.dtype() != DType::F32
+            || wt.rank() != 2
+            || !plan.weights.contains_key(w)
+            || e.lpbq.is_some()
+        {
+            continue;
+        }
+        let k_rows = !(n.op_type == "Gemm" && n.int_or("transB", 0).unwrap_or(0) != 0);
+        let (kk, nn) = if k_rows {
+            (wt.shape()[0], wt.shape()[1])
+        } else {
+            (wt.shape()[1], wt.shape()[0])
+        };
+        if kk != *k || x.is_empty() || jobs.iter().any(|j: &LinearJob| j.weight == w) {
+            continue;
+        }
+        jobs.push(LinearJob {
+            weight: w.to_string(),
+            tensor: wt,
+            layout: Layout {
+                shape: wt.shape().to_vec(),
+                k_rows,
+                k: kk,
+                n: nn,
+            },
+            enc: e.clone(),
+            rows: x,
+        });
+    }
+    jobs
 }
 
 /// Puts refined weight encodings into `enc` and re-derives the biases that depend on them.

@@ -8,6 +8,7 @@
 //! which maps back to `T`. Metrics are accumulated over all samples (not averaged per sample):
 //! SQNR dB = 10 log10(Σ ref² / Σ (ref - q)²), cosine similarity, max abs error.
 
+pub mod budget;
 pub mod html;
 pub mod promote;
 pub mod samples;

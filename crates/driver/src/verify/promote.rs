@@ -31,11 +31,11 @@ use std::path::Path;
 pub struct Candidate {
     /// The float model's name for the tensor.
     pub tensor: String,
-    kind: Kind,
+    pub(super) kind: Kind,
 }
 
 #[derive(Clone, Debug)]
-enum Kind {
+pub(super) enum Kind {
     /// An activation quantized by a QuantizeLinear feeding DequantizeLinear node(s).
     Act {
         /// The QuantizeLinear node (index into the graph's nodes).
@@ -58,6 +58,11 @@ enum Kind {
 }
 
 impl Candidate {
+    /// Whether the candidate is an activation (else a weight).
+    pub fn is_activation(&self) -> bool {
+        matches!(self.kind, Kind::Act { .. })
+    }
+
     /// `w8a16` for an activation (16-bit activation), `w16a16` for a weight (16-bit weight).
     pub fn scheme(&self) -> &'static str {
         match self.kind {
@@ -405,17 +410,39 @@ pub fn promote(
 }
 
 /// Output SQNR (worst output) and its cosine of `q` against cached reference outputs.
-struct Evaluator<'a> {
+pub(super) struct Evaluator<'a> {
     reference_outputs: Vec<HashMap<String, std::sync::Arc<Tensor>>>,
     output_pairs: Vec<(String, String)>,
     samples: &'a [Sample],
     threads: usize,
     simulate: bool,
-    evaluations: usize,
+    pub(super) evaluations: usize,
 }
 
-impl Evaluator<'_> {
-    fn eval(&mut self, q: &Model) -> Result<(f64, f64)> {
+impl<'a> Evaluator<'a> {
+    /// Runs the reference model once on every sample and keeps its outputs.
+    pub(super) fn new(inp: &SuggestInput<'a>) -> Result<Evaluator<'a>> {
+        let rs = Session::new(
+            inp.reference,
+            SessionOptions {
+                threads: inp.threads,
+            },
+        )?;
+        let mut reference_outputs = vec![];
+        for s in inp.samples {
+            reference_outputs.push(run_named(&rs, s)?);
+        }
+        Ok(Evaluator {
+            reference_outputs,
+            output_pairs: super::output_pairs(inp.reference, inp.quantized)?,
+            samples: inp.samples,
+            threads: inp.threads,
+            simulate: inp.simulate,
+            evaluations: 0,
+        })
+    }
+
+    pub(super) fn eval(&mut self, q: &Model) -> Result<(f64, f64)> {
         self.evaluations += 1;
         let prepared = prepare_quantized(q.clone(), self.simulate)?;
         let sess = Session::new(
@@ -495,14 +522,12 @@ pub struct SuggestInput<'a> {
     pub sensitivity_evals: usize,
 }
 
-/// Runs the search; returns the suggestion and the promoted model.
-pub fn suggest(inp: &SuggestInput, log: &mut dyn FnMut(&str)) -> Result<(Suggestion, Model)> {
+/// Local quantization noise of every candidate (the value before quantization against after):
+/// weights statically, activations from one exposed run of the QDQ graph per sample.
+pub(super) fn local_noise(inp: &SuggestInput, cands: &[Candidate]) -> Result<Vec<Acc>> {
     let q = inp.quantized;
-    let cands = candidates(q, inp.reference);
-    // Local quantization noise of every candidate: weights statically, activations from one
-    // exposed run per sample.
     let mut extra = vec![];
-    for c in &cands {
+    for c in cands {
         if let Kind::Act { pre, post, .. } = &c.kind {
             extra.push(pre.clone());
             extra.push(post.clone());
@@ -533,6 +558,14 @@ pub fn suggest(inp: &SuggestInput, log: &mut dyn FnMut(&str)) -> Result<(Suggest
             }
         }
     }
+    Ok(local)
+}
+
+/// Runs the search; returns the suggestion and the promoted model.
+pub fn suggest(inp: &SuggestInput, log: &mut dyn FnMut(&str)) -> Result<(Suggestion, Model)> {
+    let q = inp.quantized;
+    let cands = candidates(q, inp.reference);
+    let local = local_noise(inp, &cands)?;
     let mut order: Vec<usize> = (0..cands.len()).collect();
     order.sort_by(|&a, &b| {
         let (x, y) = (local[a].sqnr_db(), local[b].sqnr_db());
@@ -543,25 +576,7 @@ pub fn suggest(inp: &SuggestInput, log: &mut dyn FnMut(&str)) -> Result<(Suggest
             .then(a.cmp(&b))
     });
 
-    let rs = Session::new(
-        inp.reference,
-        SessionOptions {
-            threads: inp.threads,
-        },
-    )?;
-    let mut reference_outputs = vec![];
-    for s in inp.samples {
-        reference_outputs.push(run_named(&rs, s)?);
-    }
-    let output_pairs = super::output_pairs(inp.reference, q)?;
-    let mut ev = Evaluator {
-        reference_outputs,
-        output_pairs,
-        samples: inp.samples,
-        threads: inp.threads,
-        simulate: inp.simulate,
-        evaluations: 0,
-    };
+    let mut ev = Evaluator::new(inp)?;
     let build = |set: &[usize]| promote(q, &cands, set, inp.headroom, inp.ranges);
     let (base_db, base_cos) = ev.eval(q)?;
     log(&format!(
