@@ -14,6 +14,8 @@ command -v curl >/dev/null || need+=(curl)
 python3 -m pip --version >/dev/null 2>&1 || need+=(python3-pip)
 python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || need+=(python3-venv)
 [ -d /usr/share/fonts/truetype/dejavu ] || need+=(fonts-dejavu-core)
+# GNU time: the large-model tests read a compile's peak RSS from `/usr/bin/time -v`.
+[ -x /usr/bin/time ] || need+=(time)
 if [ ${#need[@]} -gt 0 ]; then
   SUDO=; [ "$(id -u)" -eq 0 ] || SUDO=sudo
   $SUDO apt-get update -qq && $SUDO apt-get install -y -qq "${need[@]}"

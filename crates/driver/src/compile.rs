@@ -373,15 +373,16 @@ pub fn check_runnable(m: &Model) -> Result<()> {
 
 /// The artifact's source entry for `path`: its file name and bytes.
 pub(crate) fn add_source(w: &mut ArtifactWriter, path: &Path) -> Result<usize> {
-    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-    w.add_source(
+    // Hashed in chunks: a model of GBs (inline weights) is not read into memory once more.
+    w.add_source_file(
         &path
             .file_name()
             .map(|f| f.to_string_lossy().into_owned())
             .unwrap_or_default(),
-        &bytes,
-    );
-    Ok(bytes.len())
+        path,
+    )
+    .with_context(|| format!("reading {}", path.display()))?;
+    Ok(w.meta().sources.last().map_or(0, |s| s.bytes as usize))
 }
 
 /// The target `opts` names (this machine by default).

@@ -20,6 +20,7 @@ pub mod llm;
 pub mod quantize;
 pub mod quantized;
 pub mod session;
+pub mod synth;
 pub mod verify;
 
 pub use compile::{compile, CompileOptions, CompileSummary};

@@ -757,6 +757,8 @@ fn choose_method(
         let mut qm = npuc_quant::apply(rounded.unwrap_or(m), &enc)?;
         crate::quantized::prepare(&mut qm, false)?;
         let qs = Session::new(&qm, so.clone()).map_err(|e| anyhow!("quantized session: {e}"))?;
+        // The session holds its own copy of the weights: the model's would double them.
+        drop(qm);
         let (mut sig, mut noise) = (0f64, 0f64);
         for (s, r) in held.iter().zip(&reference) {
             for (a, b) in run(&qs, s)?.iter().zip(r) {
@@ -826,7 +828,15 @@ pub fn compile_quantized(
     let (m, pass_records) = prepare(path, opts)?;
     let mut timings = vec![("load+prepare", t0.elapsed().as_secs_f64())];
     let nodes_before = m.graph.nodes.len();
-    let (qm, enc, samples, method) = quantize_model(&m, q, &mut timings, progress)?;
+    let (mut qm, enc, samples, method) = quantize_model(&m, q, &mut timings, progress)?;
+    // The float weights are no longer needed: unmapping them now keeps them out of the peak
+    // while the artifact's (quantized) weights are written. The quantized model still borrows
+    // the weights it keeps in float (norms, biases, an embedding table) from the same mapping,
+    // whose every page calibration made resident: they move to a fresh mapping of the same
+    // file first (no page of it resident yet), so the old one goes with the float model.
+    let float_weight_bytes = weight_bytes(&m);
+    remap_borrowed(&mut qm, path)?;
+    drop(m);
     if q.emit_qdq.is_some() && q.options()?.profile == npuc_quant::Profile::Npuc {
         progress.note("--emit-qdq: the export holds the artifact's quantization (profile npuc: per-channel MatMul/Gemm weights); for ONNX Runtime's QNN EP quantize with --quant-profile qnn-htp");
     }
@@ -867,11 +877,50 @@ pub fn compile_quantized(
     if let Some(p) = &q.emit_qdq {
         // The export is the artifact's QDQ graph, with the com.microsoft domain where the
         // opset needs it.
+        // The graph is copied without its weights, which move over and back (no second copy
+        // of them). A large model goes out as it came in: with its initializers as external
+        // data (`<Q.onnx>.data`), as any model over the protobuf limit must.
+        let order: Vec<String> = qm
+            .graph
+            .initializers
+            .iter()
+            .map(|i| i.name.clone())
+            .collect();
+        let inits = std::mem::take(&mut qm.graph.initializers);
         let mut em = qm.clone();
+        em.graph.initializers = inits;
+        let expanded = npuc_quant::export::expand_blocked_weights(&mut em);
         npuc_quant::export::qnn_domains(&mut em);
-        npuc_onnx::save_model(&em, p, &Default::default())
-            .with_context(|| format!("writing {}", p.display()))?;
-        progress.note(&format!("wrote QDQ ONNX {}", p.display()));
+        let external = float_weight_bytes > crate::llm::ONNX_INLINE_LIMIT;
+        let opts = npuc_onnx::ExportOptions {
+            external_threshold: external.then_some(1024),
+        };
+        let (saved, removed) = match expanded {
+            Ok((_, removed)) => (
+                npuc_onnx::save_model(&em, p, &opts).map_err(anyhow::Error::from),
+                removed,
+            ),
+            Err(e) => (Err(e), vec![]),
+        };
+        // Back to the artifact's model, in its order: its own initializers (the export's
+        // additions dropped, what the export did not need put back).
+        let mut by_name: HashMap<String, npuc_ir::Initializer> =
+            std::mem::take(&mut em.graph.initializers)
+                .into_iter()
+                .chain(removed)
+                .map(|i| (i.name.clone(), i))
+                .collect();
+        qm.graph.initializers = order.iter().filter_map(|n| by_name.remove(n)).collect();
+        saved.with_context(|| format!("writing {}", p.display()))?;
+        progress.note(&format!(
+            "wrote QDQ ONNX {}{}",
+            p.display(),
+            if external {
+                format!(" (initializers in {}.data)", p.display())
+            } else {
+                String::new()
+            }
+        ));
     }
     if q.emit_qdq.is_some() || q.emit_encodings.is_some() {
         timings.push(("exports", t.elapsed().as_secs_f64()));
@@ -918,6 +967,50 @@ pub fn compile_quantized(
         file_bytes,
         seconds: t0.elapsed().as_secs_f64(),
     })
+}
+
+/// Points the initializers of `qm` that borrow the mapping of `source` (the model file or its
+/// external data) at a fresh mapping of the same bytes: the same name, dtype, shape and window
+/// (offset, length) in a new load of `source`, which maps its files without reading them.
+/// Returns the bytes re-pointed; a tensor without its twin keeps its window.
+fn remap_borrowed(qm: &mut Model, source: &Path) -> Result<usize> {
+    use npuc_ir::TensorData;
+    let window = |t: &npuc_ir::Tensor| match t.data() {
+        TensorData::Borrowed(b) => Some((b.offset, b.len)),
+        _ => None,
+    };
+    if !qm.graph.initializers.iter().any(|i| i.tensor.is_borrowed()) {
+        return Ok(0);
+    }
+    let fresh = npuc_onnx::load_model(source)?;
+    let twins: HashMap<&str, &npuc_ir::Tensor> = fresh
+        .graph
+        .initializers
+        .iter()
+        .map(|i| (i.name.as_str(), &i.tensor))
+        .collect();
+    let mut moved = 0;
+    for i in qm.graph.initializers.iter_mut() {
+        let Some(w) = window(&i.tensor) else {
+            continue;
+        };
+        if let Some(t) = twins.get(i.name.as_str()).filter(|t| {
+            window(t) == Some(w) && t.dtype() == i.tensor.dtype() && t.shape() == i.tensor.shape()
+        }) {
+            i.tensor = (*t).clone();
+            moved += w.1;
+        }
+    }
+    Ok(moved)
+}
+
+/// Bytes of a model's main-graph initializers.
+fn weight_bytes(m: &Model) -> usize {
+    m.graph
+        .initializers
+        .iter()
+        .map(|i| i.tensor.len() * i.tensor.dtype().size().max(1))
+        .sum()
 }
 
 fn short(e: &QEnc) -> String {

@@ -231,7 +231,8 @@ impl ArtifactWriter {
             });
             return Ok(self.meta.weights.len() - 1);
         }
-        let bytes = t.to_le_bytes()?;
+        // Borrowed where the tensor's data already is bytes (no transient copy of a weight).
+        let bytes = t.le_bytes()?;
         let key = (xxh3_128(&bytes), t.dtype(), t.shape().to_vec());
         if let Some(&i) = self.by_hash.get(&key) {
             let w = &self.meta.weights[i];
@@ -377,6 +378,70 @@ pub fn persist_atomic_parts(path: &Path, parts: &[&[u8]]) -> std::io::Result<()>
     tmp.as_file().sync_all()?;
     tmp.persist(path).map_err(|e| e.error)?;
     Ok(())
+}
+
+/// A file written in pieces (a large model's external data, streamed tensor by tensor) that
+/// appears at its path only when [`AtomicFile::commit`] succeeds: a hidden temp file beside the
+/// target (named as [`persist_atomic`]'s), fsynced and renamed; dropped before the commit (an
+/// error on the way) it is removed.
+pub struct AtomicFile {
+    path: std::path::PathBuf,
+    out: std::io::BufWriter<tempfile::NamedTempFile>,
+    len: u64,
+}
+
+impl AtomicFile {
+    pub fn create(path: &Path) -> std::io::Result<AtomicFile> {
+        let dir = path
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        let fname = path.file_name().and_then(|f| f.to_str()).unwrap_or("out");
+        remove_stale_temps(dir, fname);
+        let tmp = tempfile::Builder::new()
+            .prefix(&format!(".{fname}.tmp-{}-", std::process::id()))
+            .tempfile_in(dir)?;
+        Ok(AtomicFile {
+            path: path.to_path_buf(),
+            out: std::io::BufWriter::with_capacity(1 << 20, tmp),
+            len: 0,
+        })
+    }
+
+    /// Bytes written so far (the offset the next write lands at).
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn write_all(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        use std::io::Write;
+        self.out.write_all(bytes)?;
+        self.len += bytes.len() as u64;
+        Ok(())
+    }
+
+    /// Zero bytes up to the next multiple of `align`; returns the new length.
+    pub fn pad_to(&mut self, align: u64) -> std::io::Result<u64> {
+        let pad = self.len.next_multiple_of(align) - self.len;
+        self.write_all(&vec![0u8; pad as usize])?;
+        Ok(self.len)
+    }
+
+    /// Flushes, fsyncs and renames the temp file to the path.
+    pub fn commit(self) -> std::io::Result<u64> {
+        let tmp = self.out.into_inner().map_err(|e| e.into_error())?;
+        tmp.as_file().sync_all()?;
+        tmp.persist(&self.path).map_err(|e| e.error)?;
+        Ok(self.len)
+    }
 }
 
 /// Removes the temp files `.{fname}.tmp-PID-*` in `dir` left by writers of the same target that

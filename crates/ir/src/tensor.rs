@@ -482,11 +482,21 @@ impl Tensor {
 
     /// Little-endian bytes of the data (4-bit types one value per byte; strings unsupported).
     pub fn to_le_bytes(&self) -> Result<Vec<u8>, IrError> {
-        fn b<T: bytemuck::Pod>(s: &[T]) -> Vec<u8> {
-            bytemuck::cast_slice(s).to_vec()
+        self.le_bytes().map(|b| b.into_owned())
+    }
+
+    /// The little-endian bytes of a fixed-size dtype (4-bit: one code a byte; bool: 0/1),
+    /// borrowed wherever the data already is in that form (all but bool), so writers stream a
+    /// weight without copying it.
+    pub fn le_bytes(&self) -> Result<std::borrow::Cow<'_, [u8]>, IrError> {
+        use std::borrow::Cow;
+        // The host's byte order: npuc targets little-endian hosts only (as every reader of
+        // these bytes, `from_le_bytes` included, assumes).
+        fn b<T: bytemuck::Pod>(s: &[T]) -> Cow<'_, [u8]> {
+            Cow::Borrowed(bytemuck::cast_slice(s))
         }
         if let TensorData::Borrowed(br) = &self.data {
-            return Ok(br.bytes().to_vec());
+            return Ok(Cow::Borrowed(br.bytes()));
         }
         Ok(match &self.data {
             TensorData::F32(v) => b(v),
@@ -494,14 +504,14 @@ impl Tensor {
             TensorData::F16(v) => b(v),
             TensorData::BF16(v) => b(v),
             TensorData::I8(v) | TensorData::I4(v) => b(v),
-            TensorData::U8(v) | TensorData::U4(v) => v.clone(),
+            TensorData::U8(v) | TensorData::U4(v) => Cow::Borrowed(v.as_slice()),
             TensorData::I16(v) => b(v),
             TensorData::U16(v) => b(v),
             TensorData::I32(v) => b(v),
             TensorData::U32(v) => b(v),
             TensorData::I64(v) => b(v),
             TensorData::U64(v) => b(v),
-            TensorData::Bool(v) => v.iter().map(|&x| x as u8).collect(),
+            TensorData::Bool(v) => Cow::Owned(v.iter().map(|&x| x as u8).collect()),
             TensorData::String(_) => {
                 return Err(IrError::Unsupported(
                     "string tensors have no byte form".into(),

@@ -19,10 +19,31 @@ pub fn to_model_proto(m: &Model) -> Result<proto::ModelProto, OnnxError> {
     model_proto(m, &mut sink)
 }
 
+/// Where initializers above the threshold go: streamed tensor by tensor into the data file's
+/// temp file (created at the first one), so a model of many GB is never a second time in
+/// memory as one buffer.
 struct ExternalSink {
     location: String,
+    path: std::path::PathBuf,
     threshold: usize,
-    data: Vec<u8>,
+    file: Option<npuc_format::AtomicFile>,
+}
+
+impl ExternalSink {
+    /// Appends `bytes` at the next 4096-aligned offset; returns that offset.
+    fn append(&mut self, bytes: &[u8]) -> Result<u64, OnnxError> {
+        let io = |err| OnnxError::Io {
+            path: self.path.clone(),
+            err,
+        };
+        if self.file.is_none() {
+            self.file = Some(npuc_format::AtomicFile::create(&self.path).map_err(io)?);
+        }
+        let f = self.file.as_mut().expect("created above");
+        let offset = f.pad_to(4096).map_err(io)?;
+        f.write_all(bytes).map_err(io)?;
+        Ok(offset)
+    }
 }
 
 fn model_proto(m: &Model, ext: &mut Option<ExternalSink>) -> Result<proto::ModelProto, OnnxError> {
@@ -324,17 +345,15 @@ fn tensor_proto_ext(
         return Ok(p);
     }
     let bytes = if t.dtype().packed_bits() < 8 {
-        pack_bits(t)?
+        std::borrow::Cow::Owned(pack_bits(t)?)
     } else {
-        t.to_le_bytes()?
+        t.le_bytes()?
     };
     if let Some(sink) = ext
         .as_mut()
         .filter(|s| bytes.len() >= s.threshold && !name.is_empty())
     {
-        let offset = sink.data.len().next_multiple_of(4096);
-        sink.data.resize(offset, 0);
-        sink.data.extend_from_slice(&bytes);
+        let offset = sink.append(&bytes)?;
         p.data_location = Some(proto::tensor_proto::DataLocation::External as i32);
         let kv = |k: &str, v: String| proto::StringStringEntryProto {
             key: Some(k.into()),
@@ -347,7 +366,7 @@ fn tensor_proto_ext(
         ];
         return Ok(p);
     }
-    p.raw_data = Some(bytes.into());
+    p.raw_data = Some(bytes.into_owned().into());
     Ok(p)
 }
 
@@ -368,17 +387,37 @@ pub fn save_model(m: &Model, path: &Path, opts: &ExportOptions) -> Result<(), On
             .unwrap_or("model.onnx")
     );
     let mut sink = opts.external_threshold.map(|threshold| ExternalSink {
-        location: location.clone(),
+        path: path.with_file_name(&location),
+        location,
         threshold,
-        data: vec![],
+        file: None,
     });
     let mp = model_proto(m, &mut sink)?;
-    if let Some(s) = sink.filter(|s| !s.data.is_empty()) {
-        let data_path = path.with_file_name(&location);
-        write_atomic(&data_path, &s.data)?;
+    // A protobuf message cannot exceed 2 GiB (onnxruntime and onnx refuse it): say what to do
+    // instead of writing a file nothing can read.
+    let len = mp.encoded_len();
+    if len > PROTOBUF_LIMIT {
+        return Err(OnnxError::Model {
+            path: path.to_path_buf(),
+            msg: format!(
+                "the model is {len} bytes as one protobuf, over the 2 GiB protobuf limit; write its initializers as external data (ExportOptions::external_threshold)"
+            ),
+        });
+    }
+    // The data file first: the model is only renamed into place once everything it points at
+    // is there.
+    if let Some(f) = sink.and_then(|s| s.file) {
+        let data_path = f.path().to_path_buf();
+        f.commit().map_err(|err| OnnxError::Io {
+            path: data_path,
+            err,
+        })?;
     }
     write_atomic(path, &mp.encode_to_vec())
 }
+
+/// The largest protobuf message (2 GiB - 1): what ONNX's own checker and onnxruntime accept.
+pub const PROTOBUF_LIMIT: usize = i32::MAX as usize;
 
 /// Saves one tensor as a TensorProto .pb file (the ONNX test-data format).
 pub fn save_tensor_pb(name: &str, t: &Tensor, path: &Path) -> Result<(), OnnxError> {

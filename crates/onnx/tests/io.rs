@@ -149,6 +149,39 @@ fn missing_external_file_is_named() {
     assert!(e.contains("m.onnx.data") && e.contains("'w'"), "{e}");
 }
 
+/// A data file cut short (a copy interrupted, a download truncated) is refused at load, naming
+/// the tensor and the file, for a cut anywhere in the tensor's bytes.
+#[test]
+fn short_external_file_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny_model(Tensor::from_vec(vec![512], vec![1.0f32; 512]).unwrap());
+    let path = dir.path().join("m.onnx");
+    save_model(
+        &m,
+        &path,
+        &ExportOptions {
+            external_threshold: Some(16),
+        },
+    )
+    .unwrap();
+    let data = dir.path().join("m.onnx.data");
+    let full = std::fs::metadata(&data).unwrap().len();
+    assert_eq!(full, 2048, "one tensor of 512 f32 at offset 0");
+    for keep in [0, 1, 1024, full - 1] {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&data)
+            .unwrap()
+            .set_len(keep)
+            .unwrap();
+        let e = load_model(&path).unwrap_err().to_string();
+        assert!(
+            e.contains("'w'") && e.contains("m.onnx.data") && e.contains("truncated"),
+            "{keep} bytes kept: {e}"
+        );
+    }
+}
+
 #[test]
 fn malformed_files_give_errors() {
     let dir = tempfile::tempdir().unwrap();

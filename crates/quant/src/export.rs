@@ -140,6 +140,155 @@ pub fn qnn_domains(out: &mut Model) {
     }
 }
 
+/// Rewrites each blocked weight `DequantizeLinear` (`block_size`, opset 21) of a model whose
+/// default opset is below 21 into the same arithmetic in ops its opset has, since neither
+/// the standard op before 21 nor onnxruntime's `com.microsoft` DequantizeLinear takes
+/// `block_size`: the codes dequantized per tensor with scale 1 (exact integers in f32; the
+/// codes stay 4-/8-bit in the file), reshaped so each block is an axis of its own, minus the
+/// zero points (when any is non-zero) and times the block scales broadcast over the block,
+/// reshaped back. `(q - zp) * s` in f32 either way: the same values as the blocked op.
+/// Blocks must divide their axis (ragged last blocks are left as they are). Returns how many
+/// were rewritten and the initializers (block scales, zero points) no node reads any more,
+/// removed from the model.
+pub fn expand_blocked_weights(out: &mut Model) -> Result<(usize, Vec<npuc_ir::Initializer>)> {
+    use npuc_ir::{Attr, Initializer, Node, Tensor};
+    if out.opset("").unwrap_or(1) >= 21 {
+        return Ok((0, vec![]));
+    }
+    let g = &mut out.graph;
+    let mut new_inits: Vec<Initializer> = vec![];
+    let mut rewritten = 0;
+    let mut replaced: Vec<String> = vec![];
+    let mut nodes = Vec::with_capacity(g.nodes.len());
+    for n in std::mem::take(&mut g.nodes) {
+        let block = match n.attr("block_size") {
+            Some(Attr::Int(b)) if n.op_type == "DequantizeLinear" && *b > 0 => *b as usize,
+            _ => {
+                nodes.push(n);
+                continue;
+            }
+        };
+        let (Some(qn), Some(sn)) = (n.input(0), n.input(1)) else {
+            nodes.push(n);
+            continue;
+        };
+        let (Some(q), Some(sc)) = (g.initializer(qn), g.initializer(sn)) else {
+            nodes.push(n);
+            continue;
+        };
+        let shape = q.shape().to_vec();
+        let rank = shape.len() as i64;
+        let axis = match n.attr("axis") {
+            Some(Attr::Int(a)) => *a,
+            _ => 1,
+        };
+        let axis = if axis < 0 { axis + rank } else { axis };
+        if axis < 0 || axis >= rank || shape[axis as usize] % block != 0 {
+            nodes.push(n);
+            continue;
+        }
+        let a = axis as usize;
+        let zp = n
+            .input(2)
+            .filter(|z| !z.is_empty())
+            .and_then(|z| g.initializer(z));
+        let zp_vals = match zp {
+            Some(z) => Some(z.to_f64_vec()?),
+            None => None,
+        };
+        let qdt = q.dtype();
+        let out_name = n.outputs[0].clone();
+        let base = format!("{out_name}_blocks");
+        // [.., d_a / B, B, ..] for the codes, [.., d_a / B, 1, ..] for the parameters.
+        let mut split: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
+        split[a] = (shape[a] / block) as i64;
+        split.insert(a + 1, block as i64);
+        let mut pshape: Vec<usize> = split.iter().map(|&d| d as usize).collect();
+        pshape[a + 1] = 1;
+        let scale = Tensor::from_vec(
+            pshape.clone(),
+            sc.as_slice::<f32>()
+                .map_err(|e| anyhow!("block scales '{sn}': {e}"))?
+                .to_vec(),
+        )?;
+        let names = |s: &str| format!("{base}_{s}");
+        new_inits.push(Initializer {
+            name: names("unit_scale"),
+            tensor: Tensor::scalar(1.0f32),
+        });
+        new_inits.push(Initializer {
+            name: names("zero"),
+            tensor: crate::qdq::int_tensor(qdt, vec![], &[0])?,
+        });
+        new_inits.push(Initializer {
+            name: names("split_shape"),
+            tensor: Tensor::from_vec(vec![split.len()], split)?,
+        });
+        new_inits.push(Initializer {
+            name: names("shape"),
+            tensor: Tensor::from_vec(vec![shape.len()], shape.iter().map(|&d| d as i64).collect())?,
+        });
+        new_inits.push(Initializer {
+            name: names("scale"),
+            tensor: scale,
+        });
+        let node = |op: &str, ins: &[&str], o: &str| {
+            let mut nd = Node::new(op, ins, &[o]);
+            nd.name = format!("{o}/{op}");
+            nd
+        };
+        nodes.push(node(
+            "DequantizeLinear",
+            &[qn, &names("unit_scale"), &names("zero")],
+            &names("codes"),
+        ));
+        nodes.push(node(
+            "Reshape",
+            &[&names("codes"), &names("split_shape")],
+            &names("split"),
+        ));
+        let mut x = names("split");
+        if let Some(z) = zp_vals.filter(|z| z.iter().any(|&v| v != 0.0)) {
+            new_inits.push(Initializer {
+                name: names("zero_points"),
+                tensor: Tensor::from_vec(pshape, z.iter().map(|&v| v as f32).collect())?,
+            });
+            nodes.push(node(
+                "Sub",
+                &[&x, &names("zero_points")],
+                &names("centered"),
+            ));
+            x = names("centered");
+        }
+        nodes.push(node("Mul", &[&x, &names("scale")], &names("scaled")));
+        nodes.push(node(
+            "Reshape",
+            &[&names("scaled"), &names("shape")],
+            &out_name,
+        ));
+        replaced.extend(n.inputs[1..].iter().filter(|i| !i.is_empty()).cloned());
+        rewritten += 1;
+    }
+    g.nodes = nodes;
+    g.initializers.extend(new_inits);
+    // The block scales and zero points the rewritten nodes read, unless something else does.
+    let used: std::collections::HashSet<&str> = g
+        .nodes
+        .iter()
+        .flat_map(|n| n.inputs.iter().map(String::as_str))
+        .chain(g.outputs.iter().map(|o| o.name.as_str()))
+        .collect();
+    let unused: std::collections::HashSet<String> = replaced
+        .into_iter()
+        .filter(|r| !used.contains(r.as_str()))
+        .collect();
+    let (gone, kept): (Vec<Initializer>, Vec<Initializer>) = std::mem::take(&mut g.initializers)
+        .into_iter()
+        .partition(|i| unused.contains(&i.name));
+    g.initializers = kept;
+    Ok((rewritten, gone))
+}
+
 /// The QNN-EP form of one encoding, for tests and `inspect`.
 pub fn is_qnn_weight(q: &QEnc) -> bool {
     q.block_size.is_none()
