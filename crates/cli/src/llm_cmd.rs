@@ -13,7 +13,7 @@ use npuc_generate::{
     generate, generate_continue, perplexity, CausalLm, GenOutput, SamplerParams, TokenText,
 };
 use npuc_llm::{
-    Bundle, BundleOptions, Engine, EngineOptions, Precision, Variant, WeightQuant,
+    Bundle, BundleOptions, Engine, EngineOptions, LlmEncodings, Precision, Variant, WeightQuant,
     WeightQuantOptions,
 };
 use npuc_tokenizer::Tokenizer;
@@ -177,6 +177,19 @@ pub struct ModelArgs {
     /// deployments often keep the head at 8 bits, its error lands directly on the logits).
     #[arg(long, value_name = "SCHEME", requires = "quantize_weights")]
     pub quantize_head: Option<String>,
+    /// Write the re-quantized weights' grids (and the linear inputs' scales with
+    /// `--act-bits`) as AIMET encodings 1.0.0 JSON: `LPBQ` / `PER_CHANNEL` entries named by the
+    /// GGUF weight names in their `[out, in]` layout, activations as `<weight>.input`.
+    #[arg(long, value_name = "FILE")]
+    pub export_encodings: Option<PathBuf>,
+    /// Re-quantize with the grids of an encodings file (as `--export-encodings` writes it)
+    /// instead of choosing them: the same deployment again, no calibration text needed.
+    #[arg(
+        long,
+        value_name = "FILE",
+        conflicts_with_all = ["quantize_weights", "calib_text", "awq_alpha", "act_bits", "quantize_head"]
+    )]
+    pub encodings: Option<PathBuf>,
 }
 
 /// Sampling options (llama.cpp's names and defaults, except the seed: fixed 0 for reproducibility).
@@ -354,6 +367,8 @@ pub fn check_precision(model: &Path, given: &Given) -> Result<()> {
                 "awq_alpha",
                 "act_bits",
                 "quantize_head",
+                "export_encodings",
+                "encodings",
             ],
             "an artifact's or bundle's weights were fixed when it was compiled; give the GGUF",
         )?;
@@ -506,6 +521,21 @@ pub fn load(args: &ModelArgs) -> Result<(Model, Tokenizer)> {
     if let Some(v) = &args.variants {
         opts.variants = Variant::parse_list(v)?;
     }
+    let given_encodings = match &args.encodings {
+        Some(f) => Some(read_llm_encodings(f, &mut opts.weight_quant)?),
+        None => None,
+    };
+    if args.export_encodings.is_some() {
+        if opts.weight_quant.scheme == WeightQuant::Gguf {
+            bail!("--export-encodings: give --quantize-weights (or --encodings): the GGUF's own blocks have no AIMET encoding");
+        }
+        if opts.weight_quant.awq_alpha.is_some() {
+            bail!("--export-encodings with --awq-alpha: AWQ-scaled weights have no encoding to export (the scales are not folded into the graph); drop one of them");
+        }
+    }
+    if args.export_encodings.is_some() || given_encodings.is_some() {
+        opts.weight_quant.record = Some(Default::default());
+    }
     let is_artifact = is_llm_artifact(path);
     let mut engine = if is_artifact {
         Engine::from_artifact(path, &opts)
@@ -515,11 +545,105 @@ pub fn load(args: &ModelArgs) -> Result<(Model, Tokenizer)> {
     .with_context(|| format!("loading '{}'", path.display()))?;
     // The tokenizer from the metadata the engine read (the GGUF's tokenizer keys, or the
     // artifact's copy of them), not from a second parse of the file; then only its own tables stay.
+    if let Some(rec) = &opts.weight_quant.record {
+        let mut made = rec
+            .lock()
+            .map(|r| r.clone())
+            .map_err(|_| anyhow::anyhow!("the encodings recorder was poisoned"))?;
+        if let Some((file, given)) = &given_encodings {
+            let unused: Vec<&String> = given
+                .weights
+                .keys()
+                .filter(|n| !made.weights.contains_key(*n))
+                .chain(
+                    given
+                        .inputs
+                        .keys()
+                        .filter(|n| !made.inputs.contains_key(*n)),
+                )
+                .collect();
+            if !unused.is_empty() {
+                bail!(
+                    "{}: {} entries name products this model does not quantize (e.g. '{}'); the encodings were made for another model",
+                    file.display(),
+                    unused.len(),
+                    unused[0]
+                );
+            }
+            made.quantizer_args = given.quantizer_args.clone();
+        } else {
+            made.quantizer_args = quantizer_args(&opts.weight_quant, args);
+        }
+        if let Some(out) = &args.export_encodings {
+            let text = made.to_json()?;
+            npuc_onnx::export::write_atomic(out, text.as_bytes())
+                .with_context(|| format!("writing encodings '{}'", out.display()))?;
+            eprintln!(
+                "encodings: {} weights, {} inputs -> {}",
+                made.weights.len(),
+                made.inputs.len(),
+                out.display()
+            );
+        }
+    }
     let meta = engine.take_metadata();
     let tok = Tokenizer::from_metadata_named(&path.display().to_string(), &meta.entries);
     drop(meta);
     let tok = tokenizer_for(tok, args, engine.vocab())?;
     Ok((Model::Engine(engine), tok))
+}
+
+/// Reads `--encodings FILE` and sets the build's schemes from it (one scheme for the body, the
+/// head's own when it differs, the activation bits).
+fn read_llm_encodings(
+    file: &Path,
+    wq: &mut WeightQuantOptions,
+) -> Result<(PathBuf, std::sync::Arc<LlmEncodings>)> {
+    let text = std::fs::read_to_string(file)
+        .with_context(|| format!("reading encodings '{}'", file.display()))?;
+    let enc = LlmEncodings::from_json(&text, &file.display().to_string())?;
+    // The head is `output.weight`, or the tied embedding where the model has no separate head.
+    let head = if enc.weights.contains_key("output.weight") {
+        "output.weight"
+    } else {
+        "token_embd.weight"
+    };
+    let (scheme, head_scheme, act_bits) = enc
+        .schemes(head)
+        .with_context(|| format!("encodings '{}'", file.display()))?;
+    wq.scheme = scheme;
+    wq.head = head_scheme;
+    wq.act_bits = act_bits;
+    let enc = std::sync::Arc::new(enc);
+    wq.encodings = Some(enc.clone());
+    Ok((file.to_path_buf(), enc))
+}
+
+/// The `quantizer_args` an exported encodings file records (informational: AIMET's keys for
+/// the bit widths, npuc's for the scheme names and calibration).
+fn quantizer_args(wq: &WeightQuantOptions, args: &ModelArgs) -> serde_json::Value {
+    let bits = |s: WeightQuant| match s {
+        WeightQuant::Lpbq { bits, .. } | WeightQuant::PerChannel { bits } => bits,
+        WeightQuant::Gguf => 0,
+    };
+    let mut j = serde_json::json!({
+        "dtype": "int",
+        "is_symmetric": true,
+        "param_bitwidth": bits(wq.scheme),
+        "per_channel_quantization": true,
+        "npuc_weights": wq.scheme.name(),
+        "npuc_head": wq.head.unwrap_or(wq.scheme).name(),
+    });
+    if let Some(b) = wq.act_bits {
+        j["activation_bitwidth"] = serde_json::json!(b);
+    }
+    if let Some(f) = &args.calib_text {
+        j["npuc_calibration_text"] = serde_json::json!(f
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default());
+    }
+    j
 }
 
 /// The tokenizer with `--chat-template` applied, checked against the model's vocabulary.

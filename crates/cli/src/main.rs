@@ -350,6 +350,8 @@ fn main() {
                             awq_alpha: None,
                             act_bits: None,
                             quantize_head: None,
+                            export_encodings: None,
+                            encodings: None,
                         },
                         prompt_len: prompt_len.unwrap_or(128),
                         gen,

@@ -158,3 +158,119 @@ fn bad_weight_quantization_flags_are_refused_clearly() {
         assert!(!se.contains("panicked"), "{extra:?} panicked:\n{se}");
     }
 }
+
+/// `--export-encodings` writes the grids the search chose as AIMET 1.0.0 JSON; `--encodings`
+/// applies them back without calibration text. The same grids must give the same model (the
+/// perplexity, computed in f32 from identical weights, is equal to the last bit) and the
+/// re-export the same bytes.
+#[test]
+fn llm_encodings_round_trip_byte_identical() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let calib = root().join("tests/fixtures/text/sentences_en.txt");
+    let (a, b) = (dir.join("a.json"), dir.join("b.json"));
+    let chosen = ppl(&[
+        "--quantize-weights",
+        "lpbq4:32",
+        "--quantize-head",
+        "int8",
+        "--calib-text",
+        calib.to_str().unwrap(),
+        "--act-bits",
+        "16",
+        "--export-encodings",
+        a.to_str().unwrap(),
+    ]);
+    let applied = ppl(&[
+        "--encodings",
+        a.to_str().unwrap(),
+        "--export-encodings",
+        b.to_str().unwrap(),
+    ]);
+    assert_eq!(chosen, applied, "the same grids gave another model");
+    let (ta, tb) = (std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap());
+    assert!(ta == tb, "re-exported encodings differ from the file read");
+    // What the file says, checked against SmolLM2's shapes (30 layers of 7 products, the
+    // tied embedding as head: 49152 x 576) and LPBQ's rules.
+    let j: serde_json::Value = serde_json::from_slice(&ta).unwrap();
+    assert_eq!(j["version"], "1.0.0");
+    let params = j["param_encodings"].as_array().unwrap();
+    assert_eq!(params.len(), 30 * 7 + 1);
+    for p in params {
+        let name = p["name"].as_str().unwrap();
+        let scales = p["scale"].as_array().unwrap().len();
+        if name == "token_embd.weight" {
+            assert_eq!(p["enc_type"], "PER_CHANNEL");
+            assert_eq!((p["bw"].as_u64(), scales), (Some(8), 49152));
+            continue;
+        }
+        assert_eq!(p["enc_type"], "LPBQ", "{name}");
+        assert_eq!(
+            (
+                p["bw"].as_u64(),
+                p["block_size"].as_u64(),
+                p["compressed_bw"].as_u64()
+            ),
+            (Some(4), Some(32), Some(4)),
+            "{name}"
+        );
+        let k: Vec<u64> = p["per_block_int_scale"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap())
+            .collect();
+        let cols = if name.contains("ffn_down") { 1536 } else { 576 };
+        assert_eq!(k.len(), scales * cols / 32, "{name}");
+        assert!(k.iter().all(|&k| (1..=16).contains(&k)), "{name}");
+        // The widest block of each output channel defines the channel scale (k = 16).
+        for row in k.chunks(cols / 32) {
+            assert_eq!(row.iter().max(), Some(&16), "{name}");
+        }
+    }
+    let acts = j["activation_encodings"].as_array().unwrap();
+    assert_eq!(acts.len(), 30 * 7 + 1);
+    assert!(acts.iter().all(|a| a["bw"] == 16 && a["is_sym"] == true));
+
+    // Bad files: another model's names, flags that contradict the file.
+    let text = String::from_utf8(ta).unwrap();
+    let other = dir.join("other.json");
+    std::fs::write(
+        &other,
+        text.replace("blk.3.attn_q.weight", "blk.99.attn_q.weight"),
+    )
+    .unwrap();
+    let model = npuc_testsupport::smollm2_gguf();
+    let out = run(&[
+        "perplexity",
+        model.to_str().unwrap(),
+        "--file",
+        calib.to_str().unwrap(),
+        "--ctx",
+        "64",
+        "--chunks",
+        "1",
+        "--encodings",
+        other.to_str().unwrap(),
+    ]);
+    let se = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && se.contains("blk.3.attn_q.weight") && se.contains("encodings"),
+        "{se}"
+    );
+    let out = run(&[
+        "perplexity",
+        model.to_str().unwrap(),
+        "--file",
+        calib.to_str().unwrap(),
+        "--encodings",
+        a.to_str().unwrap(),
+        "--quantize-weights",
+        "int8",
+    ]);
+    let se = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && se.contains("--quantize-weights") && se.contains("--encodings"),
+        "{se}"
+    );
+}

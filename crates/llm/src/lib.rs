@@ -18,7 +18,8 @@ pub mod kv;
 pub mod ops;
 
 pub use build::{
-    build, BuildOptions, Hparams, Precision, Variant, WeightMode, WeightQuant, WeightQuantOptions,
+    build, BuildOptions, Hparams, LlmEncodings, Precision, Variant, WeightMode, WeightQuant,
+    WeightQuantOptions,
 };
 pub use bundle::{Bundle, BundleOptions};
 pub use engine::{Engine, EngineOptions};

@@ -212,6 +212,90 @@ pub fn quantize_weighted(
     })
 }
 
+/// `w` quantized on a given LPBQ grid (the scales an encodings file records): every value
+/// rounded to the nearest step of its block's scale `channel_scales[r] * int_scales[r][b]`, the
+/// same arithmetic [`quantize_weighted`] uses for the scales it chooses, so its own scales give
+/// back its own values.
+#[allow(clippy::too_many_arguments)]
+pub fn quantize_with_scales(
+    w: &[f32],
+    rows: usize,
+    cols: usize,
+    block: usize,
+    bw: u8,
+    compressed_bw: u8,
+    int_scales: Vec<u16>,
+    channel_scales: Vec<f32>,
+) -> Result<LpbqWeight> {
+    if w.len() != rows * cols {
+        bail!(
+            "LPBQ: weight has {} values, expected {rows} x {cols}",
+            w.len()
+        );
+    }
+    if block == 0 || !cols.is_multiple_of(block) {
+        bail!("LPBQ: block size {block} does not divide the {cols} input channels");
+    }
+    if !(2..=8).contains(&bw) || !(1..=15).contains(&compressed_bw) {
+        bail!("LPBQ: bit widths {bw}/{compressed_bw} unsupported (2..=8 / 1..=15)");
+    }
+    let nb = cols / block;
+    if int_scales.len() != rows * nb || channel_scales.len() != rows {
+        bail!(
+            "LPBQ: {} block scales and {} channel scales for {rows} x {cols} in blocks of {block} (need {} and {rows})",
+            int_scales.len(),
+            channel_scales.len(),
+            rows * nb
+        );
+    }
+    let kmax = 1u32 << compressed_bw;
+    if let Some(p) = int_scales
+        .iter()
+        .position(|&k| k == 0 || u32::from(k) > kmax)
+    {
+        bail!(
+            "LPBQ: integer block scale {} (row {}, block {}) outside 1..={kmax}",
+            int_scales[p],
+            p / nb,
+            p % nb
+        );
+    }
+    if let Some(r) = channel_scales
+        .iter()
+        .position(|s| !(s.is_finite() && *s > 0.0))
+    {
+        bail!(
+            "LPBQ: channel scale of row {r} is {} (must be positive and finite)",
+            channel_scales[r]
+        );
+    }
+    let qmax = ((1i32 << (bw - 1)) - 1) as f32;
+    let qmin = -(1i32 << (bw - 1)) as f32;
+    let mut values = vec![0i8; rows * cols];
+    values
+        .par_chunks_mut(cols)
+        .enumerate()
+        .for_each(|(r, vals)| {
+            let row = &w[r * cols..(r + 1) * cols];
+            for (bi, (v, x)) in vals.chunks_mut(block).zip(row.chunks(block)).enumerate() {
+                let sc = channel_scales[r] * int_scales[r * nb + bi] as f32;
+                for (v, &x) in v.iter_mut().zip(x) {
+                    *v = (x / sc).round().clamp(qmin, qmax) as i8;
+                }
+            }
+        });
+    Ok(LpbqWeight {
+        rows,
+        cols,
+        block,
+        bw,
+        compressed_bw,
+        values,
+        int_scales,
+        channel_scales,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -226,6 +310,31 @@ mod tests {
                 ((s >> 33) as f32 / (1u64 << 31) as f32) - 0.5
             })
             .collect()
+    }
+
+    #[test]
+    fn own_scales_give_back_own_values() {
+        let (rows, cols) = (24, 128);
+        let w = lcg(rows * cols, 7);
+        let q = quantize_weighted(&w, rows, cols, 32, 4, 4, None).unwrap();
+        let again = quantize_with_scales(
+            &w,
+            rows,
+            cols,
+            32,
+            4,
+            4,
+            q.int_scales.clone(),
+            q.channel_scales.clone(),
+        )
+        .unwrap();
+        assert_eq!(again, q);
+        let mut bad = q.int_scales.clone();
+        bad[5] = 17;
+        let e = quantize_with_scales(&w, rows, cols, 32, 4, 4, bad, q.channel_scales.clone())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("17") && e.contains("row 1, block 1"), "{e}");
     }
 
     fn sqnr(a: &[f32], b: &[f32]) -> f64 {

@@ -8,6 +8,7 @@
 //! layout of the decode kernels (`{name}.x8`, made once per [`RepackCache`] and shared by the
 //! variants; read from the file, not the mapping, so the plain bytes never become resident).
 
+pub mod encodings;
 pub mod gemma3;
 pub mod llama;
 pub mod qwen2;
@@ -15,6 +16,7 @@ pub mod sha;
 pub mod split;
 
 use crate::{bail, ops, LlmError, Result};
+pub use encodings::{ActEncoding, LlmEncodings, WeightEncoding};
 use npuc_gguf::{GgufFile, TensorInfo};
 use npuc_ir::opdef::NodeBuilder;
 use npuc_ir::{
@@ -129,36 +131,55 @@ impl WeightQuant {
         }
     }
 
-    /// `w` (`rows x cols`, one row per output channel) quantized and dequantized.
-    /// `importance`: per input channel weights of the error (see [`WeightQuantOptions`]).
-    pub fn fake_quantize(
+    /// `w` (`rows x cols`, one row per output channel) quantized: its grid and the values
+    /// dequantized. `importance`: per input channel weights of the error (see
+    /// [`WeightQuantOptions`]). `Gguf` has no grid and is refused.
+    pub fn quantize(
         self,
         w: &[f32],
         rows: usize,
         cols: usize,
         importance: Option<&[f32]>,
-    ) -> Result<Vec<f32>> {
-        let q = match self {
-            WeightQuant::Gguf => return Ok(w.to_vec()),
+    ) -> Result<(Vec<f32>, WeightEncoding)> {
+        let enc = match self {
+            WeightQuant::Gguf => bail!("the GGUF's own blocks have no re-quantization grid"),
             WeightQuant::Lpbq { bits, block } => {
-                npuc_quant::lpbq::quantize_weighted(w, rows, cols, block, bits, 4, importance)
+                let q =
+                    npuc_quant::lpbq::quantize_weighted(w, rows, cols, block, bits, 4, importance)
+                        .map_err(|e| LlmError::msg(e.to_string()))?;
+                let values = q.dequantize();
+                return Ok((
+                    values,
+                    WeightEncoding::Lpbq {
+                        bw: bits,
+                        block,
+                        compressed_bw: q.compressed_bw,
+                        int_scales: q.int_scales,
+                        channel_scales: q.channel_scales,
+                    },
+                ));
             }
             // absmax / qmax per row, round to nearest (the importance has no choice to make).
             WeightQuant::PerChannel { bits } => {
                 let qmax = ((1i32 << (bits - 1)) - 1) as f32;
-                return Ok(w
-                    .chunks_exact(cols)
-                    .flat_map(|row| {
-                        let s = row.iter().fold(0f32, |m, x| m.max(x.abs())) / qmax;
-                        let s = if s > 0.0 { s } else { 1.0 };
-                        row.iter()
-                            .map(move |&x| (x / s).round().clamp(-qmax - 1.0, qmax) * s)
-                    })
-                    .collect());
+                WeightEncoding::PerChannel {
+                    bw: bits,
+                    scales: w
+                        .chunks_exact(cols)
+                        .map(|row| {
+                            let s = row.iter().fold(0f32, |m, x| m.max(x.abs())) / qmax;
+                            if s > 0.0 {
+                                s
+                            } else {
+                                1.0
+                            }
+                        })
+                        .collect(),
+                }
             }
-        }
-        .map_err(|e| LlmError::msg(e.to_string()))?;
-        Ok(q.dequantize())
+        };
+        let values = enc.fake_quantize(w, rows, cols)?;
+        Ok((values, enc))
     }
 }
 
@@ -195,6 +216,12 @@ pub struct WeightQuantOptions {
     /// The output head's scheme when it differs from the other linear layers' (deployments
     /// often keep it at 8 bits: its error lands directly on the logits).
     pub head: Option<WeightQuant>,
+    /// Grids to use instead of choosing them (an encodings file read back, `--encodings`):
+    /// every re-quantized weight must have one, and each product input its scale when
+    /// activations are quantized.
+    pub encodings: Option<std::sync::Arc<LlmEncodings>>,
+    /// Where the grids chosen (or applied) are recorded, for `--export-encodings`.
+    pub record: Option<std::sync::Arc<std::sync::Mutex<LlmEncodings>>>,
 }
 
 /// How weights enter the graph.
@@ -915,8 +942,29 @@ impl Builder<'_> {
             .awq_alpha
             .filter(|_| !t.name.contains("attn_output"))
             .zip(importance);
-        let q = match awq {
-            Some((alpha, imp)) => {
+        let terr = |e: String| self.g.tensor_err(&t.name, e);
+        let given = match &wq.encodings {
+            Some(file) => Some(file.weights.get(&t.name).ok_or_else(|| {
+                terr("the encodings have no entry for this weight; they were made for another model (or without this layer quantized)".into())
+            })?),
+            None => None,
+        };
+        let (q, enc) = match (given, awq) {
+            (Some(enc), _) => {
+                if enc.scheme() != scheme {
+                    return Err(terr(format!(
+                        "its encoding is {}, but this build quantizes it as {}",
+                        enc.scheme().name(),
+                        scheme.name()
+                    ))
+                    .into());
+                }
+                let q = enc
+                    .fake_quantize(&w, rows, cols)
+                    .map_err(|e| terr(e.to_string()))?;
+                (q, Some(enc.clone()))
+            }
+            (None, Some((alpha, imp))) => {
                 let s = awq_scales(imp, alpha);
                 let scaled: Vec<f32> = w
                     .chunks_exact(cols)
@@ -924,17 +972,35 @@ impl Builder<'_> {
                     .collect();
                 // The error of a scaled column counts 1/s^2 as much in the original units.
                 let imp_s: Vec<f32> = imp.iter().zip(&s).map(|(m, s)| m / (s * s)).collect();
-                scheme
-                    .fake_quantize(&scaled, rows, cols, Some(&imp_s))
-                    .map(|q| {
-                        q.chunks_exact(cols)
-                            .flat_map(|row| row.iter().zip(&s).map(|(x, s)| x / s))
-                            .collect::<Vec<f32>>()
-                    })
+                let (q, _) = scheme
+                    .quantize(&scaled, rows, cols, Some(&imp_s))
+                    .map_err(|e| terr(e.to_string()))?;
+                // The grid belongs to the scaled weight: without the scales folded into the
+                // producers it describes nothing a converter could use, so it is not recorded.
+                let q = q
+                    .chunks_exact(cols)
+                    .flat_map(|row| row.iter().zip(&s).map(|(x, s)| x / s))
+                    .collect::<Vec<f32>>();
+                (q, None)
             }
-            None => scheme.fake_quantize(&w, rows, cols, importance),
+            (None, None) => {
+                let (q, enc) = scheme
+                    .quantize(&w, rows, cols, importance)
+                    .map_err(|e| terr(e.to_string()))?;
+                (q, Some(enc))
+            }
+        };
+        if let Some(rec) = &wq.record {
+            let Some(enc) = enc else {
+                return Err(terr(
+                    "AWQ-scaled weights have no encoding to export (the scales are not folded into the graph); drop --awq-alpha to export encodings".into(),
+                )
+                .into());
+            };
+            if let Ok(mut r) = rec.lock() {
+                r.weights.insert(t.name.clone(), enc);
+            }
         }
-        .map_err(|e| self.g.tensor_err(&t.name, e.to_string()))?;
         let tensor = Tensor::from_vec(vec![rows, cols], q)?;
         if let Ok(mut c) = cache.lock() {
             c.insert(key.to_string(), tensor.clone());
@@ -947,22 +1013,43 @@ impl Builder<'_> {
     /// or no range was measured. One pair per input value (q/k/v, gate/up share theirs).
     fn act_fake_quant(&mut self, weight: &str, x: &str) -> Result<Option<String>> {
         let wq = &self.opts.weight_quant;
-        let (Some(bits), Some(ranges)) = (wq.act_bits, wq.act_absmax.as_ref()) else {
+        let Some(bits) = wq.act_bits else {
             return Ok(None);
         };
-        let Some(&absmax) = ranges.get(weight) else {
-            return Ok(None);
-        };
-        let out = format!("{x}.a{bits}");
-        if self.nodes.iter().any(|n| n.outputs.first() == Some(&out)) {
-            return Ok(Some(out));
-        }
         let (zp, qmax) = match bits {
             8 => (Tensor::scalar(0i8), 127f32),
             16 => (Tensor::scalar(0i16), 32767f32),
             b => bail!("activation bits {b} unsupported (8 or 16)"),
         };
-        let scale = if absmax > 0.0 { absmax / qmax } else { 1.0 };
+        let scale = match (&wq.encodings, wq.act_absmax.as_ref()) {
+            (Some(file), _) => match file.inputs.get(weight) {
+                Some(a) if a.bits == bits => a.scale,
+                Some(a) => bail!(
+                    "the encodings give the input of '{weight}' {} bits, this build quantizes inputs to {bits}",
+                    a.bits
+                ),
+                None => bail!(
+                    "the encodings have no entry '{weight}{}' (the input of that product)",
+                    encodings::INPUT_SUFFIX
+                ),
+            },
+            (None, Some(ranges)) => match ranges.get(weight) {
+                Some(&absmax) if absmax > 0.0 => absmax / qmax,
+                Some(_) => 1.0,
+                None => return Ok(None),
+            },
+            (None, None) => return Ok(None),
+        };
+        if let Some(rec) = &wq.record {
+            if let Ok(mut r) = rec.lock() {
+                r.inputs
+                    .insert(weight.to_string(), ActEncoding { bits, scale });
+            }
+        }
+        let out = format!("{x}.a{bits}");
+        if self.nodes.iter().any(|n| n.outputs.first() == Some(&out)) {
+            return Ok(Some(out));
+        }
         let (sn, zn) = (
             format!("{x}.a{bits}.scale"),
             format!("{x}.a{bits}.zero_point"),
