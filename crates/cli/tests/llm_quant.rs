@@ -223,9 +223,10 @@ fn llm_encodings_round_trip_byte_identical() {
         let cols = if name.contains("ffn_down") { 1536 } else { 576 };
         assert_eq!(k.len(), scales * cols / 32, "{name}");
         assert!(k.iter().all(|&k| (1..=16).contains(&k)), "{name}");
-        // The widest block of each output channel defines the channel scale (k = 16).
+        // The widest block of each output channel defines the channel scale (ideal k = 16); the
+        // search may lower it to 60% of that (9), never further.
         for row in k.chunks(cols / 32) {
-            assert_eq!(row.iter().max(), Some(&16), "{name}");
+            assert!(row.iter().max().is_some_and(|&m| m >= 9), "{name}: {row:?}");
         }
     }
     let acts = j["activation_encodings"].as_array().unwrap();
