@@ -143,15 +143,13 @@ pub fn quantize_weighted(
     let qmax = ((1i32 << (bw - 1)) - 1) as f32;
     let qmin = -(1i32 << (bw - 1)) as f32;
     let kmax = 1u32 << compressed_bw;
-    let mut values = vec![0i8; rows * cols];
     let mut int_scales = vec![0u16; rows * nb];
     let mut channel_scales = vec![0f32; rows];
-    values
-        .par_chunks_mut(cols)
-        .zip(int_scales.par_chunks_mut(nb))
+    int_scales
+        .par_chunks_mut(nb)
         .zip(channel_scales.par_iter_mut())
         .enumerate()
-        .for_each(|(r, ((vals, ks), cs))| {
+        .for_each(|(r, (ks, cs))| {
             let row = &w[r * cols..(r + 1) * cols];
             let ideal: Vec<f32> = row
                 .chunks(block)
@@ -162,7 +160,6 @@ pub fn quantize_weighted(
                 // An all-zero row: any positive scale reconstructs it; 1 keeps the encodings valid.
                 *cs = 1.0;
                 ks.fill(1);
-                vals.fill(0);
                 return;
             }
             let c = widest / kmax as f32;
@@ -192,24 +189,21 @@ pub fn quantize_weighted(
                         best = (err, k);
                     }
                 }
-                let k = best.1;
-                ks[bi] = k as u16;
-                let sc = c * k as f32;
-                for (v, &x) in vals[bi * block..(bi + 1) * block].iter_mut().zip(blk) {
-                    *v = (x / sc).round().clamp(qmin, qmax) as i8;
-                }
+                ks[bi] = best.1 as u16;
             }
         });
-    Ok(LpbqWeight {
+    // The values: every weight rounded on the chosen grid (the one rounding rule, shared with
+    // grids read back from encodings).
+    quantize_with_scales(
+        w,
         rows,
         cols,
         block,
         bw,
         compressed_bw,
-        values,
         int_scales,
         channel_scales,
-    })
+    )
 }
 
 /// `w` quantized on a given LPBQ grid (the scales an encodings file records): every value
