@@ -10,5 +10,7 @@ scripts/setup.sh
 export NPUC_VERIFY_PASSES=1
 cargo test --release --workspace --no-fail-fast
 scripts/python_test.sh
-cargo xtask conformance
-cargo xtask conformance --compiled
+# The conformance runner as `cargo test --workspace` built it (xtask/tests/conformance_cli.rs);
+# `cargo xtask` would rebuild ~40 crates with a single-package feature set.
+"${CARGO_TARGET_DIR:-target}/release/xtask" conformance
+"${CARGO_TARGET_DIR:-target}/release/xtask" conformance --compiled
