@@ -345,6 +345,26 @@ fn quantize_bad_inputs() {
             .arg(&q),
     );
     assert!(e.contains("unknown quantization scheme 'w3a5'"), "{e}");
+    let e = fails(
+        npuc()
+            .arg("compile")
+            .arg(&model)
+            .args([
+                "--quantize",
+                "w8a8",
+                "--no-progress",
+                "--adaround-iterations",
+                "50",
+                "--calib",
+            ])
+            .arg(&calib)
+            .arg("-o")
+            .arg(&q),
+    );
+    assert!(
+        e.contains("--adaround-iterations needs --adaround on"),
+        "{e}"
+    );
     let empty = d.join("empty");
     std::fs::create_dir_all(&empty).unwrap();
     let e = fails(

@@ -127,11 +127,15 @@ pub struct QuantizeArgs {
     pub seqmse: String,
     /// Learned up/down rounding of each MatMul/Gemm weight against its layer's output error on
     /// calibration rows (AdaRound, 300 Adam steps per layer, layers in parallel), under the
-    /// weight scales the other flags chose: `on`, or `off` (default: on all-MiniLM-L6-v2 it gained
-    /// 0.05 dB at w4a16 per-channel, 0.26 dB after SeqMSE, lost 0.27 dB at w8a8, and took ~30x
-    /// the calibration time).
+    /// weight scales the other flags chose: `on`, or `off` (default: it gains where 4-bit
+    /// rounding noise dominates, ViT-S w4a16 minmax 18.52 -> 19.62 dB, but only 0.05 dB on
+    /// all-MiniLM-L6-v2 w4a16 per-channel, 0.26 dB after SeqMSE, lost 0.27 dB at w8a8, and takes
+    /// 10-30x the calibration time).
     #[arg(long, default_value = "off", value_name = "on|off")]
     pub adaround: String,
+    /// Adam steps per layer for `--adaround on` (default 300; fewer is faster and gains less).
+    #[arg(long = "adaround-iterations", value_name = "N")]
+    pub adaround_iterations: Option<usize>,
     /// Threads for calibration runs.
     #[arg(long = "calib-threads", default_value_t = 2)]
     pub threads: usize,
@@ -154,6 +158,7 @@ pub const CALIBRATION_FLAGS: &[&str] = &[
     "smooth",
     "seqmse",
     "adaround",
+    "adaround_iterations",
     "target_sqnr",
     "max_16bit_fraction",
     "max_samples",
@@ -369,6 +374,15 @@ pub fn quantize_model(
             "off" | "" => false,
             f => bail!("--adaround takes on or off, got '{f}'"),
         };
+        let ada_opts = match q.adaround_iterations {
+            None => npuc_quant::adaround::AdaRoundOptions::default(),
+            Some(_) if !adaround => bail!("--adaround-iterations needs --adaround on"),
+            Some(0) => bail!("--adaround-iterations must be at least 1"),
+            Some(iterations) => npuc_quant::adaround::AdaRoundOptions {
+                iterations,
+                ..Default::default()
+            },
+        };
         let so = npuc_quant::SmoothOptions {
             alpha: alpha.flatten(),
             threads: opts.threads,
@@ -465,7 +479,7 @@ pub fn quantize_model(
                     &plan,
                     &st.weight_rows(&scales),
                     &base,
-                    &Default::default(),
+                    &ada_opts,
                 )?;
                 progress.note(&rep.summary());
                 timings.push(("adaround", t.elapsed().as_secs_f64()));
