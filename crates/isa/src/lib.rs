@@ -88,6 +88,13 @@ impl Isa {
         self >= Isa::Avx512
     }
 
+    /// Whether the AVX-512 VNNI kernels (`vpdpbusd`) may run: the level allows AVX-512 and the
+    /// CPU also has AVX-512 VNNI, which x86-64-v4 (this crate's `avx512` level) does not
+    /// include; such a host keeps the AVX2 integer kernels.
+    pub fn has_avx512_vnni(self) -> bool {
+        self.has_avx512() && host_has("avx512vnni")
+    }
+
     /// The CPU features this level assumes, as an artifact's target descriptor lists them.
     pub fn features(self) -> &'static [&'static str] {
         match self {

@@ -1,19 +1,29 @@
 //! Exact integer matrix products for quantized operators: `C[m x n] (i32) = A'[m x k] * B'[k x n]`
 //! where `A' = a - za` and `B' = b - zb[col]` are the zero-point-corrected operands.
 //!
-//! Both operands are widened to i16 *after* subtracting their zero points: an 8-bit value minus
-//! an 8-bit zero point lies in [-255, 255], so it fits i16 exactly and no row/column-sum
-//! correction is needed afterwards. Products are accumulated with `vpmaddwd` (pairs of i16
-//! products summed into i32), which cannot saturate: |pair| <= 2 * 255 * 255 = 130050.
-//! `vpmaddubsw` (u8 x i8 -> saturating i16 pairs) is deliberately not used: 2 * 255 * 127 >
-//! 32767, so it is inexact without VNNI. The exact variants do not pay off either (measured on
-//! Zen 4 with AVX2 only): `vpmaddwd` already does 16 multiply-adds per multiply-port
-//! instruction (twice an 8-lane FMA), while a `vpmaddubsw` product (32) must still be widened
-//! to i32 — by a second `vpmaddwd` with ones (16 per multiply-port op again) or by shifts and
-//! i16 adds (6 vector ops per 32 products against 4 here) — and the sign trick needed for
-//! exactness (`|a - 128|` against `b * sign(a - 128)`, since `vpsignb` cannot negate -128)
-//! costs a further op per product vector (`vpsignb`/`vpabsb` also issue on the multiply ports).
-//! A prototype of the shift-widened u8 kernel ran at the speed of this one.
+//! Callers hand over corrected values (i16, see the bound below); the packers lay them out for
+//! one of two kernel families ([`Layout`]), chosen from the process-wide level (`npuc_isa`):
+//!
+//! - [`Layout::Pairs`] (scalar, AVX2): both operands widened to i16 *after* subtracting their
+//!   zero points, products accumulated with `vpmaddwd` (pairs of i16 products summed into i32),
+//!   which cannot saturate: |pair| <= 2 * 256 * 255. `vpmaddubsw` (u8 x i8 -> saturating i16
+//!   pairs) is deliberately not used: 2 * 255 * 127 > 32767, so it is inexact without VNNI, and
+//!   its exact variants did not pay off (measured on Zen 4 with AVX2 only: `vpmaddwd` already does
+//!   16 multiply-adds per multiply-port instruction, while a `vpmaddubsw` product must still be
+//!   widened to i32 and needs a sign trick for exactness; a prototype ran at this one's speed).
+//! - [`Layout::Quads`] (AVX-512 VNNI, `vpdpbusd`: four u8 x i8 products summed straight into
+//!   each i32 lane, 64 multiply-adds per instruction, no intermediate saturation). `vpdpbusd`
+//!   needs one unsigned and one signed byte operand, so each A row is stored as
+//!   `u = a' + oa[row]` (u8) and each B column as `s = b' + ob[col]` (i8), the offsets chosen
+//!   per row/column at packing time so the values fit (an 8-bit operand minus its zero point
+//!   spans at most 256 values, so it always fits). The kernel then corrects each sum:
+//!   `sum a' b' = sum u s - ob[col] * sum_k u - oa[row] * sum_k b'`, with the row sums of `u`
+//!   stored with A and the column sums of `b'` with B. Every step is wrapping i32 arithmetic,
+//!   so the result is the exact sum modulo 2^32, i.e. the exact sum whenever that fits i32 (the
+//!   bound below): bit-identical to the pairs kernels, which the property tests check. A row or
+//!   column whose values span more than 256 (which 8-bit data never does, but the API allows,
+//!   e.g. the high byte of a split 16-bit activation) makes that operand fall back to pairs,
+//!   and a pairs/quads mix runs the pairs kernels (B's pairs form built once, on demand).
 //!
 //! Overflow bound: operands lie in [-256, 255] (8-bit values minus zero points, or the high
 //! byte of a split 16-bit value), so every term is at most 256 * 255 = 65280 in magnitude and
@@ -21,19 +31,31 @@
 //! Callers check [`MAX_K`]; 16-bit operands are split into a high and a low byte by the caller
 //! (see `ops::qlinear`), which keeps the bound per half.
 //!
-//! Layouts: `A` is packed row-major with `k` padded to an even `kp2 = 2 * pairs` (zeros), rows
-//! padded to a multiple of [`MR`]; `B` is packed in panels of [`NR`] columns, each panel holding
-//! for every k pair the `NR` columns' two values interleaved (the `vpmaddwd` operand order).
-//! Padding is zero, so padded lanes contribute nothing.
+//! Pairs layouts: `A` row-major with `k` padded to an even `kp2 = 2 * pairs` (zeros), rows
+//! padded to a multiple of [`MR`]; `B` in panels of [`NR`] columns, each panel holding for every
+//! k pair the `NR` columns' two values interleaved (the `vpmaddwd` operand order).
+//! Quads layouts: `A` row-major u8 with `k` padded to `kp4 = 4 * quads`, rows padded to
+//! [`MRQ`]; `B` in panels of [`NRQ`] columns, for every k quad the columns' four i8 values
+//! adjacent (the `vpdpbusd` operand order). Padding is zero (offsets too), so padded lanes
+//! contribute nothing.
 
 use crate::bail;
 use crate::error::Result;
 use rayon::prelude::*;
+use std::sync::OnceLock;
 
-/// Rows of a micro-tile.
+/// Rows of a pairs micro-tile.
 pub const MR: usize = 6;
-/// Columns of a micro-tile (two AVX2 registers of eight i32 lanes).
+/// Columns of a pairs micro-tile (two AVX2 registers of eight i32 lanes).
 pub const NR: usize = 16;
+/// Rows of a quads (`vpdpbusd`) micro-tile.
+pub const MRQ: usize = 8;
+/// Columns of a quads micro-tile (three AVX-512 registers of sixteen i32 lanes): 24
+/// accumulators, so each 64-byte B load feeds 8 `vpdpbusd` and each A broadcast 3.
+pub const NRQ: usize = 48;
+/// A row count that is a whole number of tiles in every layout (callers that cut the rows of
+/// one product into chunks use multiples of it).
+pub const ROW_ALIGN: usize = 24;
 /// The longest reduction whose i32 accumulation is proven exact (see the module docs).
 pub const MAX_K: usize = 32896;
 /// Products with at least this many multiply-adds are split across threads.
@@ -42,21 +64,78 @@ const PAR_WORK: usize = 1 << 17;
 const A_CHUNK_BYTES: usize = 192 << 10;
 /// Sum bytes per row-block chunk when an epilogue reads them back ([`igemm_then`]).
 const C_CHUNK_BYTES: usize = 256 << 10;
+/// The largest micro-tile, for the edge-tile buffer.
+const TILE_MAX: usize = if MR * NR > MRQ * NRQ {
+    MR * NR
+} else {
+    MRQ * NRQ
+};
+
+/// Which micro-kernel runs: the process-wide level (`npuc_isa`), or an explicit one in tests.
+pub use npuc_isa::Isa;
+
+/// How a packed operand is laid out, i.e. which kernel family reads it (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    /// i16 values, `k` in pairs: the scalar and AVX2 `vpmaddwd` kernels.
+    Pairs,
+    /// u8 rows / i8 columns with offsets, `k` in quads: the AVX-512 VNNI `vpdpbusd` kernel.
+    Quads,
+}
+
+impl Layout {
+    /// The layout whose kernel runs fastest at `isa`: quads where AVX-512 VNNI may run.
+    pub fn for_isa(isa: Isa) -> Layout {
+        if isa.has_avx512_vnni() {
+            Layout::Quads
+        } else {
+            Layout::Pairs
+        }
+    }
+
+    /// The layout of the process-wide level ([`Isa::detect`]); what the plain packers use.
+    pub fn active() -> Layout {
+        Layout::for_isa(Isa::detect())
+    }
+}
 
 /// A packed, zero-point-corrected right-hand operand (`k x n`), built once per constant weight.
 #[derive(Debug, Clone)]
 pub struct PackedB {
     k: usize,
     n: usize,
+    body: BBody,
+}
+
+#[derive(Debug, Clone)]
+enum BBody {
+    Pairs(PairsB),
+    Quads(QuadsB),
+}
+
+#[derive(Debug, Clone)]
+struct PairsB {
     pairs: usize,
     panels: usize,
     data: Vec<i16>,
 }
 
-impl PackedB {
-    /// Packs `B[k x n]` where element (r, c) is `get(r, c)` (already zero-point corrected and
-    /// within [-32768, 32767]; the exactness bound assumes [-255, 255], checked by callers).
-    pub fn pack(k: usize, n: usize, get: impl Fn(usize, usize) -> i16) -> PackedB {
+#[derive(Debug, Clone)]
+struct QuadsB {
+    quads: usize,
+    panels: usize,
+    /// `s = b' + off[col]`, panel-major (see the module docs).
+    data: Vec<i8>,
+    /// Per column (padded to whole panels, zero in the padding): the offset `ob`.
+    off: Vec<i32>,
+    /// Per column: the sum over `k` of the corrected values `b'`.
+    colsum: Vec<i32>,
+    /// The pairs form, built on first use by a pairs-layout A.
+    pairs: OnceLock<PairsB>,
+}
+
+impl PairsB {
+    fn pack(k: usize, n: usize, get: impl Fn(usize, usize) -> i16) -> PairsB {
         let pairs = k.div_ceil(2);
         let panels = n.div_ceil(NR);
         let mut data = vec![0i16; panels * pairs * 2 * NR];
@@ -72,22 +151,17 @@ impl PackedB {
                 }
             }
         }
-        PackedB {
-            k,
-            n,
+        PairsB {
             pairs,
             panels,
             data,
         }
     }
-    /// Packs a contiguous row-major `k x n` slice through a per-element conversion: the fast
-    /// path of [`PackedB::pack`] for per-run (activation) operands, reading rows contiguously
-    /// and writing each k pair's interleaved panel rows in order.
-    pub fn pack_rows<T: Copy>(k: usize, n: usize, src: &[T], f: impl Fn(T) -> i16) -> PackedB {
+
+    fn pack_rows<T: Copy>(k: usize, n: usize, src: &[T], f: impl Fn(T) -> i16) -> PairsB {
         let pairs = k.div_ceil(2);
         let panels = n.div_ceil(NR);
         let mut data = vec![0i16; panels * pairs * 2 * NR];
-        assert!(src.len() >= k * n, "packed operand source too short");
         for p in 0..pairs {
             for h in 0..2 {
                 let r = 2 * p + h;
@@ -104,14 +178,164 @@ impl PackedB {
                 }
             }
         }
-        PackedB {
-            k,
-            n,
+        PairsB {
             pairs,
             panels,
             data,
         }
     }
+}
+
+/// The i8 offset for values in `[lo, hi]` (a span of at most 256): none when they already fit.
+fn b_offset(lo: i32, hi: i32) -> i32 {
+    if lo >= -128 && hi <= 127 {
+        0
+    } else {
+        -128 - lo
+    }
+}
+
+impl QuadsB {
+    /// `None` when some column spans more than 256 values.
+    fn pack(k: usize, n: usize, get: &impl Fn(usize, usize) -> i16) -> Option<QuadsB> {
+        let quads = k.div_ceil(4);
+        let panels = n.div_ceil(NRQ);
+        let mut off = vec![0i32; panels * NRQ];
+        let mut colsum = vec![0i32; panels * NRQ];
+        for c in 0..n {
+            let (mut lo, mut hi, mut sum) = (i32::MAX, i32::MIN, 0i32);
+            for r in 0..k {
+                let v = get(r, c) as i32;
+                lo = lo.min(v);
+                hi = hi.max(v);
+                sum = sum.wrapping_add(v);
+            }
+            if k > 0 && hi - lo > 255 {
+                return None;
+            }
+            off[c] = if k > 0 { b_offset(lo, hi) } else { 0 };
+            colsum[c] = sum;
+        }
+        let mut data = vec![0i8; panels * quads * NRQ * 4];
+        for pn in 0..panels {
+            let base = pn * quads * NRQ * 4;
+            let c0 = pn * NRQ;
+            for j in 0..NRQ.min(n - c0) {
+                let o = off[c0 + j];
+                for r in 0..k {
+                    data[base + (r / 4) * NRQ * 4 + j * 4 + r % 4] =
+                        (get(r, c0 + j) as i32 + o) as i8;
+                }
+            }
+        }
+        Some(QuadsB {
+            quads,
+            panels,
+            data,
+            off,
+            colsum,
+            pairs: OnceLock::new(),
+        })
+    }
+
+    /// [`QuadsB::pack`] from a contiguous row-major `k x n` slice.
+    fn pack_rows<T: Copy>(k: usize, n: usize, src: &[T], f: &impl Fn(T) -> i16) -> Option<QuadsB> {
+        let quads = k.div_ceil(4);
+        let panels = n.div_ceil(NRQ);
+        let (mut lo, mut hi) = (vec![i32::MAX; n], vec![i32::MIN; n]);
+        let mut colsum = vec![0i32; panels * NRQ];
+        for row in src[..k * n].chunks_exact(n.max(1)) {
+            for (c, &v) in row.iter().enumerate() {
+                let v = f(v) as i32;
+                lo[c] = lo[c].min(v);
+                hi[c] = hi[c].max(v);
+                colsum[c] = colsum[c].wrapping_add(v);
+            }
+        }
+        let mut off = vec![0i32; panels * NRQ];
+        if k > 0 {
+            for c in 0..n {
+                if hi[c] - lo[c] > 255 {
+                    return None;
+                }
+                off[c] = b_offset(lo[c], hi[c]);
+            }
+        }
+        let mut data = vec![0i8; panels * quads * NRQ * 4];
+        for (r, row) in src[..k * n].chunks_exact(n.max(1)).enumerate() {
+            let (q, t) = (r / 4, r % 4);
+            for (pn, chunk) in row.chunks(NRQ).enumerate() {
+                let base = pn * quads * NRQ * 4 + q * NRQ * 4 + t;
+                let offs = &off[pn * NRQ..];
+                for (j, &v) in chunk.iter().enumerate() {
+                    data[base + j * 4] = (f(v) as i32 + offs[j]) as i8;
+                }
+            }
+        }
+        Some(QuadsB {
+            quads,
+            panels,
+            data,
+            off,
+            colsum,
+            pairs: OnceLock::new(),
+        })
+    }
+
+    /// The corrected value (r, c).
+    fn get(&self, r: usize, c: usize) -> i16 {
+        let (pn, j) = (c / NRQ, c % NRQ);
+        let s = self.data[pn * self.quads * NRQ * 4 + (r / 4) * NRQ * 4 + j * 4 + r % 4];
+        (s as i32 - self.off[c]) as i16
+    }
+}
+
+impl PackedB {
+    /// Packs `B[k x n]` where element (r, c) is `get(r, c)` (already zero-point corrected and
+    /// within [-32768, 32767]; the exactness bound assumes [-256, 255], checked by callers), in
+    /// the active layout ([`Layout::active`]).
+    pub fn pack(k: usize, n: usize, get: impl Fn(usize, usize) -> i16) -> PackedB {
+        Self::pack_as(Layout::active(), k, n, get)
+    }
+
+    /// [`PackedB::pack`] in a given layout (pairs when a column does not fit quads).
+    pub fn pack_as(
+        layout: Layout,
+        k: usize,
+        n: usize,
+        get: impl Fn(usize, usize) -> i16,
+    ) -> PackedB {
+        let body = match layout {
+            Layout::Quads => QuadsB::pack(k, n, &get).map(BBody::Quads),
+            Layout::Pairs => None,
+        };
+        let body = body.unwrap_or_else(|| BBody::Pairs(PairsB::pack(k, n, get)));
+        PackedB { k, n, body }
+    }
+
+    /// Packs a contiguous row-major `k x n` slice through a per-element conversion: the fast
+    /// path of [`PackedB::pack`] for per-run (activation) operands, reading rows contiguously.
+    pub fn pack_rows<T: Copy>(k: usize, n: usize, src: &[T], f: impl Fn(T) -> i16) -> PackedB {
+        Self::pack_rows_as(Layout::active(), k, n, src, f)
+    }
+
+    /// [`PackedB::pack_rows`] in a given layout (pairs when a column does not fit quads).
+    pub fn pack_rows_as<T: Copy>(
+        layout: Layout,
+        k: usize,
+        n: usize,
+        src: &[T],
+        f: impl Fn(T) -> i16,
+    ) -> PackedB {
+        assert!(src.len() >= k * n, "packed operand source too short");
+        let body = match layout {
+            Layout::Quads => QuadsB::pack_rows(k, n, src, &f).map(BBody::Quads),
+            Layout::Pairs => None,
+        };
+        let body = body.unwrap_or_else(|| BBody::Pairs(PairsB::pack_rows(k, n, src, f)));
+        PackedB { k, n, body }
+    }
+
     /// Reduction length.
     pub fn k(&self) -> usize {
         self.k
@@ -120,50 +344,99 @@ impl PackedB {
     pub fn n(&self) -> usize {
         self.n
     }
+    /// The layout the operand was packed in.
+    pub fn layout(&self) -> Layout {
+        match self.body {
+            BBody::Pairs(_) => Layout::Pairs,
+            BBody::Quads(_) => Layout::Quads,
+        }
+    }
+
+    /// The pairs form (built once from the quads one when first needed).
+    fn pairs(&self) -> &PairsB {
+        match &self.body {
+            BBody::Pairs(p) => p,
+            BBody::Quads(q) => q
+                .pairs
+                .get_or_init(|| PairsB::pack(self.k, self.n, |r, c| q.get(r, c))),
+        }
+    }
+}
+
+/// Reusable storage of a [`PackedA`] (see [`PackedA::into_buffer`]): per-run packing then
+/// neither allocates nor faults in fresh pages.
+#[derive(Debug, Default)]
+pub struct PackBuf {
+    pairs: Vec<i16>,
+    quads: Vec<u8>,
+    /// Quads: per padded row the offset `oa`, then per padded row the sum of `u`.
+    rows: Vec<i32>,
+    /// One row of corrected values (the quads form of [`PackedA::pack_with`]).
+    row: Vec<i16>,
 }
 
 /// A packed, zero-point-corrected left-hand operand (`m x k`), built per run.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct PackedA {
     m: usize,
     k: usize,
-    kp2: usize,
-    data: Vec<i16>,
+    layout: Layout,
+    /// Padded row length: `kp2` (pairs) or `kp4` (quads).
+    kp: usize,
+    /// Padded rows (quads; the pairs form's padding is implied by `MR`).
+    rows: usize,
+    buf: PackBuf,
 }
 
 impl PackedA {
-    /// Packs `A[m x k]` where element (r, c) is `get(r, c)`.
+    /// Packs `A[m x k]` where element (r, c) is `get(r, c)`, in the active layout.
     pub fn pack(m: usize, k: usize, get: impl Fn(usize, usize) -> i16) -> PackedA {
-        let kp2 = k.div_ceil(2) * 2;
-        let rows = m.div_ceil(MR) * MR;
-        let mut data = vec![0i16; rows * kp2];
-        for r in 0..m {
-            let row = &mut data[r * kp2..r * kp2 + k];
+        Self::pack_with(PackBuf::default(), m, k, |r, row| {
             for (c, d) in row.iter_mut().enumerate() {
                 *d = get(r, c);
             }
-        }
-        PackedA { m, k, kp2, data }
+        })
     }
+
     /// Packs a contiguous row-major `m x k` slice through a per-element conversion; the fast
     /// path of [`PackedA::pack`] for the common activation layout.
     pub fn pack_rows<T: Copy>(m: usize, k: usize, src: &[T], f: impl Fn(T) -> i16) -> PackedA {
-        Self::pack_rows_in(Vec::new(), m, k, src, f)
+        Self::pack_rows_in(PackBuf::default(), m, k, src, f)
     }
-    /// [`PackedA::pack_rows`] into a recycled buffer (its capacity is reused, so per-run
-    /// packing does not allocate and fault in fresh pages; see [`PackedA::into_buffer`]).
+
+    /// [`PackedA::pack_rows`] into a recycled buffer (see [`PackedA::into_buffer`]).
     pub fn pack_rows_in<T: Copy>(
-        data: Vec<i16>,
+        buf: PackBuf,
+        m: usize,
+        k: usize,
+        src: &[T],
+        f: impl Fn(T) -> i16,
+    ) -> PackedA {
+        Self::pack_rows_as(Layout::active(), buf, m, k, src, f)
+    }
+
+    /// [`PackedA::pack_rows_in`] in a given layout (pairs when a row does not fit quads).
+    pub fn pack_rows_as<T: Copy>(
+        layout: Layout,
+        buf: PackBuf,
         m: usize,
         k: usize,
         src: &[T],
         f: impl Fn(T) -> i16,
     ) -> PackedA {
         assert!(src.len() >= m * k, "packed operand source too short");
+        let src = &src[..m * k];
+        let buf = match layout {
+            Layout::Quads => match Self::quads_rows(buf, m, k, src, &f) {
+                Ok(a) => return a,
+                Err(buf) => buf,
+            },
+            Layout::Pairs => buf,
+        };
         let mut s = src.chunks_exact(k.max(1));
         // Every slot is written below (values, then zero padding), so the recycled buffer is
         // not cleared first: that would write the whole operand twice.
-        Self::pack_with(data, m, k, |_, dst| {
+        Self::pairs_with(buf, m, k, |_, dst| {
             if let Some(row) = s.next() {
                 for (d, &v) in dst.iter_mut().zip(row) {
                     *d = f(v);
@@ -171,23 +444,167 @@ impl PackedA {
             }
         })
     }
+
+    /// The quads form of [`PackedA::pack_rows_as`]; gives the buffer back when a row spans
+    /// more than 256 values.
+    fn quads_rows<T: Copy>(
+        mut buf: PackBuf,
+        m: usize,
+        k: usize,
+        src: &[T],
+        f: &impl Fn(T) -> i16,
+    ) -> std::result::Result<PackedA, PackBuf> {
+        let kp4 = k.div_ceil(4) * 4;
+        let rows = m.div_ceil(MRQ) * MRQ;
+        buf.quads.resize(rows * kp4, 0);
+        buf.rows.resize(2 * rows, 0);
+        let (offs, sums) = buf.rows.split_at_mut(rows);
+        for r in 0..rows {
+            let dst = &mut buf.quads[r * kp4..(r + 1) * kp4];
+            if r >= m || k == 0 {
+                dst.fill(0);
+                offs[r] = 0;
+                sums[r] = 0;
+                continue;
+            }
+            let row = &src[r * k..(r + 1) * k];
+            let (mut lo, mut hi) = (i16::MAX, i16::MIN);
+            for &v in row {
+                let v = f(v);
+                lo = lo.min(v);
+                hi = hi.max(v);
+            }
+            if hi as i32 - lo as i32 > 255 {
+                return Err(buf);
+            }
+            let off = -(lo as i32);
+            let mut sum = 0i32;
+            for (d, &v) in dst.iter_mut().zip(row) {
+                let u = f(v) as i32 + off;
+                *d = u as u8;
+                sum = sum.wrapping_add(u);
+            }
+            dst[k..].fill(0);
+            offs[r] = off;
+            sums[r] = sum;
+        }
+        Ok(PackedA {
+            m,
+            k,
+            layout: Layout::Quads,
+            kp: kp4,
+            rows,
+            buf,
+        })
+    }
+
     /// Packs `m` rows of `k` values into a recycled buffer, each row written in place by
     /// `fill(r, row)`: the gather path for operands that are not one contiguous matrix (e.g.
     /// the taps of a transposed convolution), without an intermediate copy. `row` holds
     /// exactly `k` slots with stale contents, and `fill` must write every one of them (the
     /// buffer is not cleared first: that would write the whole operand twice); the padding
-    /// slots are zeroed here.
+    /// slots are zeroed here. Each row is filled exactly once.
     pub fn pack_with(
-        mut data: Vec<i16>,
+        buf: PackBuf,
+        m: usize,
+        k: usize,
+        fill: impl FnMut(usize, &mut [i16]),
+    ) -> PackedA {
+        Self::pack_with_as(Layout::active(), buf, m, k, fill)
+    }
+
+    /// [`PackedA::pack_with`] in a given layout (pairs when a row does not fit quads).
+    pub fn pack_with_as(
+        layout: Layout,
+        buf: PackBuf,
+        m: usize,
+        k: usize,
+        mut fill: impl FnMut(usize, &mut [i16]),
+    ) -> PackedA {
+        match layout {
+            Layout::Pairs => Self::pairs_with(buf, m, k, fill),
+            Layout::Quads => {
+                let mut buf = buf;
+                let kp4 = k.div_ceil(4) * 4;
+                let rows = m.div_ceil(MRQ) * MRQ;
+                buf.quads.resize(rows * kp4, 0);
+                buf.rows.resize(2 * rows, 0);
+                buf.row.resize(k, 0);
+                let mut row = std::mem::take(&mut buf.row);
+                for r in 0..rows {
+                    if r >= m || k == 0 {
+                        buf.quads[r * kp4..(r + 1) * kp4].fill(0);
+                        buf.rows[r] = 0;
+                        buf.rows[rows + r] = 0;
+                        continue;
+                    }
+                    fill(r, &mut row);
+                    let lo = row.iter().copied().min().unwrap_or(0);
+                    let hi = row.iter().copied().max().unwrap_or(0);
+                    if hi as i32 - lo as i32 > 255 {
+                        // This row does not fit: the rows packed so far are unpacked into the
+                        // pairs form (no row is filled twice), then the rest is packed so.
+                        let done = PackedA {
+                            m,
+                            k,
+                            layout: Layout::Quads,
+                            kp: kp4,
+                            rows,
+                            buf,
+                        };
+                        let mut a = Self::pairs_with(PackBuf::default(), m, k, |i, d| {
+                            if i < r {
+                                done.unpack_row(i, d)
+                            } else if i == r {
+                                d.copy_from_slice(&row)
+                            } else {
+                                fill(i, d)
+                            }
+                        });
+                        // The quads buffers go back to the caller with the pairs one.
+                        let mut back = done.buf;
+                        back.pairs = std::mem::take(&mut a.buf.pairs);
+                        back.row = row;
+                        a.buf = back;
+                        return a;
+                    }
+                    let off = -(lo as i32);
+                    let mut sum = 0i32;
+                    let dst = &mut buf.quads[r * kp4..(r + 1) * kp4];
+                    for (d, &v) in dst.iter_mut().zip(&row) {
+                        let u = v as i32 + off;
+                        *d = u as u8;
+                        sum = sum.wrapping_add(u);
+                    }
+                    dst[k..].fill(0);
+                    buf.rows[r] = off;
+                    buf.rows[rows + r] = sum;
+                }
+                buf.row = row;
+                PackedA {
+                    m,
+                    k,
+                    layout: Layout::Quads,
+                    kp: kp4,
+                    rows,
+                    buf,
+                }
+            }
+        }
+    }
+
+    /// The pairs form: `fill` writes each of the `m` rows once; padding is zeroed here.
+    fn pairs_with(
+        mut buf: PackBuf,
         m: usize,
         k: usize,
         mut fill: impl FnMut(usize, &mut [i16]),
     ) -> PackedA {
         let kp2 = k.div_ceil(2) * 2;
         let rows = m.div_ceil(MR) * MR;
-        data.resize(rows * kp2, 0);
+        buf.pairs.resize(rows * kp2, 0);
         if kp2 > 0 {
-            for (r, row) in data.chunks_exact_mut(kp2).enumerate() {
+            for (r, row) in buf.pairs.chunks_exact_mut(kp2).enumerate() {
                 if r < m {
                     fill(r, &mut row[..k]);
                     row[k..].fill(0);
@@ -196,21 +613,45 @@ impl PackedA {
                 }
             }
         }
-        PackedA { m, k, kp2, data }
+        PackedA {
+            m,
+            k,
+            layout: Layout::Pairs,
+            kp: kp2,
+            rows,
+            buf,
+        }
     }
-    /// The packed buffer, for reuse by a later [`PackedA::pack_rows_in`].
-    pub fn into_buffer(self) -> Vec<i16> {
-        self.data
+
+    /// Row `r`'s corrected values (quads form).
+    fn unpack_row(&self, r: usize, dst: &mut [i16]) {
+        let off = self.buf.rows[r];
+        let src = &self.buf.quads[r * self.kp..r * self.kp + self.k];
+        for (d, &u) in dst.iter_mut().zip(src) {
+            *d = (u as i32 - off) as i16;
+        }
+    }
+
+    /// The pairs form of a quads operand (a copy; only when B could not be packed as quads).
+    fn to_pairs(&self) -> PackedA {
+        Self::pairs_with(PackBuf::default(), self.m, self.k, |r, d| {
+            self.unpack_row(r, d)
+        })
+    }
+
+    /// The packed buffers, for reuse by a later packing.
+    pub fn into_buffer(self) -> PackBuf {
+        self.buf
     }
     /// Number of rows.
     pub fn m(&self) -> usize {
         self.m
     }
+    /// The layout the operand was packed in.
+    pub fn layout(&self) -> Layout {
+        self.layout
+    }
 }
-
-/// Which micro-kernel runs: the process-wide level (`npuc_isa`), or an explicit one in tests.
-/// The AVX2 `vpmaddwd` tile also serves the AVX-512 level (no wider tile yet).
-pub use npuc_isa::Isa;
 
 /// `c[m x n]` (row stride `n`) = `a * b`, exact in i32 for `k <= MAX_K`.
 pub fn igemm(a: &PackedA, b: &PackedB, c: &mut [i32], threads: usize) -> Result<()> {
@@ -280,92 +721,176 @@ fn igemm_core<T: Send, F: Fn(&[i32], &mut [T]) + Sync>(
             c.len()
         );
     }
-    if isa.has_avx2() && !Isa::detect().has_avx2() {
-        bail!("integer product: AVX2 kernel requested on a CPU without avx2");
+    if isa > Isa::detect() {
+        bail!(
+            "integer product: {} kernels requested above the active level {}",
+            isa.name(),
+            Isa::detect().name()
+        );
     }
     if m == 0 || n == 0 {
         return Ok(());
     }
-    let blocks = m.div_ceil(MR);
     let c = &mut c[..m * n];
+    let shape = Shape { m, n, threads };
+    match (&a.layout, &b.body) {
+        (Layout::Quads, BBody::Quads(q)) => {
+            let vnni = isa.has_avx512_vnni();
+            let (kp4, rows) = (a.kp, a.rows);
+            let (ad, ar) = (&a.buf.quads[..], &a.buf.rows[..]);
+            let tile = |bi: usize, pn: usize, dst: &mut [i32], ldt: usize| {
+                let ablk = &ad[bi * MRQ * kp4..(bi + 1) * MRQ * kp4];
+                let aoff = &ar[bi * MRQ..(bi + 1) * MRQ];
+                let asum = &ar[rows + bi * MRQ..rows + (bi + 1) * MRQ];
+                let bpan = &q.data[pn * q.quads * NRQ * 4..(pn + 1) * q.quads * NRQ * 4];
+                let boff = &q.off[pn * NRQ..(pn + 1) * NRQ];
+                let bsum = &q.colsum[pn * NRQ..(pn + 1) * NRQ];
+                let t = QuadsTile {
+                    quads: q.quads,
+                    a: ablk,
+                    lda: kp4,
+                    aoff,
+                    asum,
+                    b: bpan,
+                    boff,
+                    bsum,
+                };
+                if vnni {
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: `vnni` means the level allows AVX-512 and the CPU has AVX-512 F,
+                    // BW and VNNI (`Isa::has_avx512_vnni`, and `isa <= Isa::detect()` was checked
+                    // above); the slices hold exactly one tile's operands (MRQ rows of `kp4`
+                    // bytes, `quads * NRQ * 4` bytes of B, MRQ/NRQ offsets and sums) and `dst`
+                    // holds (MRQ - 1) * ldt + NRQ slots (a full tile of C, or the edge buffer),
+                    // which `tile_vnni` asserts before reading or writing.
+                    unsafe {
+                        tile_vnni(&t, dst, ldt)
+                    }
+                    #[cfg(not(target_arch = "x86_64"))]
+                    tile_quads_scalar(&t, dst, ldt)
+                } else {
+                    tile_quads_scalar(&t, dst, ldt)
+                }
+            };
+            drive::<MRQ, NRQ, T, F, _>(shape, q.panels, kp4, c, out, &tile);
+        }
+        (Layout::Quads, BBody::Pairs(_)) => {
+            let ap = a.to_pairs();
+            return igemm_core(isa, &ap, b, c, out, threads);
+        }
+        (Layout::Pairs, _) => {
+            let p = b.pairs();
+            let kp2 = a.kp;
+            let ad = &a.buf.pairs[..];
+            let simd = isa.has_avx2();
+            let tile = |bi: usize, pn: usize, dst: &mut [i32], ldt: usize| {
+                let ablk = &ad[bi * MR * kp2..(bi + 1) * MR * kp2];
+                let bpan = &p.data[pn * p.pairs * 2 * NR..(pn + 1) * p.pairs * 2 * NR];
+                if simd {
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: avx2 support was checked above (`isa <= Isa::detect()`); `ablk`
+                    // holds MR rows of `kp2 = 2 * pairs` values and `bpan` holds
+                    // `pairs * 2 * NR` values, exactly what the kernel reads; `dst` holds
+                    // (MR - 1) * ldt + NR slots (a full tile of C, or the edge buffer).
+                    unsafe {
+                        tile_avx2(p.pairs, ablk, kp2, bpan, dst, ldt)
+                    }
+                    #[cfg(not(target_arch = "x86_64"))]
+                    tile_scalar(p.pairs, ablk, kp2, bpan, dst, ldt)
+                } else {
+                    tile_scalar(p.pairs, ablk, kp2, bpan, dst, ldt)
+                }
+            };
+            drive::<MR, NR, T, F, _>(shape, p.panels, kp2 * 2, c, out, &tile);
+        }
+    }
+    Ok(())
+}
+
+#[derive(Clone, Copy)]
+struct Shape {
+    m: usize,
+    n: usize,
+    threads: usize,
+}
+
+/// Runs `tile(row_block, panel, dst, ldt)` over every TM x TN tile of `c` (and the epilogue
+/// over finished row chunks), split into one group of row blocks per thread. `a_row_bytes`
+/// sizes the L2 chunks.
+fn drive<const TM: usize, const TN: usize, T: Send, F, K>(
+    Shape { m, n, threads }: Shape,
+    panels: usize,
+    a_row_bytes: usize,
+    c: &mut [i32],
+    out: Option<(&mut [T], &F)>,
+    tile: &K,
+) where
+    F: Fn(&[i32], &mut [T]) + Sync,
+    K: Fn(usize, usize, &mut [i32], usize) + Sync,
+{
+    let blocks = m.div_ceil(TM);
+    let k_work = a_row_bytes.max(1);
     // One group of row blocks per thread. Within a group, B panels are the outer loop: a panel
-    // (k x NR i16) stays in L1/L2 while the group's rows of A stream past it; A's group is
-    // reused across panels from L2. (Row blocks outer would stream all of B once per block.)
-    let groups = if threads > 1 && m * n * k >= PAR_WORK {
+    // stays in L1/L2 while the group's rows of A stream past it; A's group is reused across
+    // panels from L2. (Row blocks outer would stream all of B once per block.)
+    let groups = if threads > 1 && m * n * k_work >= PAR_WORK {
         threads.min(blocks)
     } else {
         1
     };
     let blocks_per = blocks.div_ceil(groups);
-    let run_chunk =
-        |cb0: usize, cb1: usize, b0: usize, cgrp: &mut [i32], tile: &mut [i32; MR * NR]| {
-            for pn in 0..b.panels {
-                let bpan = &b.data[pn * b.pairs * 2 * NR..(pn + 1) * b.pairs * 2 * NR];
-                let c0 = pn * NR;
-                let cols = NR.min(n - c0);
-                for bi in cb0..cb1 {
-                    let rows = MR.min(m - bi * MR);
-                    let ablk = &a.data[bi * MR * a.kp2..(bi + 1) * MR * a.kp2];
-                    let r0 = (bi - b0) * MR;
-                    // A full tile is stored straight into C (row stride n); an edge tile goes
-                    // through the local buffer and only its valid part is copied.
-                    let direct = rows == MR && cols == NR;
-                    let (dst, ldt): (&mut [i32], usize) = if direct {
-                        (&mut cgrp[r0 * n + c0..(r0 + MR - 1) * n + c0 + NR], n)
-                    } else {
-                        (&mut tile[..], NR)
-                    };
-                    match isa {
-                        Isa::Scalar => tile_scalar(b.pairs, ablk, a.kp2, bpan, dst, ldt),
-                        Isa::Avx2 | Isa::Avx512 => {
-                            #[cfg(target_arch = "x86_64")]
-                            // SAFETY: avx2 support was checked above (`Isa::detect`); `ablk` holds
-                            // MR rows of `kp2 = 2 * pairs` values and `bpan` holds
-                            // `pairs * 2 * NR` values, exactly what the kernel reads; `dst`
-                            // holds (MR - 1) * ldt + NR slots (a full tile of C, or `tile`).
-                            unsafe {
-                                tile_avx2(b.pairs, ablk, a.kp2, bpan, dst, ldt)
-                            }
-                            #[cfg(not(target_arch = "x86_64"))]
-                            tile_scalar(b.pairs, ablk, a.kp2, bpan, dst, ldt)
-                        }
-                    }
-                    if !direct {
-                        for r in 0..rows {
-                            let d = &mut cgrp[(r0 + r) * n + c0..(r0 + r) * n + c0 + cols];
-                            for (x, &v) in d.iter_mut().zip(&tile[r * NR..r * NR + cols]) {
-                                *x = v;
-                            }
-                        }
+    let run_chunk = |cb0: usize, cb1: usize, b0: usize, cgrp: &mut [i32], buf: &mut [i32]| {
+        for pn in 0..panels {
+            let c0 = pn * TN;
+            let cols = TN.min(n - c0);
+            for bi in cb0..cb1 {
+                let rows = TM.min(m - bi * TM);
+                let r0 = (bi - b0) * TM;
+                // A full tile is stored straight into C (row stride n); an edge tile goes
+                // through the local buffer and only its valid part is copied.
+                let direct = rows == TM && cols == TN;
+                if direct {
+                    tile(
+                        bi,
+                        pn,
+                        &mut cgrp[r0 * n + c0..(r0 + TM - 1) * n + c0 + TN],
+                        n,
+                    );
+                } else {
+                    tile(bi, pn, &mut buf[..TM * TN], TN);
+                    for r in 0..rows {
+                        let d = &mut cgrp[(r0 + r) * n + c0..(r0 + r) * n + c0 + cols];
+                        d.copy_from_slice(&buf[r * TN..r * TN + cols]);
                     }
                 }
             }
-        };
+        }
+    };
     let epi = out.as_ref().map(|(_, f)| *f);
     // Row blocks go in chunks whose packed A (about `A_CHUNK_BYTES`) stays in L2 while
     // every B panel passes: B streams once per chunk instead of A once per panel. With an
     // epilogue, a chunk's sums (about `C_CHUNK_BYTES`) also stay in L2 until it reads them.
-    let mut chunk = (A_CHUNK_BYTES / (MR * a.kp2 * 2).max(1)).max(1);
+    let mut chunk = (A_CHUNK_BYTES / (TM * a_row_bytes).max(1)).max(1);
     if epi.is_some() {
-        chunk = chunk.min((C_CHUNK_BYTES / (MR * n * 4)).max(1));
+        chunk = chunk.min((C_CHUNK_BYTES / (TM * n * 4)).max(1));
     }
     let run_group = |gi: usize, cgrp: &mut [i32], mut ogrp: Option<&mut [T]>| {
         let b0 = gi * blocks_per;
         let b1 = ((gi + 1) * blocks_per).min(blocks);
         let rows = cgrp.len() / n;
-        let mut tile = [0i32; MR * NR];
+        let mut buf = [0i32; TILE_MAX];
         let mut cb0 = b0;
         while cb0 < b1 {
             let cb1 = (cb0 + chunk).min(b1);
-            run_chunk(cb0, cb1, b0, cgrp, &mut tile);
+            run_chunk(cb0, cb1, b0, cgrp, &mut buf);
             if let (Some(o), Some(f)) = (ogrp.as_deref_mut(), epi) {
-                let (r0, r1) = ((cb0 - b0) * MR, ((cb1 - b0) * MR).min(rows));
+                let (r0, r1) = ((cb0 - b0) * TM, ((cb1 - b0) * TM).min(rows));
                 f(&cgrp[r0 * n..r1 * n], &mut o[r0 * n..r1 * n]);
             }
             cb0 = cb1;
         }
     };
-    let gsize = blocks_per * MR * n;
+    let gsize = blocks_per * TM * n;
     match out {
         Some((o, _)) => {
             let o = &mut o[..m * n];
@@ -388,7 +913,6 @@ fn igemm_core<T: Send, F: Fn(&[i32], &mut [T]) + Sync>(
             }
         }
     }
-    Ok(())
 }
 
 /// Scalar twin of [`tile_avx2`]: one MR x NR tile from packed operands, written to `out`
@@ -452,6 +976,106 @@ unsafe fn tile_avx2(pairs: usize, a: &[i16], lda: usize, b: &[i16], out: &mut [i
         unsafe {
             _mm256_storeu_si256(tp.add(r * ldt) as *mut __m256i, acc[2 * r]);
             _mm256_storeu_si256(tp.add(r * ldt + 8) as *mut __m256i, acc[2 * r + 1]);
+        }
+    }
+}
+
+/// One quads tile's operands: MRQ rows of u8 `a` (stride `lda`, their offsets and sums of
+/// `u`) and one B panel (`quads * NRQ * 4` i8, its NRQ column offsets and sums of `b'`).
+struct QuadsTile<'a> {
+    quads: usize,
+    a: &'a [u8],
+    lda: usize,
+    aoff: &'a [i32],
+    asum: &'a [i32],
+    b: &'a [i8],
+    boff: &'a [i32],
+    bsum: &'a [i32],
+}
+
+/// Scalar twin of [`tile_vnni`], in the same wrapping i32 arithmetic: the u8 x i8 products
+/// summed over `k`, then the offset corrections (see the module docs).
+fn tile_quads_scalar(t: &QuadsTile, out: &mut [i32], ldt: usize) {
+    let mut tile = [0i32; MRQ * NRQ];
+    for q in 0..t.quads {
+        let bq = &t.b[q * NRQ * 4..(q + 1) * NRQ * 4];
+        for r in 0..MRQ {
+            let aq = &t.a[r * t.lda + 4 * q..r * t.lda + 4 * q + 4];
+            let row = &mut tile[r * NRQ..(r + 1) * NRQ];
+            for (j, d) in row.iter_mut().enumerate() {
+                let dot: i32 = (0..4)
+                    .map(|i| aq[i] as i32 * bq[4 * j + i] as i32)
+                    .sum::<i32>();
+                *d = d.wrapping_add(dot);
+            }
+        }
+    }
+    for r in 0..MRQ {
+        for j in 0..NRQ {
+            out[r * ldt + j] = tile[r * NRQ + j]
+                .wrapping_sub(t.boff[j].wrapping_mul(t.asum[r]))
+                .wrapping_sub(t.bsum[j].wrapping_mul(t.aoff[r]));
+        }
+    }
+}
+
+/// One MRQ x NRQ tile with AVX-512 VNNI: per k quad, three 64-byte B loads, MRQ broadcasts of
+/// four A bytes and 3 * MRQ `vpdpbusd` (24 accumulators); then the offset corrections with
+/// `vpmulld`/`vpsubd` (wrapping, as the twin).
+///
+/// # Safety
+/// The CPU must support AVX-512 F, BW and VNNI. The slice lengths are asserted.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn tile_vnni(t: &QuadsTile, out: &mut [i32], ldt: usize) {
+    use std::arch::x86_64::*;
+    const V: usize = NRQ / 16;
+    assert!(
+        t.a.len() >= (MRQ - 1) * t.lda + 4 * t.quads
+            && t.b.len() >= t.quads * NRQ * 4
+            && t.aoff.len() >= MRQ
+            && t.asum.len() >= MRQ
+            && t.boff.len() >= NRQ
+            && t.bsum.len() >= NRQ
+            && out.len() >= (MRQ - 1) * ldt + NRQ,
+        "igemm quads tile operands too short"
+    );
+    let mut acc = [[_mm512_setzero_si512(); V]; MRQ];
+    let ap = t.a.as_ptr();
+    let bp = t.b.as_ptr();
+    for q in 0..t.quads {
+        // SAFETY: q < quads, so the NRQ * 4 bytes of B at q * NRQ * 4 and the 4 bytes of each
+        // row r < MRQ at r * lda + 4q lie inside the slices (asserted above); loads are
+        // unaligned.
+        unsafe {
+            let bv: [__m512i; V] = std::array::from_fn(|j| {
+                _mm512_loadu_si512(bp.add(q * NRQ * 4 + j * 64) as *const _)
+            });
+            for (r, accr) in acc.iter_mut().enumerate() {
+                let quad = (ap.add(r * t.lda + 4 * q) as *const i32).read_unaligned();
+                let av = _mm512_set1_epi32(quad);
+                for (a, &b) in accr.iter_mut().zip(&bv) {
+                    *a = _mm512_dpbusd_epi32(*a, av, b);
+                }
+            }
+        }
+    }
+    let op = out.as_mut_ptr();
+    // SAFETY: boff/bsum hold NRQ values and `out` (MRQ - 1) * ldt + NRQ (asserted above); row
+    // r's NRQ sums are stored at r * ldt.
+    unsafe {
+        let bo: [__m512i; V] =
+            std::array::from_fn(|j| _mm512_loadu_si512(t.boff.as_ptr().add(16 * j) as *const _));
+        let bs: [__m512i; V] =
+            std::array::from_fn(|j| _mm512_loadu_si512(t.bsum.as_ptr().add(16 * j) as *const _));
+        for (r, accr) in acc.iter().enumerate() {
+            let s = _mm512_set1_epi32(t.asum[r]);
+            let o = _mm512_set1_epi32(t.aoff[r]);
+            for j in 0..V {
+                let v = _mm512_sub_epi32(accr[j], _mm512_mullo_epi32(bo[j], s));
+                let v = _mm512_sub_epi32(v, _mm512_mullo_epi32(bs[j], o));
+                _mm512_storeu_si512(op.add(r * ldt + 16 * j) as *mut _, v);
+            }
         }
     }
 }

@@ -33,7 +33,7 @@ use crate::bail;
 use crate::error::{Result, RtError};
 use crate::kernel::MAX_OPSET;
 use crate::kernel::{Inputs, OpCtx, Registry};
-use crate::kernels::igemm::{igemm, igemm_then, PackedA, PackedB, MAX_K, MR};
+use crate::kernels::igemm::{igemm, igemm_then, PackBuf, PackedA, PackedB, MAX_K, ROW_ALIGN};
 use crate::kernels::qconvert::{self, Isa, QInt};
 use crate::ops::matmul::MatMulPlan;
 use crate::value::Value;
@@ -179,7 +179,7 @@ pub static QCONV_TRANSPOSE: OpDef = OpDef {
 struct Scratch {
     acc: Vec<i32>,
     acc_lo: Vec<i32>,
-    a16: Vec<i16>,
+    a16: PackBuf,
     /// The HWC copy of a transposed convolution's input.
     xt: Vec<i16>,
 }
@@ -187,7 +187,7 @@ struct Scratch {
 thread_local! {
     static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
     /// A worker thread's gathered-tap buffer for parallel transposed-convolution chunks.
-    static GATHER: std::cell::RefCell<Vec<i16>> = const { std::cell::RefCell::new(Vec::new()) };
+    static GATHER: std::cell::RefCell<PackBuf> = std::cell::RefCell::new(PackBuf::default());
 }
 
 /// Lengthens `v` to at least `len` (zeros) and never shortens it; callers use `v[..len]`.
@@ -322,7 +322,7 @@ enum PackedAct {
 }
 
 fn pack_act(
-    buf: Vec<i16>,
+    buf: PackBuf,
     a: &Tensor,
     off: usize,
     m: usize,
@@ -896,7 +896,7 @@ impl GroupJob<'_> {
         })();
         let back = match result {
             Ok(PackedAct::Single(pa)) => Ok(pa.into_buffer()),
-            Ok(PackedAct::Split(..)) => Ok(Vec::new()),
+            Ok(PackedAct::Split(..)) => Ok(PackBuf::default()),
             Err(e) => Err(e),
         };
         match back {
@@ -1198,7 +1198,7 @@ fn conv_t_products(
     phases: &[Phase],
     xt: &[i16],
     threads: usize,
-    abuf: &mut Vec<i16>,
+    abuf: &mut PackBuf,
     col: &mut Vec<i32>,
     mut sink: impl FnMut(&Phase, &[i32]),
 ) -> Result<()> {
@@ -1218,9 +1218,9 @@ fn conv_t_products(
             // Pixel rows go in chunks whose gathered taps (about 192 KB) stay in L2 for their
             // product, instead of gathering the whole phase (megabytes) first; at several
             // threads the chunks (gather and product) run in parallel.
-            let rows = ((192usize << 10) / (2 * k)).max(1).div_ceil(MR) * MR;
+            let rows = ((192usize << 10) / (2 * k)).max(1).div_ceil(ROW_ALIGN) * ROW_ALIGN;
             let m = g.m;
-            let run = |ci: usize, cchunk: &mut [i32], buf: &mut Vec<i16>| -> Result<()> {
+            let run = |ci: usize, cchunk: &mut [i32], buf: &mut PackBuf| -> Result<()> {
                 let r0 = ci * rows;
                 let nr = cchunk.len() / m;
                 let a = PackedA::pack_with(std::mem::take(buf), nr, k, |r, row| {
@@ -1248,7 +1248,7 @@ fn conv_t_products(
                     .try_for_each(|(ci, cchunk)| {
                         GATHER.with(|b| match b.try_borrow_mut() {
                             Ok(mut b) => run(ci, cchunk, &mut b),
-                            Err(_) => run(ci, cchunk, &mut Vec::new()),
+                            Err(_) => run(ci, cchunk, &mut PackBuf::default()),
                         })
                     })?;
             } else {
@@ -1638,7 +1638,7 @@ mod tests {
             }
             for threads in [1, 2] {
                 let mut got = vec![i64::MIN; g.m * g.oh * g.ow];
-                let (mut abuf, mut col) = (Vec::new(), Vec::new());
+                let (mut abuf, mut col) = (PackBuf::default(), Vec::new());
                 conv_t_products(
                     &g,
                     &phases,
@@ -1664,7 +1664,9 @@ mod tests {
             ran += 1;
             let kmax = phases.iter().map(|p| p.taps.len() * c).max().unwrap_or(0);
             let npix = phases.iter().map(|p| p.ny * p.nx).max().unwrap_or(0);
-            if kmax > 0 && npix > ((192usize << 10) / (2 * kmax)).max(1).div_ceil(MR) * MR {
+            if kmax > 0
+                && npix > ((192usize << 10) / (2 * kmax)).max(1).div_ceil(ROW_ALIGN) * ROW_ALIGN
+            {
                 chunked += 1;
             }
         }

@@ -11,7 +11,7 @@ use crate::bail;
 use crate::error::{Result, RtError};
 use crate::kernel::{Inputs, OpCtx, Registry};
 use crate::kernels::act;
-use crate::kernels::igemm::{igemm, PackedA, PackedB};
+use crate::kernels::igemm::{igemm, PackBuf, PackedA, PackedB};
 use crate::kernels::qgemv::{gemv as qgemv, PackedI8};
 use crate::ops::quant::{dynamic_qparams_u8, quantize_u8};
 use crate::value::Value;
@@ -236,7 +236,7 @@ struct QScratch {
     /// Quantized, zero-point-corrected rows (one row for [`QWeights::Narrow`]).
     a: Vec<i16>,
     /// Packed rows for [`QWeights::Wide`].
-    packed_a: Vec<i16>,
+    packed_a: PackBuf,
     /// Integer sums.
     acc: Vec<i32>,
     /// One quantized row.

@@ -1,0 +1,96 @@
+//! f32 product throughput at the ViT-S and PP-OCR shapes, in GFLOP/s: the `gemm` crate (what
+//! `ops::matmul::gemm_into` calls) against `kernels::sgemm` (AVX-512), alternating in each
+//! round. Usage: `cargo run --release -p npuc-runtime --example sgemm_bench [THREADS]`.
+
+use npuc_runtime::kernels::sgemm::{self, RowMajor};
+use std::time::Instant;
+
+fn main() {
+    let threads: usize = std::env::args()
+        .nth(1)
+        .and_then(|t| t.parse().ok())
+        .unwrap_or(1);
+    let shapes = [
+        ("qkv", 197, 384, 1152),
+        ("proj", 197, 384, 384),
+        ("fc1", 197, 384, 1536),
+        ("fc2", 197, 1536, 384),
+        ("attn_qk", 197, 64, 197),
+        ("attn_v", 197, 197, 64),
+        // Conv as weights x im2col columns: M = out channels, K = C*kh*kw, N = pixels.
+        ("conv_a", 32, 144, 3136),
+        ("conv_b", 96, 864, 784),
+        ("rec_mix", 40, 480, 120),
+    ];
+    let isa = npuc_isa::Isa::detect();
+    println!(
+        "level {} (own kernel {})",
+        isa.name(),
+        sgemm::available(isa)
+    );
+    for round in 0..3 {
+        for &(name, m, k, n) in &shapes {
+            let a: Vec<f32> = (0..m * k).map(|i| (i % 97) as f32 * 0.01 - 0.4).collect();
+            let b: Vec<f32> = (0..k * n).map(|i| (i % 89) as f32 * 0.01 - 0.4).collect();
+            let mut c = vec![0f32; m * n];
+            let reps = (2e9 / (2.0 * (m * k * n) as f64)).clamp(5.0, 200.0) as usize;
+            let flop = 2.0 * (m * k * n) as f64;
+            let t = Instant::now();
+            for _ in 0..reps {
+                // SAFETY: a is m x k, b is k x n and c is m x n, all row-major and contiguous.
+                unsafe {
+                    gemm::gemm(
+                        m,
+                        n,
+                        k,
+                        c.as_mut_ptr(),
+                        1,
+                        n as isize,
+                        false,
+                        a.as_ptr(),
+                        1,
+                        k as isize,
+                        b.as_ptr(),
+                        1,
+                        n as isize,
+                        0.0,
+                        1.0,
+                        false,
+                        false,
+                        false,
+                        if threads > 1 {
+                            gemm::Parallelism::Rayon(threads)
+                        } else {
+                            gemm::Parallelism::None
+                        },
+                    )
+                }
+            }
+            let g = t.elapsed().as_secs_f64() / reps as f64;
+            let t = Instant::now();
+            for _ in 0..reps {
+                sgemm::sgemm(
+                    isa,
+                    m,
+                    n,
+                    k,
+                    RowMajor { data: &a, ld: k },
+                    RowMajor { data: &b, ld: n },
+                    &mut c,
+                    n,
+                    threads,
+                )
+                .unwrap();
+            }
+            let o = t.elapsed().as_secs_f64() / reps as f64;
+            println!(
+                "round {round} {name:8} {m}x{k}x{n}: gemm crate {:.3} ms {:.1} GFLOP/s | own {:.3} ms {:.1} GFLOP/s | own/crate {:.2}",
+                g * 1e3,
+                flop / g / 1e9,
+                o * 1e3,
+                flop / o / 1e9,
+                o / g
+            );
+        }
+    }
+}
