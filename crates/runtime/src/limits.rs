@@ -116,33 +116,6 @@ pub fn max_loop_iterations() -> u64 {
         .unwrap_or(DEFAULT_MAX_LOOP_ITERATIONS)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn sizes_parse_with_suffixes() {
-        assert_eq!(parse_bytes("1024").unwrap(), 1024);
-        assert_eq!(parse_bytes("512M").unwrap(), 512 << 20);
-        assert_eq!(parse_bytes("8G").unwrap(), 8 << 30);
-        assert_eq!(parse_bytes("1.5GiB").unwrap(), 3 << 29);
-        assert_eq!(parse_bytes("2tb").unwrap(), 2 << 40);
-        assert!(parse_bytes("0").is_err());
-        assert!(parse_bytes("-3G").is_err());
-        assert!(parse_bytes("lots").is_err());
-        assert!(parse_bytes("99999999999T").is_err());
-    }
-
-    #[test]
-    fn small_sizes_pass_and_huge_ones_name_what_and_how_much() {
-        assert!(check_bytes(1 << 20, || unreachable!()).is_ok());
-        let e = check_bytes(1 << 70, || "output 'y'".into()).unwrap_err();
-        assert!(e.starts_with("output 'y' needs "), "{e}");
-        assert!(e.contains("1180591620717411303424 bytes"), "{e}");
-        assert!(e.contains("--max-memory"), "{e}");
-    }
-}
-
 /// Memory at a step boundary, for finding where a long pipeline's peak comes from: with
 /// `NPUC_MEM_TRACE` set, prints `npuc mem: STEP: rss .. MB (anon .., file ..), peak since the
 /// last mark .. MB, peak so far .. MB` to stderr (resident now, `VmRSS` split into anonymous
@@ -178,4 +151,31 @@ pub fn trace_memory(step: &str) {
     );
     // "5" resets the peak RSS to the current RSS (Linux 4.0+); failure only loses the reset.
     let _ = std::fs::write("/proc/self/clear_refs", "5");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_with_suffixes() {
+        assert_eq!(parse_bytes("1024").unwrap(), 1024);
+        assert_eq!(parse_bytes("512M").unwrap(), 512 << 20);
+        assert_eq!(parse_bytes("8G").unwrap(), 8 << 30);
+        assert_eq!(parse_bytes("1.5GiB").unwrap(), 3 << 29);
+        assert_eq!(parse_bytes("2tb").unwrap(), 2 << 40);
+        assert!(parse_bytes("0").is_err());
+        assert!(parse_bytes("-3G").is_err());
+        assert!(parse_bytes("lots").is_err());
+        assert!(parse_bytes("99999999999T").is_err());
+    }
+
+    #[test]
+    fn small_sizes_pass_and_huge_ones_name_what_and_how_much() {
+        assert!(check_bytes(1 << 20, || unreachable!()).is_ok());
+        let e = check_bytes(1 << 70, || "output 'y'".into()).unwrap_err();
+        assert!(e.starts_with("output 'y' needs "), "{e}");
+        assert!(e.contains("1180591620717411303424 bytes"), "{e}");
+        assert!(e.contains("--max-memory"), "{e}");
+    }
 }
