@@ -395,7 +395,7 @@ pub fn quantize_model(
                 &so,
                 files.iter().map(|f| src.load(f, &inputs)),
             )?;
-            timings.push(("linear statistics", t.elapsed().as_secs_f64()));
+            mark(timings, "linear statistics", t.elapsed().as_secs_f64());
             t = Instant::now();
             Some(st)
         } else {
@@ -406,7 +406,7 @@ pub fn quantize_model(
             (Some(_), Some(st)) => {
                 let (sm, report) = npuc_quant::smooth::smooth(m, &plan0, &so, st)?;
                 progress.note(&report.summary());
-                timings.push(("smoothing", t.elapsed().as_secs_f64()));
+                mark(timings, "smoothing", t.elapsed().as_secs_f64());
                 t = Instant::now();
                 let p = npuc_quant::plan(&sm, &opts)?;
                 scales = report.scales;
@@ -450,7 +450,7 @@ pub fn quantize_model(
             )?
         };
         progress.calibration_done();
-        timings.push(("calibration", t.elapsed().as_secs_f64()));
+        mark(timings, "calibration", t.elapsed().as_secs_f64());
         t = Instant::now();
         // SeqMSE: weight scales searched against each layer's output error (they do not depend
         // on the activation ranges, so one search serves every method candidate).
@@ -460,7 +460,7 @@ pub fn quantize_model(
                 let (rep, refined) =
                     npuc_quant::seqmse::search_weights(m, &plan, &st.weight_rows(&scales), &base)?;
                 progress.note(&rep.summary());
-                timings.push(("seqmse", t.elapsed().as_secs_f64()));
+                mark(timings, "seqmse", t.elapsed().as_secs_f64());
                 t = Instant::now();
                 refined
             }
@@ -482,7 +482,7 @@ pub fn quantize_model(
                     &ada_opts,
                 )?;
                 progress.note(&rep.summary());
-                timings.push(("adaround", t.elapsed().as_secs_f64()));
+                mark(timings, "adaround", t.elapsed().as_secs_f64());
                 t = Instant::now();
                 refined.extend(used);
                 Some(rm)
@@ -510,7 +510,7 @@ pub fn quantize_model(
                     .join(", "),
                 best.name(),
             ));
-            timings.push(("method choice", t.elapsed().as_secs_f64()));
+            mark(timings, "method choice", t.elapsed().as_secs_f64());
             t = Instant::now();
             best
         } else {
@@ -540,11 +540,11 @@ pub fn quantize_model(
     } else {
         enc
     };
-    timings.push(("encodings", t.elapsed().as_secs_f64()));
+    mark(timings, "encodings", t.elapsed().as_secs_f64());
     t = Instant::now();
     let mut qm = npuc_quant::apply(rounded.as_ref().unwrap_or(m), &enc)?;
     let mut enc = enc;
-    timings.push(("qdq", t.elapsed().as_secs_f64()));
+    mark(timings, "qdq", t.elapsed().as_secs_f64());
     if let Some(target) = q.target_sqnr {
         t = Instant::now();
         let fraction = q.max_16bit_fraction.unwrap_or(DEFAULT_MAX_16BIT_FRACTION);
@@ -571,9 +571,16 @@ pub fn quantize_model(
                 enc.params.entry(k).or_insert(v);
             }
         }
-        timings.push(("target sqnr", t.elapsed().as_secs_f64()));
+        mark(timings, "target sqnr", t.elapsed().as_secs_f64());
     }
     Ok((qm, enc, samples, method))
+}
+
+/// Records a step's wall time, and with `NPUC_MEM_TRACE` set prints the memory at its end and
+/// its peak ([`npuc_runtime::limits::trace_memory`]).
+fn mark(timings: &mut Vec<(&'static str, f64)>, step: &'static str, secs: f64) {
+    npuc_runtime::limits::trace_memory(step);
+    timings.push((step, secs));
 }
 
 /// `--max-16bit-fraction` when only `--target-sqnr` is given (issue 20's bar: a quarter of the
@@ -761,6 +768,7 @@ fn choose_method(
     };
     let fs = Session::new(m, so.clone()).map_err(|e| anyhow!("float session: {e}"))?;
     let reference: Vec<Vec<Vec<f32>>> = held.iter().map(|s| run(&fs, s)).collect::<Result<_>>()?;
+    npuc_runtime::limits::trace_memory("method choice: float reference");
     let mut scores = vec![];
     for c in AUTO_METHODS {
         let mut enc = npuc_quant::encodings_from_ranges(m, plan, obs, c)?;
@@ -770,9 +778,11 @@ fn choose_method(
         }
         let mut qm = npuc_quant::apply(rounded.unwrap_or(m), &enc)?;
         crate::quantized::prepare(&mut qm, false)?;
+        npuc_runtime::limits::trace_memory("method choice: candidate model");
         let qs = Session::new(&qm, so.clone()).map_err(|e| anyhow!("quantized session: {e}"))?;
         // The session holds its own copy of the weights: the model's would double them.
         drop(qm);
+        npuc_runtime::limits::trace_memory("method choice: candidate session");
         let (mut sig, mut noise) = (0f64, 0f64);
         for (s, r) in held.iter().zip(&reference) {
             for (a, b) in run(&qs, s)?.iter().zip(r) {
@@ -783,6 +793,7 @@ fn choose_method(
             }
         }
         scores.push((c, 10.0 * (sig.max(1e-30) / noise.max(1e-30)).log10()));
+        npuc_runtime::limits::trace_memory("method choice: candidate runs");
     }
     let best = scores
         .iter()
@@ -840,7 +851,8 @@ pub fn compile_quantized(
     let t0 = Instant::now();
     let target = target_of(&opts.target)?;
     let (m, pass_records) = prepare(path, opts)?;
-    let mut timings = vec![("load+prepare", t0.elapsed().as_secs_f64())];
+    let mut timings = vec![];
+    mark(&mut timings, "load+prepare", t0.elapsed().as_secs_f64());
     let nodes_before = m.graph.nodes.len();
     let (mut qm, enc, samples, method) = quantize_model(&m, q, &mut timings, progress)?;
     // The float weights are no longer needed: unmapping them now keeps them out of the peak
@@ -937,7 +949,7 @@ pub fn compile_quantized(
         ));
     }
     if q.emit_qdq.is_some() || q.emit_encodings.is_some() {
-        timings.push(("exports", t.elapsed().as_secs_f64()));
+        mark(&mut timings, "exports", t.elapsed().as_secs_f64());
         t = Instant::now();
     }
     let options = serde_json::json!({
@@ -962,7 +974,7 @@ pub fn compile_quantized(
         },
     )?;
     let file_bytes = w.write(out)?;
-    timings.push(("compile+write", t.elapsed().as_secs_f64()));
+    mark(&mut timings, "compile+write", t.elapsed().as_secs_f64());
     progress.note(&format!(
         "timings: {}",
         timings

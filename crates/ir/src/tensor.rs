@@ -10,6 +10,12 @@ use std::sync::Arc;
 /// Something that owns bytes which outlive every tensor borrowing them (an mmap, `bytes::Bytes`).
 pub trait Backing: Send + Sync {
     fn bytes(&self) -> &[u8];
+    /// Gives up this process's resident pages of `bytes()[offset..offset + len]` where the
+    /// backing can bring them back unchanged on the next read (a read-only file mapping: the
+    /// pages stay in the page cache, so the next read costs a page fault, not I/O). For a
+    /// large model's float weights once they are quantized: they no longer count in the
+    /// process's resident memory next to the quantized copy. Buffers in memory do nothing.
+    fn release(&self, _offset: usize, _len: usize) {}
 }
 
 impl Backing for Vec<u8> {
@@ -351,6 +357,14 @@ impl Tensor {
     pub fn data(&self) -> &TensorData {
         &self.data
     }
+    /// Gives up the resident pages of a tensor borrowed from a file mapping (see
+    /// [`Backing::release`]); its values are unchanged. Does nothing for an owned tensor.
+    pub fn release_resident(&self) {
+        if let TensorData::Borrowed(b) = &self.data {
+            b.owner.release(b.offset, b.len);
+        }
+    }
+
     pub fn is_borrowed(&self) -> bool {
         matches!(self.data, TensorData::Borrowed(_))
     }

@@ -24,6 +24,33 @@ impl Backing for MmapBacking {
     fn bytes(&self) -> &[u8] {
         &self.0
     }
+
+    /// `madvise(MADV_DONTNEED)` over the whole pages inside the window (a partial page at
+    /// either end may hold a neighbour's bytes still in use, and costs at most 4 KiB each).
+    fn release(&self, offset: usize, len: usize) {
+        #[cfg(unix)]
+        {
+            const PAGE: usize = 4096;
+            let end = offset.saturating_add(len).min(self.0.len()) / PAGE * PAGE;
+            let start = offset.div_ceil(PAGE) * PAGE;
+            if start < end {
+                // SAFETY: `Mmap::map` maps the file shared and read-only; for a shared file
+                // mapping MADV_DONTNEED only unmaps the pages, and the next read maps them
+                // again from the file (man 2 madvise), whose bytes npuc does not change while
+                // it is mapped (see the mapping's SAFETY note). So every slice borrowed from
+                // the mapping reads the same values before and after. The range lies inside
+                // the mapping (clamped to its length above) and is page-aligned (the mapping
+                // starts on a page).
+                let _ = unsafe {
+                    self.0.unchecked_advise_range(
+                        memmap2::UncheckedAdvice::DontNeed,
+                        start,
+                        end - start,
+                    )
+                };
+            }
+        }
+    }
 }
 
 /// Resolves external data files relative to the model's directory, mapping each file once.

@@ -473,19 +473,72 @@ fn prune_to_planned(g: &mut Graph, plan: &QuantPlan) {
 /// A calibration worker's failure: the sample index it happened on and the error.
 type SampleError = (usize, anyhow::Error);
 
-/// A sample's label and copies of its observed activations (observer index, values).
-type Observed = (String, Vec<(usize, Vec<f32>)>);
-
 /// Receives one observed activation: observer index, tensor name, values.
 type Sink<'a> = &'a mut dyn FnMut(usize, &str, &[f32]) -> Result<()>;
 
-/// What a worker tells the calibrating thread after each sample.
-enum Done {
-    /// Min/max mode: the sample was observed by the worker's own observers.
-    Observed,
-    /// Histogram mode: copies of the sample's observed activations (observer index, values),
-    /// to be fed in sample order.
-    Values(usize, Observed),
+/// Histogram observers fed in sample order by the workers themselves, activation by
+/// activation: `fed[k]` samples have been added to (or passed by) observer `k`, and the
+/// worker of sample `i` adds its values of activation `k` once `fed[k] == i`, while it still
+/// holds them (the runtime's buffer), then makes it `i + 1`. Each observer so sees the
+/// samples in order, as a sequential run feeds it, and no sample's activations are copied
+/// (copies of whole samples waiting for their turn were several GB for a ViT-H). The worker of
+/// sample `i` waits only for the one of `i - 1`, which was handed out earlier and waits only
+/// for its own predecessor, so the earliest running sample always proceeds.
+struct InOrder {
+    observers: Vec<std::sync::Mutex<Observer>>,
+    fed: std::sync::Mutex<Vec<usize>>,
+    turn: std::sync::Condvar,
+}
+
+/// A worker stopped waiting because another one failed.
+struct Stopped;
+
+impl InOrder {
+    fn new(n: usize) -> InOrder {
+        InOrder {
+            observers: (0..n)
+                .map(|_| std::sync::Mutex::new(Observer::new(true)))
+                .collect(),
+            fed: std::sync::Mutex::new(vec![0; n]),
+            turn: std::sync::Condvar::new(),
+        }
+    }
+
+    /// Waits until observer `k` has seen every sample before `i`.
+    fn wait_turn(
+        &self,
+        k: usize,
+        i: usize,
+        stop: &std::sync::atomic::AtomicBool,
+    ) -> std::result::Result<(), Stopped> {
+        let mut fed = self.fed.lock().unwrap_or_else(|e| e.into_inner());
+        while fed[k] < i {
+            if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                return Err(Stopped);
+            }
+            fed = self.turn.wait(fed).unwrap_or_else(|e| e.into_inner());
+        }
+        Ok(())
+    }
+
+    fn done(&self, k: usize, i: usize) {
+        let mut fed = self.fed.lock().unwrap_or_else(|e| e.into_inner());
+        fed[k] = fed[k].max(i + 1);
+        self.turn.notify_all();
+    }
+
+    /// Wakes every waiting worker (after a failure: they see `stop` and return).
+    fn wake_all(&self) {
+        let _fed = self.fed.lock().unwrap_or_else(|e| e.into_inner());
+        self.turn.notify_all();
+    }
+
+    fn into_observers(self) -> Vec<Observer> {
+        self.observers
+            .into_iter()
+            .map(|o| o.into_inner().unwrap_or_else(|e| e.into_inner()))
+            .collect()
+    }
 }
 
 /// Runs the float model over `samples` and returns one observer per planned activation.
@@ -497,8 +550,8 @@ enum Done {
 /// activations are observed as each node produces them
 /// ([`Session::run_observed`]), so no intermediate is kept alive for calibration. Min/max
 /// observers are per worker and merged at the end (exact); histogram observers depend on sample
-/// order, so workers hand copies of the observed values to this thread, which feeds them in
-/// sample order. Either way the result does not depend on `threads`.
+/// order, so the workers feed them in sample order, each activation as it is produced
+/// ([`InOrder`]). Either way the result does not depend on `threads`.
 pub fn calibrate(
     m: &Model,
     plan: &QuantPlan,
@@ -518,10 +571,10 @@ pub fn calibrate(
     let workers = threads.max(1);
     let source = std::sync::Mutex::new(samples.enumerate());
     let stop = std::sync::atomic::AtomicBool::new(false);
-    // Bounded: at most a few samples' activations wait for the in-order histogram updates.
-    let (tx, rx) = std::sync::mpsc::sync_channel::<Done>(2 * workers);
+    let in_order = InOrder::new(if with_hist { names.len() } else { 0 });
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
     let worker =
-        |tx: std::sync::mpsc::SyncSender<Done>| -> std::result::Result<Vec<Observer>, SampleError> {
+        |tx: std::sync::mpsc::Sender<()>| -> std::result::Result<Vec<Observer>, SampleError> {
             let sess = Session::new(&cm, SessionOptions { threads: 1 })
                 .map_err(|e| (0, anyhow!("building the calibration session: {e}")))?;
             let mut obs: Vec<Observer> = names.iter().map(|_| Observer::new(false)).collect();
@@ -535,67 +588,64 @@ pub fn calibrate(
                 };
                 let s = s.map_err(|e| (i, e))?;
                 let label = s.label.clone();
-                let msg = if with_hist {
-                    let mut vals = vec![];
-                    observe_sample(&sess, &index, s, &mut |k, _, xs| {
-                        vals.push((k, xs.to_vec()));
-                        Ok(())
-                    })
-                    .map_err(|e| (i, e))?;
-                    Done::Values(i, (label, vals))
+                if with_hist {
+                    let mut seen = vec![false; names.len()];
+                    let mut stopped = false;
+                    let r = observe_sample(&sess, &index, s, &mut |k, name, xs| {
+                        if in_order.wait_turn(k, i, &stop).is_err() {
+                            stopped = true;
+                            return Err(anyhow!("stopped: an earlier sample failed"));
+                        }
+                        let added = in_order.observers[k]
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .add(xs);
+                        seen[k] = true;
+                        in_order.done(k, i);
+                        added.map_err(|j| non_finite(&label, name, xs, j))
+                    });
+                    if let Err(e) = r {
+                        // Stopped while waiting: the sample that failed reports its own error.
+                        return Err((if stopped { usize::MAX } else { i }, e));
+                    }
+                    // The activations this sample did not produce: passed, in their turn.
+                    for k in (0..names.len()).filter(|&k| !seen[k]) {
+                        if in_order.wait_turn(k, i, &stop).is_err() {
+                            return Ok(obs);
+                        }
+                        in_order.done(k, i);
+                    }
                 } else {
                     observe_sample(&sess, &index, s, &mut |k, name, xs| {
                         obs[k].add(xs).map_err(|j| non_finite(&label, name, xs, j))
                     })
                     .map_err(|e| (i, e))?;
-                    Done::Observed
-                };
-                if tx.send(msg).is_err() {
+                }
+                if tx.send(()).is_err() {
                     return Ok(obs);
                 }
             }
         };
-    let mut hist_obs: Vec<Observer> = names.iter().map(|_| Observer::new(true)).collect();
-    let mut errors: Vec<SampleError> = vec![];
     let mut n = 0usize;
     let results: Vec<std::result::Result<Vec<Observer>, SampleError>> = std::thread::scope(|sc| {
         let handles: Vec<_> = (0..workers)
             .map(|_| {
                 let tx = tx.clone();
-                let (worker, stop) = (&worker, &stop);
+                let (worker, stop, in_order) = (&worker, &stop, &in_order);
                 sc.spawn(move || {
                     let r = worker(tx);
                     if r.is_err() {
                         stop.store(true, std::sync::atomic::Ordering::Relaxed);
+                        in_order.wake_all();
                     }
                     r
                 })
             })
             .collect();
         drop(tx);
-        let mut pending: BTreeMap<usize, Observed> = BTreeMap::new();
-        while let Ok(msg) = rx.recv() {
-            match msg {
-                Done::Observed => {
-                    n += 1;
-                    progress(n);
-                }
-                Done::Values(i, observed) => {
-                    pending.insert(i, observed);
-                    // Feed the histograms in sample order.
-                    while let Some((label, vals)) = pending.remove(&n) {
-                        for (k, xs) in &vals {
-                            if let Err(j) = hist_obs[*k].add(xs) {
-                                errors.push((n, non_finite(&label, names[*k], xs, j)));
-                                stop.store(true, std::sync::atomic::Ordering::Relaxed);
-                                break;
-                            }
-                        }
-                        n += 1;
-                        progress(n);
-                    }
-                }
-            }
+        while rx.recv().is_ok() {
+            n += 1;
+            progress(n);
         }
         handles
             .into_iter()
@@ -605,6 +655,7 @@ pub fn calibrate(
             })
             .collect()
     });
+    let mut errors: Vec<SampleError> = vec![];
     let mut merged: Option<Vec<Observer>> = None;
     for r in results {
         match r {
@@ -623,7 +674,7 @@ pub fn calibrate(
         bail!("the calibration set is empty: no sample was found");
     }
     let obs = if with_hist {
-        hist_obs
+        in_order.into_observers()
     } else {
         merged.unwrap_or_default()
     };
@@ -899,6 +950,8 @@ pub fn encodings_from_ranges(
             name.clone(),
             TensorEncoding::Int(weight_encoding(w, spec, name)?),
         );
+        // Read again only when quantized (`apply`): not resident in between (see `apply`).
+        w.release_resident();
     }
     for (name, &d) in &plan.weight_casts {
         enc.params.insert(name.clone(), TensorEncoding::Float(d));
@@ -1164,6 +1217,10 @@ pub fn apply(m: &Model, enc: &Encodings) -> Result<Model> {
         match te {
             TensorEncoding::Int(e) => {
                 let q = quantize_tensor(&w, e, name)?;
+                // The float weight is read again only if it is quantized again: its mapped
+                // pages leave the resident set, so a model's float weights and their codes are
+                // not resident together (a large model's compile stays near one copy).
+                w.release_resident();
                 let (s, z) = param_tensors(e)?;
                 let (qn, sn, zn) = (
                     format!("{name}_quantized"),

@@ -493,6 +493,9 @@ fn rescale_init(
         .enumerate()
         .map(|(i, v)| v * f(i))
         .collect();
+    // The rescaled copy replaces it here: the original's mapped pages need not stay resident
+    // next to it (a large model's smoothing would otherwise hold its weights twice).
+    t.release_resident();
     let nt = Tensor::from_vec(t.shape().to_vec(), data)?;
     if uses.get(&name).copied().unwrap_or(0) <= 1 {
         g.initializers[idx].tensor = nt;

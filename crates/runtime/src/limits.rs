@@ -116,6 +116,43 @@ pub fn max_loop_iterations() -> u64 {
         .unwrap_or(DEFAULT_MAX_LOOP_ITERATIONS)
 }
 
+/// Memory at a step boundary, for finding where a long pipeline's peak comes from: with
+/// `NPUC_MEM_TRACE` set, prints `npuc mem: STEP: rss .. MB (anon .., file ..), peak since the
+/// last mark .. MB, peak so far .. MB` to stderr (resident now, `VmRSS` split into anonymous
+/// memory and mapped file pages, and the high-water mark `VmHWM`, which it then resets through
+/// `/proc/self/clear_refs` so that the next mark reports its own step's peak). The reset also
+/// hides the earlier peaks from tools that read the process's high-water mark at exit (GNU
+/// `time`): with the variable set, "peak so far" of the last mark is the process's peak.
+/// Without the variable (or without `/proc`) it does nothing.
+pub fn trace_memory(step: &str) {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    static MAX_KB: AtomicU64 = AtomicU64::new(0);
+    if !*ON.get_or_init(|| std::env::var_os("NPUC_MEM_TRACE").is_some()) {
+        return;
+    }
+    let Ok(s) = std::fs::read_to_string("/proc/self/status") else {
+        return;
+    };
+    let kb = |key: &str| -> u64 {
+        s.lines()
+            .find(|l| l.starts_with(key))
+            .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+            .unwrap_or(0)
+    };
+    let hwm = kb("VmHWM:");
+    let max = MAX_KB.fetch_max(hwm, Ordering::Relaxed).max(hwm);
+    eprintln!(
+        "npuc mem: {step}: rss {} MB (anon {}, file {}), peak since the last mark {} MB, peak so far {} MB",
+        kb("VmRSS:") / 1024,
+        kb("RssAnon:") / 1024,
+        kb("RssFile:") / 1024,
+        hwm / 1024,
+        max / 1024
+    );
+    // "5" resets the peak RSS to the current RSS (Linux 4.0+); failure only loses the reset.
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
