@@ -26,8 +26,11 @@ pub fn main(args: &[String]) -> Result<()> {
                     .ok_or_else(|| anyhow!("--megabytes needs N"))?
                     .parse()?
             }
-            s if out.is_none() => out = Some(PathBuf::from(s)),
-            other => bail!("unexpected argument '{other}'"),
+            // An option-looking word is never an output path (`--help` would become a file).
+            s if out.is_none() && !s.starts_with('-') => out = Some(PathBuf::from(s)),
+            other => bail!(
+                "unexpected argument '{other}'; usage: cargo xtask synth-model OUT.onnx [--megabytes N] | vit-h -o DIR [--layers N]"
+            ),
         }
     }
     let out =

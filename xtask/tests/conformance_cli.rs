@@ -38,3 +38,18 @@ fn unknown_task_prints_usage() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("usage: cargo xtask conformance"));
 }
+
+/// An option-looking word is not taken for the output path of `synth-model` (`--help` used to
+/// write a model into a file named `--help`).
+#[test]
+fn synth_model_refuses_an_option_as_output_path() {
+    let d = tempfile::tempdir().unwrap();
+    let out = xtask()
+        .current_dir(d.path())
+        .args(["synth-model", "--help"])
+        .output()
+        .expect("run xtask");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unexpected argument '--help'"));
+    assert!(!d.path().join("--help").exists());
+}
