@@ -9,7 +9,9 @@ evaluated on 32 held-out samples against the float model run in onnxruntime: out
 in dB over all held-out outputs (the model's first output; for all-MiniLM-L6-v2 `last_hidden_state` over
 every position, padding included, as `npuc verify` measures it, plus the same over the real tokens only
 (attention_mask 1) and `sentence_embedding`'s SQNR), plus the wall time of the quantization step
-(quantize_static vs npuc compile, quantize+compile, as whole processes). A first npuc row compiles the
+(quantize_static vs npuc compile, quantize+compile, as whole processes) and the median latency of one
+run at 1 thread (`npuc bench` of each artifact; onnxruntime's float and QDQ models timed in-process,
+same input). A first npuc row compiles the
 float model (no --quantize): its SQNR shows how far npuc's float run is from onnxruntime's.
 
 Ends with the done-when checks (PASS/MISS per model) against the best onnxruntime recipe.
@@ -17,7 +19,7 @@ Ends with the done-when checks (PASS/MISS per model) against the best onnxruntim
 Usage: scripts/quant_compare.py [DATA_DIR] [NPUC_BIN]   (data from scripts/make_calib_data.py; the
 all-MiniLM-L6-v2 ONNX from scripts/make_minilm_onnx.py, made by scripts/make-fixtures.sh)
 """
-import glob, os, re, subprocess, sys, tempfile, time
+import glob, json, os, re, subprocess, sys, tempfile, time
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -80,6 +82,25 @@ def ort_run(path, feeds, out_names):
     s = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
     return [s.run(out_names, f) for f in feeds]
 
+def ort_latency(path, feed, runs=20):
+    """Median wall time (ms) of one onnxruntime run (1 thread, ORT_ENABLE_ALL), after a warm-up."""
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    s = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+    s.run(None, feed)
+    ts = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        s.run(None, feed)
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return float(np.median(ts))
+
+def npuc_latency(art, shapes, runs=20):
+    """Median latency (ms) of the artifact at 1 thread, from `npuc bench --json`."""
+    r = subprocess.run([npuc, "bench", art, "--threads", "1", "--runs", str(runs), "--json", *shapes],
+                       check=True, stdout=subprocess.PIPE, text=True)
+    return float(json.loads(r.stdout)["median_ms"])
+
 def sanitize(n):
     return re.sub(r"[^A-Za-z0-9._-]", "_", n)
 
@@ -114,6 +135,7 @@ for label, path, sub, inputs, recipes in MODELS:
     out_names = [o.name for o in onnx.load(path, load_external_data=False).graph.output]
     refs = ort_run(path, held, out_names)
     # onnxruntime quantize_static (per-channel needs opset >= 13: convert older models first).
+    rows.append((label, "onnxruntime float (reference)", float("inf"), [], float("nan"), ort_latency(path, held[0])))
     src = path
     m = onnx.load(path)
     if m.opset_import[0].version < 13:
@@ -128,7 +150,8 @@ for label, path, sub, inputs, recipes in MODELS:
                         calibrate_method=CalibrationMethod.MinMax, activation_type=QuantType.QUInt8,
                         weight_type=QuantType.QInt8, op_types_to_quantize=op_types)
         t_ort = time.time() - t0
-        rows.append((label, title, *scores(refs, ort_run(qp, held, out_names), held, out_names), t_ort))
+        rows.append((label, title, *scores(refs, ort_run(qp, held, out_names), held, out_names), t_ort,
+                     ort_latency(qp, held[0])))
     for cfg, scheme, flags in [("(float, no --quantize)", None, [])] + CONFIGS:
         art = os.path.join(tmp, f"{label}-{cfg.replace(' ', '-')}.npuc")
         t0 = time.time()
@@ -140,12 +163,13 @@ for label, path, sub, inputs, recipes in MODELS:
         t = time.time() - t0
         if r.returncode != 0:
             print(f"{label}: {title}: npuc compile failed (exit {r.returncode}): {r.stderr.strip()}", file=sys.stderr)
-            rows.append((label, title, float("nan"), [], t))
+            rows.append((label, title, float("nan"), [], t, float("nan")))
             continue
         for line in (r.stdout + r.stderr).splitlines():
-            if any(k in line for k in ("smoothing:", "seqmse:", "calibration method auto", "target SQNR")):
+            if any(k in line for k in ("smoothing:", "seqmse:", "calibration method auto", "target SQNR", "timings:")):
                 print(f"  {label} {cfg}: {line.strip()}", file=sys.stderr)
-        rows.append((label, title, *scores(refs, npuc_run(art, held_files, out_names, tmp), held, out_names), t))
+        rows.append((label, title, *scores(refs, npuc_run(art, held_files, out_names, tmp), held, out_names), t,
+                     npuc_latency(art, shapes)))
     # --emit-qdq with the qnn-htp profile (ONNX Runtime QNN EP rules): the artifact in npuc and the
     # exported QDQ ONNX in onnxruntime.
     art, qdq = os.path.join(tmp, f"{label}-emit.npuc"), os.path.join(tmp, f"{label}-emit-qdq.onnx")
@@ -159,24 +183,25 @@ for label, path, sub, inputs, recipes in MODELS:
         print(f"{label}: npuc --emit-qdq: compile failed (exit {r.returncode}): {r.stderr.strip()}", file=sys.stderr)
     else:
         rows.append((label, "npuc w8a8 minmax qnn-htp --emit-qdq: artifact",
-                     *scores(refs, npuc_run(art, held_files, out_names, tmp), held, out_names), t))
+                     *scores(refs, npuc_run(art, held_files, out_names, tmp), held, out_names), t,
+                     npuc_latency(art, shapes)))
         rows.append((label, "npuc w8a8 minmax qnn-htp --emit-qdq: Q.onnx in ORT",
-                     *scores(refs, ort_run(qdq, held, out_names), held, out_names), t))
+                     *scores(refs, ort_run(qdq, held, out_names), held, out_names), t, ort_latency(qdq, held[0])))
     print(f"{label}: done", file=sys.stderr, flush=True)
 
-print(f"{'model':<12} {'quantizer':<46} {'SQNR dB':>8} {'wall s':>8} {'vs ORT time':>12}  other outputs (dB)")
+print(f"{'model':<12} {'quantizer':<46} {'SQNR dB':>8} {'wall s':>8} {'vs ORT time':>12} {'ms, 1T':>8}  other outputs (dB)")
 ort_t = {}
-for label, q, s, extra, t in rows:
-    if q.startswith("onnxruntime") and label not in ort_t:
+for label, q, s, extra, t, ms in rows:
+    if q.startswith("onnxruntime quantize_static") and label not in ort_t:
         ort_t[label] = t
     other = ", ".join(f"{k} {v:.2f}" for k, v in extra)
-    print(f"{label:<12} {q:<46} {s:8.2f} {t:8.2f} {t / ort_t[label]:11.3f}x  {other}")
+    print(f"{label:<12} {q:<46} {s:8.2f} {t:8.2f} {t / ort_t.get(label, float('nan')):11.3f}x {ms:8.2f}  {other}")
 
 # The done-when checks, per model, against the best onnxruntime recipe.
 print()
 for label in ort_t:
-    r = {q: (s, t) for l, q, s, _, t in rows if l == label}
-    ort_s = max(s for q, (s, _) in r.items() if q.startswith("onnxruntime"))
+    r = {q: (s, t) for l, q, s, _, t, _ in rows if l == label}
+    ort_s = max(s for q, (s, _) in r.items() if q.startswith("onnxruntime quantize_static"))
     get = lambda k: r.get(f"npuc {k}", (float("nan"), float("nan")))
     mm, pc, ms, a16, dflt = (get(k)[0] for k in ("w8a8 minmax", "w8a8 percentile", "w8a8 mse", "w8a16 minmax", "w8a8 default"))
     t_ratio = get("w8a8 minmax")[1] / ort_t[label]
