@@ -404,7 +404,19 @@ pub fn quantize_model(
         let mut scales = Default::default();
         let (smoothed, plan) = match (&alpha, &stats) {
             (Some(_), Some(st)) => {
-                let (sm, report) = npuc_quant::smooth::smooth(m, &plan0, &so, st)?;
+                let (mut sm, report) = npuc_quant::smooth::smooth(m, &plan0, &so, st)?;
+                // A large model's rescaled weights go to a mapped temporary file, whose pages
+                // each later step gives back after use as it does the model file's (without it
+                // a 2.5 GB ViT-H held them all resident next to the method choice's quantized
+                // candidates). Smaller ones stay in memory, shared: the calibration,
+                // method-choice and comparison sessions clone this model and borrow them
+                // instead of copying each one.
+                if weight_bytes(&sm) >= SPILL_SMOOTHED_BYTES {
+                    npuc_onnx::spill::spill_initializers(&mut sm.graph, None, 1 << 20).map_err(
+                        |e| anyhow!("moving the smoothed weights to a temporary file: {e}"),
+                    )?;
+                }
+                sm.graph.share_initializers();
                 progress.note(&report.summary());
                 mark(timings, "smoothing", t.elapsed().as_secs_f64());
                 t = Instant::now();
@@ -778,9 +790,10 @@ fn choose_method(
         }
         let mut qm = npuc_quant::apply(rounded.unwrap_or(m), &enc)?;
         crate::quantized::prepare(&mut qm, false)?;
+        // Shared, so that the session's constants are the model's weights, not a copy of them.
+        qm.graph.share_initializers();
         npuc_runtime::limits::trace_memory("method choice: candidate model");
         let qs = Session::new(&qm, so.clone()).map_err(|e| anyhow!("quantized session: {e}"))?;
-        // The session holds its own copy of the weights: the model's would double them.
         drop(qm);
         npuc_runtime::limits::trace_memory("method choice: candidate session");
         let (mut sig, mut noise) = (0f64, 0f64);
@@ -850,7 +863,10 @@ pub fn compile_quantized(
 ) -> Result<QuantSummary> {
     let t0 = Instant::now();
     let target = target_of(&opts.target)?;
-    let (m, pass_records) = prepare(path, opts)?;
+    let (mut m, pass_records) = prepare(path, opts)?;
+    // Weights the optimizer computed (folded transposes, fused constants) are owned: shared,
+    // the calibration and comparison sessions over clones of this model borrow them.
+    m.graph.share_initializers();
     let mut timings = vec![];
     mark(&mut timings, "load+prepare", t0.elapsed().as_secs_f64());
     let nodes_before = m.graph.nodes.len();
@@ -861,7 +877,7 @@ pub fn compile_quantized(
     // whose every page calibration made resident: they move to a fresh mapping of the same
     // file first (no page of it resident yet), so the old one goes with the float model.
     let float_weight_bytes = weight_bytes(&m);
-    remap_borrowed(&mut qm, path)?;
+    remap_borrowed(&mut qm, &m, path)?;
     drop(m);
     if q.emit_qdq.is_some() && q.options()?.profile == npuc_quant::Profile::Npuc {
         progress.note("--emit-qdq: the export holds the artifact's quantization (profile npuc: per-channel MatMul/Gemm weights); for ONNX Runtime's QNN EP quantize with --quant-profile qnn-htp");
@@ -999,8 +1015,22 @@ pub fn compile_quantized(
 /// external data) at a fresh mapping of the same bytes: the same name, dtype, shape and window
 /// (offset, length) in a new load of `source`, which maps its files without reading them.
 /// Returns the bytes re-pointed; a tensor without its twin keeps its window.
-fn remap_borrowed(qm: &mut Model, source: &Path) -> Result<usize> {
+///
+/// Only windows of `float`'s own mappings move: a tensor computed at compile time and shared
+/// ([`npuc_ir::Tensor::into_shared`], e.g. a SmoothQuant-rescaled weight under its old name) is
+/// also "borrowed", at offset 0, and must keep its values.
+fn remap_borrowed(qm: &mut Model, float: &Model, source: &Path) -> Result<usize> {
     use npuc_ir::TensorData;
+    let owner = |t: &npuc_ir::Tensor| match t.data() {
+        TensorData::Borrowed(b) => Some(std::sync::Arc::as_ptr(&b.owner) as *const u8 as usize),
+        _ => None,
+    };
+    let mappings: std::collections::HashSet<usize> = float
+        .graph
+        .initializers
+        .iter()
+        .filter_map(|i| owner(&i.tensor))
+        .collect();
     let window = |t: &npuc_ir::Tensor| match t.data() {
         TensorData::Borrowed(b) => Some((b.offset, b.len)),
         _ => None,
@@ -1020,6 +1050,9 @@ fn remap_borrowed(qm: &mut Model, source: &Path) -> Result<usize> {
         let Some(w) = window(&i.tensor) else {
             continue;
         };
+        if !owner(&i.tensor).is_some_and(|o| mappings.contains(&o)) {
+            continue;
+        }
         if let Some(t) = twins.get(i.name.as_str()).filter(|t| {
             window(t) == Some(w) && t.dtype() == i.tensor.dtype() && t.shape() == i.tensor.shape()
         }) {
@@ -1029,6 +1062,10 @@ fn remap_borrowed(qm: &mut Model, source: &Path) -> Result<usize> {
     }
     Ok(moved)
 }
+
+/// Models with at least this many bytes of weights keep their SmoothQuant-rescaled weights in
+/// a mapped temporary file instead of memory (see [`npuc_onnx::spill`]).
+const SPILL_SMOOTHED_BYTES: usize = 512 << 20;
 
 /// Bytes of a model's main-graph initializers.
 fn weight_bytes(m: &Model) -> usize {

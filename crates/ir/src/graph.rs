@@ -410,6 +410,15 @@ impl Graph {
             .map(|i| &i.tensor)
     }
 
+    /// Moves every owned initializer behind a reference count ([`crate::Tensor::into_shared`]),
+    /// so that cloning the graph or building a session over it does not copy the weights.
+    pub fn share_initializers(&mut self) {
+        for i in &mut self.initializers {
+            let t = std::mem::replace(&mut i.tensor, crate::Tensor::scalar(0u8));
+            i.tensor = t.into_shared();
+        }
+    }
+
     /// The names of the graph's initializers.
     pub fn initializer_names(&self) -> HashSet<&str> {
         self.initializers.iter().map(|i| i.name.as_str()).collect()

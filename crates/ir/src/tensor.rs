@@ -16,11 +16,26 @@ pub trait Backing: Send + Sync {
     /// large model's float weights once they are quantized: they no longer count in the
     /// process's resident memory next to the quantized copy. Buffers in memory do nothing.
     fn release(&self, _offset: usize, _len: usize) {}
+    /// Whether [`Backing::release`] gives pages back (a file mapping): weights elsewhere (in
+    /// memory) are what a large model's compile may move to a file to bound its memory.
+    fn releasable(&self) -> bool {
+        false
+    }
 }
 
 impl Backing for Vec<u8> {
     fn bytes(&self) -> &[u8] {
         self
+    }
+}
+
+/// Values moved out of an owned tensor into a reference-counted buffer (see
+/// [`Tensor::into_shared`]): typed, so its bytes are aligned for the element type.
+struct SharedValues<T: bytemuck::Pod + Send + Sync>(Vec<T>);
+
+impl<T: bytemuck::Pod + Send + Sync> Backing for SharedValues<T> {
+    fn bytes(&self) -> &[u8] {
+        bytemuck::cast_slice(&self.0)
     }
 }
 
@@ -363,6 +378,48 @@ impl Tensor {
         if let TensorData::Borrowed(b) = &self.data {
             b.owner.release(b.offset, b.len);
         }
+    }
+
+    /// The same values behind a reference count, so that clones of the tensor (a model cloned
+    /// for a calibration or comparison session, a session's own constants) share one buffer
+    /// instead of copying it: for weights computed at compile time (SmoothQuant's rescaled
+    /// copies), which would otherwise be copied once per session. Owned fixed-size numeric data
+    /// moves without a copy; borrowed, boolean, string, sub-byte and small-float tensors are
+    /// returned unchanged. Writing through [`Tensor::as_mut_slice`] copies it back out.
+    pub fn into_shared(self) -> Tensor {
+        fn wrap<T: bytemuck::Pod + Send + Sync>(v: Vec<T>) -> TensorData {
+            let len = std::mem::size_of_val(v.as_slice());
+            TensorData::Borrowed(Borrowed {
+                owner: Arc::new(SharedValues(v)),
+                offset: 0,
+                len,
+            })
+        }
+        if self.dtype.storage() != self.dtype {
+            return self;
+        }
+        let data = match self.data {
+            TensorData::F32(v) => wrap(v),
+            TensorData::F64(v) => wrap(v),
+            TensorData::F16(v) => wrap(v),
+            TensorData::BF16(v) => wrap(v),
+            TensorData::I8(v) => wrap(v),
+            TensorData::U8(v) => wrap(v),
+            TensorData::I16(v) => wrap(v),
+            TensorData::U16(v) => wrap(v),
+            TensorData::I32(v) => wrap(v),
+            TensorData::U32(v) => wrap(v),
+            TensorData::I64(v) => wrap(v),
+            TensorData::U64(v) => wrap(v),
+            other => other,
+        };
+        Tensor { data, ..self }
+    }
+
+    /// Whether the values live in a backing whose pages [`Tensor::release_resident`] gives
+    /// back (a file mapping), so they need not count in the process's resident memory.
+    pub fn is_releasable(&self) -> bool {
+        matches!(&self.data, TensorData::Borrowed(b) if b.owner.releasable())
     }
 
     pub fn is_borrowed(&self) -> bool {

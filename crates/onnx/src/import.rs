@@ -19,10 +19,14 @@ impl Backing for BytesBacking {
     }
 }
 
-struct MmapBacking(memmap2::Mmap);
+pub(crate) struct MmapBacking(pub(crate) memmap2::Mmap);
 impl Backing for MmapBacking {
     fn bytes(&self) -> &[u8] {
         &self.0
+    }
+
+    fn releasable(&self) -> bool {
+        true
     }
 
     /// `madvise(MADV_DONTNEED)` over the whole pages inside the window (a partial page at

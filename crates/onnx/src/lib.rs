@@ -5,6 +5,7 @@
 pub mod contrib;
 pub mod export;
 pub mod import;
+pub mod spill;
 
 /// Generated protobuf types (onnx-ml.proto and onnx-data.proto of onnx 1.22.0).
 #[allow(clippy::all, missing_docs)]
