@@ -55,8 +55,6 @@ pub fn spill_initializers(
         w.write_all(&bytes)?;
         windows.push((i, at, bytes.len()));
         at += bytes.len();
-        // The values are in the file now: the in-memory copy (if nobody else shares it) goes
-        // as soon as the tensor is re-pointed below.
     }
     w.flush()?;
     drop(w);
@@ -76,6 +74,7 @@ pub fn spill_initializers(
         )
         .map_err(|e| std::io::Error::other(format!("initializer '{}': {e}", init.name)))?;
         debug_assert!(matches!(t.data(), TensorData::Borrowed(_)));
+        // The in-memory copy (unless another clone shares it) goes with the old tensor here.
         // Written, not yet read back: the pages are in the page cache, not this process.
         t.release_resident();
         init.tensor = t;
