@@ -1,8 +1,9 @@
 //! f32 product throughput at the ViT-S and PP-OCR shapes, in GFLOP/s: the `gemm` crate (what
-//! `ops::matmul::gemm_into` calls) against `kernels::sgemm` (AVX-512), alternating in each
-//! round. Usage: `cargo run --release -p npuc-runtime --example sgemm_bench [THREADS]`.
+//! `ops::matmul::gemm_into` calls below AVX-512) against `kernels::sgemm` (AVX-512), with `b`
+//! packed per call and packed once beforehand (a constant weight), alternating in each round.
+//! Usage: `cargo run --release -p npuc-runtime --example sgemm_bench [THREADS]`.
 
-use npuc_runtime::kernels::sgemm::{self, RowMajor};
+use npuc_runtime::kernels::sgemm::{self, PackedB, View};
 use std::time::Instant;
 
 fn main() {
@@ -74,8 +75,9 @@ fn main() {
                     m,
                     n,
                     k,
-                    RowMajor { data: &a, ld: k },
-                    RowMajor { data: &b, ld: n },
+                    1.0,
+                    View::rows(&a, k),
+                    View::rows(&b, n),
                     &mut c,
                     n,
                     threads,
@@ -83,13 +85,23 @@ fn main() {
                 .unwrap();
             }
             let o = t.elapsed().as_secs_f64() / reps as f64;
+            let packed = PackedB::new(k, n, View::rows(&b, n)).unwrap();
+            let t = Instant::now();
+            for _ in 0..reps {
+                sgemm::sgemm_packed(isa, m, 1.0, View::rows(&a, k), &packed, &mut c, n, threads)
+                    .unwrap();
+            }
+            let p = t.elapsed().as_secs_f64() / reps as f64;
             println!(
-                "round {round} {name:8} {m}x{k}x{n}: gemm crate {:.3} ms {:.1} GFLOP/s | own {:.3} ms {:.1} GFLOP/s | own/crate {:.2}",
+                "round {round} {name:8} {m}x{k}x{n}: gemm crate {:.3} ms {:.1} GFLOP/s | own {:.3} ms {:.1} GFLOP/s ({:.2}x) | own prepacked {:.3} ms {:.1} GFLOP/s ({:.2}x)",
                 g * 1e3,
                 flop / g / 1e9,
                 o * 1e3,
                 flop / o / 1e9,
-                o / g
+                o / g,
+                p * 1e3,
+                flop / p / 1e9,
+                p / g
             );
         }
     }

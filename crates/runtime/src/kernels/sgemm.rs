@@ -1,85 +1,194 @@
-//! f32 matrix product with an AVX-512 micro-kernel: `c[m x n] = a[m x k] * b[k x n]`, both
-//! operands row-major with unit column stride (any row strides), `c` overwritten.
+//! f32 matrix product with an AVX-512 micro-kernel: `c[m x n] = scale * a[m x k] * b[k x n]`,
+//! operands given as strided views (any row and column strides), `c` row-major and
+//! overwritten.
 //!
-//! The runtime's f32 products go through the `gemm` crate (`ops::matmul::gemm_into`), whose
-//! AVX-512 kernels are behind a feature this workspace does not enable (so it runs its AVX2+FMA
-//! kernels on an AVX-512 host). This kernel is the candidate replacement, measured against it
-//! by `examples/sgemm_bench.rs` and not yet wired in (to be switched on once it wins on whole
-//! models, not only per shape). It reads `b` in place (no packing: a panel of [`NR`] columns is
-//! `k` rows of 128 bytes, which stay in L1/L2 while the row blocks of `a` pass) and keeps a
-//! [`MR`] x [`NR`] tile in 24 of the 32 vector registers: per `k` step two 16-lane loads of
-//! `b`, 12 broadcasts of `a` and 24 fused multiply-adds.
+//! The `gemm` crate, which the runtime used for every f32 product, keeps its AVX-512 kernels
+//! behind a nightly-only feature, so on stable Rust it runs AVX2+FMA kernels on AVX-512 hosts.
+//! `ops::matmul::gemm_into` sends f32 products here when the active level has AVX-512 (and
+//! keeps the `gemm` crate at the AVX2 and scalar levels).
 //!
-//! Every output is one chain of fused multiply-adds in `k` order starting from zero, so the
-//! scalar twin ([`sgemm_scalar`], `f32::mul_add`) gives the same bits; the property tests
-//! compare them. (It differs from the `gemm` crate in the last bits: another summation order.)
+//! Layout, after the usual BLIS scheme:
+//! - `b` is packed into panels of [`NR`] columns, each `k` rows of [`NR`] contiguous values
+//!   ([`PackedB`]): a constant weight is packed once per plan (the callers cache it), any other
+//!   operand per call. Read in place, a row-major `b` whose row stride is a multiple of 512
+//!   bytes (384 or 1536 columns) maps a panel's rows onto a few L1 sets, and the reduction of
+//!   ViT-S's fc2 (k = 1536) ran at half speed from those conflict misses.
+//! - A row-major `a` is read in place: the micro-kernel broadcasts from [`MR`] row streams
+//!   (packing it per call, 12 rows x [`KC`] steps at a time, cost more than it saved at the
+//!   ViT-S and PP-OCR shapes). Other strides (a transposed operand) are packed that way.
+//! - The micro-kernel keeps an [`MR`] x [`NR`] tile in 24 of the 32 vector registers: per `k`
+//!   step two 16-lane loads of `b`, 12 broadcasts of `a` and 24 fused multiply-adds. A panel
+//!   block of `b` (`KC` x `NR`, 32 KB) stays in L1 while the row blocks of `a` pass it.
+//! - Threads split the column panels or the row blocks, whichever divides more evenly.
+//!
+//! Every output is one chain of fused multiply-adds in `k` order starting from zero, times
+//! `scale` at the end, so the scalar twin ([`sgemm_scalar`], `f32::mul_add`) gives the same
+//! bits; the property tests compare them. (It differs from the `gemm` crate in the last bits:
+//! another summation order.)
 
 use crate::bail;
 use crate::error::Result;
 use npuc_isa::Isa;
 use rayon::prelude::*;
+use std::cell::RefCell;
 
 /// Rows of a micro-tile.
 pub const MR: usize = 12;
-/// Columns of a micro-tile (two 16-lane registers).
+/// Columns of a micro-tile and of a packed panel of `b` (two 16-lane registers).
 pub const NR: usize = 32;
 /// Products with at least this many multiply-adds are split across threads.
 const PAR_WORK: usize = 1 << 17;
-/// Bytes of `a` per row chunk: the chunk stays in L2 while every column panel passes it.
-const A_CHUNK_BYTES: usize = 256 << 10;
-/// Reduction steps per pass: a panel of `b` (`KC` rows of 128 bytes, 32 KB) stays in L1 while
-/// the row blocks of a chunk pass it; later passes continue each output's chain from `c`.
-/// (Without it, a 1536-long reduction ran slower than the `gemm` crate.)
+/// Reduction steps per pass: a panel block of `b` (`KC` rows of 128 bytes, 32 KB) stays in L1
+/// while the row blocks of `a` pass it; later passes continue each output's chain from `c`.
 const KC: usize = 256;
+/// Rows of `a` packed per block (`MC` x `KC` values, 240 KB, stay in L2 while every panel of
+/// `b` passes them).
+const MC: usize = 20 * MR;
+/// Below this many rows, a row-major `b` is read in place rather than packed per call: packing
+/// costs as much memory traffic as the product itself when `m` is small.
+const PACK_B_MIN_ROWS: usize = 2 * MR;
 
 /// Whether [`sgemm`] runs its AVX-512 kernel at `isa` (else callers keep their own path).
 pub fn available(isa: Isa) -> bool {
     isa.has_avx512()
 }
 
-/// A row-major operand view: row `i` starts at `data[i * ld]`, unit column stride.
+/// A strided operand view: element (i, j) is `data[i * rs + j * cs]`.
 #[derive(Clone, Copy)]
-pub struct RowMajor<'a> {
+pub struct View<'a> {
     pub data: &'a [f32],
-    pub ld: usize,
+    pub rs: usize,
+    pub cs: usize,
 }
 
-fn check(
-    m: usize,
-    n: usize,
-    k: usize,
-    a: RowMajor,
-    b: RowMajor,
-    c: &[f32],
-    ldc: usize,
-) -> Result<()> {
-    let fits = |v: &RowMajor, rows: usize, cols: usize| {
-        rows == 0 || cols == 0 || (v.ld >= cols && (rows - 1) * v.ld + cols <= v.data.len())
-    };
-    if !fits(&a, m, k)
-        || !fits(&b, k, n)
-        || (m > 0 && n > 0 && (ldc < n || (m - 1) * ldc + n > c.len()))
-    {
-        bail!("f32 product operands are smaller than their shapes ({m}x{k} by {k}x{n})");
+impl<'a> View<'a> {
+    /// Row-major with row stride `ld` (unit column stride).
+    pub fn rows(data: &'a [f32], ld: usize) -> Self {
+        View {
+            data,
+            rs: ld,
+            cs: 1,
+        }
     }
-    Ok(())
+    fn fits(&self, rows: usize, cols: usize) -> bool {
+        rows == 0 || cols == 0 || (rows - 1) * self.rs + (cols - 1) * self.cs < self.data.len()
+    }
+    #[inline(always)]
+    fn at(&self, i: usize, j: usize) -> f32 {
+        self.data[i * self.rs + j * self.cs]
+    }
 }
 
-/// `c[m x n]` (row stride `ldc`) = `a * b` with the kernel of `isa`: the AVX-512 one when
-/// [`available`], else the scalar twin.
+/// `b` (`k x n`) packed into panels of [`NR`] columns: panel `p` holds rows `0..k` of columns
+/// `p*NR .. p*NR+NR`, [`NR`] values per row (zeros past column `n`), at `p * k * NR`.
+pub struct PackedB {
+    k: usize,
+    n: usize,
+    data: Vec<f32>,
+}
+
+impl PackedB {
+    /// Packs the `k x n` view `b` (single-threaded; see [`PackedB::new_par`]).
+    pub fn new(k: usize, n: usize, b: View) -> Result<PackedB> {
+        Self::new_par(k, n, b, 1)
+    }
+
+    /// Packs the `k x n` view `b`, panels spread over `threads`.
+    pub fn new_par(k: usize, n: usize, b: View, threads: usize) -> Result<PackedB> {
+        if !b.fits(k, n) {
+            bail!("f32 product: right operand is smaller than {k}x{n}");
+        }
+        let mut data = vec![0f32; n.div_ceil(NR) * k * NR];
+        pack_b_into(k, n, b, &mut data, threads);
+        Ok(PackedB { k, n, data })
+    }
+
+    pub fn k(&self) -> usize {
+        self.k
+    }
+    pub fn n(&self) -> usize {
+        self.n
+    }
+}
+
+/// Packs `b` into `dst` (`n.div_ceil(NR) * k * NR` values; columns past `n` are zeroed).
+/// Each thread takes a run of whole panels and walks `b` row by row, so reads are contiguous
+/// runs of a row and writes whole 128-byte panel rows.
+fn pack_b_into(k: usize, n: usize, b: View, dst: &mut [f32], threads: usize) {
+    let panel = k * NR;
+    let panels = n.div_ceil(NR);
+    if panel == 0 || panels == 0 {
+        return;
+    }
+    let one = |(g, out): (usize, &mut [f32]), per: usize| {
+        let p0 = g * per;
+        let count = out.len() / panel;
+        for kk in 0..k {
+            for q in 0..count {
+                let j0 = (p0 + q) * NR;
+                let cols = NR.min(n - j0);
+                let row = &mut out[q * panel + kk * NR..][..NR];
+                if b.cs == 1 {
+                    let s = kk * b.rs + j0;
+                    row[..cols].copy_from_slice(&b.data[s..s + cols]);
+                } else {
+                    for (j, v) in row[..cols].iter_mut().enumerate() {
+                        *v = b.at(kk, j0 + j);
+                    }
+                }
+                row[cols..].fill(0.0);
+            }
+        }
+    };
+    if threads > 1 && panels > 1 && k * n >= PAR_WORK / 8 {
+        let per = panels.div_ceil(threads);
+        dst.par_chunks_mut(per * panel)
+            .enumerate()
+            .for_each(|x| one(x, per));
+    } else {
+        one((0, dst), panels);
+    }
+}
+
+thread_local! {
+    /// Per-thread packing buffers, reused across calls (taken out while in use, so a nested
+    /// call on the same thread, e.g. from rayon work-stealing, just allocates its own).
+    static SCRATCH_A: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    static SCRATCH_B: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+fn take_scratch(cell: &'static std::thread::LocalKey<RefCell<Vec<f32>>>, len: usize) -> Vec<f32> {
+    let mut v = cell.with(|c| std::mem::take(&mut *c.borrow_mut()));
+    v.resize(len.max(v.len()), 0.0);
+    v
+}
+
+fn give_scratch(cell: &'static std::thread::LocalKey<RefCell<Vec<f32>>>, v: Vec<f32>) {
+    cell.with(|c| {
+        let mut c = c.borrow_mut();
+        if c.capacity() < v.capacity() {
+            *c = v;
+        }
+    });
+}
+
 #[allow(clippy::too_many_arguments)]
-pub fn sgemm(
+fn check(
     isa: Isa,
     m: usize,
     n: usize,
     k: usize,
-    a: RowMajor,
-    b: RowMajor,
-    c: &mut [f32],
+    a: View,
+    b: Option<View>,
+    c: &[f32],
     ldc: usize,
-    threads: usize,
 ) -> Result<()> {
-    check(m, n, k, a, b, c, ldc)?;
+    if !a.fits(m, k)
+        || b.is_some_and(|b| !b.fits(k, n))
+        || (m > 0 && n > 0 && (ldc < n || (m - 1) * ldc + n > c.len()))
+    {
+        bail!("f32 product operands are smaller than their shapes ({m}x{k} by {k}x{n})");
+    }
     if isa > Isa::detect() {
         bail!(
             "f32 product: {} kernels requested above the active level {}",
@@ -87,145 +196,334 @@ pub fn sgemm(
             Isa::detect().name()
         );
     }
-    if m == 0 || n == 0 {
-        return Ok(());
-    }
-    if k == 0 {
-        for row in c.chunks_mut(ldc).take(m) {
-            row[..n].fill(0.0);
-        }
-        return Ok(());
-    }
-    if !available(isa) {
-        sgemm_scalar(m, n, k, a, b, c, ldc);
-        return Ok(());
-    }
-    let blocks = m.div_ceil(MR);
-    let groups = if threads > 1 && m * n * k >= PAR_WORK {
-        threads.min(blocks)
-    } else {
-        1
-    };
-    let per = blocks.div_ceil(groups) * MR;
-    let run = |r0: usize, rows: usize, cg: &mut [f32]| {
-        let chunk = ((A_CHUNK_BYTES / (4 * KC.min(k).max(1))) / MR).max(1) * MR;
-        let mut c0 = 0;
-        while c0 < rows {
-            let c1 = (c0 + chunk).min(rows);
-            let mut k0 = 0;
-            loop {
-                let kc = KC.min(k - k0);
-                for p0 in (0..n).step_by(NR) {
-                    let cols = NR.min(n - p0);
-                    let mut i = c0;
-                    while i < c1 {
-                        let r = MR.min(c1 - i);
-                        let ao = (r0 + i) * a.ld + k0;
-                        // SAFETY: `available(isa)` and `isa <= Isa::detect()` mean the CPU has
-                        // AVX-512 F; `check` proved rows r0+i .. r0+i+r of `a` (k values each,
-                        // of which k0..k0+kc are read), rows k0..k0+kc of `b` at columns
-                        // p0..p0+cols and rows i..i+r of `cg` (a window of `c` starting at row
-                        // r0) at those columns lie inside the slices.
-                        unsafe {
-                            tile(
-                                r,
-                                kc,
-                                &a.data[ao..],
-                                a.ld,
-                                &b.data[k0 * b.ld + p0..],
-                                b.ld,
-                                &mut cg[i * ldc + p0..],
-                                ldc,
-                                cols,
-                                k0 > 0,
-                            )
-                        }
-                        i += r;
-                    }
-                }
-                k0 += kc;
-                if k0 >= k {
-                    break;
-                }
-            }
-            c0 = c1;
-        }
-    };
-    if groups > 1 {
-        let c = &mut c[..(m - 1) * ldc + n];
-        // Row groups of `per` rows own disjoint row ranges of `c` (the last may be short).
-        let mut parts: Vec<(usize, &mut [f32])> = Vec::with_capacity(groups);
-        let mut rest = c;
-        let mut r0 = 0;
-        while r0 < m {
-            let rows = per.min(m - r0);
-            let take = if r0 + rows < m {
-                rows * ldc
-            } else {
-                rest.len()
-            };
-            let (head, tail) = rest.split_at_mut(take);
-            parts.push((r0, head));
-            rest = tail;
-            r0 += rows;
-        }
-        parts
-            .into_par_iter()
-            .for_each(|(r0, cg)| run(r0, per.min(m - r0), cg));
-    } else {
-        run(0, m, c);
-    }
     Ok(())
 }
 
-/// The scalar twin: each output one `mul_add` chain in `k` order from zero.
+/// `c[m x n]` (row stride `ldc`) = `scale * a * b` with the kernel of `isa`: the AVX-512 one
+/// when [`available`], else the scalar twin. `b` is packed per call (unless `m` is small and
+/// `b` row-major).
+#[allow(clippy::too_many_arguments)]
+pub fn sgemm(
+    isa: Isa,
+    m: usize,
+    n: usize,
+    k: usize,
+    scale: f32,
+    a: View,
+    b: View,
+    c: &mut [f32],
+    ldc: usize,
+    threads: usize,
+) -> Result<()> {
+    check(isa, m, n, k, a, Some(b), c, ldc)?;
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    if k == 0 || !available(isa) {
+        sgemm_scalar(m, n, k, scale, a, b, c, ldc);
+        return Ok(());
+    }
+    let threads = if m * n * k >= PAR_WORK { threads } else { 1 };
+    if b.cs == 1 && m < PACK_B_MIN_ROWS {
+        run(m, n, k, scale, a, BSrc::Rows(b), c, ldc, threads);
+        return Ok(());
+    }
+    let len = n.div_ceil(NR) * k * NR;
+    let mut buf = take_scratch(&SCRATCH_B, len);
+    pack_b_into(k, n, b, &mut buf[..len], threads);
+    run(
+        m,
+        n,
+        k,
+        scale,
+        a,
+        BSrc::Packed(&buf[..len]),
+        c,
+        ldc,
+        threads,
+    );
+    give_scratch(&SCRATCH_B, buf);
+    Ok(())
+}
+
+/// [`sgemm`] with `b` packed beforehand (a constant weight, packed once per plan).
+#[allow(clippy::too_many_arguments)]
+pub fn sgemm_packed(
+    isa: Isa,
+    m: usize,
+    scale: f32,
+    a: View,
+    b: &PackedB,
+    c: &mut [f32],
+    ldc: usize,
+    threads: usize,
+) -> Result<()> {
+    let (n, k) = (b.n, b.k);
+    check(isa, m, n, k, a, None, c, ldc)?;
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    if k == 0 || !available(isa) {
+        let bv = PackedView(b);
+        for i in 0..m {
+            for j in 0..n {
+                let mut acc = 0f32;
+                for kk in 0..k {
+                    acc = a.at(i, kk).mul_add(bv.at(kk, j), acc);
+                }
+                c[i * ldc + j] = acc * scale;
+            }
+        }
+        return Ok(());
+    }
+    let threads = if m * n * k >= PAR_WORK { threads } else { 1 };
+    run(m, n, k, scale, a, BSrc::Packed(&b.data), c, ldc, threads);
+    Ok(())
+}
+
+/// Reads a [`PackedB`] back by (row, column), for the scalar path.
+struct PackedView<'a>(&'a PackedB);
+
+impl PackedView<'_> {
+    fn at(&self, kk: usize, j: usize) -> f32 {
+        let b = self.0;
+        b.data[(j / NR) * b.k * NR + kk * NR + j % NR]
+    }
+}
+
+/// Where the micro-kernel reads `b`: packed panels, or a row-major view in place.
+#[derive(Clone, Copy)]
+enum BSrc<'a> {
+    Packed(&'a [f32]),
+    Rows(View<'a>),
+}
+
+/// The output matrix as a raw pointer, so that threads can write disjoint column panels of
+/// the same rows (no `&mut` slices of it exist while they run).
+#[derive(Clone, Copy)]
+struct Out {
+    ptr: *mut f32,
+    len: usize,
+    ldc: usize,
+}
+// SAFETY: `run` hands every thread a disjoint set of (row, column) tiles of the one buffer it
+// borrows mutably for the whole call; nothing else reads or writes it meanwhile.
+unsafe impl Send for Out {}
+// SAFETY: as above: shared between threads only to write disjoint tiles.
+unsafe impl Sync for Out {}
+
+/// The blocked product over all of `c`, split across `threads` (bounds already checked).
+#[allow(clippy::too_many_arguments)]
+fn run(
+    m: usize,
+    n: usize,
+    k: usize,
+    scale: f32,
+    a: View,
+    b: BSrc,
+    c: &mut [f32],
+    ldc: usize,
+    threads: usize,
+) {
+    let blocks = m.div_ceil(MR);
+    let panels = n.div_ceil(NR);
+    let out = Out {
+        ptr: c.as_mut_ptr(),
+        len: c.len(),
+        ldc,
+    };
+    let t = threads.max(1).min(blocks.max(panels));
+    if t <= 1 {
+        block(0..m, 0..panels, n, k, scale, a, b, out);
+        return;
+    }
+    // Split whichever of row blocks and column panels divides more evenly over `t` threads
+    // (the critical path is the largest share); ties go to columns, whose shares read
+    // disjoint parts of `b`.
+    let share = |units: usize| units.div_ceil(t) as f64 / units as f64;
+    if share(panels) <= share(blocks) || blocks < t {
+        let per = panels.div_ceil(t);
+        (0..panels.div_ceil(per)).into_par_iter().for_each(|g| {
+            block(
+                0..m,
+                g * per..((g + 1) * per).min(panels),
+                n,
+                k,
+                scale,
+                a,
+                b,
+                out,
+            );
+        });
+    } else {
+        let per = blocks.div_ceil(t) * MR;
+        (0..m.div_ceil(per)).into_par_iter().for_each(|g| {
+            block(
+                g * per..((g + 1) * per).min(m),
+                0..panels,
+                n,
+                k,
+                scale,
+                a,
+                b,
+                out,
+            );
+        });
+    }
+}
+
+/// Rows `rows` and column panels `panels` of `c` (no other call running at the same time
+/// writes them).
+#[allow(clippy::too_many_arguments)]
+fn block(
+    rows: std::ops::Range<usize>,
+    panels: std::ops::Range<usize>,
+    n: usize,
+    k: usize,
+    scale: f32,
+    a: View,
+    b: BSrc,
+    c: Out,
+) {
+    let mut apack = if a.cs == 1 {
+        Vec::new()
+    } else {
+        take_scratch(&SCRATCH_A, MC.div_ceil(MR) * MR * KC)
+    };
+    let mut c0 = rows.start;
+    while c0 < rows.end {
+        let c1 = (c0 + MC).min(rows.end);
+        let mut k0 = 0;
+        while k0 < k {
+            let kc = KC.min(k - k0);
+            // A row-major `a` is read in place (12 row streams; packing it cost more than it
+            // saved); other strides are packed.
+            if a.cs != 1 {
+                pack_a(a, c0..c1, k0, kc, &mut apack);
+            }
+            let last = k0 + kc == k;
+            for p in panels.clone() {
+                let j0 = p * NR;
+                let cols = NR.min(n - j0);
+                let (bp, ldb) = match b {
+                    BSrc::Packed(d) => (&d[p * k * NR + k0 * NR..][..kc * NR], NR),
+                    BSrc::Rows(v) => (&v.data[k0 * v.rs + j0..], v.rs),
+                };
+                let mut i = c0;
+                while i < c1 {
+                    let r = MR.min(c1 - i);
+                    let (ap, ars, acs) = if a.cs == 1 {
+                        (&a.data[i * a.rs + k0..], a.rs, 1)
+                    } else {
+                        (&apack[(i - c0) * kc..][..kc * MR], 1, MR)
+                    };
+                    let at = i * c.ldc + j0;
+                    assert!(
+                        at + (r - 1) * c.ldc + cols <= c.len,
+                        "sgemm output tile outside the output"
+                    );
+                    // SAFETY: `run`'s callers checked the level (AVX-512 F); `ap` holds r rows
+                    // of kc steps at strides (ars, acs) (in place: `check` proved rows i..i+r
+                    // of `a` at steps k0..k0+kc lie inside it), `bp` kc rows of `cols` values at stride `ldb` (packed
+                    // panels: NR; in place: `check` proved rows k0..k0+kc of `b` at columns
+                    // j0..j0+cols lie inside it); the assert above keeps the tile's rows
+                    // i..i+r, columns j0..j0+cols inside `c`, which only this call writes.
+                    unsafe {
+                        tile(
+                            r,
+                            kc,
+                            (ap, ars, acs),
+                            bp,
+                            ldb,
+                            c.ptr.add(at),
+                            c.ldc,
+                            cols,
+                            k0 > 0,
+                            if last { scale } else { 1.0 },
+                        )
+                    }
+                    i += r;
+                }
+            }
+            k0 += kc;
+        }
+        c0 = c1;
+    }
+    give_scratch(&SCRATCH_A, apack);
+}
+
+/// Packs rows `rows` x steps `k0..k0+kc` of `a`: micro-panel `q` (rows `q*MR..`) at
+/// `q * kc * MR`, step `kk`'s [`MR`] values contiguous (rows past the end are left as they
+/// were: the kernel computes them but never stores them).
+fn pack_a(a: View, rows: std::ops::Range<usize>, k0: usize, kc: usize, dst: &mut [f32]) {
+    for (q, i0) in rows.clone().step_by(MR).enumerate() {
+        let r = MR.min(rows.end - i0);
+        let panel = &mut dst[q * kc * MR..][..kc * MR];
+        for ri in 0..r {
+            let row = i0 + ri;
+            if a.cs == 1 {
+                let src = &a.data[row * a.rs + k0..][..kc];
+                for (kk, &v) in src.iter().enumerate() {
+                    panel[kk * MR + ri] = v;
+                }
+            } else {
+                for kk in 0..kc {
+                    panel[kk * MR + ri] = a.at(row, k0 + kk);
+                }
+            }
+        }
+    }
+}
+
+/// The scalar twin: each output one `mul_add` chain in `k` order from zero, times `scale`.
+#[allow(clippy::too_many_arguments)]
 pub fn sgemm_scalar(
     m: usize,
     n: usize,
     k: usize,
-    a: RowMajor,
-    b: RowMajor,
+    scale: f32,
+    a: View,
+    b: View,
     c: &mut [f32],
     ldc: usize,
 ) {
     for i in 0..m {
-        let arow = &a.data[i * a.ld..i * a.ld + k];
         for j in 0..n {
             let mut acc = 0f32;
-            for (kk, &x) in arow.iter().enumerate() {
-                acc = x.mul_add(b.data[kk * b.ld + j], acc);
+            for kk in 0..k {
+                acc = a.at(i, kk).mul_add(b.at(kk, j), acc);
             }
-            c[i * ldc + j] = acc;
+            c[i * ldc + j] = acc * scale;
         }
     }
 }
 
 /// Dispatches the `rows`-row tile (1..=MR); `cont`: continue the chains from `c` (a later
-/// reduction pass) instead of from zero.
+/// reduction pass) instead of from zero; `scale` multiplies the results as they are stored.
 ///
 /// # Safety
-/// AVX-512 F; `a` holds `rows` rows of `k` values at stride `lda`, `b` `k` rows of `cols`
-/// (<= NR) values at stride `ldb`, `c` `rows` rows of `cols` at stride `ldc`.
+/// AVX-512 F; `a` holds `rows` rows of `k` steps at strides (row, step) `(ars, acs)`, `b` `k` rows of `cols` (<= NR) values at
+/// stride `ldb`, `c` points at `rows` writable rows of `cols` values at stride `ldc` that
+/// nothing else accesses meanwhile.
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn tile(
     rows: usize,
     k: usize,
-    a: &[f32],
-    lda: usize,
+    (a, ars, acs): (&[f32], usize, usize),
     b: &[f32],
     ldb: usize,
-    c: &mut [f32],
+    c: *mut f32,
     ldc: usize,
     cols: usize,
     cont: bool,
+    scale: f32,
 ) {
     assert!(
         (1..=MR).contains(&rows)
             && (1..=NR).contains(&cols)
             && (k == 0 || b.len() >= (k - 1) * ldb + cols)
-            && a.len() >= (rows - 1) * lda + k
-            && c.len() >= (rows - 1) * ldc + cols,
+            && (k == 0 || a.len() > (rows - 1) * ars + (k - 1) * acs),
         "sgemm tile operands too short"
     );
     macro_rules! go {
@@ -233,7 +531,7 @@ unsafe fn tile(
             match rows {
                 // SAFETY: AVX-512 F per this function's contract; the assert above bounds
                 // every access of the kernel.
-                $($r => unsafe { tile_avx512::<$r>(k, a.as_ptr(), lda, b.as_ptr(), ldb, c.as_mut_ptr(), ldc, cols, cont) },)*
+                $($r => unsafe { tile_avx512::<$r>(k, a.as_ptr(), ars, acs, b.as_ptr(), ldb, c, ldc, cols, cont, scale) },)*
                 _ => unreachable!(),
             }
         };
@@ -246,22 +544,24 @@ unsafe fn tile(
 unsafe fn tile(
     rows: usize,
     k: usize,
-    a: &[f32],
-    lda: usize,
+    (a, ars, acs): (&[f32], usize, usize),
     b: &[f32],
     ldb: usize,
-    c: &mut [f32],
+    c: *mut f32,
     ldc: usize,
     cols: usize,
     cont: bool,
+    scale: f32,
 ) {
     for i in 0..rows {
         for j in 0..cols {
-            let mut acc = if cont { c[i * ldc + j] } else { 0.0 };
+            // SAFETY: `c` points at `rows` rows of `cols` values at stride `ldc` (contract).
+            let cij = unsafe { &mut *c.add(i * ldc + j) };
+            let mut acc = if cont { *cij } else { 0.0 };
             for kk in 0..k {
-                acc = a[i * lda + kk].mul_add(b[kk * ldb + j], acc);
+                acc = a[i * ars + kk * acs].mul_add(b[kk * ldb + j], acc);
             }
-            c[i * ldc + j] = acc;
+            *cij = acc * scale;
         }
     }
 }
@@ -277,13 +577,15 @@ unsafe fn tile(
 unsafe fn tile_avx512<const R: usize>(
     k: usize,
     a: *const f32,
-    lda: usize,
+    ars: usize,
+    acs: usize,
     b: *const f32,
     ldb: usize,
     c: *mut f32,
     ldc: usize,
     cols: usize,
     cont: bool,
+    scale: f32,
 ) {
     use std::arch::x86_64::*;
     let m0: __mmask16 = if cols >= 16 {
@@ -310,23 +612,30 @@ unsafe fn tile_avx512<const R: usize>(
     }
     for kk in 0..k {
         // SAFETY: row kk < k of `b` holds `cols` values at kk * ldb (masked loads touch only
-        // those) and a[r * lda + kk] (r < R) is inside `a` (the caller's contract).
+        // those) and a[r * ars + kk * acs] (r < R) is inside `a` (the caller's contract).
         unsafe {
             let bp = b.add(kk * ldb);
             let b0 = _mm512_maskz_loadu_ps(m0, bp);
             let b1 = _mm512_maskz_loadu_ps(m1, bp.add(16));
+            let ap = a.add(kk * acs);
             for (r, accr) in acc.iter_mut().enumerate() {
-                let av = _mm512_set1_ps(*a.add(r * lda + kk));
+                let av = _mm512_set1_ps(*ap.add(r * ars));
                 accr[0] = _mm512_fmadd_ps(av, b0, accr[0]);
                 accr[1] = _mm512_fmadd_ps(av, b1, accr[1]);
             }
         }
     }
+    let sv = _mm512_set1_ps(scale);
     for (r, accr) in acc.iter().enumerate() {
+        let (v0, v1) = if scale != 1.0 {
+            (_mm512_mul_ps(accr[0], sv), _mm512_mul_ps(accr[1], sv))
+        } else {
+            (accr[0], accr[1])
+        };
         // SAFETY: row r < R of `c` holds `cols` values at r * ldc (masked stores).
         unsafe {
-            _mm512_mask_storeu_ps(c.add(r * ldc), m0, accr[0]);
-            _mm512_mask_storeu_ps(c.add(r * ldc + 16), m1, accr[1]);
+            _mm512_mask_storeu_ps(c.add(r * ldc), m0, v0);
+            _mm512_mask_storeu_ps(c.add(r * ldc + 16), m1, v1);
         }
     }
 }
@@ -341,19 +650,34 @@ mod tests {
         #![proptest_config(ProptestConfig::with_cases(64))]
         #[test]
         fn dispatched_equals_scalar_twin(
-            m in 1usize..30, n in 1usize..80, k in prop_oneof![0usize..90, 250usize..600], pad in 0usize..3,
-            threads in 1usize..3, seed in any::<u64>(),
+            m in prop_oneof![1usize..30, 250usize..270], n in 1usize..80,
+            k in prop_oneof![0usize..90, 250usize..600], pad in 0usize..3,
+            trans_a in any::<bool>(), trans_b in any::<bool>(), packed in any::<bool>(),
+            scale in prop_oneof![Just(1f32), -2f32..2f32],
+            threads in 1usize..4, seed in any::<u64>(),
         ) {
             let mut s = seed | 1;
             let mut val = || (xorshift(&mut s) % 2001) as f32 / 1000.0 - 1.0;
-            let (lda, ldb, ldc) = (k + pad, n + pad, n + 2 * pad);
-            let a: Vec<f32> = (0..m * lda).map(|_| val()).collect();
-            let b: Vec<f32> = (0..k.max(1) * ldb).map(|_| val()).collect();
-            let (ra, rb) = (RowMajor { data: &a, ld: lda }, RowMajor { data: &b, ld: ldb });
+            let ldc = n + 2 * pad;
+            // Row-major (or, transposed, column-major) operands with padded strides.
+            let view = |rows: usize, cols: usize, t: bool| -> (usize, usize) {
+                if t { (1, rows + pad) } else { (cols + pad, 1) }
+            };
+            let a: Vec<f32> = (0..(m + pad) * (k + pad)).map(|_| val()).collect();
+            let b: Vec<f32> = (0..(k.max(1) + pad) * (n + pad)).map(|_| val()).collect();
+            let (ars, acs) = view(m, k, trans_a);
+            let (brs, bcs) = view(k, n, trans_b);
+            let va = View { data: &a, rs: ars, cs: acs };
+            let vb = View { data: &b, rs: brs, cs: bcs };
             let mut want = vec![f32::NAN; m * ldc];
-            sgemm_scalar(m, n, k, ra, rb, &mut want, ldc);
+            sgemm_scalar(m, n, k, scale, va, vb, &mut want, ldc);
             let mut got = vec![f32::NAN; m * ldc];
-            sgemm(Isa::detect(), m, n, k, ra, rb, &mut got, ldc, threads).unwrap();
+            if packed {
+                let pb = PackedB::new_par(k, n, vb, threads).unwrap();
+                sgemm_packed(Isa::detect(), m, scale, va, &pb, &mut got, ldc, threads).unwrap();
+            } else {
+                sgemm(Isa::detect(), m, n, k, scale, va, vb, &mut got, ldc, threads).unwrap();
+            }
             for i in 0..m {
                 for j in 0..ldc {
                     let (g, w) = (got[i * ldc + j], want[i * ldc + j]);
@@ -368,7 +692,10 @@ mod tests {
         let a = [1f32; 6];
         let b = [1f32; 5];
         let mut c = [0f32; 4];
-        let (ra, rb) = (RowMajor { data: &a, ld: 3 }, RowMajor { data: &b, ld: 2 });
-        assert!(sgemm(Isa::detect(), 2, 2, 3, ra, rb, &mut c, 2, 1).is_err());
+        let (ra, rb) = (View::rows(&a, 3), View::rows(&b, 2));
+        assert!(sgemm(Isa::detect(), 2, 2, 3, 1.0, ra, rb, &mut c, 2, 1).is_err());
+        assert!(PackedB::new(3, 2, rb).is_err());
+        let pb = PackedB::new(3, 2, View::rows(&[1f32; 6], 2)).unwrap();
+        assert!(sgemm_packed(Isa::detect(), 2, 1.0, ra, &pb, &mut c[..3], 2, 1).is_err());
     }
 }

@@ -16,7 +16,7 @@
 use crate::bail;
 use crate::error::Result;
 use crate::kernel::{registry, Inputs, OpCtx, Registry, MAX_OPSET};
-use crate::ops::matmul::matmul_tensors;
+use crate::ops::matmul::{matmul_const_b, matmul_tensors};
 use crate::value::Value;
 use npuc_ir::infer::onnx_rule;
 use npuc_ir::opdef::{AttrDef, OpDef, Param};
@@ -443,7 +443,10 @@ fn fused_matmul(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
             );
         }
     }
-    let t = matmul_tensors(a, b, ctx.threads)?;
+    let t = match matmul_const_b(ctx, a, b)? {
+        Some(t) => t,
+        None => matmul_tensors(a, b, ctx.threads)?,
+    };
     Ok(vec![Value::tensor(epilogue(t, bias, act)?)])
 }
 

@@ -1,8 +1,10 @@
 //! Matrix products: MatMul, Gemm, Einsum and the attention family.
 //!
-//! f32/f64 products go through the `gemm` crate ([`gemm_into`]); f16/bf16 are widened to f32
-//! (which is also what numpy-based references effectively accumulate in); integer products use a
-//! plain wrapping triple loop.
+//! f32 products run the runtime's AVX-512 kernel (`kernels::sgemm`) when the active level has
+//! AVX-512, with a constant right operand packed once per plan ([`matmul_const_b`]); otherwise,
+//! and for f64, they go through the `gemm` crate ([`gemm_into`]). f16/bf16 are widened to f32
+//! (which is also what numpy-based references effectively accumulate in); integer products use
+//! a plain wrapping triple loop.
 
 pub(crate) mod attention;
 mod einsum;
@@ -11,9 +13,11 @@ mod linear;
 use crate::bail;
 use crate::error::Result;
 use crate::kernel::{Inputs, OpCtx, Registry};
+use crate::kernels::sgemm::{self, PackedB, View};
 use crate::ops::common::{broadcast_shapes, broadcast_strides};
 use crate::value::Value;
 use npuc_ir::{bf16, f16, DType, Elem, Tensor};
+use npuc_isa::Isa;
 use rayon::prelude::*;
 use std::borrow::Cow;
 
@@ -44,12 +48,64 @@ pub trait GemmFloat:
     fn fast_exp(self) -> Self {
         self.exp()
     }
+    /// `dst = scale * a * b` with the runtime's own kernel when it has one for this type at
+    /// the active level (bounds already checked by [`gemm_into`]); `None`: use the `gemm`
+    /// crate.
+    #[allow(clippy::too_many_arguments)]
+    fn own_gemm(
+        _m: usize,
+        _n: usize,
+        _k: usize,
+        _scale: Self,
+        _a: Mat<Self>,
+        _b: Mat<Self>,
+        _dst: &mut [Self],
+        _dst_rs: usize,
+        _threads: usize,
+    ) -> Option<Result<()>> {
+        None
+    }
 }
 
 impl GemmFloat for f32 {
     #[inline(always)]
     fn fast_exp(self) -> f32 {
         crate::ops::elementwise::exp_f32(self)
+    }
+    fn own_gemm(
+        m: usize,
+        n: usize,
+        k: usize,
+        scale: f32,
+        a: Mat<f32>,
+        b: Mat<f32>,
+        dst: &mut [f32],
+        dst_rs: usize,
+        threads: usize,
+    ) -> Option<Result<()>> {
+        let isa = Isa::detect();
+        if !sgemm::available(isa) {
+            return None;
+        }
+        fn view(x: Mat<'_, f32>) -> View<'_> {
+            View {
+                data: x.data,
+                rs: x.rs,
+                cs: x.cs,
+            }
+        }
+        Some(sgemm::sgemm(
+            isa,
+            m,
+            n,
+            k,
+            scale,
+            view(a),
+            view(b),
+            dst,
+            dst_rs,
+            threads,
+        ))
     }
     fn from_f64(v: f64) -> f32 {
         v as f32
@@ -127,7 +183,9 @@ impl<'a, T> Mat<'a, T> {
 }
 
 /// `dst[m x n] (row stride dst_rs, unit column stride) = scale * a[m x k] * b[k x n]`, plus
-/// `acc * dst` when `acc` is given. Bounds are validated before the `gemm` call.
+/// `acc * dst` when `acc` is given. Bounds are validated before the product. f32 without
+/// `acc` runs `kernels::sgemm` at the AVX-512 level ([`GemmFloat::own_gemm`]), everything
+/// else the `gemm` crate.
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_into<T: GemmFloat>(
     m: usize,
@@ -157,6 +215,11 @@ pub fn gemm_into<T: GemmFloat>(
             }
         }
         return Ok(());
+    }
+    if acc.is_none() {
+        if let Some(done) = T::own_gemm(m, n, k, scale, a, b, dst, dst_rs, threads) {
+            return done;
+        }
     }
     let par = if threads > 1 && m * n * k >= PAR_WORK {
         gemm::Parallelism::Rayon(threads)
@@ -424,8 +487,54 @@ pub fn matmul_tensors(a: &Tensor, b: &Tensor, threads: usize) -> Result<Tensor> 
 
 /// MatMul: numpy `matmul` semantics (batch broadcasting, 1-D operands promoted then squeezed).
 fn matmul(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
-    let t = matmul_tensors(ins.tensor(0)?, ins.tensor(1)?, ctx.threads)?;
+    let (a, b) = (ins.tensor(0)?, ins.tensor(1)?);
+    let t = match matmul_const_b(ctx, a, b)? {
+        Some(t) => t,
+        None => matmul_tensors(a, b, ctx.threads)?,
+    };
     Ok(vec![Value::tensor(t)])
+}
+
+/// f32 `a [..., m, k] x b [k, n]` with `b` a constant of the plan (a weight), at the AVX-512
+/// level: `b` is packed for `kernels::sgemm` once per plan (the node's cache) instead of on
+/// every call. `None` when that does not apply (other dtypes or levels, a computed or batched
+/// `b`); the caller then runs [`matmul_tensors`].
+pub(crate) fn matmul_const_b(ctx: &OpCtx, a: &Tensor, b: &Tensor) -> Result<Option<Tensor>> {
+    let isa = Isa::detect();
+    if a.dtype() != DType::F32
+        || b.dtype() != DType::F32
+        || b.rank() != 2
+        || !sgemm::available(isa)
+        || !ctx.input_is_const(1)
+    {
+        return Ok(None);
+    }
+    let p = MatMulPlan::new(a.shape(), b.shape())?;
+    if !p.fold_batch {
+        return Ok(None);
+    }
+    let (k, n) = (p.k, p.n);
+    let packed = ctx.cached(|| PackedB::new(k, n, View::rows(b.as_slice::<f32>()?, n)))?;
+    if packed.k() != k || packed.n() != n {
+        bail!(
+            "MatMul weight packed as {}x{}, now {k}x{n}",
+            packed.k(),
+            packed.n()
+        );
+    }
+    let rows = p.batches() * p.m;
+    let mut out = crate::buffers::zeroed::<f32>(rows * n);
+    sgemm::sgemm_packed(
+        isa,
+        rows,
+        1.0,
+        View::rows(a.as_slice::<f32>()?, k),
+        &packed,
+        &mut out,
+        n,
+        ctx.threads,
+    )?;
+    Ok(Some(Tensor::from_vec(p.out_shape, out)?))
 }
 
 /// Gemm: `Y = alpha * op(A) * op(B) + beta * C`, with op = optional transpose and C
