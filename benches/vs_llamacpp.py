@@ -54,35 +54,51 @@ def npuc(binary, model, threads):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--llama-bin", required=True)
+    ap.add_argument("--llama-bin", required=True, action="append",
+                    help="a llama.cpp bin directory, or LABEL=DIR; repeat to compare builds (each figure "
+                         "takes the faster build's median, named in the table)")
     ap.add_argument("--npuc", required=True)
     ap.add_argument("--cache", required=True)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--models", nargs="+", default=list(MODELS))
     a = ap.parse_args()
+    builds = []
+    for spec in a.llama_bin:
+        label, sep, path = spec.partition("=")
+        builds.append((label, path) if sep else (os.path.basename(os.path.dirname(spec.rstrip("/"))), spec))
+    several = len(builds) > 1
     print("| model | threads | pp128 npuc / llama.cpp | pp512 npuc / llama.cpp | tg64 npuc / llama.cpp "
           "| npuc decode roofline share | peak RSS npuc / llama.cpp (MB) |")
     print("|---|---|---|---|---|---|---|")
+    med = lambda rs, k: statistics.median(r[k] for r in rs if k in r) if any(k in r for r in rs) else float("nan")
     for name in a.models:
         model = os.path.join(a.cache, "models", MODELS[name])
         for t in a.threads:
-            ours, theirs, rss_o, rss_t = [], [], [], []
+            ours, rss_o = [], []
+            theirs = {label: [] for label, _ in builds}
+            rss_t = {label: [] for label, _ in builds}
+            # Alternating: every llama.cpp build, then npuc, in each round.
             for _ in range(a.rounds):
-                r, rss = llama(a.llama_bin, model, t)
-                theirs.append(r)
-                rss_t.append(rss)
+                for label, path in builds:
+                    r, rss = llama(path, model, t)
+                    theirs[label].append(r)
+                    rss_t[label].append(rss)
                 r, rss = npuc(a.npuc, model, t)
                 ours.append(r)
                 rss_o.append(rss)
-            med = lambda rs, k: statistics.median(r[k] for r in rs if k in r) if any(k in r for r in rs) else float("nan")
             cells = []
             for k in ("pp128", "pp512", "tg64"):
-                o, l = med(ours, k), med(theirs, k)
-                cells.append(f"{o:.1f} / {l:.1f} ({o / l:.2f}x)")
+                o = med(ours, k)
+                # llama.cpp's best: the build with the higher median for this figure.
+                l, best = max((med(theirs[label], k), label) for label, _ in builds)
+                others = ", ".join(f"{label} {med(theirs[label], k):.1f}" for label, _ in builds if label != best)
+                note = f" [{best}; {others}]" if several else ""
+                cells.append(f"{o:.1f} / {l:.1f} ({o / l:.2f}x){note}")
             share = med(ours, "roofline_share")
             rss_o_v = max((x for x in rss_o if x), default=0) / 1e6
-            rss_t_v = max((x for x in rss_t if x), default=0) / 1e6
+            # Peak RSS: the lowest of the builds' peaks (the most favourable figure for llama.cpp).
+            rss_t_v = min(max((x for x in v if x), default=0) for v in rss_t.values()) / 1e6
             print(f"| {name} | {t} | {' | '.join(cells)} | {share * 100:.0f}% | {rss_o_v:.0f} / {rss_t_v:.0f} |",
                   flush=True)
 

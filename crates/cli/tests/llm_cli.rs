@@ -195,15 +195,13 @@ fn gemma3_parity_greedy_matches_llama_cpp() {
     }
 }
 
-/// llama-perplexity -c 512 on ppl_text.txt: 13.5372 +/- 0.35626 over 43 chunks; ours (the default,
-/// fast precision) within 0.5 % (issue 15's bar for the fast path; measured 13.5387 on 2026-11-27).
-/// Slow (43 x 512 tokens of prefill): `cargo test --release -p npuc-cli --test llm_cli -- --ignored`.
-#[test]
-#[ignore = "slow (~1-3 min in release); run with --ignored"]
-fn gemma3_perplexity_within_half_a_percent_of_llama_cpp() {
-    let model = gemma();
+/// `npuc perplexity MODEL --ctx 512` (the default, fast precision) on ppl_text.txt within 0.5 % of
+/// `llama-perplexity -c 512` on the same file (`reference`: tests/fixtures/llm/<...>_ppl.json, made by
+/// `scripts/llamacpp/make_ppl_refs.sh`): issue 15's quality bar for the fast path. The chunking
+/// (the number of 512-token chunks each tokenizer makes of the text) must match llama.cpp's too.
+fn assert_perplexity_within_half_a_percent(model: &std::path::Path, reference: &str) {
     let text = fixtures().join("gemma3/ppl_text.txt");
-    let r = json(&std::fs::read_to_string(fixtures().join("gemma3/gemma3_270m_ppl.json")).unwrap());
+    let r = json(&std::fs::read_to_string(fixtures().join(reference)).unwrap());
     let (so, se) = npuc(&[
         "perplexity",
         model.to_str().unwrap(),
@@ -218,7 +216,36 @@ fn gemma3_perplexity_within_half_a_percent_of_llama_cpp() {
     let (got, want) = (j["ppl"].as_f64().unwrap(), r["ppl"].as_f64().unwrap());
     assert!(
         (got - want).abs() / want < 0.005,
-        "PPL {got} vs llama.cpp {want}"
+        "{}: PPL {got} vs llama.cpp {want}",
+        model.display()
+    );
+}
+
+/// llama-perplexity: 13.5372 +/- 0.35626 over 43 chunks; ours measured 13.5387 on 2026-11-27.
+/// Slow (43 x 512 tokens of prefill): `cargo test --release -p npuc-cli --test llm_cli -- --ignored`.
+#[test]
+#[ignore = "slow (~1-3 min in release); run with --ignored"]
+fn gemma3_perplexity_within_half_a_percent_of_llama_cpp() {
+    assert_perplexity_within_half_a_percent(&gemma(), "gemma3/gemma3_270m_ppl.json");
+}
+
+/// SmolLM2-135M-Instruct Q4_1 (arch llama): llama-perplexity 15.7472 +/- 0.40501 over 44 chunks.
+#[test]
+#[ignore = "slow (~1-2 min in release); run with --ignored"]
+fn smollm2_perplexity_within_half_a_percent_of_llama_cpp() {
+    assert_perplexity_within_half_a_percent(
+        &npuc_testsupport::smollm2_gguf(),
+        "smollm2/smollm2_135m_ppl.json",
+    );
+}
+
+/// Qwen2.5-Coder-0.5B-Instruct Q4_K_M (arch qwen2: Q5_0/Q8_0/Q6_K/Q4_K, q/k/v biases).
+#[test]
+#[ignore = "slow (~3-5 min in release); run with --ignored"]
+fn qwen25_coder_perplexity_within_half_a_percent_of_llama_cpp() {
+    assert_perplexity_within_half_a_percent(
+        &npuc_testsupport::qwen25_coder_gguf(),
+        "qwen2.5/qwen2.5_coder_0.5b_ppl.json",
     );
 }
 

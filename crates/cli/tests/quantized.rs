@@ -242,7 +242,7 @@ fn vit_s_w8a8() {
 /// Steady-state latency, float ViT-S (optimized as `npuc compile` does) vs the w8a8 QDQ ViT-S
 /// lowered to integer kernels, same threads, alternating rounds. Prints medians and the ratio;
 /// no timing assertion. `cargo test --release -p npuc-cli --test quantized -- --ignored
-/// --nocapture bench_vit` (benches/quantized_vit.sh adds onnxruntime).
+/// --nocapture bench_vit` (benches/quantized_vit.sh adds onnxruntime and PP-OCRv5 rec).
 #[test]
 #[ignore = "timing benchmark (no timing in tests): w8a8 vs float ViT-S latency; run with --ignored --nocapture"]
 fn bench_vit_w8a8_vs_float() {

@@ -87,6 +87,9 @@ pub fn open(path: &Path, opts: &OpenOptions) -> Result<Opened> {
             threads: opts.threads,
         },
     )?;
+    // The session serves many runs: keep weights packed (one packed copy of each f32
+    // MatMul weight at the AVX-512 level).
+    session.set_weight_prepacking(true);
     Ok(Opened {
         model,
         prepared,

@@ -61,6 +61,9 @@ pub struct Plan {
     /// Whether runs reuse pooled buffers (on unless `NPUC_BUFFER_POOL=0` or
     /// [`Session::set_buffer_reuse`] turned it off; for comparisons).
     reuse: AtomicBool,
+    /// Whether kernels keep constant weights in their packed layout across runs (a second copy
+    /// of those weights; see [`Session::set_weight_prepacking`]). Off by default.
+    prepack: AtomicBool,
 }
 
 /// The values of a running graph, visible to subgraphs run by its nodes.
@@ -103,6 +106,9 @@ impl StepHost for Frame<'_> {
     }
     fn step_cache(&self, node_index: usize) -> &OnceLock<Arc<dyn Any + Send + Sync>> {
         self.plan.step_cache(node_index)
+    }
+    fn prepack_weights(&self) -> bool {
+        self.plan.prepack.load(Ordering::Relaxed)
     }
 }
 
@@ -331,6 +337,7 @@ impl Plan {
             pool: Mutex::new(Pool::default()),
             slot_scratch: Mutex::new(Vec::new()),
             reuse: AtomicBool::new(std::env::var("NPUC_BUFFER_POOL").map_or(true, |v| v != "0")),
+            prepack: AtomicBool::new(false),
         })
     }
 
@@ -756,6 +763,14 @@ impl Session {
         if !on {
             *self.plan.pool.lock().unwrap_or_else(|e| e.into_inner()) = Pool::default();
         }
+    }
+    /// Lets kernels keep constant weights packed for their micro-kernels across runs (the f32
+    /// MatMul/FusedMatMul weights at the AVX-512 level), which saves packing them on every run
+    /// at the cost of a packed copy of each such weight for the session's lifetime. Meant for
+    /// sessions that serve many runs (`npuc run`, `bench`, `serve`); off by default, so that the
+    /// short-lived sessions of calibration and verification over large models hold one copy.
+    pub fn set_weight_prepacking(&self, on: bool) {
+        self.plan.prepack.store(on, Ordering::Relaxed);
     }
     pub fn outputs(&self) -> &[ValueInfo] {
         &self.outputs

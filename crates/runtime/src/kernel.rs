@@ -102,6 +102,7 @@ pub(crate) trait StepHost: Sync {
     fn subgraph_input_count(&self, node_index: usize, attr: &str) -> Option<usize>;
     fn input_is_const(&self, node_index: usize, input: usize) -> bool;
     fn step_cache(&self, node_index: usize) -> &OnceLock<Arc<dyn Any + Send + Sync>>;
+    fn prepack_weights(&self) -> bool;
 }
 
 impl OpCtx<'_> {
@@ -115,6 +116,12 @@ impl OpCtx<'_> {
     /// replace): data derived only from constant inputs may be cached with [`OpCtx::cached`].
     pub fn input_is_const(&self, i: usize) -> bool {
         self.host.input_is_const(self.node_index, i)
+    }
+    /// Whether the session keeps constant weights packed across runs
+    /// ([`crate::Session::set_weight_prepacking`]): a kernel may then cache a packed copy of
+    /// a constant input with [`OpCtx::cached`]; otherwise it packs per call into scratch.
+    pub fn prepack_weights(&self) -> bool {
+        self.host.prepack_weights()
     }
 
     /// Data this node derives from its constant inputs (prepacked weights, requantization

@@ -472,37 +472,46 @@ fn conv(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     Ok(vec![Value::tensor(t)])
 }
 
-/// Adds a column buffer `[m_g * k_size, in_size]` into output planes `[m_g, out_size]`
-/// (the adjoint of im2col, used by ConvTranspose).
-fn col2im_add<T: GemmFloat>(col: &[T], g: &Geom, m_g: usize, out: &mut [T]) {
+/// Adds a column buffer `[m_g * k_size, rows.len() * iw]` into output planes `[m_g, out_size]`
+/// (the adjoint of im2col, used by ConvTranspose). The columns are the input positions of the
+/// input rows `rows` (flattened as `z * ih + y`); every input position adds into its own output
+/// positions, so blocks of rows can be added one after another in any order.
+fn col2im_add<T: GemmFloat>(
+    col: &[T],
+    g: &Geom,
+    m_g: usize,
+    rows: std::ops::Range<usize>,
+    out: &mut [T],
+) {
     // Here `g.inp` is the (small) input grid the columns are indexed by and `g.out` the
     // output grid they scatter into: position i maps to i * s + k * d - pb.
     let [id, ih, iw] = g.inp;
     let [od, oh, ow] = g.out;
-    let [kd, kh, kw] = g.k;
+    let [_, kh, kw] = g.k;
     let ks = g.k_size();
-    let pin = g.in_size();
+    let pin = rows.len() * iw;
     let pout = g.out_size();
     for mi in 0..m_g {
         let plane = &mut out[mi * pout..(mi + 1) * pout];
         for kr in 0..ks {
             let (a, b, c) = (kr / (kh * kw), (kr / kw) % kh, kr % kw);
-            let _ = kd;
             let row = &col[(mi * ks + kr) * pin..][..pin];
             let off = |kk: usize, dim: usize| (kk * g.d[dim]) as isize - g.pb[dim] as isize;
             let (d_lo, d_hi) = valid_range(id, g.s[0], off(a, 0), od);
             let (h_lo, h_hi) = valid_range(ih, g.s[1], off(b, 1), oh);
             let (w_lo, w_hi) = valid_range(iw, g.s[2], off(c, 2), ow);
-            for z in d_lo..d_hi {
+            for (ri, r) in rows.clone().enumerate() {
+                let (z, y) = (r / ih, r % ih);
+                if z < d_lo || z >= d_hi || y < h_lo || y >= h_hi {
+                    continue;
+                }
                 let oz = ((z * g.s[0]) as isize + off(a, 0)) as usize;
-                for y in h_lo..h_hi {
-                    let oy = ((y * g.s[1]) as isize + off(b, 1)) as usize;
-                    let dst = &mut plane[(oz * oh + oy) * ow..][..ow];
-                    let src = &row[(z * ih + y) * iw..][..iw];
-                    for (x, &v) in src.iter().enumerate().take(w_hi).skip(w_lo) {
-                        let ox = ((x * g.s[2]) as isize + off(c, 2)) as usize;
-                        dst[ox] += v;
-                    }
+                let oy = ((y * g.s[1]) as isize + off(b, 1)) as usize;
+                let dst = &mut plane[(oz * oh + oy) * ow..][..ow];
+                let src = &row[ri * iw..][..iw];
+                for (x, &v) in src.iter().enumerate().take(w_hi).skip(w_lo) {
+                    let ox = ((x * g.s[2]) as isize + off(c, 2)) as usize;
+                    dst[ox] += v;
                 }
             }
         }
@@ -656,18 +665,29 @@ fn conv_transpose(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
                 plane.fill(bv[ch % m]);
             }
         }
-        let mut col = crate::buffers::filled(rows * pin, T::zero());
+        // Blocks of whole input rows whose columns (`rows` x block values) stay within
+        // COL_BLOCK_VALUES, so that the product writes them into cache and col2im reads them
+        // back from there (one column buffer for the whole image made both go to memory:
+        // 8 MB per call for ViT-S's last upsampling).
+        // At most COL_BLOCK pixels either: wider products make the `gemm` crate (below the
+        // AVX-512 level) pack the weight into a fresh per-call buffer (its right-hand-side
+        // packing threshold, 128 x 16 columns on x86), which would allocate on every run.
+        const COL_BLOCK_VALUES: usize = 1 << 18;
+        const COL_BLOCK: usize = 2048;
+        let in_rows = g.inp[0] * g.inp[1];
+        let iw = g.inp[2];
+        let block_rows = (COL_BLOCK_VALUES / (rows * iw).max(1))
+            .min(COL_BLOCK / iw.max(1))
+            .clamp(1, in_rows.max(1));
+        let mut col = crate::buffers::filled(rows * block_rows * iw, T::zero());
         for ni in 0..n {
             for gi in 0..group {
                 let xg = &xv[(ni * c + gi * c_g) * pin..][..c_g * pin];
                 let wg = &wt[gi * c_g * rows..][..c_g * rows];
-                // Column blocks of at most COL_BLOCK pixels: wider products make the `gemm`
-                // crate pack the weight into a fresh per-call buffer (its right-hand-side
-                // packing threshold, 128 x 16 columns on x86), which would allocate on every
-                // run; within the threshold it reads the row-major weight in place.
-                const COL_BLOCK: usize = 2048;
-                for j0 in (0..pin).step_by(COL_BLOCK) {
-                    let w_cols = COL_BLOCK.min(pin - j0);
+                let dst = &mut out[(ni * m + gi * m_g) * pout..][..m_g * pout];
+                for r0 in (0..in_rows).step_by(block_rows) {
+                    let r1 = (r0 + block_rows).min(in_rows);
+                    let (j0, w_cols) = (r0 * iw, (r1 - r0) * iw);
                     gemm_into(
                         rows,
                         w_cols,
@@ -680,13 +700,12 @@ fn conv_transpose(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
                             cs: 1,
                         },
                         None,
-                        &mut col[j0..],
-                        pin,
+                        &mut col,
+                        w_cols,
                         threads,
                     )?;
+                    col2im_add(&col, g, m_g, r0..r1, dst);
                 }
-                let dst = &mut out[(ni * m + gi * m_g) * pout..][..m_g * pout];
-                col2im_add(&col, g, m_g, dst);
             }
         }
         crate::buffers::release(col);

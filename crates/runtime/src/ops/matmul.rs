@@ -496,9 +496,10 @@ fn matmul(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
 }
 
 /// f32 `a [..., m, k] x b [k, n]` with `b` a constant of the plan (a weight), at the AVX-512
-/// level: `b` is packed for `kernels::sgemm` once per plan (the node's cache) instead of on
-/// every call. `None` when that does not apply (other dtypes or levels, a computed or batched
-/// `b`); the caller then runs [`matmul_tensors`].
+/// level, in a session that keeps weights packed ([`OpCtx::prepack_weights`]): `b` is packed
+/// for `kernels::sgemm` once per plan (the node's cache) instead of on every call. `None` when
+/// that does not apply (other dtypes or levels, a computed or batched `b`, prepacking off);
+/// the caller then runs [`matmul_tensors`].
 pub(crate) fn matmul_const_b(ctx: &OpCtx, a: &Tensor, b: &Tensor) -> Result<Option<Tensor>> {
     let isa = Isa::detect();
     if a.dtype() != DType::F32
@@ -506,6 +507,7 @@ pub(crate) fn matmul_const_b(ctx: &OpCtx, a: &Tensor, b: &Tensor) -> Result<Opti
         || b.rank() != 2
         || !sgemm::available(isa)
         || !ctx.input_is_const(1)
+        || !ctx.prepack_weights()
     {
         return Ok(None);
     }
