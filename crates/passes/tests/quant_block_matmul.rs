@@ -165,8 +165,11 @@ fn check(c: Case, seed: u64, want_block: bool) {
             .map(|i| i.tensor.len() * i.tensor.dtype().size())
             .sum::<usize>();
         let plain = c.k * c.n * 4;
+        // Under 1 KB of f32 weight (e.g. one column of 32) the per-block scales and the
+        // per-column parts of the packed layout outweigh the codes (48 bytes against 128 at
+        // k = 32, n = 1, block 16); the DequantizeLinear check above covers those.
         assert!(
-            packed * 3 < plain,
+            plain < 1024 || packed * 3 < plain,
             "{c:?}: {packed} bytes of weights vs f32 {plain}"
         );
     }
