@@ -15,8 +15,9 @@ RUNS=${1:-10}
 CACHE=${NPUC_CACHE:-$HOME/.cache/npuc}
 # onnxruntime from the pinned test venv (scripts/setup.sh makes it).
 PY=${NPUC_PYTHON:-$CACHE/venv/bin/python}
-cargo build --release -q -p npuc-cli
-NPUC=./target/release/npuc
+# NPUC_BIN=PATH times that binary instead of building this tree's (A/B runs against another build).
+if [ -z "${NPUC_BIN:-}" ]; then cargo build --release -q -p npuc-cli; fi
+NPUC=${NPUC_BIN:-${CARGO_TARGET_DIR:-./target}/release/npuc}
 TMP=$(mktemp -d); trap 'rm -rf "$TMP"' EXIT
 ortms() { # model input-name input.npy threads
   "$PY" - "$1" "$2" "$3" "$4" "$RUNS" <<'PY'
@@ -42,8 +43,18 @@ row() {
   shape=$("$PY" -c 'import sys,numpy as np;print("x".join(map(str,np.load(sys.argv[1]).shape)))' "$input")
   if [ ! -f "$qdq" ]; then
     mkdir -p "$(dirname "$qdq")"
-    "$PY" scripts/make_ort_qdq_vit.py "$float" "$qdq.tmp.onnx" --samples 4 --seed 1 \
+    # Per-channel DequantizeLinear (its `axis`) needs opset 13: older models are converted first.
+    "$PY" - "$float" "$qdq.src.onnx" <<'PY'
+import sys, onnx
+from onnx import version_converter
+m = onnx.load(sys.argv[1])
+if max(o.version for o in m.opset_import if o.domain in ("", "ai.onnx")) < 13:
+    m = version_converter.convert_version(m, 13)
+onnx.save(m, sys.argv[2])
+PY
+    "$PY" scripts/make_ort_qdq_vit.py "$qdq.src.onnx" "$qdq.tmp.onnx" --samples 4 --seed 1 \
       --shape "$iname=${shape//x/,}" && mv "$qdq.tmp.onnx" "$qdq"
+    rm -f "$qdq.src.onnx"
   fi
   $NPUC compile "$float" -o "$TMP/$name.npuc" --input-shape "$iname=$shape" >/dev/null
   for TH in 1 2; do
