@@ -419,8 +419,14 @@ pub fn matmul_float<T: GemmFloat>(
         )
     };
     let per = m * n * k;
-    if threads > 1 && p.offsets.len() > 1 && per < PAR_WORK * 4 {
-        // Many small products: spread whole matrices over threads.
+    let count = p.offsets.len();
+    // Whole products per thread when they are small, or when they divide evenly over the
+    // threads (attention heads: 6 or 12 of them), which saves the per-product fork and join:
+    // ViT-S's 24 attention products took 18.9 ms at 2 threads split one by one against
+    // 12.1 ms at 1 thread. (Each output is computed the same way either way.)
+    let spread = count > 1 && (per < PAR_WORK * 4 || count % threads == 0 || count >= 4 * threads);
+    if threads > 1 && spread {
+        // Many products: spread whole matrices over threads.
         out.par_chunks_mut(m * n)
             .zip(p.offsets.par_iter())
             .try_for_each(|x| one(x, 1))?;
