@@ -424,7 +424,8 @@ pub fn matmul_float<T: GemmFloat>(
     // threads (attention heads: 6 or 12 of them), which saves the per-product fork and join:
     // ViT-S's 24 attention products took 18.9 ms at 2 threads split one by one against
     // 12.1 ms at 1 thread. (Each output is computed the same way either way.)
-    let spread = count > 1 && (per < PAR_WORK * 4 || count % threads == 0 || count >= 4 * threads);
+    let spread =
+        count > 1 && (per < PAR_WORK * 4 || count.is_multiple_of(threads) || count >= 4 * threads);
     if threads > 1 && spread {
         // Many products: spread whole matrices over threads.
         out.par_chunks_mut(m * n)
