@@ -235,8 +235,9 @@ fn real(name: &str, want_lowered: usize) {
 
 #[test]
 fn vit_s_w8a8() {
-    // 96 matrix products and the decoder's 3 ConvTranspose.
-    real("vit_s_w8a8", 99);
+    // 96 matrix products, the patch embedding and the decoder's final 1x1 Conv, and the
+    // decoder's 3 ConvTranspose.
+    real("vit_s_w8a8", 101);
 }
 
 /// Steady-state latency, float ViT-S (optimized as `npuc compile` does) vs the w8a8 QDQ ViT-S
@@ -431,4 +432,240 @@ fn conv_transpose_bn_w8a8_synthetic() {
         d1.frac_over * 100.0,
         d2.max_steps
     );
+}
+
+/// One `DQ(x) , DQ(w) [, bias] -> Conv -> Q -> DQ` case of [`conv_w8a8_synthetic`].
+struct ConvCase {
+    c: usize,
+    m: usize,
+    hw: (usize, usize),
+    k: (usize, usize),
+    strides: [i64; 2],
+    pads: [i64; 4],
+    dilations: [i64; 2],
+    group: usize,
+    /// i8 activations (zero point 3) instead of u8 (zero point 128).
+    signed_x: bool,
+    /// Per-output-channel weight scales (else one scale).
+    per_channel: bool,
+    bias: bool,
+}
+
+/// Runs one [`ConvCase`]: the lowered graph (one `npuc.QConv`) against the QDQ graph run in
+/// float, at 1 and 2 threads. Returns the largest difference in output steps.
+fn conv_case(t: &ConvCase, seed: &mut u64) -> f64 {
+    use npuc_ir::{Attr, Graph, Initializer, Node, OpsetImport, ValueInfo};
+    let (c, m) = (t.c, t.m);
+    let (kh, kw) = t.k;
+    let cg = c / t.group;
+    let init = |name: &str, t: Tensor| Initializer {
+        name: name.into(),
+        tensor: t,
+    };
+    let sc = |v: f32| Tensor::from_vec(vec![], vec![v]).unwrap();
+    let wq: Vec<i8> = (0..m * cg * kh * kw)
+        .map(|_| (lcg(seed) * 254.0 - 127.0).round() as i8)
+        .collect();
+    let sw: Vec<f32> = if t.per_channel {
+        (0..m).map(|i| 0.002 + 0.0007 * (i % 9) as f32).collect()
+    } else {
+        vec![0.003]
+    };
+    let nsw = sw.len();
+    // The output scale follows the reduction length so the codes use their range.
+    let sy = 0.004 * ((cg * kh * kw) as f32).sqrt();
+    let mut inits = vec![
+        init("sx", sc(0.03)),
+        init("wq", Tensor::from_vec(vec![m, cg, kh, kw], wq).unwrap()),
+        init("sw", Tensor::from_vec(vec![nsw], sw).unwrap()),
+        init("zw", Tensor::from_vec(vec![nsw], vec![0i8; nsw]).unwrap()),
+        init("sy", sc(sy)),
+        init("zy", Tensor::from_vec(vec![], vec![118u8]).unwrap()),
+    ];
+    inits.push(if t.signed_x {
+        init("zx", Tensor::from_vec(vec![], vec![3i8]).unwrap())
+    } else {
+        init("zx", Tensor::from_vec(vec![], vec![128u8]).unwrap())
+    });
+    let mut conv_in = vec!["x", "wf"];
+    if t.bias {
+        let b: Vec<f32> = (0..m).map(|i| 0.04 * (i % 5) as f32 - 0.1).collect();
+        inits.push(init("bias", Tensor::from_vec(vec![m], b).unwrap()));
+        conv_in.push("bias");
+    }
+    let mut wdq = Node::new("DequantizeLinear", &["wq", "sw", "zw"], &["wf"]);
+    if t.per_channel {
+        wdq = wdq.with_attr("axis", Attr::Int(0));
+    }
+    let nodes = vec![
+        Node::new("DequantizeLinear", &["xq", "sx", "zx"], &["x"]),
+        wdq,
+        Node::new("Conv", &conv_in, &["y"])
+            .with_attr("strides", Attr::Ints(t.strides.to_vec()))
+            .with_attr("pads", Attr::Ints(t.pads.to_vec()))
+            .with_attr("dilations", Attr::Ints(t.dilations.to_vec()))
+            .with_attr("group", Attr::Int(t.group as i64)),
+        Node::new("QuantizeLinear", &["y", "sy", "zy"], &["yq"]),
+        Node::new("DequantizeLinear", &["yq", "sy", "zy"], &["out"]),
+    ];
+    let model = Model {
+        ir_version: 9,
+        opset_imports: vec![OpsetImport {
+            domain: String::new(),
+            version: 19,
+        }],
+        graph: Graph {
+            name: "qconv".into(),
+            nodes,
+            inputs: vec![ValueInfo::new("xq", None)],
+            outputs: vec![ValueInfo::new("out", None)],
+            initializers: inits,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let mut low = model.clone();
+    let p = npuc_driver::quantized::prepare(&mut low, false).expect("lowering");
+    assert_eq!(p.lowered, 1, "the Conv is lowered");
+    let ops: Vec<&str> = low.graph.nodes.iter().map(|n| n.op_type.as_str()).collect();
+    assert!(ops.contains(&"QConv") && !ops.contains(&"Conv"), "{ops:?}");
+    let (h, w) = t.hw;
+    let len = 2 * c * h * w;
+    let x = if t.signed_x {
+        let v: Vec<i8> = (0..len)
+            .map(|_| (lcg(seed) * 255.0 - 128.0).round() as i8)
+            .collect();
+        Tensor::from_vec(vec![2, c, h, w], v).unwrap()
+    } else {
+        let v: Vec<u8> = (0..len)
+            .map(|_| (lcg(seed) * 255.0).round() as u8)
+            .collect();
+        Tensor::from_vec(vec![2, c, h, w], v).unwrap()
+    };
+    let go = |m: &Model, threads: usize| -> Tensor {
+        let s = Session::new(m, SessionOptions { threads }).expect("session");
+        let mut out = s
+            .run(vec![("xq".into(), Value::tensor(x.clone()))])
+            .expect("run");
+        out.remove(0).1.as_tensor().unwrap().clone()
+    };
+    let sim = go(&model, 1);
+    let lo1 = go(&low, 1);
+    let lo2 = go(&low, 2);
+    assert_eq!(lo1.shape(), sim.shape());
+    assert_eq!(
+        lo1.to_f64_vec().unwrap(),
+        lo2.to_f64_vec().unwrap(),
+        "1 and 2 threads differ"
+    );
+    // Not vacuous: the codes spread over a range, not one saturated value.
+    let v = lo1.to_f64_vec().unwrap();
+    let distinct: std::collections::BTreeSet<i64> =
+        v.iter().map(|&a| (a / sy as f64).round() as i64).collect();
+    assert!(
+        distinct.len() > 20,
+        "only {} distinct outputs",
+        distinct.len()
+    );
+    diff(&lo1, &sim, sy as f64).max_steps
+}
+
+/// `npuc.QConv` (group 1 through the integer product, depthwise through the direct kernel)
+/// against the QDQ graph run in float: pointwise, padded/strided/dilated, asymmetric pads,
+/// depthwise 3x3/5x5 with row/column strides (the shapes of PP-OCR's LCNet), a channel
+/// multiplier, u8 and i8 activations, per-tensor and per-channel weights, with and without
+/// bias. The integer sums are exact; the float run rounds its sums, which may move a value
+/// across a rounding boundary: at most one output step apart.
+#[test]
+fn conv_w8a8_synthetic() {
+    let mut seed = 11u64;
+    let base = ConvCase {
+        c: 16,
+        m: 24,
+        hw: (9, 13),
+        k: (1, 1),
+        strides: [1, 1],
+        pads: [0, 0, 0, 0],
+        dilations: [1, 1],
+        group: 1,
+        signed_x: false,
+        per_channel: true,
+        bias: false,
+    };
+    let cases = [
+        ConvCase { ..base },
+        ConvCase {
+            c: 3,
+            m: 16,
+            k: (3, 3),
+            strides: [2, 2],
+            pads: [1, 1, 1, 1],
+            bias: true,
+            ..base
+        },
+        ConvCase {
+            c: 40,
+            m: 8,
+            k: (1, 3),
+            pads: [0, 1, 0, 1],
+            signed_x: true,
+            ..base
+        },
+        ConvCase {
+            c: 5,
+            m: 7,
+            k: (3, 2),
+            strides: [1, 2],
+            pads: [2, 0, 1, 1],
+            dilations: [2, 1],
+            per_channel: false,
+            ..base
+        },
+        ConvCase {
+            c: 24,
+            m: 24,
+            k: (3, 3),
+            pads: [1, 1, 1, 1],
+            group: 24,
+            ..base
+        },
+        ConvCase {
+            c: 24,
+            m: 24,
+            k: (5, 5),
+            strides: [2, 1],
+            pads: [2, 2, 2, 2],
+            group: 24,
+            bias: true,
+            ..base
+        },
+        ConvCase {
+            c: 24,
+            m: 24,
+            k: (3, 3),
+            strides: [1, 2],
+            pads: [1, 1, 1, 1],
+            group: 24,
+            signed_x: true,
+            ..base
+        },
+        ConvCase {
+            c: 8,
+            m: 16,
+            k: (3, 3),
+            pads: [0, 2, 1, 0],
+            dilations: [1, 2],
+            group: 8,
+            per_channel: false,
+            ..base
+        },
+    ];
+    for (i, t) in cases.iter().enumerate() {
+        let steps = conv_case(t, &mut seed);
+        eprintln!("conv case {i}: lowered vs simulate max {steps:.3} steps");
+        assert!(
+            steps <= 1.0 + 1e-3,
+            "conv case {i}: {steps} steps from simulate"
+        );
+    }
 }

@@ -27,6 +27,7 @@ use crate::{GraphPatch, Pass, PassError, PassStats, Rewriter};
 use npuc_ir::opdef::NodeBuilder;
 use npuc_ir::{Attr, DType, Graph, Model, Node};
 use npuc_runtime::ops::blockmm::{self, BLOCK_MATMUL};
+use npuc_runtime::ops::qconv::QCONV;
 use npuc_runtime::ops::qlinear::{QCONV_TRANSPOSE, QLUT, QMATMUL};
 use npuc_runtime::ops::qsoftmax::QSOFTMAX;
 use std::collections::HashSet;
@@ -168,6 +169,7 @@ impl QuantLower {
             return Ok((0, 0));
         }
         let products = self.lower_products(rw)?
+            + self.lower_conv(rw)?
             + self.lower_conv_transpose(rw)?
             + self.lower_block_products(rw)?;
         // Lookup regions need their constants as constants: the DQ of a constant bias or
@@ -926,8 +928,12 @@ impl QuantLower {
                 }
                 Chan::None
             } else {
-                // [C, 1, .., 1]: per-channel along axis -rank of the broadcast.
+                // [1, .., 1, C, 1, .., 1]: per-channel along axis -rank of the broadcast
+                // once the leading ones are dropped (a convolution's bias reshaped to
+                // [1, C, 1, 1] is channel axis -3 of any NCHW tensor).
                 let s = t.shape();
+                let lead = s.iter().take_while(|&&d| d == 1).count();
+                let s = &s[lead.min(s.len() - 1)..];
                 if s[1..].iter().any(|&d| d != 1) {
                     return None;
                 }
@@ -1171,6 +1177,85 @@ impl QuantLower {
         }
         rw.apply(patch);
         fused
+    }
+
+    /// Rewrites `DQ(x: 8-bit per-tensor), DQ(w: constant 8-bit, per-tensor or per output
+    /// channel) [, bias] -> Conv -> Q(8-bit per-tensor)` into `npuc.QConv` (see
+    /// `npuc_runtime::ops::qconv`): 2-D convolutions of group 1 or depthwise (group = input
+    /// channels, one input channel per filter). Other groupings, 1-D/3-D convolutions and
+    /// convolutions without a Q after them keep running in float. Returns the number lowered.
+    fn lower_conv(&self, rw: &mut Rewriter<'_>) -> Result<usize, PassError> {
+        let g = &rw.model().graph;
+        let ix = Index::new(g);
+        let mut patch = GraphPatch::new();
+        let mut lowered = 0;
+        for (pi, p) in g.nodes.iter().enumerate() {
+            if !is_op(p, "Conv") || p.outputs.len() != 1 {
+                continue;
+            }
+            let (Some(xn), Some(wn)) = (p.input(0), p.input(1)) else {
+                continue;
+            };
+            let Some(x) = self.dq(g, &ix, xn, None) else {
+                continue;
+            };
+            if !matches!(self.qtype(g, &ix, &x), Some(DType::U8 | DType::I8)) {
+                continue;
+            }
+            let Some(w) = self.dq(g, &ix, wn, Some((4, 0))) else {
+                continue;
+            };
+            let Some(wq) = ix.constant(g, &w.q) else {
+                continue;
+            };
+            if wq.rank() != 4 || !matches!(wq.dtype(), DType::U8 | DType::I8) {
+                continue;
+            }
+            let group = attr_int(p, "group", 1);
+            if group != 1 && wq.shape()[1] != 1 {
+                continue;
+            }
+            if matches!(p.attr("kernel_shape"), Some(Attr::Ints(k)) if k.len() != 2) {
+                continue;
+            }
+            let bias = p.input(2).unwrap_or("").to_string();
+            let Some(qi) = ix.sole_user(&p.outputs[0]) else {
+                continue;
+            };
+            let q = &g.nodes[qi];
+            if !is_op(q, "QuantizeLinear") || qdq_8bit(g, &ix, q).is_none() || patch.claimed(qi) {
+                continue;
+            }
+            let (ys, yz) = (q.inputs[1].clone(), q.inputs[2].clone());
+            let mut node = QCONV
+                .node(format!("{}_quant", p.name))
+                .input("x", &x.q)
+                .input("x_scale", &x.scale)
+                .input("x_zero_point", &x.zp)
+                .input("w", &w.q)
+                .input("w_scale", &w.scale)
+                .input("w_zero_point", &w.zp)
+                .input("bias", &bias)
+                .input("y_scale", &ys)
+                .input("y_zero_point", &yz)
+                .output("y", &q.outputs[0]);
+            for a in [
+                "strides",
+                "pads",
+                "dilations",
+                "auto_pad",
+                "group",
+                "kernel_shape",
+            ] {
+                if let Some(v) = p.attr(a) {
+                    node = node.attr(a, v.clone());
+                }
+            }
+            if patch.fuse(pi, built(node)?, &[qi]) {
+                lowered += 1;
+            }
+        }
+        Ok(apply_lowered(rw, patch, lowered))
     }
 
     /// `DQ(x), DQ(w) [, bias] -> ConvTranspose -> Q` (2-D, group 1, dilations 1, explicit

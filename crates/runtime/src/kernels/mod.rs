@@ -4,6 +4,7 @@
 pub mod act;
 pub mod blockq4;
 pub mod conv_nhwc;
+pub mod idwconv;
 pub mod igemm;
 pub mod imm;
 pub mod qconvert;

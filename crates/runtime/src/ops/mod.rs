@@ -12,6 +12,7 @@ pub mod gather;
 pub mod matmul;
 pub mod misc;
 pub mod norm;
+pub mod qconv;
 pub mod qlinear;
 pub mod qsoftmax;
 pub mod quant;

@@ -51,6 +51,7 @@ pub fn register(r: &mut Registry) {
     r.define(&DEQUANTIZE, dequantize_f32);
     r.define(&QLUT, qlut);
     r.define(&QCONV_TRANSPOSE, qconv_transpose);
+    r.define(&crate::ops::qconv::QCONV, crate::ops::qconv::qconv);
 }
 
 /// `npuc.QMatMul` (see the module docs).
@@ -225,7 +226,7 @@ struct PackedWeight {
     scale: Vec<f32>,
 }
 
-fn f32_scalar(t: &Tensor, what: &str) -> Result<f32> {
+pub(crate) fn f32_scalar(t: &Tensor, what: &str) -> Result<f32> {
     let v = t.to_f64_vec()?;
     if v.len() != 1 {
         bail!("{what} must be a scalar, found shape {:?}", t.shape());
@@ -233,7 +234,7 @@ fn f32_scalar(t: &Tensor, what: &str) -> Result<f32> {
     Ok(v[0] as f32)
 }
 
-fn zp_scalar(t: Option<&Tensor>, what: &str) -> Result<i32> {
+pub(crate) fn zp_scalar(t: Option<&Tensor>, what: &str) -> Result<i32> {
     match t {
         None => Ok(0),
         Some(t) => {
@@ -247,12 +248,12 @@ fn zp_scalar(t: Option<&Tensor>, what: &str) -> Result<i32> {
 }
 
 /// Whether `dt` is an integer type of at most 8 bits (so `v - zp` fits [-255, 255]).
-fn is_8bit(dt: DType) -> bool {
+pub(crate) fn is_8bit(dt: DType) -> bool {
     matches!(dt, DType::U8 | DType::I8 | DType::U4 | DType::I4)
 }
 
 /// `(lo, hi)` of a quantized output dtype.
-fn qrange(dt: DType) -> Result<(i32, i32)> {
+pub(crate) fn qrange(dt: DType) -> Result<(i32, i32)> {
     Ok(match dt {
         DType::U8 => (0, 255),
         DType::I8 => (-128, 127),
