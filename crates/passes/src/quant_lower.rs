@@ -26,6 +26,7 @@ use crate::util::{is_op, Index};
 use crate::{GraphPatch, Pass, PassError, PassStats, Rewriter};
 use npuc_ir::opdef::NodeBuilder;
 use npuc_ir::{Attr, DType, Graph, Model, Node};
+use npuc_runtime::kernels::idwconv;
 use npuc_runtime::ops::blockmm::{self, BLOCK_MATMUL};
 use npuc_runtime::ops::qconv::QCONV;
 use npuc_runtime::ops::qlinear::{QCONV_TRANSPOSE, QLUT, QMATMUL};
@@ -1050,19 +1051,23 @@ impl QuantLower {
                     continue;
                 }
                 let per_col = l.attr("axis").is_some();
-                if per_col && attr_int(l, "axis", 0) != -1 {
-                    continue;
-                }
                 let (Some(x), Some(tab)) = (l.input(0), l.input(1)) else {
                     continue;
                 };
                 let Some((pi, p)) = ix.prod(g, x) else {
                     continue;
                 };
-                if !(p.domain == "npuc" && p.op_type == "QMatMul")
+                let conv = p.domain == "npuc" && p.op_type == "QConv";
+                if !(p.domain == "npuc" && p.op_type == "QMatMul" || conv)
                     || p.inputs.len() != 9
                     || ix.sole_user(x) != Some(li)
                 {
+                    continue;
+                }
+                // QMatMul: per output column (the last axis). QConv: per output channel (axis
+                // 1 of its NCHW output, -3 from the end).
+                let axis = attr_int(l, "axis", 0);
+                if per_col && !(conv && (axis == 1 || axis == -3) || !conv && axis == -1) {
                     continue;
                 }
                 let (Some(zt), Some(tt)) = (ix.constant(g, &p.inputs[8]), ix.constant(g, tab))
@@ -1073,12 +1078,19 @@ impl QuantLower {
                     continue;
                 }
                 if per_col {
-                    // One table row per output column of a constant [K, N] (or [N, K]) weight.
+                    // One table row per output column of a constant [K, N] (or [N, K]) weight,
+                    // or per output channel of a constant [M, C, kh, kw] convolution weight.
                     let Some(w) = ix.constant(g, &p.inputs[3]) else {
                         continue;
                     };
-                    let cols = if attr_int(p, "trans_b", 0) != 0 { 0 } else { 1 };
-                    if w.rank() != 2 || tt.rank() != 2 || tt.shape()[0] != w.shape()[cols] {
+                    let (rank, cols) = if conv {
+                        (4, 0)
+                    } else if attr_int(p, "trans_b", 0) != 0 {
+                        (2, 0)
+                    } else {
+                        (2, 1)
+                    };
+                    if w.rank() != rank || tt.rank() != 2 || tt.shape()[0] != w.shape()[cols] {
                         continue;
                     }
                 }
@@ -1212,7 +1224,8 @@ impl QuantLower {
                 continue;
             }
             let group = attr_int(p, "group", 1);
-            if group != 1 && wq.shape()[1] != 1 {
+            let taps = wq.shape()[2] * wq.shape()[3];
+            if group != 1 && (wq.shape()[1] != 1 || taps > idwconv::MAX_TAPS) {
                 continue;
             }
             if matches!(p.attr("kernel_shape"), Some(Attr::Ints(k)) if k.len() != 2) {

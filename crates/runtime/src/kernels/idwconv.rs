@@ -1,26 +1,29 @@
 //! Exact integer sums of a depthwise 2-D convolution plane: the kernel behind `npuc.QConv`'s
 //! depthwise case (`group == channels`, one filter per channel).
 //!
-//! `out[oy * ow + ox] = sum_{ky, kx} taps[ky * kw + kx] * x[(oy * sh + ky * dh) * pw + ox * sw + kx * dw]`
+//! `out[oy * ow + ox] = sum_{ky, kx} taps[ky * kw + kx] * X[oy * sh + ky * dh][ox * sw + kx * dw]`
 //!
-//! over one zero-padded plane `x` of `pw` columns, whose values are already zero-point corrected
-//! (so the padding, the real value 0, is the integer 0). Operands lie in [-255, 255] (8-bit codes
-//! minus zero points); a sum has at most `kh * kw` terms of magnitude <= 65025, exact in i32 for
-//! any kernel up to 33025 taps (callers check [`MAX_TAPS`]).
+//! over one zero-padded plane `X` whose values are already zero-point corrected (so the padding,
+//! the real value 0, is the integer 0). The plane is stored column-phase split for the width
+//! stride: row `r` holds `sw` phases of `pwq` values, phase `q` the columns `q, q + sw, ..`, so
+//! every tap reads a contiguous run of inputs (`X[r][c]` is at `(r * sw + c % sw) * pwq + c / sw`).
 //!
-//! A depthwise filter has only `kh * kw` weights, too few for a matrix product to pay: the
-//! loop runs over output columns instead (for unit stride a contiguous i16 row times a broadcast
-//! tap, accumulated in i32: what the compiler vectorizes to widening multiply-adds at each
-//! level). The same body is compiled for the baseline target (the scalar twin), AVX2 and
-//! AVX-512 (BW), dispatched at run time; integer arithmetic makes every variant bit-identical.
+//! The arithmetic is f32 on integer values: operands lie in [-255, 255] (8-bit codes minus zero
+//! points), every product is an integer of magnitude <= 65025 and every partial sum of at most
+//! [`MAX_TAPS`] of them stays below 2^24, so each f32 operation is exact and the result is the
+//! exact integer sum, identical at every level. f32 fused multiply-adds are what the CPU has
+//! most of (two 16-lane FMAs per cycle with AVX-512) while i32 multiplies (`vpmulld`) cost
+//! several times more; a depthwise filter of `kh * kw` weights is too small for a matrix
+//! product to pay. The same body is compiled for the baseline target (the scalar twin), AVX2+FMA
+//! and AVX-512, dispatched at run time.
 
 use npuc_isa::Isa;
 
-/// The most taps whose i32 sum is proven exact: floor((2^31 - 1) / (255 * 255)).
-pub const MAX_TAPS: usize = 33025;
+/// The most taps whose f32 sums are proven exact: floor(2^24 / (255 * 255)) = 258.
+pub const MAX_TAPS: usize = 258;
 
 /// Geometry of one depthwise plane: kernel, strides and dilations (height, width) and the
-/// output size. The input plane is already padded; its column count is passed separately.
+/// output size. The input plane is already padded and phase-split (see the module docs).
 #[derive(Debug, Clone, Copy)]
 pub struct DwGeom {
     pub kh: usize,
@@ -43,85 +46,105 @@ pub fn cols_needed(g: &DwGeom) -> usize {
     (g.ow.max(1) - 1) * g.sw + (g.kw.max(1) - 1) * g.dw + 1
 }
 
-/// Sums of one plane (see the module docs) at the process-wide level.
+/// Values per phase row that hold every column the geometry reads: `ceil(cols_needed / sw)`.
+pub fn phase_width(g: &DwGeom) -> usize {
+    cols_needed(g).div_ceil(g.sw.max(1))
+}
+
+/// The index of padded-plane value (row `r`, column `c`) in the phase-split layout.
+#[inline]
+pub fn phase_index(g: &DwGeom, pwq: usize, r: usize, c: usize) -> usize {
+    (r * g.sw + c % g.sw) * pwq + c / g.sw
+}
+
+/// Sums of one plane (see the module docs) at the process-wide level. `x` is the phase-split
+/// padded plane with `pwq` values per phase row ([`phase_width`] or more).
 ///
 /// # Panics
-/// If `x` (rows of `pw` columns) or `out` (`oh * ow`) is smaller than the geometry reads or
-/// writes, or `taps` holds fewer than `kh * kw` values: callers size them from the geometry.
-pub fn dw_plane(x: &[i16], pw: usize, taps: &[i16], g: &DwGeom, out: &mut [i32]) {
-    dw_plane_with(Isa::detect(), x, pw, taps, g, out)
+/// If `x` or `out` (`oh * ow`) is smaller than the geometry reads or writes, `taps` holds fewer
+/// than `kh * kw` values, the kernel has more than [`MAX_TAPS`] taps or a stride is 0: callers
+/// size and check them from the geometry.
+pub fn dw_plane(x: &[f32], pwq: usize, taps: &[f32], g: &DwGeom, out: &mut [i32]) {
+    dw_plane_with(Isa::detect(), x, pwq, taps, g, out)
 }
 
 /// [`dw_plane`] at an explicit level (tests compare the levels).
-pub fn dw_plane_with(isa: Isa, x: &[i16], pw: usize, taps: &[i16], g: &DwGeom, out: &mut [i32]) {
+pub fn dw_plane_with(isa: Isa, x: &[f32], pwq: usize, taps: &[f32], g: &DwGeom, out: &mut [i32]) {
+    assert!(g.sw > 0 && g.sh > 0 && g.kh * g.kw <= MAX_TAPS);
     assert!(
-        pw >= cols_needed(g),
+        pwq >= phase_width(g),
         "padded plane narrower than the kernel reads"
     );
     assert!(
-        x.len() >= (rows_needed(g) - 1) * pw + cols_needed(g),
+        x.len() >= rows_needed(g) * g.sw * pwq,
         "padded plane shorter than the kernel reads"
     );
     assert!(taps.len() >= g.kh * g.kw && out.len() >= g.oh * g.ow);
     #[cfg(target_arch = "x86_64")]
     {
         if isa.has_avx512() && Isa::detect().has_avx512() {
-            // SAFETY: AVX-512 (F/BW, part of npuc's avx512 level) detected on this CPU; the
+            // SAFETY: AVX-512 detected on this CPU (npuc's avx512 level includes FMA); the
             // body is safe Rust over slices whose sizes were asserted above.
-            unsafe { dw_plane_avx512(x, pw, taps, g, out) };
+            unsafe { dw_plane_avx512(x, pwq, taps, g, out) };
             return;
         }
         if isa.has_avx2() && Isa::detect().has_avx2() {
-            // SAFETY: AVX2 detected on this CPU; safe Rust body, sizes asserted above.
-            unsafe { dw_plane_avx2(x, pw, taps, g, out) };
+            // SAFETY: AVX2 and FMA (npuc's avx2 level) detected; safe Rust body, sizes asserted.
+            unsafe { dw_plane_avx2(x, pwq, taps, g, out) };
             return;
         }
     }
     let _ = isa;
-    dw_plane_scalar(x, pw, taps, g, out)
+    dw_plane_scalar(x, pwq, taps, g, out)
 }
+
+/// Output columns per accumulator block (kept in registers across all taps).
+const BLOCK: usize = 64;
 
 /// The body shared by every level (safe Rust; bounds are checked by the slicing).
 #[inline(always)]
-fn dw_plane_body(x: &[i16], pw: usize, taps: &[i16], g: &DwGeom, out: &mut [i32]) {
+fn dw_plane_body(x: &[f32], pwq: usize, taps: &[f32], g: &DwGeom, out: &mut [i32]) {
     let ow = g.ow;
+    let mut acc = [0f32; BLOCK];
     for oy in 0..g.oh {
-        let acc = &mut out[oy * ow..(oy + 1) * ow];
-        acc.fill(0);
-        for ky in 0..g.kh {
-            let row = &x[(oy * g.sh + ky * g.dh) * pw..];
-            for kx in 0..g.kw {
-                let t = taps[ky * g.kw + kx] as i32;
-                let off = kx * g.dw;
-                if g.sw == 1 {
-                    for (a, &v) in acc.iter_mut().zip(&row[off..off + ow]) {
-                        *a += t * v as i32;
-                    }
-                } else {
-                    for (a, &v) in acc.iter_mut().zip(row[off..].iter().step_by(g.sw)) {
-                        *a += t * v as i32;
+        let orow = &mut out[oy * ow..(oy + 1) * ow];
+        for (b, ob) in orow.chunks_mut(BLOCK).enumerate() {
+            let ox0 = b * BLOCK;
+            let acc = &mut acc[..ob.len()];
+            acc.fill(0.0);
+            for ky in 0..g.kh {
+                let r = oy * g.sh + ky * g.dh;
+                for kx in 0..g.kw {
+                    let t = taps[ky * g.kw + kx];
+                    let c = kx * g.dw;
+                    let start = (r * g.sw + c % g.sw) * pwq + c / g.sw + ox0;
+                    for (a, &v) in acc.iter_mut().zip(&x[start..start + ob.len()]) {
+                        *a = v.mul_add(t, *a);
                     }
                 }
+            }
+            for (o, &a) in ob.iter_mut().zip(acc.iter()) {
+                *o = a as i32;
             }
         }
     }
 }
 
 /// The scalar twin (baseline target).
-pub fn dw_plane_scalar(x: &[i16], pw: usize, taps: &[i16], g: &DwGeom, out: &mut [i32]) {
-    dw_plane_body(x, pw, taps, g, out)
+pub fn dw_plane_scalar(x: &[f32], pwq: usize, taps: &[f32], g: &DwGeom, out: &mut [i32]) {
+    dw_plane_body(x, pwq, taps, g, out)
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn dw_plane_avx2(x: &[i16], pw: usize, taps: &[i16], g: &DwGeom, out: &mut [i32]) {
-    dw_plane_body(x, pw, taps, g, out)
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dw_plane_avx2(x: &[f32], pwq: usize, taps: &[f32], g: &DwGeom, out: &mut [i32]) {
+    dw_plane_body(x, pwq, taps, g, out)
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn dw_plane_avx512(x: &[i16], pw: usize, taps: &[i16], g: &DwGeom, out: &mut [i32]) {
-    dw_plane_body(x, pw, taps, g, out)
+#[target_feature(enable = "avx512f,fma")]
+unsafe fn dw_plane_avx512(x: &[f32], pwq: usize, taps: &[f32], g: &DwGeom, out: &mut [i32]) {
+    dw_plane_body(x, pwq, taps, g, out)
 }
 
 #[cfg(test)]
@@ -129,7 +152,7 @@ mod tests {
     use super::*;
     use crate::kernels::xorshift;
 
-    /// The sum by definition, one output at a time.
+    /// The sum by definition, one output at a time, from the plain (not phase-split) plane.
     fn reference(x: &[i16], pw: usize, taps: &[i16], g: &DwGeom) -> Vec<i32> {
         let mut out = vec![0i32; g.oh * g.ow];
         for oy in 0..g.oh {
@@ -153,14 +176,23 @@ mod tests {
     fn dw_plane_matches_definition_at_every_level() {
         let mut s = 0x5eed_u64;
         for case in 0..300 {
-            let kh = 1 + (xorshift(&mut s) % 5) as usize;
-            let kw = 1 + (xorshift(&mut s) % 5) as usize;
+            // Case 0: 256 taps at the extremes, partial sums up to 256 * 65025 < 2^24.
+            let kh = if case == 0 {
+                16
+            } else {
+                1 + (xorshift(&mut s) % 5) as usize
+            };
+            let kw = if case == 0 {
+                16
+            } else {
+                1 + (xorshift(&mut s) % 5) as usize
+            };
             let sh = 1 + (xorshift(&mut s) % 2) as usize;
             let sw = 1 + (xorshift(&mut s) % 3) as usize;
             let dh = 1 + (xorshift(&mut s) % 2) as usize;
             let dw = 1 + (xorshift(&mut s) % 2) as usize;
             let oh = 1 + (xorshift(&mut s) % 6) as usize;
-            let ow = 1 + (xorshift(&mut s) % 70) as usize;
+            let ow = 1 + (xorshift(&mut s) % 150) as usize;
             let g = DwGeom {
                 kh,
                 kw,
@@ -174,9 +206,9 @@ mod tests {
             let pw = cols_needed(&g) + (xorshift(&mut s) % 3) as usize;
             let rows = rows_needed(&g);
             let extreme = case % 7 == 0;
-            let mut val = |s: &mut u64| -> i16 {
+            let val = |s: &mut u64| -> i16 {
                 if extreme {
-                    if xorshift(s) % 2 == 0 {
+                    if xorshift(s).is_multiple_of(2) {
                         255
                     } else {
                         -255
@@ -188,12 +220,21 @@ mod tests {
             let x: Vec<i16> = (0..rows * pw).map(|_| val(&mut s)).collect();
             let taps: Vec<i16> = (0..kh * kw).map(|_| val(&mut s)).collect();
             let want = reference(&x, pw, &taps, &g);
+            // The phase-split f32 plane the kernel reads (padding beyond `pw` stays 0).
+            let pwq = phase_width(&g).max(pw.div_ceil(sw)) + (case % 2);
+            let mut xs = vec![0f32; rows * sw * pwq];
+            for r in 0..rows {
+                for c in 0..pw {
+                    xs[phase_index(&g, pwq, r, c)] = x[r * pw + c] as f32;
+                }
+            }
+            let tf: Vec<f32> = taps.iter().map(|&t| t as f32).collect();
             let mut got = vec![7i32; oh * ow];
-            dw_plane_scalar(&x, pw, &taps, &g, &mut got);
+            dw_plane_scalar(&xs, pwq, &tf, &g, &mut got);
             assert_eq!(got, want, "scalar, case {case}: {g:?} pw {pw}");
             for isa in Isa::ALL.into_iter().filter(|&l| l <= Isa::detect()) {
                 let mut got = vec![7i32; oh * ow];
-                dw_plane_with(isa, &x, pw, &taps, &g, &mut got);
+                dw_plane_with(isa, &xs, pwq, &tf, &g, &mut got);
                 assert_eq!(got, want, "{}, case {case}: {g:?} pw {pw}", isa.name());
             }
         }

@@ -19,6 +19,11 @@
 //! - depthwise (`group == C`, `M` a multiple of `C`): per channel a direct sum over the taps
 //!   ([`idwconv`]); a filter of `kh * kw` weights is too small for a matrix product to pay.
 //!
+//! `table` (optional): a fused `npuc.QLut` of the output's dtype, one 256-entry table for every
+//! channel (`[256]`) or one per output channel (`[M, 256]`), applied to each requantized code
+//! (`table[code - lowest code]`): the elementwise region after a convolution (its bias Add, an
+//! activation) that `quant_lower` turns into a lookup, run while the plane is in cache.
+//!
 //! Attributes: Conv's `strides`, `pads`, `dilations`, `auto_pad`, `group`.
 
 use crate::bail;
@@ -49,6 +54,7 @@ pub static QCONV: OpDef = OpDef {
         Param::optional("bias"),
         Param::required("y_scale"),
         Param::required("y_zero_point"),
+        Param::optional("table"),
     ],
     outputs: &[Param::required("y")],
     attrs: &[
@@ -90,7 +96,7 @@ enum WeightBody {
     /// Group 1: `W'[M x C*kh*kw]` packed as the left operand of the integer product.
     Dense(PackedA),
     /// Depthwise: per output channel its `kh * kw` corrected taps.
-    Depthwise(Vec<i16>),
+    Depthwise(Vec<f32>),
 }
 
 /// `npuc.QConv` (see the module docs).
@@ -117,7 +123,7 @@ pub fn qconv(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     let (n, c, m) = (xs[0], xs[1], ws[0]);
     let group = ctx.node.int_or("group", 1)?;
     let depthwise = group != 1 && group as usize == c && ws[1] == 1 && m % c.max(1) == 0;
-    if !(group == 1 && ws[1] == c) && !depthwise {
+    if !(depthwise || group == 1 && ws[1] == c) {
         bail!(
             "QConv supports group 1 and depthwise (group = channels) convolutions; got group {group} \
              with X {xs:?} and W {ws:?}"
@@ -151,12 +157,28 @@ pub fn qconv(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     }
     let yz = zp_scalar(Some(yz_t), "y_zero_point")?;
     let range = qrange(yz_t.dtype())?;
+    let table = match ins.opt_tensor(9) {
+        None => None,
+        Some(t) => {
+            if t.dtype() != yz_t.dtype() || !(t.len() == 256 || t.len() == 256 * m) {
+                bail!(
+                    "QConv: the table must be {} with 256 or {m} x 256 values, found {} {:?}",
+                    yz_t.dtype(),
+                    t.dtype(),
+                    t.shape()
+                );
+            }
+            let v: Vec<i32> = t.to_i64_vec()?.iter().map(|&v| v as i32).collect();
+            Some(v)
+        }
+    };
     let rq = Requant {
         mult: packed.scale.iter().map(|&sw| sx * sw).collect(),
         bias,
         inv_ys: 1.0 / ys,
         zp: yz,
         range,
+        table,
     };
     let job = Job {
         geom: &geom,
@@ -208,7 +230,7 @@ fn pack_weight(
     let zp = |co: usize| if zs.len() == 1 { zs[0] } else { zs[co] };
     let corrected = |i: usize| (wv[i] - zp(i / k.max(1))) as i16;
     let body = if depthwise {
-        WeightBody::Depthwise((0..m * k).map(corrected).collect())
+        WeightBody::Depthwise((0..m * k).map(|i| corrected(i) as f32).collect())
     } else {
         WeightBody::Dense(PackedA::pack(m, k, |r, col| corrected(r * k + col)))
     };
@@ -223,6 +245,8 @@ struct Requant {
     inv_ys: f32,
     zp: i32,
     range: (i32, i32),
+    /// The fused lookup (see the module docs), as i32: 256 values, or 256 per channel.
+    table: Option<Vec<i32>>,
 }
 
 impl Requant {
@@ -243,6 +267,19 @@ impl Requant {
                 self.range,
                 o,
             );
+        }
+        if let Some(tab) = &self.table {
+            let row = if tab.len() == 256 {
+                &tab[..]
+            } else {
+                &tab[co * 256..(co + 1) * 256]
+            };
+            let row: &[i32; 256] = row.try_into().expect("256-entry table");
+            // The requantized codes lie in T's range, so `code - T::LO` is in [0, 256) for the
+            // 8-bit types QConv produces.
+            for v in out.iter_mut() {
+                *v = T::from_i32(row[(v.to_i32() - T::LO) as usize]);
+            }
         }
     }
 }
@@ -316,7 +353,7 @@ impl Job<'_> {
     }
 
     /// Depthwise, one image: every output channel from its input channel's padded plane.
-    fn depthwise<X: QInt, T: QInt>(&self, taps: &[i16], x: &[X], out: &mut [T]) {
+    fn depthwise<X: QInt, T: QInt>(&self, taps: &[f32], x: &[X], out: &mut [T]) {
         let g = self.geom;
         let (ih, iw) = (g.inp[1], g.inp[2]);
         let (oh, ow) = (g.out[1], g.out[2]);
@@ -332,15 +369,17 @@ impl Job<'_> {
             ow,
         };
         // The padded plane: the rows and columns the kernel reads (the end padding may be
-        // larger than what it reaches, or cut rows the strides never reach).
+        // larger than what it reaches, or cut rows the strides never reach), phase-split for
+        // the width stride (see `idwconv`).
         let (ph, pw) = (idwconv::rows_needed(&dg), idwconv::cols_needed(&dg));
+        let pwq = idwconv::phase_width(&dg);
         let (pt, pl) = (g.pb[1], g.pb[2]);
         let mult = self.m / self.c;
         let pout = oh * ow;
         let ntaps = kh * kw;
         let isa = Isa::detect();
         let run = |co0: usize, o: &mut [T]| {
-            let mut plane = vec![0i16; ph * pw];
+            let mut plane = vec![0f32; ph * dg.sw * pwq];
             let mut sums = vec![0i32; pout];
             let mut filled = usize::MAX;
             for (j, oc) in o.chunks_exact_mut(pout).enumerate() {
@@ -348,26 +387,26 @@ impl Job<'_> {
                 let ci = co / mult;
                 if ci != filled {
                     let src = &x[ci * ih * iw..(ci + 1) * ih * iw];
-                    for (py, prow) in plane.chunks_exact_mut(pw).enumerate() {
+                    // Padded column `c` holds input column `c - pl` where that exists.
+                    let (lo, hi) = (pl.min(pw), (pl + iw).min(pw));
+                    for py in 0..ph {
+                        let row = &mut plane[py * dg.sw * pwq..(py + 1) * dg.sw * pwq];
+                        row.fill(0.0);
                         let iy = py as isize - pt as isize;
                         if iy < 0 || iy >= ih as isize {
-                            prow.fill(0);
                             continue;
                         }
                         let srow = &src[iy as usize * iw..(iy as usize + 1) * iw];
-                        // Plane column `px` holds input column `px - pl`.
-                        let (lo, hi) = (pl.min(pw), (pl + iw).min(pw));
-                        prow[..lo].fill(0);
-                        for (d, &v) in prow[lo..hi].iter_mut().zip(&srow[lo - pl.min(lo)..]) {
-                            *d = (v.to_i32() - self.zx) as i16;
+                        for c in lo..hi {
+                            let v = (srow[c - pl].to_i32() - self.zx) as f32;
+                            row[(c % dg.sw) * pwq + c / dg.sw] = v;
                         }
-                        prow[hi..].fill(0);
                     }
                     filled = ci;
                 }
                 idwconv::dw_plane(
                     &plane,
-                    pw,
+                    pwq,
                     &taps[co * ntaps..(co + 1) * ntaps],
                     &dg,
                     &mut sums,
@@ -387,9 +426,9 @@ impl Job<'_> {
     }
 }
 
-/// im2col of one image for a group-1 convolution: `col[K x P]` with row `(ci * kh + ky) * kw
-/// + kx` holding, for every output pixel, the zero-point-corrected input value under that tap
-/// (0 where the tap falls on padding).
+/// im2col of one image for a group-1 convolution: `col[K x P]`, row `(ci * kh + ky) * kw + kx`
+/// holding, for every output pixel, the zero-point-corrected input value under that tap (0
+/// where the tap falls on padding).
 fn im2col<X: QInt>(x: &[X], g: &Geom, c: usize, zx: i32, col: &mut [i16]) {
     let (ih, iw) = (g.inp[1], g.inp[2]);
     let (oh, ow) = (g.out[1], g.out[2]);
