@@ -105,7 +105,12 @@ fn per_layer_sqnr_matches_numpy_on_onnxruntime() {
             (a, b) => panic!("{name}: npuc {a:?} vs numpy {b:?} (null = exact)"),
         }
         let (ca, cb) = (l["cosine"].as_f64().unwrap(), o["cosine"].as_f64().unwrap());
-        assert!((ca - cb).abs() < 1e-2, "{name}: cosine {ca} vs {cb}");
+        // The cosine bound is the SQNR bound's counterpart: with an uncorrelated error,
+        // cos = (1 + 10^(-SQNR/10))^(-1/2), whose slope is largest at low SQNR (about 0.022 per dB
+        // at 5 dB), so the 0.5 dB allowance above moves a 5 dB layer's cosine by about 0.011.
+        // (Measured with npuc's convolutions integer and onnxruntime's float: the deepest
+        // difference is PP-OCR's attention softmax, 5.85 vs 5.51 dB, cosine 0.863 vs 0.851.)
+        assert!((ca - cb).abs() < 2e-2, "{name}: cosine {ca} vs {cb}");
     }
     diffs.sort_by(f64::total_cmp);
     let median = diffs[diffs.len() / 2];

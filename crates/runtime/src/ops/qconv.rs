@@ -301,8 +301,16 @@ impl Job<'_> {
         let g = self.geom;
         let (pin, pout) = (g.inp[1] * g.inp[2], g.out[1] * g.out[2]);
         let mut out: Vec<T> = crate::buffers::zeroed(self.n * self.m * pout);
-        if pout == 0 {
+        if out.is_empty() {
             return Ok(out);
+        }
+        if self.c * pin == 0 {
+            bail!(
+                "QConv: the input has no values per image (shape [N, {}, {}, {}])",
+                self.c,
+                g.inp[1],
+                g.inp[2]
+            );
         }
         for (xi, oi) in x
             .chunks_exact(self.c * pin)
