@@ -474,7 +474,7 @@ fn prune_to_planned(g: &mut Graph, plan: &QuantPlan) {
 type SampleError = (usize, anyhow::Error);
 
 /// Receives one observed activation: observer index, tensor name, values.
-type Sink<'a> = &'a mut dyn FnMut(usize, &str, &[f32]) -> Result<()>;
+type Sink<'a> = &'a mut (dyn FnMut(usize, &str, &[f32]) -> Result<()> + Send);
 
 /// Histogram observers fed in sample order by the workers themselves, activation by
 /// activation: `fed[k]` samples have been added to (or passed by) observer `k`, and the

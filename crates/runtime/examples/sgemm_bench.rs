@@ -22,6 +22,7 @@ fn main() {
         ("conv_a", 32, 144, 3136),
         ("conv_b", 96, 864, 784),
         ("rec_mix", 40, 480, 120),
+        ("v6_pw", 240, 160, 320),
     ];
     let isa = npuc_isa::Isa::detect();
     println!(

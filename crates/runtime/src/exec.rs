@@ -9,7 +9,7 @@ use npuc_ir::{
 };
 use std::any::Any;
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
@@ -34,14 +34,41 @@ struct Step {
     /// Whether the outputs' sizes are checked against the memory budget before the kernel runs
     /// (ops whose outputs can be larger than their inputs; see [`output_sizes_bounded`]).
     check_sizes: bool,
+    /// Whether every input is a constant or derived from constants only (a deterministic op
+    /// without subgraphs): the outputs are the same on every run. Compiled graphs keep such
+    /// steps where folding would grow the artifact (int8 weights times a scale in PP-OCRv6).
+    derived: bool,
+    /// A derived step's outputs, kept from the first run of a session that keeps weights packed
+    /// (within [`DERIVED_BUDGET`]): later runs skip the step, and the kernels reading them
+    /// see constant inputs, so they cache their packed weights too.
+    derived_out: OnceLock<Vec<Value>>,
+}
+
+/// Bytes of derived constants ([`Step::derived_out`]) a plan keeps: the weights of small
+/// compiled models expanded from int8 fit; an LLM's dequantized weights do not, and those steps
+/// keep running each time rather than holding gigabytes.
+const DERIVED_BUDGET: usize = 256 << 20;
+
+/// Ops whose outputs differ between runs with equal inputs: never treated as derived constants.
+fn nondeterministic(n: &Node) -> bool {
+    n.op_type.starts_with("Random")
+        || matches!(n.op_type.as_str(), "Multinomial" | "Bernoulli" | "Dropout")
+}
+
+fn value_bytes(v: &Value) -> usize {
+    match v {
+        Value::Tensor(t) => t.len() * t.dtype().size(),
+        Value::Sequence(vs) => vs.iter().map(value_bytes).sum(),
+        Value::Optional(o) => o.as_deref().map_or(0, value_bytes),
+    }
 }
 
 /// A callback seeing each value a step produces, by name (see [`Session::run_observed`]).
-type Observe<'a> = &'a mut dyn FnMut(&str, &Value);
+type Observe<'a> = &'a mut (dyn FnMut(&str, &Value) + Send);
 
 /// Called after each step with its index, start time, wall time and outputs (see
 /// [`Session::run_timed`]).
-pub type StepTimer<'a> = &'a mut dyn FnMut(usize, Instant, std::time::Duration, &[Value]);
+pub type StepTimer<'a> = &'a mut (dyn FnMut(usize, Instant, std::time::Duration, &[Value]) + Send);
 
 /// A graph ready to run: values mapped to slots, kernels resolved, lifetimes computed.
 pub struct Plan {
@@ -64,6 +91,8 @@ pub struct Plan {
     /// Whether kernels keep constant weights in their packed layout across runs (a second copy
     /// of those weights; see [`Session::set_weight_prepacking`]). Off by default.
     prepack: AtomicBool,
+    /// Bytes held by the steps' [`Step::derived_out`] (at most [`DERIVED_BUDGET`]).
+    derived_bytes: AtomicUsize,
 }
 
 /// The values of a running graph, visible to subgraphs run by its nodes.
@@ -245,6 +274,8 @@ impl Plan {
                 const_inputs: vec![],
                 cache: OnceLock::new(),
                 check_sizes: !output_sizes_bounded(&n.domain, &n.op_type),
+                derived: false,
+                derived_out: OnceLock::new(),
             });
         }
         if !unsupported.is_empty() {
@@ -284,7 +315,8 @@ impl Plan {
             .collect();
         // Constant inputs: initializers that are not also graph inputs (those may be fed).
         let fed: HashSet<usize> = inputs.iter().map(|i| i.1).collect();
-        let const_slots: HashSet<usize> = consts
+        // Outputs of derived steps (deterministic, every input constant) are constants too.
+        let mut const_slots: HashSet<usize> = consts
             .iter()
             .map(|c| c.0)
             .filter(|s| !fed.contains(s))
@@ -295,6 +327,16 @@ impl Plan {
                 .iter()
                 .map(|s| s.is_some_and(|s| const_slots.contains(&s)))
                 .collect();
+            st.derived = st.subplans.is_empty()
+                && !nondeterministic(&st.node)
+                && (st.inputs.iter().any(Option::is_some) || st.node.op_type == "Constant")
+                && st
+                    .inputs
+                    .iter()
+                    .all(|s| s.is_none_or(|s| const_slots.contains(&s)));
+            if st.derived {
+                const_slots.extend(st.outputs.iter().flatten());
+            }
         }
         // Lifetimes: the last step reading each slot frees it, unless it is kept (constant,
         // graph input or output).
@@ -338,7 +380,17 @@ impl Plan {
             slot_scratch: Mutex::new(Vec::new()),
             reuse: AtomicBool::new(std::env::var("NPUC_BUFFER_POOL").map_or(true, |v| v != "0")),
             prepack: AtomicBool::new(false),
+            derived_bytes: AtomicUsize::new(0),
         })
+    }
+
+    /// Keeps a derived step's outputs for later runs while the plan's budget allows.
+    fn keep_derived(&self, st: &Step, out: &[Value]) {
+        let bytes: usize = out.iter().map(value_bytes).sum();
+        let held = self.derived_bytes.fetch_add(bytes, Ordering::Relaxed);
+        if held + bytes > DERIVED_BUDGET || st.derived_out.set(out.to_vec()).is_err() {
+            self.derived_bytes.fetch_sub(bytes, Ordering::Relaxed);
+        }
     }
 
     /// Buffers and bytes held by this plan's pool of intermediate buffers (what steady-state
@@ -435,7 +487,14 @@ impl Plan {
                 check_output_sizes(st, &vals)?;
             }
             let started = timer.as_ref().map(|_| Instant::now());
-            let out = {
+            let kept = if st.derived {
+                st.derived_out.get().cloned()
+            } else {
+                None
+            };
+            let out = if let Some(out) = kept {
+                out
+            } else {
                 let frame = Frame {
                     plan: self,
                     slots: &slots,
@@ -448,7 +507,12 @@ impl Plan {
                     host: &frame,
                     node_index: si,
                 };
-                (st.kernel)(&ctx, Inputs::new(vals)).map_err(|e| with_node(e, &st.node))?
+                let out =
+                    (st.kernel)(&ctx, Inputs::new(vals)).map_err(|e| with_node(e, &st.node))?;
+                if st.derived && self.prepack.load(Ordering::Relaxed) {
+                    self.keep_derived(st, &out);
+                }
+                out
             };
             if let (Some(t), Some(f)) = (started, timer.as_mut()) {
                 f(si, t, t.elapsed(), &out);
@@ -728,6 +792,9 @@ pub struct Session {
     inputs: Vec<ValueInfo>,
     outputs: Vec<ValueInfo>,
     opts: SessionOptions,
+    /// The session's own workers (`opts.threads` of them, made at the first run), on which a
+    /// multi-threaded run executes its steps; see [`Session::workers`].
+    workers: OnceLock<Option<rayon::ThreadPool>>,
 }
 
 impl Session {
@@ -745,7 +812,37 @@ impl Session {
                 .collect(),
             outputs: m.graph.outputs.clone(),
             opts,
+            workers: OnceLock::new(),
         })
+    }
+
+    /// The pool a run with more than one thread executes on: `opts.threads` workers of this
+    /// session's own. Why not the process-wide pool: a kernel's parallel loop started from the
+    /// caller's thread is injected into that pool while the caller sleeps on a latch, so every
+    /// parallel op paid two thread wake-ups (and the pool had as many workers as cores, not
+    /// `--threads`). Running the whole step loop on worker 0 of a pool sized to `--threads`
+    /// makes each kernel's split a fork-join inside the pool: worker 0 runs its share and takes
+    /// back any share no idle worker stole, so a sleeping worker never delays an op, and an
+    /// idle worker spins briefly before it sleeps. `NPUC_SESSION_POOL=0` falls back to the
+    /// process-wide pool (for comparisons). `None` when single-threaded or when the pool
+    /// cannot be made (then the caller's thread runs the steps, as with one thread).
+    fn workers(&self) -> Option<&rayon::ThreadPool> {
+        self.workers
+            .get_or_init(|| {
+                if self.opts.threads <= 1
+                    || std::env::var("NPUC_SESSION_POOL").is_ok_and(|v| v == "0")
+                {
+                    return None;
+                }
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(self.opts.threads)
+                    .thread_name(|i| format!("npuc-worker-{i}"))
+                    // The caller's main thread has 8 MiB; the steps now run here.
+                    .stack_size(8 << 20)
+                    .build()
+                    .ok()
+            })
+            .as_ref()
     }
 
     /// Graph inputs the caller must feed (initializer-backed inputs excluded).
@@ -790,7 +887,7 @@ impl Session {
     pub fn run_observed(
         &self,
         feeds: Vec<(String, Value)>,
-        observe: &mut dyn FnMut(&str, &Value),
+        observe: &mut (dyn FnMut(&str, &Value) + Send),
     ) -> Result<Vec<(String, Value)>> {
         self.run_inner(feeds, Some(observe), None)
     }
@@ -884,9 +981,12 @@ impl Session {
                 }
             }
         }
-        let outs = self
-            .plan
-            .run_slots(ordered, None, self.opts.threads, observe, timer)?;
+        let threads = self.opts.threads;
+        let run = move || self.plan.run_slots(ordered, None, threads, observe, timer);
+        let outs = match self.workers() {
+            Some(pool) => pool.install(run)?,
+            None => run()?,
+        };
         Ok(self
             .outputs
             .iter()

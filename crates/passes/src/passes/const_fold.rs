@@ -175,6 +175,12 @@ impl ConstFold {
                 in_bytes += bytes_of(t);
                 ins.push((s.clone(), t.clone()));
             }
+            // A `Constant` node's input is its value attribute: turning it into an initializer
+            // never grows the model. (Counted as no input, a 2.6 MB classifier weight of
+            // PP-OCRv5 cls stayed a node, so its Conv repacked the weight on every run.)
+            if let Some(v) = crate::util::constant_node_value(n) {
+                in_bytes += bytes_of(&v);
+            }
             // Results too large to keep are never computed: their size is predicted from the
             // inputs first (a Pad of 2^40 or a OneHot of depth 2^40 must not be materialized to
             // find out).
@@ -335,6 +341,33 @@ mod tests {
         );
         assert_eq!(n, 0);
         assert_eq!(opt.graph.nodes.len(), 5);
+    }
+
+    #[test]
+    fn lifts_a_constant_node_larger_than_max_bytes() {
+        // 4 KB of value with a 1 KB limit: lifting it to an initializer does not grow the model,
+        // and a kernel can then treat it as a constant weight.
+        let w: Vec<f32> = (0..1024).map(|i| i as f32 * 0.5).collect();
+        let m = model(
+            vec![
+                Node::new("Constant", &[], &["w"])
+                    .with_attr("value", Attr::Tensor(f32s(&[2, 512], &w))),
+                Node::new("Add", &["x", "w"], &["y"]),
+            ],
+            &[("x", &[2, 512])],
+            &["y"],
+        );
+        let (opt, n) = check_pass(
+            &ConstFold {
+                max_bytes: 1 << 10,
+                keep_dequantize: true,
+            },
+            &m,
+            &[("x", data(&[2, 512], 2))],
+        );
+        assert_eq!(n, 1);
+        assert_eq!(ops(&opt), ["Add"]);
+        assert!(opt.graph.initializers.iter().any(|i| i.name == "w"));
     }
 
     #[test]

@@ -86,17 +86,28 @@ fn softmax_body(row: &mut [f32]) {
 }
 
 /// An elementwise loop, its scalar twin (`$scalar`, public so tests compare against it), the
-/// AVX2 copy and the dispatcher `$name`.
+/// AVX2 and AVX-512 copies and the dispatcher `$name`. The AVX-512 copy is the same safe Rust
+/// compiled 16 lanes wide: the same IEEE operations in the same order (no contraction), so it
+/// too equals the scalar twin bit for bit.
 macro_rules! twin_loop {
-    ($(#[$doc:meta])* $name:ident, $scalar:ident, $avx2:ident, |$v:ident| $body:expr) => {
+    ($(#[$doc:meta])* $name:ident, $scalar:ident, $avx2:ident, $avx512:ident, |$v:ident| $body:expr) => {
         $(#[$doc])*
         pub fn $name($v: &mut [f32]) {
             #[cfg(target_arch = "x86_64")]
-            if npuc_isa::Isa::detect().has_avx2() {
-                // SAFETY: the ISA module detected AVX2 and FMA on this CPU (capped by NPUC_ISA);
-                // the body is safe Rust over the slice.
-                unsafe { $avx2($v) };
-                return;
+            {
+                let isa = npuc_isa::Isa::detect();
+                if isa.has_avx512() {
+                    // SAFETY: the ISA module detected AVX-512F (with AVX2 and FMA) on this CPU
+                    // (capped by NPUC_ISA); the body is safe Rust over the slice.
+                    unsafe { $avx512($v) };
+                    return;
+                }
+                if isa.has_avx2() {
+                    // SAFETY: the ISA module detected AVX2 and FMA on this CPU (capped by
+                    // NPUC_ISA); the body is safe Rust over the slice.
+                    unsafe { $avx2($v) };
+                    return;
+                }
             }
             $scalar($v)
         }
@@ -111,6 +122,12 @@ macro_rules! twin_loop {
         unsafe fn $avx2($v: &mut [f32]) {
             $body
         }
+
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = "avx512f,avx2,fma")]
+        unsafe fn $avx512($v: &mut [f32]) {
+            $body
+        }
     };
 }
 
@@ -119,6 +136,7 @@ twin_loop!(
     gelu,
     gelu_scalar,
     gelu_avx2,
+    gelu_avx512,
     |v| v.iter_mut().for_each(|x| *x = gelu_f32(*x))
 );
 twin_loop!(
@@ -126,6 +144,7 @@ twin_loop!(
     sigmoid,
     sigmoid_scalar,
     sigmoid_avx2,
+    sigmoid_avx512,
     |v| v.iter_mut().for_each(|x| *x = sigmoid_f32(*x))
 );
 twin_loop!(
@@ -133,6 +152,7 @@ twin_loop!(
     swish,
     swish_scalar,
     swish_avx2,
+    swish_avx512,
     |v| v.iter_mut().for_each(|x| *x /= 1.0 + exp_f32(-*x))
 );
 twin_loop!(
@@ -140,6 +160,7 @@ twin_loop!(
     tanh,
     tanh_scalar,
     tanh_avx2,
+    tanh_avx512,
     |v| v.iter_mut().for_each(|x| *x = tanh_f32(*x))
 );
 twin_loop!(
@@ -147,6 +168,7 @@ twin_loop!(
     softmax_row,
     softmax_row_scalar,
     softmax_row_avx2,
+    softmax_row_avx512,
     |v| softmax_body(v)
 );
 

@@ -19,6 +19,7 @@ use crate::error::Result;
 use crate::kernel::MAX_OPSET;
 use crate::kernel::{Inputs, OpCtx, Registry};
 use crate::kernels::conv_nhwc::{dw_pixel, MAX_TAPS};
+use crate::kernels::sgemm::{self, PackedB, View};
 use crate::ops::fused::ACTIVATION_ATTRS;
 use crate::ops::fused::{apply_f32, Act};
 use crate::ops::matmul::{gemm_into, Mat};
@@ -27,6 +28,7 @@ use npuc_ir::infer::rules::tt;
 use npuc_ir::infer::{onnx_rule, NodeIn, R};
 use npuc_ir::opdef::{OpDef, Param};
 use npuc_ir::{DType, Dim, Tensor, TypeInfo};
+use npuc_isa::Isa;
 use rayon::prelude::*;
 
 pub fn register(r: &mut Registry) {
@@ -95,9 +97,15 @@ pub static GLOBAL_AVERAGE_POOL_NHWC: OpDef = OpDef {
     },
 };
 
-/// A weight re-packed for the NHWC kernels: `[KH*KW, M]` (depthwise) or `[KH*KW*C, M]` with
-/// rows ordered (tap, input channel), the order the NHWC im2col writes its columns in.
-struct Packed(Vec<f32>);
+/// A constant weight re-packed once per plan for the NHWC kernels.
+enum Packed {
+    /// `[KH*KW, M]` (depthwise) or `[KH*KW*C, M]` with rows ordered (tap, input channel), the
+    /// order the NHWC im2col writes its columns in.
+    Rows(Vec<f32>),
+    /// That `[KH*KW*C, M]` matrix in the AVX-512 product's column panels (group 1 at the
+    /// AVX-512 level): packing it on every call cost 3% of a PP-OCRv6 rec run.
+    Panels(PackedB),
+}
 
 /// Re-packs an ONNX conv weight `[m, cg, kh*kw]` into `[(tap, c), m]` (`cg` = 1 for
 /// depthwise gives `[tap, m]`) into `out` (cleared first).
@@ -111,6 +119,31 @@ fn pack_weight(w: &[f32], m: usize, cg: usize, taps: usize, out: &mut Vec<f32>) 
                 out[(t * cg + c) * m + oc] = v;
             }
         }
+    }
+}
+
+/// The weight as the kernels read it this call.
+#[derive(Clone, Copy)]
+enum Weight<'a> {
+    Rows(&'a [f32]),
+    Panels(&'a PackedB),
+}
+
+/// Output values from which [`bias_act_par`] splits the epilogue across threads (an exact
+/// GELU costs ~2.5 ns a value, so 32K values are ~80 us of work).
+const PAR_EPILOGUE: usize = 1 << 15;
+
+/// [`bias_act`] over rows of `m` values, split by rows across `threads` when large: after a
+/// threaded product, an epilogue on one thread was a quarter of a PP-OCRv6 rec run at 2 threads.
+fn bias_act_par(out: &mut [f32], bias: Option<&[f32]>, m: usize, act: Act, threads: usize) {
+    let rows = out.len() / m.max(1);
+    if threads > 1 && out.len() >= PAR_EPILOGUE && rows > 1 && (bias.is_some() || act != Act::None)
+    {
+        let per = rows.div_ceil(threads) * m;
+        out.par_chunks_mut(per)
+            .for_each(|part| bias_act(part, bias, m, act));
+    } else {
+        bias_act(out, bias, m, act);
     }
 }
 
@@ -168,29 +201,45 @@ fn conv_nhwc(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     }
     let taps = kh * kw;
     // Constant weights are packed once per plan; a fed weight is packed per call into scratch.
+    let isa = Isa::detect();
     let cached;
     let mut scratch = vec![];
-    let wp: &[f32] = if ctx.input_is_const(1) {
+    let wp: Weight = if ctx.input_is_const(1) {
         cached = ctx.cached(|| {
             let mut v = vec![];
             pack_weight(wv, m, cg, taps, &mut v);
-            Ok(Packed(v))
+            if !depthwise && sgemm::available(isa) {
+                let k = taps * cg;
+                return Ok(Packed::Panels(PackedB::new(k, m, View::rows(&v, m))?));
+            }
+            Ok(Packed::Rows(v))
         })?;
-        &cached.0
+        match &*cached {
+            Packed::Rows(v) => Weight::Rows(v),
+            Packed::Panels(p) => Weight::Panels(p),
+        }
     } else {
         scratch = crate::buffers::take::<f32>(taps * cg * m);
         pack_weight(wv, m, cg, taps, &mut scratch);
-        &scratch
+        Weight::Rows(&scratch)
     };
-    if wp.len() != taps * cg * m {
+    let fits = match wp {
+        Weight::Rows(v) => v.len() == taps * cg * m,
+        Weight::Panels(p) => p.k() == taps * cg && p.n() == m,
+    };
+    if !fits {
         bail!("ConvNhwc packed weight does not match W {ws:?} (node cache of another shape)");
     }
     let mut out = crate::buffers::zeroed::<f32>(n * oh * ow * m);
     if !out.is_empty() {
-        if depthwise {
-            depthwise_run(xv, wp, bias, &g, (n, c), act, &mut out, ctx.threads)?;
-        } else {
-            gemm_run(xv, wp, bias, &g, (n, c, m), act, &mut out, ctx.threads)?;
+        match (depthwise, wp) {
+            (true, Weight::Rows(wp)) => {
+                depthwise_run(xv, wp, bias, &g, (n, c), act, &mut out, ctx.threads)?
+            }
+            (false, wp) => gemm_run(xv, wp, bias, &g, (n, c, m), act, &mut out, ctx.threads)?,
+            (true, Weight::Panels(_)) => {
+                bail!("ConvNhwc depthwise weight cached as panels (node cache of another kind)")
+            }
         }
     }
     crate::buffers::release(scratch);
@@ -280,7 +329,7 @@ fn depthwise_run(
 #[allow(clippy::too_many_arguments)]
 fn gemm_run(
     xv: &[f32],
-    wp: &[f32],
+    wp: Weight,
     bias: Option<&[f32]>,
     g: &Geom,
     (n, c, m): (usize, usize, usize),
@@ -314,14 +363,26 @@ fn gemm_run(
                 let (oy, ox) = (rem / ow, rem % ow);
                 for a in 0..kh {
                     let iy = (oy * g.s[1] + a * g.d[1]) as isize - g.pb[1] as isize;
+                    let d = &mut dst[a * kw * c..][..kw * c];
+                    if iy < 0 || iy >= h as isize {
+                        d.fill(0.0);
+                        continue;
+                    }
+                    let row = &xv[(ni * h + iy as usize) * wd * c..][..wd * c];
+                    let x0 = (ox * g.s[2]) as isize - g.pb[2] as isize;
+                    if g.d[2] == 1 && x0 >= 0 && x0 as usize + kw <= wd {
+                        // The row's taps are kw neighbouring pixels: one copy of kw * c values
+                        // (per-tap copies of a few channels were libc calls of 12 bytes).
+                        d.copy_from_slice(&row[x0 as usize * c..][..kw * c]);
+                        continue;
+                    }
                     for bb in 0..kw {
-                        let d = &mut dst[(a * kw + bb) * c..][..c];
-                        let ix = (ox * g.s[2] + bb * g.d[2]) as isize - g.pb[2] as isize;
-                        if iy < 0 || iy >= h as isize || ix < 0 || ix >= wd as isize {
+                        let d = &mut d[bb * c..][..c];
+                        let ix = x0 + (bb * g.d[2]) as isize;
+                        if ix < 0 || ix >= wd as isize {
                             d.fill(0.0);
                         } else {
-                            let src = ((ni * h + iy as usize) * wd + ix as usize) * c;
-                            d.copy_from_slice(&xv[src..][..c]);
+                            d.copy_from_slice(&row[ix as usize * c..][..c]);
                         }
                     }
                 }
@@ -329,19 +390,31 @@ fn gemm_run(
             &col[..rows * k]
         };
         let dst = &mut out[r0 * m..][..rows * m];
-        gemm_into(
-            rows,
-            m,
-            k,
-            1.0,
-            Mat::rows(lhs, k),
-            Mat::rows(wp, m),
-            None,
-            dst,
-            m,
-            threads,
-        )?;
-        bias_act(dst, bias, m, act);
+        match wp {
+            Weight::Rows(wp) => gemm_into(
+                rows,
+                m,
+                k,
+                1.0,
+                Mat::rows(lhs, k),
+                Mat::rows(wp, m),
+                None,
+                dst,
+                m,
+                threads,
+            )?,
+            Weight::Panels(wp) => sgemm::sgemm_packed(
+                Isa::detect(),
+                rows,
+                1.0,
+                View::rows(lhs, k),
+                wp,
+                dst,
+                m,
+                threads,
+            )?,
+        }
+        bias_act_par(dst, bias, m, act, threads);
         r0 += rows;
     }
     crate::buffers::release(col);
