@@ -23,6 +23,7 @@ fn main() {
         ("conv_b", 96, 864, 784),
         ("rec_mix", 40, 480, 120),
         ("v6_pw", 240, 160, 320),
+        ("cls_c0", 3200, 27, 16),
     ];
     let isa = npuc_isa::Isa::detect();
     println!(
