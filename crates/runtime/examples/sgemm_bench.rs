@@ -24,6 +24,8 @@ fn main() {
         ("rec_mix", 40, 480, 120),
         ("v6_pw", 240, 160, 320),
         ("cls_c0", 3200, 27, 16),
+        ("cls_pw", 400, 256, 256),
+        ("cls_c30", 240, 512, 512),
     ];
     let isa = npuc_isa::Isa::detect();
     println!(

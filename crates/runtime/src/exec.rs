@@ -795,6 +795,8 @@ pub struct Session {
     /// The session's own workers (`opts.threads` of them, made at the first run), on which a
     /// multi-threaded run executes its steps; see [`Session::workers`].
     workers: OnceLock<Option<rayon::ThreadPool>>,
+    /// Whether runs flush subnormal floats to zero ([`crate::kernels::fpenv`]).
+    flush_denormals: AtomicBool,
 }
 
 impl Session {
@@ -813,6 +815,7 @@ impl Session {
             outputs: m.graph.outputs.clone(),
             opts,
             workers: OnceLock::new(),
+            flush_denormals: AtomicBool::new(crate::kernels::fpenv::flush_by_default()),
         })
     }
 
@@ -834,8 +837,14 @@ impl Session {
                 {
                     return None;
                 }
+                let flush = self.flush_denormals.load(Ordering::Relaxed);
                 rayon::ThreadPoolBuilder::new()
                     .num_threads(self.opts.threads)
+                    .start_handler(move |_| {
+                        if flush {
+                            crate::kernels::fpenv::flush_on_this_thread();
+                        }
+                    })
                     .thread_name(|i| format!("npuc-worker-{i}"))
                     // The caller's main thread has 8 MiB; the steps now run here.
                     .stack_size(8 << 20)
@@ -868,6 +877,13 @@ impl Session {
     /// short-lived sessions of calibration and verification over large models hold one copy.
     pub fn set_weight_prepacking(&self, on: bool) {
         self.plan.prepack.store(on, Ordering::Relaxed);
+    }
+    /// Runs flush subnormal f32 values to zero by default (see [`crate::kernels::fpenv`]: a
+    /// subnormal costs ~100 cycles per operation on x86); `false` keeps them, as
+    /// `NPUC_DENORMALS=keep` does. Set it before the first run: a multi-threaded session's
+    /// workers take the setting when they start.
+    pub fn set_flush_denormals(&self, on: bool) {
+        self.flush_denormals.store(on, Ordering::Relaxed);
     }
     pub fn outputs(&self) -> &[ValueInfo] {
         &self.outputs
@@ -982,7 +998,11 @@ impl Session {
             }
         }
         let threads = self.opts.threads;
-        let run = move || self.plan.run_slots(ordered, None, threads, observe, timer);
+        let flush = self.flush_denormals.load(Ordering::Relaxed);
+        let run = move || {
+            let _env = flush.then(crate::kernels::fpenv::FlushDenormals::new);
+            self.plan.run_slots(ordered, None, threads, observe, timer)
+        };
         let outs = match self.workers() {
             Some(pool) => pool.install(run)?,
             None => run()?,

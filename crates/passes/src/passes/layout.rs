@@ -16,7 +16,10 @@
 //!   permuting every operand the same way, so a constant operand of rank <= 4 is left-padded to
 //!   rank 4 and permuted (scalars and all-ones shapes stay as they are);
 //! - `GlobalAveragePool` (of a chain value) becomes `npuc.GlobalAveragePoolNhwc`;
-//! - `Concat` of chain values, with its axis remapped.
+//! - `Concat` of chain values, with its axis remapped;
+//! - `Resize` (no `axes` attribute) of a chain value with constant `roi`/`scales`/`sizes`:
+//!   those per-axis constants are permuted, and the runtime's N-D resampler scales H and W
+//!   with channel rows contiguous (the FPN upsampling of detection heads stays in the chain).
 //!
 //! Rank 4 is established without shape inference (fused ops have none): a 2-D conv's input and
 //! output are 4-D, elementwise ops of 4-D values (and constants of rank <= 4) are 4-D, and so
@@ -88,6 +91,7 @@ enum Kind {
     Elementwise,
     Gap,
     Concat,
+    Resize,
 }
 
 pub struct LayoutNhwc;
@@ -139,7 +143,52 @@ fn classify(g: &npuc_ir::Graph, ix: &Index, n: &Node) -> Option<Kind> {
     if is_op(n, "Concat") {
         return Some(Kind::Concat);
     }
+    if is_op(n, "Resize") && resize_ok(g, ix, n) {
+        return Some(Kind::Resize);
+    }
     None
+}
+
+/// A Resize whose per-axis inputs are all absent or constant 4-axis vectors (no `axes`).
+fn resize_ok(g: &npuc_ir::Graph, ix: &Index, n: &Node) -> bool {
+    if n.input(0).is_none() || n.inputs.len() > 4 || n.attrs.iter().any(|(k, _)| k == "axes") {
+        return false;
+    }
+    n.inputs.iter().enumerate().skip(1).all(|(j, s)| {
+        s.is_empty()
+            || ix
+                .constant(g, s)
+                .is_some_and(|t| resize_const(j, &t).is_some())
+    })
+}
+
+/// Resize input `j`'s constant (1 roi, 2 scales, 3 sizes) in NHWC axis order: `Some(None)`
+/// when it stays as it is (empty), `None` when it cannot be permuted.
+fn resize_const(j: usize, t: &Tensor) -> Option<Option<Tensor>> {
+    if t.is_empty() {
+        return Some(None);
+    }
+    if t.rank() != 1 {
+        return None;
+    }
+    // roi is [starts..., ends...] over the 4 axes; scales and sizes one entry per axis.
+    let halves = match (j, t.len()) {
+        (1, 8) => 2,
+        (2 | 3, 4) => 1,
+        _ => return None,
+    };
+    fn permute<T: npuc_ir::Elem>(v: &[T], halves: usize) -> Vec<T> {
+        (0..halves)
+            .flat_map(|h| TO_NHWC.iter().map(move |&a| v[h * 4 + a as usize]))
+            .collect()
+    }
+    let out = match t.dtype() {
+        DType::F32 => Tensor::from_vec(vec![t.len()], permute(t.as_slice::<f32>().ok()?, halves)),
+        DType::F64 => Tensor::from_vec(vec![t.len()], permute(t.as_slice::<f64>().ok()?, halves)),
+        DType::I64 => Tensor::from_vec(vec![t.len()], permute(t.as_slice::<i64>().ok()?, halves)),
+        _ => return None,
+    };
+    out.ok().map(Some)
 }
 
 /// A constant operand's shape left-padded to rank 4, when it broadcasts against a 4-D value.
@@ -282,6 +331,14 @@ fn convert(m: &Model) -> (usize, GraphPatch) {
                         r4.insert(out.clone());
                     }
                 }
+                // Resize keeps the rank (its per-axis constants have 4 entries).
+                Kind::Resize => {
+                    if r4.contains(&d[0]) {
+                        r4.insert(out.clone());
+                    } else if r4.contains(out) {
+                        r4.insert(d[0].clone());
+                    }
+                }
             }
         }
         if r4.len() == before {
@@ -307,6 +364,7 @@ fn convert(m: &Model) -> (usize, GraphPatch) {
             }),
             // The NHWC pool kernel is f32: its input must come from the chain itself.
             Kind::Gap => ix.producer.contains_key(&d[0]),
+            Kind::Resize => d.len() == 1 && n.inputs[0] == d[0],
             Kind::Concat => {
                 d.len() == n.inputs.iter().filter(|s| !s.is_empty()).count()
                     && matches!(n.attr_int("axis"), Ok(Some(a)) if (-4..4).contains(&a))
@@ -424,6 +482,23 @@ fn rewrite(m: &Model, chosen: &HashSet<usize>) -> (usize, GraphPatch) {
             if ix.is_const(g, s) {
                 // Conv weights and biases stay; elementwise constants are permuted.
                 if t.op_type == "Conv" || t.op_type == "FusedConv" {
+                    continue;
+                }
+                if is_op(n, "Resize") {
+                    let Some(c) = ix.constant(g, s) else { continue };
+                    if let Some(Some(p)) = resize_const(j, &c) {
+                        let key = format!("{s}\u{0}resize{j}");
+                        let name = match const_names.get(&key) {
+                            Some(nm) => nm.clone(),
+                            None => {
+                                let nm = fresh(g, &mut taken, s);
+                                patch.add_initializer(nm.clone(), p);
+                                const_names.insert(key, nm.clone());
+                                nm
+                            }
+                        };
+                        t.inputs[j] = name;
+                    }
                     continue;
                 }
                 let Some(c) = ix.constant(g, s) else { continue };
@@ -569,6 +644,59 @@ mod tests {
         }
         // Idempotent: nothing left to convert.
         assert_eq!(crate::apply_pass(&LayoutNhwc, &mut m).unwrap().changes, 0);
+    }
+
+    /// Conv -> Resize (scales, nearest; and sizes, linear) -> Conv stays one chain: the
+    /// per-axis constants are permuted and the outputs equal the NCHW model's.
+    #[test]
+    fn resize_joins_the_chain() {
+        for (scales, sizes, mode) in [("sc", "", "nearest"), ("", "sz", "linear")] {
+            let mut nodes = vec![conv("x", "w1", "b1", "c1", 1)];
+            let ins: Vec<&str> = if sizes.is_empty() {
+                vec!["c1", "roi", scales]
+            } else {
+                vec!["c1", "", "", sizes]
+            };
+            nodes.push(
+                Node::new("Resize", &ins, &["up"]).with_attr("mode", Attr::String(mode.into())),
+            );
+            nodes.push(conv("up", "w2", "b2", "y", 1));
+            let mut m = model(nodes, &[("x", &[1, 3, 5, 6])], &["y"]);
+            m.graph.initializers = vec![
+                init("w1", data(&[4, 3, 3, 3], 1)),
+                init("b1", data(&[4], 2)),
+                init("w2", data(&[5, 4, 3, 3], 3)),
+                init("b2", data(&[5], 4)),
+                init("roi", Tensor::from_vec::<f32>(vec![0], vec![]).unwrap()),
+                init(
+                    "sc",
+                    Tensor::from_vec(vec![4], vec![1f32, 1.0, 2.0, 3.0]).unwrap(),
+                ),
+                init(
+                    "sz",
+                    Tensor::from_vec(vec![4], vec![1i64, 4, 9, 8]).unwrap(),
+                ),
+            ];
+            let x = data(&[1, 3, 5, 6], 9);
+            let want = run(&m, &[("x", x.clone())]);
+            let st = crate::apply_pass(&LayoutNhwc, &mut m).unwrap();
+            assert_eq!(st.changes, 3, "{mode}: both convs and the Resize convert");
+            let count = |op: &str| m.graph.nodes.iter().filter(|n| n.op_type == op).count();
+            assert_eq!(count("Transpose"), 2, "{mode}: one entering, one leaving");
+            let got = run(&m, &[("x", x)]);
+            assert_eq!(got[0].shape(), want[0].shape());
+            for (p, q) in got[0]
+                .as_slice::<f32>()
+                .unwrap()
+                .iter()
+                .zip(want[0].as_slice::<f32>().unwrap())
+            {
+                assert!(
+                    (p - q).abs() <= 1e-4 * (1.0 + q.abs()),
+                    "{mode}: {p} vs {q}"
+                );
+            }
+        }
     }
 
     /// A lone conv does not pay for two transposes.

@@ -172,6 +172,92 @@ twin_loop!(
     |v| softmax_body(v)
 );
 
+/// [`twin_loop!`] for loops with two `f32` parameters (clip bounds, hard-sigmoid slope and
+/// offset): the parameters are passed through to all three copies.
+macro_rules! twin_loop2 {
+    ($(#[$doc:meta])* $name:ident, $scalar:ident, $avx2:ident, $avx512:ident, |$v:ident, $a:ident, $b:ident| $body:expr) => {
+        $(#[$doc])*
+        pub fn $name($v: &mut [f32], $a: f32, $b: f32) {
+            #[cfg(target_arch = "x86_64")]
+            {
+                let isa = npuc_isa::Isa::detect();
+                if isa.has_avx512() {
+                    // SAFETY: the ISA module detected AVX-512F (with AVX2 and FMA) on this CPU
+                    // (capped by NPUC_ISA); the body is safe Rust over the slice.
+                    unsafe { $avx512($v, $a, $b) };
+                    return;
+                }
+                if isa.has_avx2() {
+                    // SAFETY: the ISA module detected AVX2 and FMA on this CPU (capped by
+                    // NPUC_ISA); the body is safe Rust over the slice.
+                    unsafe { $avx2($v, $a, $b) };
+                    return;
+                }
+            }
+            $scalar($v, $a, $b)
+        }
+
+        /// The scalar twin (baseline target) of the dispatched loop.
+        pub fn $scalar($v: &mut [f32], $a: f32, $b: f32) {
+            $body
+        }
+
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn $avx2($v: &mut [f32], $a: f32, $b: f32) {
+            $body
+        }
+
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = "avx512f,avx2,fma")]
+        unsafe fn $avx512($v: &mut [f32], $a: f32, $b: f32) {
+            $body
+        }
+    };
+}
+
+twin_loop!(
+    /// ReLU over a slice, in place.
+    relu,
+    relu_scalar,
+    relu_avx2,
+    relu_avx512,
+    |v| v.iter_mut().for_each(|x| *x = x.max(0.0))
+);
+twin_loop2!(
+    /// Clip to `[lo, hi]` over a slice, in place (`max` then `min`, as the scalar op did).
+    clip,
+    clip_scalar,
+    clip_avx2,
+    clip_avx512,
+    |v, lo, hi| v.iter_mut().for_each(|x| *x = x.max(lo).min(hi))
+);
+twin_loop2!(
+    /// HardSigmoid `max(0, min(1, a * x + b))` over a slice, in place.
+    hard_sigmoid,
+    hard_sigmoid_scalar,
+    hard_sigmoid_avx2,
+    hard_sigmoid_avx512,
+    |v, a, b| v.iter_mut().for_each(|x| *x = (a * *x + b).clamp(0.0, 1.0))
+);
+twin_loop2!(
+    /// HardSwish `x * max(0, min(1, a * x + b))` over a slice, in place.
+    hard_swish,
+    hard_swish_scalar,
+    hard_swish_avx2,
+    hard_swish_avx512,
+    |v, a, b| v.iter_mut().for_each(|x| *x *= (a * *x + b).clamp(0.0, 1.0))
+);
+twin_loop2!(
+    /// LeakyRelu `x < 0 ? a * x : x` over a slice, in place (`_unused` keeps the two-parameter
+    /// shape).
+    leaky_relu,
+    leaky_relu_scalar,
+    leaky_relu_avx2,
+    leaky_relu_avx512,
+    |v, a, _unused| v.iter_mut().for_each(|x| *x = if *x < 0.0 { a * *x } else { *x })
+);
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -246,6 +332,23 @@ mod tests {
                 twin(&mut b);
                 prop_assert_eq!(bits(&a), bits(&b), "loop {}", i);
             }
+            type Pair2 = (fn(&mut [f32], f32, f32), fn(&mut [f32], f32, f32));
+            let pairs2: [Pair2; 4] = [
+                (clip, clip_scalar),
+                (hard_sigmoid, hard_sigmoid_scalar),
+                (hard_swish, hard_swish_scalar),
+                (leaky_relu, leaky_relu_scalar),
+            ];
+            for (i, (fast, twin)) in pairs2.into_iter().enumerate() {
+                let (mut a, mut b) = (v.clone(), v.clone());
+                fast(&mut a, 0.2, 0.5);
+                twin(&mut b, 0.2, 0.5);
+                prop_assert_eq!(bits(&a), bits(&b), "two-parameter loop {}", i);
+            }
+            let (mut a, mut b) = (v.clone(), v.clone());
+            relu(&mut a);
+            relu_scalar(&mut b);
+            prop_assert_eq!(bits(&a), bits(&b), "relu");
         }
     }
 

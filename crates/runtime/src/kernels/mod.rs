@@ -4,12 +4,14 @@
 pub mod act;
 pub mod blockq4;
 pub mod conv_nhwc;
+pub mod fpenv;
 pub mod idwconv;
 pub mod igemm;
 pub mod imm;
 pub mod qconvert;
 pub mod qgemv;
 pub mod sgemm;
+pub mod sgemv;
 
 /// One xorshift64 step: the kernels' property tests draw their operands from it.
 #[cfg(test)]

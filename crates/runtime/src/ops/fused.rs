@@ -327,15 +327,11 @@ pub fn gelu(x: f64) -> f64 {
 pub(crate) fn apply_f32(act: Act, v: &mut [f32]) {
     match act {
         Act::None => {}
-        Act::Relu => v.iter_mut().for_each(|x| *x = x.max(0.0)),
-        Act::Clip(lo, hi) => v.iter_mut().for_each(|x| *x = x.max(lo).min(hi)),
-        Act::HardSigmoid(a, b) => v.iter_mut().for_each(|x| *x = (a * *x + b).clamp(0.0, 1.0)),
-        Act::HardSwish(a, b) => v
-            .iter_mut()
-            .for_each(|x| *x *= (a * *x + b).clamp(0.0, 1.0)),
-        Act::LeakyRelu(a) => v
-            .iter_mut()
-            .for_each(|x| *x = if *x < 0.0 { a * *x } else { *x }),
+        Act::Relu => crate::kernels::act::relu(v),
+        Act::Clip(lo, hi) => crate::kernels::act::clip(v, lo, hi),
+        Act::HardSigmoid(a, b) => crate::kernels::act::hard_sigmoid(v, a, b),
+        Act::HardSwish(a, b) => crate::kernels::act::hard_swish(v, a, b),
+        Act::LeakyRelu(a) => crate::kernels::act::leaky_relu(v, a, 0.0),
         Act::Sigmoid => crate::kernels::act::sigmoid(v),
         Act::Swish => crate::kernels::act::swish(v),
         Act::Gelu => crate::kernels::act::gelu(v),

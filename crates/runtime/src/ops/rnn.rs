@@ -185,6 +185,12 @@ fn gemm_wt(
         }
         return;
     }
+    if m == 1 {
+        // One row (batch 1 recurrences): dot products against W's rows, no packing.
+        let ok = crate::kernels::sgemv::dot_rows(a, w, k, &mut dst[..n], accumulate);
+        assert!(ok, "gemm_wt operands checked above");
+        return;
+    }
     let par = if threads > 1 && m * n * k >= 1 << 20 {
         gemm::Parallelism::Rayon(threads)
     } else {
@@ -599,16 +605,34 @@ impl Layer<'_> {
                         CellKind::Gru {
                             linear_before_reset,
                         } => {
+                            // Gate by gate over whole slices, so the activations run
+                            // vectorized (the same values as `Act::apply` per element).
+                            let (gz, rest) = gates.split_at_mut(hsz);
+                            let (gr, rest) = rest.split_at_mut(hsz);
+                            let gn = &mut rest[..hsz];
                             for j in 0..hsz {
-                                let z = acts[0].apply(clip(xr[j] + hrr[j]));
-                                let pre = if linear_before_reset {
-                                    let r = acts[0].apply(clip(xr[hsz + j] + hrr[hsz + j]));
-                                    xr[2 * hsz + j] + r * (hrr[2 * hsz + j] + rb[2 * hsz + j])
-                                } else {
-                                    xr[2 * hsz + j] + rh[b * hsz + j]
-                                };
-                                let hh = acts[1].apply(clip(pre));
-                                hb[j] = (1.0 - z) * hh + z * hb[j];
+                                gz[j] = clip(xr[j] + hrr[j]);
+                            }
+                            acts[0].apply_slice(gz);
+                            if linear_before_reset {
+                                for j in 0..hsz {
+                                    gr[j] = clip(xr[hsz + j] + hrr[hsz + j]);
+                                }
+                                acts[0].apply_slice(gr);
+                                for j in 0..hsz {
+                                    gn[j] = clip(
+                                        xr[2 * hsz + j]
+                                            + gr[j] * (hrr[2 * hsz + j] + rb[2 * hsz + j]),
+                                    );
+                                }
+                            } else {
+                                for j in 0..hsz {
+                                    gn[j] = clip(xr[2 * hsz + j] + rh[b * hsz + j]);
+                                }
+                            }
+                            acts[1].apply_slice(gn);
+                            for j in 0..hsz {
+                                hb[j] = (1.0 - gz[j]) * gn[j] + gz[j] * hb[j];
                             }
                         }
                         CellKind::Lstm { input_forget } => {

@@ -18,7 +18,7 @@ use crate::bail;
 use crate::error::Result;
 use crate::kernel::MAX_OPSET;
 use crate::kernel::{Inputs, OpCtx, Registry};
-use crate::kernels::conv_nhwc::{dw_pixel, MAX_TAPS};
+use crate::kernels::conv_nhwc::{dw_row, DwGeom};
 use crate::kernels::sgemm::{self, PackedB, View};
 use crate::ops::fused::ACTIVATION_ATTRS;
 use crate::ops::fused::{apply_f32, Act};
@@ -265,39 +265,20 @@ fn depthwise_run(
     let [_, oh, ow] = g.out;
     let [_, kh, kw] = g.k;
     let img = h * wd * c;
+    let dg = DwGeom {
+        h,
+        wd,
+        c,
+        kh,
+        kw,
+        stride: [g.s[1], g.s[2]],
+        dilation: [g.d[1], g.d[2]],
+        pad: [g.pb[1], g.pb[2]],
+        ow,
+    };
     let row = |(r, orow): (usize, &mut [f32])| -> bool {
         let (ni, oy) = (r / oh, r % oh);
-        let ximg = &xv[ni * img..][..img];
-        let mut taps = [(0usize, 0usize); MAX_TAPS];
-        let mut ok = true;
-        for (ox, acc) in orow.chunks_exact_mut(c).enumerate() {
-            match bias {
-                Some(b) => acc.copy_from_slice(b),
-                None => acc.fill(0.0),
-            }
-            let mut nt = 0;
-            for a in 0..kh {
-                let iy = (oy * g.s[1] + a * g.d[1]) as isize - g.pb[1] as isize;
-                if iy < 0 || iy >= h as isize {
-                    continue;
-                }
-                for bb in 0..kw {
-                    let ix = (ox * g.s[2] + bb * g.d[2]) as isize - g.pb[2] as isize;
-                    if ix < 0 || ix >= wd as isize {
-                        continue;
-                    }
-                    taps[nt] = ((iy as usize * wd + ix as usize) * c, (a * kw + bb) * c);
-                    nt += 1;
-                    if nt == MAX_TAPS {
-                        ok &= dw_pixel(acc, &taps, ximg, wp);
-                        nt = 0;
-                    }
-                }
-            }
-            if nt > 0 {
-                ok &= dw_pixel(acc, &taps[..nt], ximg, wp);
-            }
-        }
+        let ok = dw_row(orow, &xv[ni * img..][..img], wp, bias, &dg, oy);
         apply_f32(act, orow);
         ok
     };
