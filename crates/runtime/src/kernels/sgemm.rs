@@ -36,6 +36,10 @@ use std::cell::RefCell;
 pub const MR: usize = 12;
 /// Columns of a micro-tile and of a packed panel of `b` (two 16-lane registers).
 pub const NR: usize = 32;
+/// Rows of a narrow micro-tile: products with at most 16 columns (convs with 8 or 16 output
+/// channels over many pixels) keep one 16-lane accumulator per row, so a wide tile's second
+/// register, all masked off, does not cost half the multiply-adds.
+const MR_NARROW: usize = 24;
 /// Products with at least this many multiply-adds are split across threads.
 const PAR_WORK: usize = 1 << 17;
 /// Reduction steps per pass: a panel block of `b` (`KC` rows of 128 bytes, 32 KB) stays in L1
@@ -409,9 +413,12 @@ fn block(
                     BSrc::Packed(d) => (&d[p * k * NR + k0 * NR..][..kc * NR], NR),
                     BSrc::Rows(v) => (&v.data[k0 * v.rs + j0..], v.rs),
                 };
+                // Row-major `a` in place and one register of columns: narrow tiles.
+                let narrow = cols <= 16 && a.cs == 1;
+                let step = if narrow { MR_NARROW } else { MR };
                 let mut i = c0;
                 while i < c1 {
-                    let r = MR.min(c1 - i);
+                    let r = step.min(c1 - i);
                     let (ap, ars, acs) = if a.cs == 1 {
                         (&a.data[i * a.rs + k0..], a.rs, 1)
                     } else {
@@ -429,6 +436,22 @@ fn block(
                     // j0..j0+cols lie inside it); the assert above keeps the tile's rows
                     // i..i+r, columns j0..j0+cols inside `c`, which only this call writes.
                     unsafe {
+                        if narrow {
+                            tile_narrow(
+                                r,
+                                kc,
+                                (ap, ars, acs),
+                                bp,
+                                ldb,
+                                c.ptr.add(at),
+                                c.ldc,
+                                cols,
+                                k0 > 0,
+                                if last { scale } else { 1.0 },
+                            );
+                            i += r;
+                            continue;
+                        }
                         tile(
                             r,
                             kc,
@@ -563,6 +586,119 @@ unsafe fn tile(
             }
             *cij = acc * scale;
         }
+    }
+}
+
+/// [`tile`] for at most 16 columns and up to [`MR_NARROW`] rows (one accumulator per row).
+///
+/// # Safety
+/// As [`tile`], with `rows <= MR_NARROW` and `cols <= 16`.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile_narrow(
+    rows: usize,
+    k: usize,
+    (a, ars, acs): (&[f32], usize, usize),
+    b: &[f32],
+    ldb: usize,
+    c: *mut f32,
+    ldc: usize,
+    cols: usize,
+    cont: bool,
+    scale: f32,
+) {
+    assert!(
+        (1..=MR_NARROW).contains(&rows)
+            && (1..=16).contains(&cols)
+            && (k == 0 || b.len() >= (k - 1) * ldb + cols)
+            && (k == 0 || a.len() > (rows - 1) * ars + (k - 1) * acs),
+        "sgemm narrow tile operands too short"
+    );
+    macro_rules! go {
+        ($($r:literal)*) => {
+            match rows {
+                // SAFETY: AVX-512 F per this function's contract; the assert above bounds
+                // every access of the kernel.
+                $($r => unsafe { tile_narrow_avx512::<$r>(k, a.as_ptr(), ars, acs, b.as_ptr(), ldb, c, ldc, cols, cont, scale) },)*
+                _ => unreachable!(),
+            }
+        };
+    }
+    go!(1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24);
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile_narrow(
+    rows: usize,
+    k: usize,
+    a: (&[f32], usize, usize),
+    b: &[f32],
+    ldb: usize,
+    c: *mut f32,
+    ldc: usize,
+    cols: usize,
+    cont: bool,
+    scale: f32,
+) {
+    // SAFETY: the same contract as `tile`'s.
+    unsafe { tile(rows, k, a, b, ldb, c, ldc, cols, cont, scale) }
+}
+
+/// R rows x 16 columns: R accumulators, columns beyond `cols` masked off; each output the
+/// same `k`-ordered FMA chain as the wide kernel's (so the results are identical).
+///
+/// # Safety
+/// AVX-512 F; pointers valid as [`tile_narrow`] states.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile_narrow_avx512<const R: usize>(
+    k: usize,
+    a: *const f32,
+    ars: usize,
+    acs: usize,
+    b: *const f32,
+    ldb: usize,
+    c: *mut f32,
+    ldc: usize,
+    cols: usize,
+    cont: bool,
+    scale: f32,
+) {
+    use std::arch::x86_64::*;
+    let m0: __mmask16 = if cols >= 16 {
+        0xffff
+    } else {
+        (1u32 << cols) as u16 - 1
+    };
+    let mut acc = [_mm512_setzero_ps(); R];
+    if cont {
+        for (r, accr) in acc.iter_mut().enumerate() {
+            // SAFETY: row r < R of `c` holds `cols` values at r * ldc (masked load).
+            unsafe { *accr = _mm512_maskz_loadu_ps(m0, c.add(r * ldc)) };
+        }
+    }
+    for kk in 0..k {
+        // SAFETY: row kk < k of `b` holds `cols` values at kk * ldb (masked load) and
+        // a[r * ars + kk * acs] (r < R) is inside `a` (the caller's contract).
+        unsafe {
+            let b0 = _mm512_maskz_loadu_ps(m0, b.add(kk * ldb));
+            let ap = a.add(kk * acs);
+            for (r, accr) in acc.iter_mut().enumerate() {
+                *accr = _mm512_fmadd_ps(_mm512_set1_ps(*ap.add(r * ars)), b0, *accr);
+            }
+        }
+    }
+    let sv = _mm512_set1_ps(scale);
+    for (r, accr) in acc.iter().enumerate() {
+        let v = if scale != 1.0 {
+            _mm512_mul_ps(*accr, sv)
+        } else {
+            *accr
+        };
+        // SAFETY: row r < R of `c` holds `cols` values at r * ldc (masked store).
+        unsafe { _mm512_mask_storeu_ps(c.add(r * ldc), m0, v) };
     }
 }
 
