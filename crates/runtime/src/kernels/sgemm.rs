@@ -641,8 +641,28 @@ unsafe fn tile_narrow(
     cont: bool,
     scale: f32,
 ) {
-    // SAFETY: the same contract as `tile`'s.
-    unsafe { tile(rows, k, a, b, ldb, c, ldc, cols, cont, scale) }
+    // `tile` takes at most MR rows: split the narrow tile.
+    let (a, ars, acs) = a;
+    let mut r0 = 0;
+    while r0 < rows {
+        let r = MR.min(rows - r0);
+        // SAFETY: rows r0..r0+r of the narrow tile, under the same contract as `tile`'s.
+        unsafe {
+            tile(
+                r,
+                k,
+                (&a[r0 * ars..], ars, acs),
+                b,
+                ldb,
+                c.add(r0 * ldc),
+                ldc,
+                cols,
+                cont,
+                scale,
+            )
+        };
+        r0 += r;
+    }
 }
 
 /// R rows x 16 columns: R accumulators, columns beyond `cols` masked off; each output the
