@@ -281,8 +281,127 @@ pub fn sgemm_packed(
         return Ok(());
     }
     let threads = if m * n * k >= PAR_WORK { threads } else { 1 };
+    if m == 1 && a.cs == 1 && threads == 1 {
+        gemv_packed(k, &a.data[..k], b, c, scale);
+        return Ok(());
+    }
     run(m, n, k, scale, a, BSrc::Packed(&b.data), c, ldc, threads);
     Ok(())
+}
+
+/// Panels one row's product keeps in flight: 2 accumulators each, so 8 independent FMA
+/// chains hide the multiply-add latency (a single 1 x 32 tile has 2 and waits on them).
+const GEMV_PANELS: usize = 4;
+
+/// `c[0..n] = scale * a · b` for one row (a batch-1 recurrence's `h · Rᵀ`): groups of
+/// [`GEMV_PANELS`] panels walked together, every output the same `k`-ordered FMA chain as
+/// the tiles compute.
+fn gemv_packed(k: usize, a: &[f32], b: &PackedB, c: &mut [f32], scale: f32) {
+    let n = b.n;
+    assert!(a.len() >= k && c.len() >= n && b.data.len() >= n.div_ceil(NR) * k * NR);
+    let panels = n.div_ceil(NR);
+    let mut p = 0;
+    while p < panels {
+        let g = GEMV_PANELS.min(panels - p);
+        let cols = (n - p * NR).min(g * NR);
+        // SAFETY: `sgemm_packed` runs this only at the AVX-512 level (`available`); the
+        // assert above keeps panels p..p+g (k * NR values each) inside `b.data`, `a[..k]`
+        // inside `a`, and the `cols` outputs from p * NR inside `c`.
+        unsafe {
+            gemv_panels_avx512(
+                g,
+                k,
+                a.as_ptr(),
+                b.data.as_ptr().add(p * k * NR),
+                k * NR,
+                c.as_mut_ptr().add(p * NR),
+                cols,
+                scale,
+            )
+        };
+        p += g;
+    }
+}
+
+/// `g <= GEMV_PANELS` consecutive panels (stride `ps`) times one row `a[..k]`, the first
+/// `cols` of their `g * NR` columns stored at `c`.
+///
+/// # Safety
+/// AVX-512 F; `b` holds `g` panels of `k * NR` values at stride `ps`, `a` `k` values, `c`
+/// `cols` writable values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemv_panels_avx512(
+    g: usize,
+    k: usize,
+    a: *const f32,
+    b: *const f32,
+    ps: usize,
+    c: *mut f32,
+    cols: usize,
+    scale: f32,
+) {
+    use std::arch::x86_64::*;
+    let mut acc = [_mm512_setzero_ps(); 2 * GEMV_PANELS];
+    for kk in 0..k {
+        // SAFETY: a[kk] (kk < k) and row kk of each of the g panels (NR values at
+        // q * ps + kk * NR) are inside the operands (the contract).
+        unsafe {
+            let av = _mm512_set1_ps(*a.add(kk));
+            for q in 0..g {
+                let bp = b.add(q * ps + kk * NR);
+                acc[2 * q] = _mm512_fmadd_ps(av, _mm512_loadu_ps(bp), acc[2 * q]);
+                acc[2 * q + 1] = _mm512_fmadd_ps(av, _mm512_loadu_ps(bp.add(16)), acc[2 * q + 1]);
+            }
+        }
+    }
+    let sv = _mm512_set1_ps(scale);
+    for (v, accv) in acc.iter().enumerate().take(2 * g) {
+        let lo = v * 16;
+        if lo >= cols {
+            break;
+        }
+        let mask: __mmask16 = if cols - lo >= 16 {
+            0xffff
+        } else {
+            (1u32 << (cols - lo)) as u16 - 1
+        };
+        let out = if scale != 1.0 {
+            _mm512_mul_ps(*accv, sv)
+        } else {
+            *accv
+        };
+        // SAFETY: outputs lo..lo + popcount(mask) are among the `cols` writable values.
+        unsafe { _mm512_mask_storeu_ps(c.add(lo), mask, out) };
+    }
+}
+
+/// The non-x86 build never reaches [`gemv_panels_avx512`] (sgemm runs only at the AVX-512
+/// level); this keeps the call site compiling.
+#[cfg(not(target_arch = "x86_64"))]
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemv_panels_avx512(
+    g: usize,
+    k: usize,
+    a: *const f32,
+    b: *const f32,
+    ps: usize,
+    c: *mut f32,
+    cols: usize,
+    scale: f32,
+) {
+    for j in 0..cols {
+        let (q, col) = (j / NR, j % NR);
+        let mut acc = 0f32;
+        for kk in 0..k {
+            // SAFETY: as the x86 kernel's contract.
+            acc = unsafe { (*a.add(kk)).mul_add(*b.add(q * ps + kk * NR + col), acc) };
+        }
+        // SAFETY: j < cols, writable per the contract.
+        unsafe { *c.add(j) = acc * scale };
+    }
+    let _ = g;
 }
 
 /// Reads a [`PackedB`] back by (row, column), for the scalar path.
@@ -839,6 +958,30 @@ mod tests {
                     let (g, w) = (got[i * ldc + j], want[i * ldc + j]);
                     prop_assert_eq!(g.to_bits(), w.to_bits(), "({}, {}): {} vs {}", i, j, g, w);
                 }
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+        /// One row against packed panels (the batch-1 recurrence path, several panel groups).
+        #[test]
+        fn one_row_packed_equals_scalar_twin(
+            n in 1usize..420, k in 0usize..300, scale in prop_oneof![Just(1f32), -2f32..2f32],
+            seed in any::<u64>(),
+        ) {
+            let mut s = seed | 1;
+            let mut val = || (xorshift(&mut s) % 2001) as f32 / 1000.0 - 1.0;
+            let a: Vec<f32> = (0..k).map(|_| val()).collect();
+            let b: Vec<f32> = (0..k * n).map(|_| val()).collect();
+            let (va, vb) = (View::rows(&a, k), View::rows(&b, n));
+            let mut want = vec![f32::NAN; n + 1];
+            sgemm_scalar(1, n, k, scale, va, vb, &mut want, n);
+            let mut got = vec![f32::NAN; n + 1];
+            let pb = PackedB::new(k, n, vb).unwrap();
+            sgemm_packed(Isa::detect(), 1, scale, va, &pb, &mut got, n, 1).unwrap();
+            for j in 0..=n {
+                prop_assert_eq!(got[j].to_bits(), want[j].to_bits(), "column {}", j);
             }
         }
     }

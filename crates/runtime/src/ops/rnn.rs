@@ -13,9 +13,11 @@ use crate::kernel::{Inputs, OpCtx, Registry};
 use crate::kernels::act;
 use crate::kernels::igemm::{igemm, PackBuf, PackedA, PackedB};
 use crate::kernels::qgemv::{gemv as qgemv, PackedI8};
+use crate::kernels::sgemm::{self, View};
 use crate::ops::quant::{dynamic_qparams_u8, quantize_u8};
 use crate::value::Value;
 use npuc_ir::{bf16, f16, DType, Node, Tensor};
+use npuc_isa::Isa;
 
 pub fn register(r: &mut Registry) {
     r.add("RNN", 1, rnn_op);
@@ -247,12 +249,17 @@ struct QScratch {
     acc: Vec<i32>,
     /// One quantized row.
     bytes: Vec<u8>,
+    /// f32 products of [`Proj::Packed`] before they are added.
+    f: Vec<f32>,
 }
 
 /// A weight matrix applied as `a · Wᵀ`.
 enum Proj<'a> {
     /// f32 weights `[n, k]`.
     Float(&'a [f32]),
+    /// f32 weights packed once per plan for [`sgemm`] (`Wᵀ`, `k x n`): the many-row input
+    /// projection at the AVX-512 level.
+    Packed(&'a sgemm::PackedB),
     /// Quantized weights (DynamicQuantizeLSTM, `[k, n]` in the ONNX layout) with one scale per
     /// output column. Inputs are quantized to u8 per call (DynamicQuantizeLinear) like
     /// onnxruntime does.
@@ -295,6 +302,34 @@ impl Proj<'_> {
     ) -> Result<()> {
         match self {
             Proj::Float(w) => gemm_wt(m, n, k, a, w, dst, n, accumulate, threads),
+            Proj::Packed(pb) => {
+                if pb.k() != k || pb.n() != n {
+                    bail!(
+                        "recurrent weight packed as {}x{}, used as {k}x{n}",
+                        pb.k(),
+                        pb.n()
+                    );
+                }
+                let isa = Isa::detect();
+                if !accumulate {
+                    return sgemm::sgemm_packed(isa, m, 1.0, View::rows(a, k), pb, dst, n, threads);
+                }
+                scratch.f.clear();
+                scratch.f.resize(m * n, 0.0);
+                sgemm::sgemm_packed(
+                    isa,
+                    m,
+                    1.0,
+                    View::rows(a, k),
+                    pb,
+                    &mut scratch.f,
+                    n,
+                    threads,
+                )?;
+                for (d, &v) in dst[..m * n].iter_mut().zip(&scratch.f) {
+                    *d += v;
+                }
+            }
             Proj::Quant { w, scale, .. } => {
                 // Rows are quantized all together or one at a time (see `quantize_rows_separately`).
                 let chunk_rows = if self.quantize_rows_separately() {
@@ -507,16 +542,18 @@ impl Layer<'_> {
                     linear_before_reset: true
                 }
             );
+            self.w[d].apply(
+                rows, gh, self.input, self.x, &mut xw, false, threads, &mut qs,
+            )?;
+            // GRU with linear_before_reset keeps Rb_h inside the reset product.
+            let bias: Vec<f32> = (0..gh)
+                .map(|j| wb[j] + if lbr && j >= 2 * hsz { 0.0 } else { rb[j] })
+                .collect();
             for row in xw.chunks_mut(gh) {
-                for (j, v) in row.iter_mut().enumerate() {
-                    // GRU with linear_before_reset keeps Rb_h inside the reset product.
-                    let fold_rb = !(lbr && j >= 2 * hsz);
-                    *v = wb[j] + if fold_rb { rb[j] } else { 0.0 };
+                for (v, &b) in row.iter_mut().zip(&bias) {
+                    *v += b;
                 }
             }
-            self.w[d].apply(
-                rows, gh, self.input, self.x, &mut xw, true, threads, &mut qs,
-            )?;
             // States.
             let mut h = vec![0f32; batch * hsz];
             let mut c = vec![0f32; batch * hsz];
@@ -851,6 +888,48 @@ fn run_float(ctx: &OpCtx, ins: Inputs, kind: CellKind) -> Result<Vec<Value>> {
     let w = f32_data(w_t)?;
     let r = f32_data(r_t)?;
     let (wsz, rsz) = (g * hidden * p.input, g * hidden * hidden);
+    // Constant W and R run on sgemm's panels, packed on the first run: the input projection
+    // covers every timestep at once, and a batch-1 step's `h · Rᵀ` streams R's panels with
+    // no horizontal sums. (GRU without linear_before_reset uses R's rows in two parts.)
+    let (input, gh) = (p.input, g * hidden);
+    let pack_r = !matches!(
+        kind,
+        CellKind::Gru {
+            linear_before_reset: false
+        }
+    );
+    let packed = if ctx.input_is_const(1)
+        && ctx.input_is_const(2)
+        && ctx.prepack_weights()
+        && sgemm::available(Isa::detect())
+    {
+        let pk = ctx.cached(|| {
+            // W (R) is [gh, k] row-major per direction: Wᵀ is the k x gh view (1, k).
+            let pack = |m: &[f32], size: usize, k: usize| {
+                (0..dirs)
+                    .map(|d| {
+                        let data = &m[d * size..(d + 1) * size];
+                        sgemm::PackedB::new(k, gh, View { data, rs: 1, cs: k })
+                    })
+                    .collect::<Result<Vec<_>>>()
+            };
+            let r = if pack_r {
+                pack(&r, rsz, hidden)?
+            } else {
+                Vec::new()
+            };
+            Ok((pack(&w, wsz, input)?, r))
+        })?;
+        let shaped = |v: &[sgemm::PackedB], k: usize| {
+            v.len() == dirs && v.iter().all(|b| b.k() == k && b.n() == gh)
+        };
+        if !shaped(&pk.0, input) || (pack_r && !shaped(&pk.1, hidden)) {
+            bail!("recurrent weights packed for another shape than {dirs}x{gh}x{input}");
+        }
+        Some(pk)
+    } else {
+        None
+    };
     let layer = Layer {
         kind,
         seq: p.seq,
@@ -862,10 +941,16 @@ fn run_float(ctx: &OpCtx, ins: Inputs, kind: CellKind) -> Result<Vec<Value>> {
         layout: p.layout,
         x: &p.x,
         w: (0..dirs)
-            .map(|d| Proj::Float(&w[d * wsz..(d + 1) * wsz]))
+            .map(|d| match &packed {
+                Some(pk) => Proj::Packed(&pk.0[d]),
+                None => Proj::Float(&w[d * wsz..(d + 1) * wsz]),
+            })
             .collect(),
         r: (0..dirs)
-            .map(|d| Proj::Float(&r[d * rsz..(d + 1) * rsz]))
+            .map(|d| match &packed {
+                Some(pk) if pack_r => Proj::Packed(&pk.1[d]),
+                _ => Proj::Float(&r[d * rsz..(d + 1) * rsz]),
+            })
             .collect(),
         b: p.b.clone(),
         p: p.p.clone(),
