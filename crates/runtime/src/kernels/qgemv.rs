@@ -12,6 +12,14 @@
 //! Layout: columns in panels of [`NRV`]; a panel holds, for each pair of rows `(2p, 2p + 1)`,
 //! its `NRV` columns' two values interleaved (the `vpmaddwd` operand order). `k` and `n` are
 //! padded with zeros to whole pairs and panels, so padded lanes contribute nothing.
+//!
+//! Where the process runs at the AVX-512 VNNI level the weights are also packed in quads
+//! (panels of [`NRQ`] columns, each column's four consecutive rows adjacent: the `vpdpbusd`
+//! operand order), and a step shifts `a` to unsigned bytes `u = a + off` (`off = -min(a)`,
+//! which fits whenever `a` spans at most 256 values, as a quantized state minus its zero point
+//! always does): `Σ a·b = Σ u·b - off · Σ b`, with each column's `Σ b` stored at packing. Four
+//! products per lane per instruction instead of two, no widening shuffles, and every step is
+//! wrapping i32 arithmetic whose final value fits i32: bit-identical to the pairs kernels.
 
 use crate::bail;
 use crate::error::Result;
@@ -22,6 +30,9 @@ pub const NRV: usize = 32;
 /// The longest reduction whose i32 accumulation is proven exact: floor((2^31 - 1) / 32640).
 pub const MAX_K: usize = 65793;
 
+/// Columns of a quads panel: four AVX-512 registers of sixteen i32 sums.
+pub const NRQ: usize = 64;
+
 /// Constant int8 weights `k x n`, packed for [`gemv`].
 #[derive(Debug, Clone)]
 pub struct PackedI8 {
@@ -29,6 +40,43 @@ pub struct PackedI8 {
     pairs: usize,
     panels: usize,
     data: Vec<i8>,
+    /// The quads copy, built where AVX-512 VNNI runs.
+    quads: Option<Quads>,
+}
+
+/// Weights in quads of rows for `vpdpbusd`: panel `pn`, quad `q`, column `j` of the panel,
+/// row `4q + h` at `(pn * nq + q) * NRQ * 4 + 4 * j + h`; zeros past `k` and `n`.
+#[derive(Debug, Clone)]
+struct Quads {
+    nq: usize,
+    panels: usize,
+    data: Vec<i8>,
+    /// Per column (`panels * NRQ`, zeros past `n`): the sum of its `k` weights.
+    colsum: Vec<i32>,
+}
+
+impl Quads {
+    fn pack(k: usize, n: usize, get: &impl Fn(usize, usize) -> i8) -> Quads {
+        let nq = k.div_ceil(4);
+        let panels = n.div_ceil(NRQ);
+        let mut data = vec![0i8; panels * nq * NRQ * 4];
+        let mut colsum = vec![0i32; panels * NRQ];
+        for r in 0..k {
+            let (q, h) = (r / 4, r % 4);
+            for (c, sum) in colsum[..n].iter_mut().enumerate() {
+                let (pn, j) = (c / NRQ, c % NRQ);
+                let v = get(r, c);
+                data[(pn * nq + q) * NRQ * 4 + 4 * j + h] = v;
+                *sum += v as i32;
+            }
+        }
+        Quads {
+            nq,
+            panels,
+            data,
+            colsum,
+        }
+    }
 }
 
 impl PackedI8 {
@@ -44,11 +92,15 @@ impl PackedI8 {
                 data[(pn * pairs + p) * 2 * NRV + 2 * j + h] = get(r, c);
             }
         }
+        let quads = Isa::detect()
+            .has_avx512_vnni()
+            .then(|| Quads::pack(k, n, &get));
         PackedI8 {
             k,
             pairs,
             panels,
             data,
+            quads,
         }
     }
     /// Length [`gemv`] wants for `a`: `k` rounded up to a whole pair (the pad is zero).
@@ -86,6 +138,30 @@ pub fn gemv_with(isa: Isa, a: &[i16], b: &PackedI8, out: &mut [i32]) -> Result<(
         );
     }
     #[cfg(target_arch = "x86_64")]
+    if isa.has_avx512_vnni() && Isa::detect().has_avx512_vnni() {
+        if let Some(qd) = &b.quads {
+            let a = &a[..b.k];
+            let (lo, hi) = a
+                .iter()
+                .fold((i16::MAX, i16::MIN), |(l, h), &v| (l.min(v), h.max(v)));
+            if a.is_empty() || (hi as i32 - lo as i32) <= 255 {
+                let off = if a.is_empty() { 0 } else { -(lo as i32) };
+                U8_ROW.with(|u| {
+                    let mut u = u.borrow_mut();
+                    u.clear();
+                    u.extend(a.iter().map(|&v| (v as i32 + off) as u8));
+                    u.resize(4 * qd.nq, 0);
+                    // SAFETY: AVX-512 F/BW/VNNI are present (checked above); `u` holds
+                    // 4 * nq bytes, `qd.data` panels * nq * NRQ * 4 and `qd.colsum`
+                    // panels * NRQ (by construction); the kernel stores at most `out.len()`
+                    // values.
+                    unsafe { gemv_vnni(&u, qd, off, out) };
+                });
+                return Ok(());
+            }
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
     if isa.has_avx2() {
         if !Isa::detect().has_avx2() {
             bail!("integer matrix-vector product: AVX2 kernel requested on a CPU without avx2");
@@ -101,7 +177,90 @@ pub fn gemv_with(isa: Isa, a: &[i16], b: &PackedI8, out: &mut [i32]) -> Result<(
     Ok(())
 }
 
-/// Scalar twin of [`gemv_avx2`].
+thread_local! {
+    /// One step's `a` as unsigned bytes for [`gemv_vnni`] (reused: a step allocates nothing).
+    static U8_ROW: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Per panel of [`NRQ`] columns: one broadcast of four `u` bytes per quad, four `vpdpbusd`
+/// into accumulators of sixteen columns, even and odd quads in separate accumulators (eight
+/// independent chains); then `- off * colsum`.
+///
+/// # Safety
+/// The CPU must support AVX-512 F, BW and VNNI; `u.len() == 4 * q.nq`,
+/// `q.data.len() == q.panels * q.nq * NRQ * 4`, `q.colsum.len() == q.panels * NRQ`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn gemv_vnni(u: &[u8], q: &Quads, off: i32, out: &mut [i32]) {
+    use std::arch::x86_64::*;
+    assert!(
+        u.len() == 4 * q.nq
+            && q.data.len() == q.panels * q.nq * NRQ * 4
+            && q.colsum.len() == q.panels * NRQ
+    );
+    let plen = q.nq * NRQ * 4;
+    let up = u.as_ptr();
+    let offv = _mm512_set1_epi32(off);
+    for pn in 0..q.panels {
+        let lo = pn * NRQ;
+        if lo >= out.len() {
+            break;
+        }
+        let wp = q.data[pn * plen..].as_ptr();
+        let mut even = [_mm512_setzero_si512(); 4];
+        let mut odd = [_mm512_setzero_si512(); 4];
+        let mut qi = 0;
+        // SAFETY (both loops): quad qi < nq, so u[4qi..4qi + 4] and this panel's 256 bytes
+        // of quad qi lie inside the slices (asserted lengths); loads are unaligned.
+        while qi + 1 < q.nq {
+            unsafe {
+                let a0 = _mm512_set1_epi32((up.add(4 * qi) as *const i32).read_unaligned());
+                let a1 = _mm512_set1_epi32((up.add(4 * qi + 4) as *const i32).read_unaligned());
+                let w0 = wp.add(qi * NRQ * 4);
+                let w1 = w0.add(NRQ * 4);
+                for j in 0..4 {
+                    let b0 = _mm512_loadu_si512(w0.add(64 * j) as *const _);
+                    let b1 = _mm512_loadu_si512(w1.add(64 * j) as *const _);
+                    even[j] = _mm512_dpbusd_epi32(even[j], a0, b0);
+                    odd[j] = _mm512_dpbusd_epi32(odd[j], a1, b1);
+                }
+            }
+            qi += 2;
+        }
+        if qi < q.nq {
+            unsafe {
+                let a0 = _mm512_set1_epi32((up.add(4 * qi) as *const i32).read_unaligned());
+                let w0 = wp.add(qi * NRQ * 4);
+                for (j, e) in even.iter_mut().enumerate() {
+                    *e =
+                        _mm512_dpbusd_epi32(*e, a0, _mm512_loadu_si512(w0.add(64 * j) as *const _));
+                }
+            }
+        }
+        for j in 0..4 {
+            let c = lo + 16 * j;
+            if c >= out.len() {
+                break;
+            }
+            let n = (out.len() - c).min(16);
+            let mask: __mmask16 = if n == 16 {
+                0xffff
+            } else {
+                (1u32 << n) as u16 - 1
+            };
+            // SAFETY: colsum holds panels * NRQ values, so the 16 at c are inside; the masked
+            // store writes the n <= out.len() - c values from c.
+            unsafe {
+                let cs = _mm512_loadu_si512(q.colsum.as_ptr().add(c) as *const _);
+                let v = _mm512_add_epi32(even[j], odd[j]);
+                let v = _mm512_sub_epi32(v, _mm512_mullo_epi32(offv, cs));
+                _mm512_mask_storeu_epi32(out.as_mut_ptr().add(c) as *mut _, mask, v);
+            }
+        }
+    }
+}
+
+/// Scalar twin of [`gemv_avx2`] and [`gemv_vnni`].
 fn gemv_scalar(a: &[i16], b: &PackedI8, out: &mut [i32]) {
     let plen = b.pairs * 2 * NRV;
     for (pn, o) in out.chunks_exact_mut(NRV).enumerate() {
@@ -168,16 +327,22 @@ mod tests {
         /// covering odd `k` and partial panels, with operands at the ends of their ranges.
         #[test]
         fn dispatched_equals_scalar_twin_and_definition(
-            k in 1usize..70,
-            n in 1usize..80,
+            k in prop_oneof![1usize..70, 250usize..300],
+            n in prop_oneof![1usize..80, 120usize..300],
+            zp in prop_oneof![Just(None), (0i16..=255).prop_map(Some)],
             seed in any::<u64>(),
         ) {
             let mut s = seed | 1;
             let mut rnd = || super::super::xorshift(&mut s);
             let w: Vec<i8> = (0..k * n).map(|_| rnd() as i8).collect();
             let b = PackedI8::pack(k, n, |r, c| w[r * n + c]);
+            // A quantized state minus its zero point (what DynamicQuantizeLSTM passes: the
+            // quads kernel's case), or anything in [-255, 255] (the pairs fallback).
             let mut a: Vec<i16> = (0..b.a_len())
-                .map(|i| if i % 7 == 0 { -255 } else { (rnd() % 511) as i16 - 255 })
+                .map(|i| match zp {
+                    Some(z) => if i % 7 == 0 { 255 - z } else { (rnd() % 256) as i16 - z },
+                    None => if i % 7 == 0 { -255 } else { (rnd() % 511) as i16 - 255 },
+                })
                 .collect();
             a[k..].fill(0);
             let mut got = vec![7i32; b.out_len()];
@@ -185,6 +350,12 @@ mod tests {
             gemv(&a, &b, &mut got).unwrap();
             gemv_with(Isa::Scalar, &a, &b, &mut twin).unwrap();
             prop_assert_eq!(&got, &twin);
+            // The AVX2 pairs kernel where the host runs the quads one.
+            if Isa::detect().has_avx512_vnni() {
+                let mut pairs = vec![7i32; b.out_len()];
+                gemv_with(Isa::Avx2, &a, &b, &mut pairs).unwrap();
+                prop_assert_eq!(&pairs, &twin);
+            }
             for c in 0..b.out_len() {
                 let want: i32 = if c < n {
                     (0..k).map(|r| a[r] as i32 * w[r * n + c] as i32).sum()

@@ -370,10 +370,17 @@ impl Proj<'_> {
                         }
                     };
                     let dst = &mut dst[r0 * n..(r0 + chunk_rows) * n];
+                    // Two loops rather than a branch per element, so each vectorizes.
                     for (drow, arow) in dst.chunks_mut(n).zip(scratch.acc.chunks(stride)) {
-                        for ((d, &v), &s) in drow.iter_mut().zip(arow).zip(scale.iter()) {
-                            let y = v as f32 * (a_scale * s);
-                            *d = if accumulate { *d + y } else { y };
+                        let it = drow.iter_mut().zip(arow).zip(scale.iter());
+                        if accumulate {
+                            for ((d, &v), &s) in it {
+                                *d += v as f32 * (a_scale * s);
+                            }
+                        } else {
+                            for ((d, &v), &s) in it {
+                                *d = v as f32 * (a_scale * s);
+                            }
                         }
                     }
                 }
@@ -525,6 +532,15 @@ impl Layer<'_> {
             Some(c) => v.clamp(-c, c),
             None => v,
         };
+        // Clipping as a separate pass over a gate slice, so the gate loops stay branch-free
+        // and vectorize (the same values as `clip` per element).
+        let clip_slice = |v: &mut [f32]| {
+            if let Some(c) = self.clip {
+                for x in v {
+                    *x = x.clamp(-c, c);
+                }
+            }
+        };
         let mut qs = QScratch::default();
         let mut ydir = vec![0f32; seq * batch * hsz];
         {
@@ -644,29 +660,36 @@ impl Layer<'_> {
                         } => {
                             // Gate by gate over whole slices, so the activations run
                             // vectorized (the same values as `Act::apply` per element).
+                            // Slices cut to exactly `hsz` values, clipping as its own pass:
+                            // the loops have no bounds checks or branches and vectorize.
                             let (gz, rest) = gates.split_at_mut(hsz);
                             let (gr, rest) = rest.split_at_mut(hsz);
                             let gn = &mut rest[..hsz];
+                            let hb = &mut hb[..hsz];
+                            let part = |g: usize| (&xr[g * hsz..][..hsz], &hrr[g * hsz..][..hsz]);
+                            let ((xz, hz), (xrr, hrg), (xn, hn)) = (part(0), part(1), part(2));
                             for j in 0..hsz {
-                                gz[j] = clip(xr[j] + hrr[j]);
+                                gz[j] = xz[j] + hz[j];
                             }
+                            clip_slice(gz);
                             acts[0].apply_slice(gz);
                             if linear_before_reset {
                                 for j in 0..hsz {
-                                    gr[j] = clip(xr[hsz + j] + hrr[hsz + j]);
+                                    gr[j] = xrr[j] + hrg[j];
                                 }
+                                clip_slice(gr);
                                 acts[0].apply_slice(gr);
+                                let rbn = &rb[2 * hsz..][..hsz];
                                 for j in 0..hsz {
-                                    gn[j] = clip(
-                                        xr[2 * hsz + j]
-                                            + gr[j] * (hrr[2 * hsz + j] + rb[2 * hsz + j]),
-                                    );
+                                    gn[j] = xn[j] + gr[j] * (hn[j] + rbn[j]);
                                 }
                             } else {
+                                let rhb = &rh[b * hsz..][..hsz];
                                 for j in 0..hsz {
-                                    gn[j] = clip(xr[2 * hsz + j] + rh[b * hsz + j]);
+                                    gn[j] = xn[j] + rhb[j];
                                 }
                             }
+                            clip_slice(gn);
                             acts[1].apply_slice(gn);
                             for j in 0..hsz {
                                 hb[j] = (1.0 - gz[j]) * gn[j] + gz[j] * hb[j];
@@ -674,16 +697,27 @@ impl Layer<'_> {
                         }
                         CellKind::Lstm { input_forget } => {
                             // Gate by gate over whole slices, so the activations run vectorized.
-                            let (pi, po, pf) = (&pd[..hsz], &pd[hsz..2 * hsz], &pd[2 * hsz..]);
+                            // Every slice cut to exactly `hsz` values: the loops below have
+                            // no bounds checks and vectorize.
+                            let (pi, po, pf) =
+                                (&pd[..hsz], &pd[hsz..2 * hsz], &pd[2 * hsz..][..hsz]);
                             let (gi, rest) = gates.split_at_mut(hsz);
                             let (go, rest) = rest.split_at_mut(hsz);
                             let (gf, gc) = rest.split_at_mut(hsz);
+                            let gc = &mut gc[..hsz];
+                            let cb = &mut cb[..hsz];
+                            let part = |g: usize| (&xr[g * hsz..][..hsz], &hrr[g * hsz..][..hsz]);
+                            let ((xi, hi), (xo, ho)) = (part(0), part(1));
+                            let ((xf, hf), (xc, hc)) = (part(2), part(3));
                             for j in 0..hsz {
                                 let cp = cb[j];
-                                gi[j] = clip(xr[j] + hrr[j] + pi[j] * cp);
-                                gf[j] = clip(xr[2 * hsz + j] + hrr[2 * hsz + j] + pf[j] * cp);
-                                gc[j] = clip(xr[3 * hsz + j] + hrr[3 * hsz + j]);
+                                gi[j] = xi[j] + hi[j] + pi[j] * cp;
+                                gf[j] = xf[j] + hf[j] + pf[j] * cp;
+                                gc[j] = xc[j] + hc[j];
                             }
+                            clip_slice(gi);
+                            clip_slice(gf);
+                            clip_slice(gc);
                             acts[0].apply_slice(gi);
                             if !input_forget {
                                 acts[0].apply_slice(gf);
@@ -693,8 +727,9 @@ impl Layer<'_> {
                                 let f = if input_forget { 1.0 - gi[j] } else { gf[j] };
                                 let cn = f * cb[j] + gi[j] * gc[j];
                                 cb[j] = cn;
-                                go[j] = clip(xr[hsz + j] + hrr[hsz + j] + po[j] * cn);
+                                go[j] = xo[j] + ho[j] + po[j] * cn;
                             }
+                            clip_slice(go);
                             acts[0].apply_slice(go);
                             hb.copy_from_slice(cb);
                             acts[2].apply_slice(hb);
