@@ -16,6 +16,8 @@
 //!   permuting every operand the same way, so a constant operand of rank <= 4 is left-padded to
 //!   rank 4 and permuted (scalars and all-ones shapes stay as they are);
 //! - `GlobalAveragePool` (of a chain value) becomes `npuc.GlobalAveragePoolNhwc`;
+//! - 2-D `MaxPool` without the indices output (of a chain value) becomes `npuc.MaxPoolNhwc`
+//!   (same attributes): a detection stem's pooling no longer leaves the chain;
 //! - `Concat` of chain values, with its axis remapped;
 //! - `Resize` (no `axes` attribute) of a chain value with constant `roi`/`scales`/`sizes`:
 //!   those per-axis constants are permuted, and the runtime's N-D resampler scales H and W
@@ -90,6 +92,7 @@ enum Kind {
     Conv,
     Elementwise,
     Gap,
+    MaxPool,
     Concat,
     Resize,
 }
@@ -139,6 +142,12 @@ fn classify(g: &npuc_ir::Graph, ix: &Index, n: &Node) -> Option<Kind> {
     }
     if is_op(n, "GlobalAveragePool") && n.inputs.len() == 1 {
         return Some(Kind::Gap);
+    }
+    if is_op(n, "MaxPool")
+        && n.inputs.len() == 1
+        && matches!(n.attr_ints("kernel_shape"), Ok(Some(k)) if k.len() == 2)
+    {
+        return Some(Kind::MaxPool);
     }
     if is_op(n, "Concat") {
         return Some(Kind::Concat);
@@ -331,6 +340,14 @@ fn convert(m: &Model) -> (usize, GraphPatch) {
                         r4.insert(out.clone());
                     }
                 }
+                // A 2-D pool keeps the rank.
+                Kind::MaxPool => {
+                    if r4.contains(&d[0]) {
+                        r4.insert(out.clone());
+                    } else if r4.contains(out) {
+                        r4.insert(d[0].clone());
+                    }
+                }
                 // Resize keeps the rank (its per-axis constants have 4 entries).
                 Kind::Resize => {
                     if r4.contains(&d[0]) {
@@ -363,7 +380,7 @@ fn convert(m: &Model) -> (usize, GraphPatch) {
                         .is_some_and(|t| const_use(n, j, &t).is_some())
             }),
             // The NHWC pool kernel is f32: its input must come from the chain itself.
-            Kind::Gap => ix.producer.contains_key(&d[0]),
+            Kind::Gap | Kind::MaxPool => ix.producer.contains_key(&d[0]),
             Kind::Resize => d.len() == 1 && n.inputs[0] == d[0],
             Kind::Concat => {
                 d.len() == n.inputs.iter().filter(|s| !s.is_empty()).count()
@@ -372,9 +389,9 @@ fn convert(m: &Model) -> (usize, GraphPatch) {
         };
         member[i] = ok;
     }
-    // The GAP rule needs its input produced by a member; settle that after membership.
+    // The pool rule needs its input produced by a member; settle that after membership.
     for (i, n) in g.nodes.iter().enumerate() {
-        if member[i] && kinds[i] == Some(Kind::Gap) {
+        if member[i] && matches!(kinds[i], Some(Kind::Gap | Kind::MaxPool)) {
             let p = ix.producer.get(&n.inputs[0]).copied();
             if !p.is_some_and(|p| member[p]) {
                 member[i] = false;
@@ -555,6 +572,10 @@ fn rewrite(m: &Model, chosen: &HashSet<usize>) -> (usize, GraphPatch) {
                 t.domain = "npuc".into();
                 t.op_type = "GlobalAveragePoolNhwc".into();
             }
+            ("", "MaxPool") => {
+                t.domain = "npuc".into();
+                t.op_type = "MaxPoolNhwc".into();
+            }
             ("", "Concat") => {
                 let a = n.attr_int("axis").ok().flatten().unwrap_or(1).rem_euclid(4);
                 let na = TO_NHWC.iter().position(|&p| p == a).unwrap_or(3) as i64;
@@ -595,7 +616,8 @@ mod tests {
     }
 
     /// Conv -> HardSwish-ish elementwise -> depthwise conv -> SE (GAP, conv, sigmoid, Mul)
-    /// -> Add residual -> MaxPool (outside): one chain, two boundary transposes, outputs equal.
+    /// -> Add residual -> MaxPool: one chain, boundary transposes only at the graph's input and
+    /// outputs, outputs equal.
     #[test]
     fn chain_is_converted_and_preserves_outputs() {
         let nodes = vec![
@@ -624,11 +646,12 @@ mod tests {
         let x = data(&[1, 3, 10, 12], 9);
         let want = run(&m, &[("x", x.clone())]);
         let st = crate::apply_pass(&LayoutNhwc, &mut m).unwrap();
-        assert_eq!(st.changes, 10, "every node but MaxPool converts");
+        assert_eq!(st.changes, 11, "every node converts");
         let count = |op: &str| m.graph.nodes.iter().filter(|n| n.op_type == op).count();
         assert_eq!(count("ConvNhwc"), 3);
         assert_eq!(count("GlobalAveragePoolNhwc"), 1);
-        // x enters once; y0 (MaxPool) and r1 (graph output) leave once each.
+        assert_eq!(count("MaxPoolNhwc"), 1);
+        // x enters once; y and r1 (graph outputs) leave once each.
         assert_eq!(count("Transpose"), 3);
         let got = run(&m, &[("x", x)]);
         for (a, b) in got.iter().zip(&want) {
@@ -694,6 +717,57 @@ mod tests {
                 assert!(
                     (p - q).abs() <= 1e-4 * (1.0 + q.abs()),
                     "{mode}: {p} vs {q}"
+                );
+            }
+        }
+    }
+
+    /// Conv -> MaxPool -> Conv stays one chain (`npuc.MaxPoolNhwc`), with SAME padding as in a
+    /// detection stem and with explicit pads, stride, dilation and ceil mode; the outputs equal
+    /// the NCHW model's exactly (a max moves values, it does not round).
+    #[test]
+    fn max_pool_joins_the_chain() {
+        let same = Node::new("MaxPool", &["c1"], &["p"])
+            .with_attr("kernel_shape", Attr::Ints(vec![2, 2]))
+            .with_attr("strides", Attr::Ints(vec![1, 1]))
+            .with_attr("auto_pad", Attr::String("SAME_UPPER".into()));
+        let padded = Node::new("MaxPool", &["c1"], &["p"])
+            .with_attr("kernel_shape", Attr::Ints(vec![3, 2]))
+            .with_attr("strides", Attr::Ints(vec![2, 2]))
+            .with_attr("dilations", Attr::Ints(vec![1, 2]))
+            .with_attr("pads", Attr::Ints(vec![1, 0, 1, 1]))
+            .with_attr("ceil_mode", Attr::Int(1));
+        for (label, pool) in [("same", same), ("padded", padded)] {
+            let nodes = vec![
+                conv("x", "w1", "b1", "c1", 1),
+                pool,
+                conv("p", "w2", "b2", "y", 1),
+            ];
+            let mut m = model(nodes, &[("x", &[1, 3, 9, 11])], &["y"]);
+            m.graph.initializers = vec![
+                init("w1", data(&[4, 3, 3, 3], 1)),
+                init("b1", data(&[4], 2)),
+                init("w2", data(&[5, 4, 3, 3], 3)),
+                init("b2", data(&[5], 4)),
+            ];
+            let x = data(&[1, 3, 9, 11], 9);
+            let want = run(&m, &[("x", x.clone())]);
+            let st = crate::apply_pass(&LayoutNhwc, &mut m).unwrap();
+            assert_eq!(st.changes, 3, "{label}: both convs and the pool convert");
+            let count = |op: &str| m.graph.nodes.iter().filter(|n| n.op_type == op).count();
+            assert_eq!(count("MaxPoolNhwc"), 1, "{label}");
+            assert_eq!(count("Transpose"), 2, "{label}: one entering, one leaving");
+            let got = run(&m, &[("x", x)]);
+            assert_eq!(got[0].shape(), want[0].shape(), "{label}");
+            for (p, q) in got[0]
+                .as_slice::<f32>()
+                .unwrap()
+                .iter()
+                .zip(want[0].as_slice::<f32>().unwrap())
+            {
+                assert!(
+                    (p - q).abs() <= 1e-4 * (1.0 + q.abs()),
+                    "{label}: {p} vs {q}"
                 );
             }
         }

@@ -20,6 +20,11 @@ use npuc_ir::{bf16, f16, DType, Tensor};
 pub trait Movable: Clone + Default + Send + Sync + 'static {
     fn view(t: &Tensor) -> Result<&[Self]>;
     fn build(dtype: DType, shape: Vec<usize>, v: Vec<Self>) -> Result<Tensor>;
+    /// An output buffer of `len` values that the caller overwrites entirely (plain data types
+    /// skip zeroing it: see `buffers::for_overwrite`).
+    fn out_buffer(len: usize) -> Vec<Self> {
+        crate::buffers::filled(len, Self::default())
+    }
 }
 
 macro_rules! movable_pod {
@@ -30,6 +35,9 @@ macro_rules! movable_pod {
             }
             fn build(_dtype: DType, shape: Vec<usize>, v: Vec<Self>) -> Result<Tensor> {
                 Ok(Tensor::from_vec(shape, v)?)
+            }
+            fn out_buffer(len: usize) -> Vec<Self> {
+                crate::buffers::for_overwrite(len)
             }
         }
     )*};
@@ -272,7 +280,8 @@ pub fn strided_copy_mt<T: Movable>(
             src.len()
         );
     }
-    let mut out = crate::buffers::filled(total, T::default());
+    // Every output value is written below (the strided copy covers the whole shape).
+    let mut out = T::out_buffer(total);
     let Some(&(n0, s0)) = dims.first() else {
         out[0] = src[base].clone();
         return Ok(out);

@@ -52,7 +52,13 @@ pub static CONV_NHWC: OpDef = OpDef {
 
 /// Conv's rule on the NCHW view of `X`, its result read back as NHWC.
 fn infer_conv_nhwc(n: &NodeIn) -> R<Vec<TypeInfo>> {
-    let mut conv = n.as_onnx("Conv", MAX_OPSET);
+    infer_nhwc_as(n, "Conv")
+}
+
+/// The ONNX rule of `op` (at the newest opset) applied to the NCHW view of an NHWC `X`, its
+/// first result read back as NHWC: the shape rule of every `npuc.*Nhwc` op.
+pub(super) fn infer_nhwc_as(n: &NodeIn, op: &str) -> R<Vec<TypeInfo>> {
+    let mut onnx = n.as_onnx(op, MAX_OPSET);
     if let Some(TypeInfo::Tensor {
         dtype,
         shape: Some(s),
@@ -62,9 +68,10 @@ fn infer_conv_nhwc(n: &NodeIn) -> R<Vec<TypeInfo>> {
             return Err(format!("X must be 4-D NHWC, got rank {}", s.len()));
         };
         let nchw = vec![b.clone(), c.clone(), h.clone(), w.clone()];
-        conv.set_input_type(0, tt(*dtype, Some(nchw)));
+        onnx.set_input_type(0, tt(*dtype, Some(nchw)));
     }
-    let mut tys = onnx_rule(&conv)?;
+    let mut tys = onnx_rule(&onnx)?;
+    tys.truncate(1);
     if let Some(TypeInfo::Tensor { shape: Some(s), .. }) = tys.first_mut() {
         if let [b, m, oh, ow] = s.as_slice() {
             *s = vec![b.clone(), oh.clone(), ow.clone(), m.clone()];
@@ -230,7 +237,8 @@ fn conv_nhwc(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     if !fits {
         bail!("ConvNhwc packed weight does not match W {ws:?} (node cache of another shape)");
     }
-    let mut out = crate::buffers::zeroed::<f32>(n * oh * ow * m);
+    // Both paths write every output value (GEMM rows, depthwise rows).
+    let mut out = crate::buffers::for_overwrite::<f32>(n * oh * ow * m);
     if !out.is_empty() {
         match (depthwise, wp) {
             (true, Weight::Rows(wp)) => {
@@ -330,7 +338,8 @@ fn gemm_run(
     let mut col = if pointwise {
         vec![]
     } else {
-        crate::buffers::zeroed::<f32>(chunk.min(total) * k)
+        // Every chunk writes each of its rows' k values (copies or zero padding) before use.
+        crate::buffers::for_overwrite::<f32>(chunk.min(total) * k)
     };
     let mut r0 = 0;
     while r0 < total {

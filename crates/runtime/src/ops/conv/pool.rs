@@ -19,6 +19,129 @@ pub fn register(r: &mut Registry) {
     r.add("GlobalMaxPool", 1, global_max_pool);
     r.add("GlobalLpPool", 1, global_lp_pool);
     r.add("MaxUnpool", 9, max_unpool);
+    r.define(&MAX_POOL_NHWC, max_pool_nhwc);
+}
+
+/// `npuc.MaxPoolNhwc(X [N, H, W, C]) -> Y [N, OH, OW, C]`: 2-D MaxPool (MaxPool's attributes,
+/// no indices output) of a channels-last f32 tensor, produced by the `layout-nhwc` pass so a
+/// stem's pooling stays in the NHWC chain (each tap a contiguous run of `C` channels).
+pub static MAX_POOL_NHWC: npuc_ir::opdef::OpDef = npuc_ir::opdef::OpDef {
+    domain: "npuc",
+    name: "MaxPoolNhwc",
+    inputs: &[npuc_ir::opdef::Param::required("X")],
+    outputs: &[npuc_ir::opdef::Param::required("Y")],
+    attrs: &[],
+    infer: infer_max_pool_nhwc,
+};
+
+/// MaxPool's rule on the NCHW view of `X`, its result read back as NHWC.
+fn infer_max_pool_nhwc(n: &npuc_ir::infer::NodeIn) -> npuc_ir::infer::R<Vec<npuc_ir::TypeInfo>> {
+    super::nhwc::infer_nhwc_as(n, "MaxPool")
+}
+
+/// `npuc.MaxPoolNhwc`: per output pixel, the running maximum of its taps' channel vectors
+/// (contiguous, vectorized), with MaxPool's NaN rule ([`max_keep_number`]; a window whose
+/// taps are all NaN, or that has no tap inside the input, gives 0 as [`max_pool_run`] does).
+fn max_pool_nhwc(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
+    let x = ins.tensor(0)?;
+    let xs = x.shape();
+    if xs.len() != 4 || x.dtype() != DType::F32 {
+        bail!(
+            "MaxPoolNhwc needs an f32 X [N, H, W, C], got {} {xs:?}",
+            x.dtype()
+        );
+    }
+    let (n, h, w, c) = (xs[0], xs[1], xs[2], xs[3]);
+    let g = pool_geom(ctx.node, &[h, w])?;
+    let [_, oh, ow] = g.out;
+    let xv = x.as_slice::<f32>()?;
+    let img = h * w * c;
+    // Every output value is written below.
+    let mut out = crate::buffers::for_overwrite::<f32>(n * oh * ow * c);
+    if c > 0 {
+        let row = |(r, orow): (usize, &mut [f32])| {
+            let (ni, oy) = (r / oh.max(1), r % oh.max(1));
+            let xi = &xv[ni * img..][..img];
+            let sy = (oy * g.s[1]) as isize - g.pb[1] as isize;
+            let (b0, b1) = taps(sy, g.k[1], g.d[1], h);
+            let (kw, sw, dw, pw) = (g.k[2], g.s[2], g.d[2], g.pb[2] as isize);
+            // Stride 1: the outputs x0..x1 whose whole window lies inside the row read, per
+            // tap, one contiguous run of pixels: a long vectorized max per tap.
+            let span = (kw - 1) * dw;
+            let (x0, x1) = if sw == 1 && span < w && b0 < b1 {
+                valid_range(ow, 1, -pw, w - span)
+            } else {
+                (0, 0)
+            };
+            if x0 < x1 {
+                let inner = &mut orow[x0 * c..x1 * c];
+                let mut first = true;
+                for b in b0..b1 {
+                    let py = (sy + (b * g.d[1]) as isize) as usize;
+                    for t in 0..kw {
+                        let px = (x0 as isize - pw + (t * dw) as isize) as usize;
+                        let src = &xi[(py * w + px) * c..][..inner.len()];
+                        if first {
+                            inner.copy_from_slice(src);
+                            first = false;
+                        } else {
+                            for (m, &v) in inner.iter_mut().zip(src) {
+                                *m = max_keep_number(*m, v);
+                            }
+                        }
+                    }
+                }
+                // All-NaN windows give 0, as the plane kernels do.
+                #[allow(clippy::eq_op)]
+                inner
+                    .iter_mut()
+                    .for_each(|m| *m = if *m != *m { 0.0 } else { *m });
+            }
+            for (ox, o) in orow.chunks_exact_mut(c).enumerate() {
+                if (x0..x1).contains(&ox) {
+                    continue;
+                }
+                let sx = (ox * g.s[2]) as isize - g.pb[2] as isize;
+                let (c0, c1) = taps(sx, g.k[2], g.d[2], w);
+                let mut first = true;
+                for b in b0..b1 {
+                    let py = (sy + (b * g.d[1]) as isize) as usize;
+                    for t in c0..c1 {
+                        let px = (sx + (t * g.d[2]) as isize) as usize;
+                        let v = &xi[(py * w + px) * c..][..c];
+                        if first {
+                            o.copy_from_slice(v);
+                            first = false;
+                        } else {
+                            for (m, &v) in o.iter_mut().zip(v) {
+                                *m = max_keep_number(*m, v);
+                            }
+                        }
+                    }
+                }
+                if first {
+                    o.fill(0.0);
+                } else {
+                    // All-NaN windows give 0, as the plane kernels do.
+                    #[allow(clippy::eq_op)]
+                    o.iter_mut()
+                        .for_each(|m| *m = if *m != *m { 0.0 } else { *m });
+                }
+            }
+        };
+        let row_len = ow * c;
+        if row_len > 0 {
+            if ctx.threads > 1 && out.len() * g.k_size() >= PAR_MIN && n * oh > 1 {
+                out.par_chunks_mut(row_len).enumerate().for_each(row);
+            } else {
+                out.chunks_mut(row_len).enumerate().for_each(row);
+            }
+        }
+    }
+    Ok(vec![Value::tensor(Tensor::from_vec(
+        vec![n, oh, ow, c],
+        out,
+    )?)])
 }
 
 /// Pool geometry: kernel_shape (required), strides, dilations, pads / auto_pad, ceil_mode.
@@ -121,7 +244,7 @@ fn max_pool_run<T: Elem + PartialOrd>(
     let pout = g.out_size();
     let [id, ih, iw] = g.inp;
     let [od, oh, ow] = g.out;
-    let mut y = vec![T::default(); nc * pout];
+    let mut y = crate::buffers::zeroed::<T>(nc * pout);
     let mut idx = vec![-1i64; if want_idx { nc * pout } else { 0 }];
     let run = |plane: usize, yo: &mut [T], io: Option<&mut [i64]>| {
         let xc = &x[plane * pin..(plane + 1) * pin];
