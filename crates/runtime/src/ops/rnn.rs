@@ -249,8 +249,6 @@ struct QScratch {
     acc: Vec<i32>,
     /// One quantized row.
     bytes: Vec<u8>,
-    /// f32 products of [`Proj::Packed`] before they are added.
-    f: Vec<f32>,
 }
 
 /// A weight matrix applied as `a · Wᵀ`.
@@ -287,7 +285,7 @@ impl Proj<'_> {
         matches!(self, Proj::Quant { per_row: true, .. })
     }
 
-    /// `dst (+)= a · Wᵀ` with `a` `[m, k]` contiguous and `dst` `[m, n]` with row stride n.
+    /// `dst = a · Wᵀ` with `a` `[m, k]` contiguous and `dst` `[m, n]` with row stride n.
     #[allow(clippy::too_many_arguments)]
     fn apply(
         &self,
@@ -296,12 +294,11 @@ impl Proj<'_> {
         k: usize,
         a: &[f32],
         dst: &mut [f32],
-        accumulate: bool,
         threads: usize,
         scratch: &mut QScratch,
     ) -> Result<()> {
         match self {
-            Proj::Float(w) => gemm_wt(m, n, k, a, w, dst, n, accumulate, threads),
+            Proj::Float(w) => gemm_wt(m, n, k, a, w, dst, n, false, threads),
             Proj::Packed(pb) => {
                 if pb.k() != k || pb.n() != n {
                     bail!(
@@ -310,25 +307,7 @@ impl Proj<'_> {
                         pb.n()
                     );
                 }
-                let isa = Isa::detect();
-                if !accumulate {
-                    return sgemm::sgemm_packed(isa, m, 1.0, View::rows(a, k), pb, dst, n, threads);
-                }
-                scratch.f.clear();
-                scratch.f.resize(m * n, 0.0);
-                sgemm::sgemm_packed(
-                    isa,
-                    m,
-                    1.0,
-                    View::rows(a, k),
-                    pb,
-                    &mut scratch.f,
-                    n,
-                    threads,
-                )?;
-                for (d, &v) in dst[..m * n].iter_mut().zip(&scratch.f) {
-                    *d += v;
-                }
+                sgemm::sgemm_packed(Isa::detect(), m, 1.0, View::rows(a, k), pb, dst, n, threads)?;
             }
             Proj::Quant { w, scale, .. } => {
                 // Rows are quantized all together or one at a time (see `quantize_rows_separately`).
@@ -370,17 +349,9 @@ impl Proj<'_> {
                         }
                     };
                     let dst = &mut dst[r0 * n..(r0 + chunk_rows) * n];
-                    // Two loops rather than a branch per element, so each vectorizes.
                     for (drow, arow) in dst.chunks_mut(n).zip(scratch.acc.chunks(stride)) {
-                        let it = drow.iter_mut().zip(arow).zip(scale.iter());
-                        if accumulate {
-                            for ((d, &v), &s) in it {
-                                *d += v as f32 * (a_scale * s);
-                            }
-                        } else {
-                            for ((d, &v), &s) in it {
-                                *d = v as f32 * (a_scale * s);
-                            }
+                        for ((d, &v), &s) in drow.iter_mut().zip(arow).zip(scale.iter()) {
+                            *d = v as f32 * (a_scale * s);
                         }
                     }
                 }
@@ -558,9 +529,7 @@ impl Layer<'_> {
                     linear_before_reset: true
                 }
             );
-            self.w[d].apply(
-                rows, gh, self.input, self.x, &mut xw, false, threads, &mut qs,
-            )?;
+            self.w[d].apply(rows, gh, self.input, self.x, &mut xw, threads, &mut qs)?;
             // GRU with linear_before_reset keeps Rb_h inside the reset product.
             let bias: Vec<f32> = (0..gh)
                 .map(|j| wb[j] + if lbr && j >= 2 * hsz { 0.0 } else { rb[j] })
@@ -600,10 +569,10 @@ impl Layer<'_> {
                             Proj::Float(rw) => {
                                 gemm_wt(batch, 2 * hsz, hsz, &h, rw, &mut hr, gh, false, 1)
                             }
-                            q => q.apply(batch, gh, hsz, &h, &mut hr, false, 1, &mut qs)?,
+                            q => q.apply(batch, gh, hsz, &h, &mut hr, 1, &mut qs)?,
                         }
                     }
-                    _ => self.r[d].apply(batch, gh, hsz, &h, &mut hr, false, 1, &mut qs)?,
+                    _ => self.r[d].apply(batch, gh, hsz, &h, &mut hr, 1, &mut qs)?,
                 }
                 if let CellKind::Gru {
                     linear_before_reset: false,
@@ -633,7 +602,7 @@ impl Layer<'_> {
                             // Quantized weights cannot be sliced by rows: project all gates
                             // and keep the h block.
                             let mut full = vec![0f32; batch * gh];
-                            q.apply(batch, gh, hsz, &scratch, &mut full, false, 1, &mut qs)?;
+                            q.apply(batch, gh, hsz, &scratch, &mut full, 1, &mut qs)?;
                             for b in 0..batch {
                                 rh[b * hsz..(b + 1) * hsz]
                                     .copy_from_slice(&full[b * gh + 2 * hsz..(b + 1) * gh]);
@@ -1267,7 +1236,7 @@ mod tests {
                     per_row,
                 };
                 let mut got = vec![0f32; 4];
-                proj.apply(2, 2, 3, &a, &mut got, false, 1, &mut QScratch::default())
+                proj.apply(2, 2, 3, &a, &mut got, 1, &mut QScratch::default())
                     .unwrap();
                 for i in 0..2 {
                     for j in 0..2 {
