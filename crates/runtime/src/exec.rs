@@ -1004,6 +1004,7 @@ impl Session {
             self.plan.run_slots(ordered, None, threads, observe, timer)
         };
         let outs = match self.workers() {
+            Some(pool) if keep_workers_awake() => pool.install(|| with_workers_awake(run))?,
             Some(pool) => pool.install(run)?,
             None => run()?,
         };
@@ -1014,6 +1015,76 @@ impl Session {
             .zip(outs)
             .collect())
     }
+}
+
+/// Idle checks a kept-awake worker makes with only `pause` between them (each ~0.1-0.2 us)
+/// before it also gives its CPU back to the OS scheduler (`yield`) between checks: spin
+/// briefly, then yield.
+const AWAKE_SPIN_ROUNDS: u32 = 2000;
+
+/// Whether multi-threaded runs keep their idle workers awake ([`with_workers_awake`]);
+/// `NPUC_KEEP_AWAKE=0` lets them sleep between ops (for comparisons).
+fn keep_workers_awake() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("NPUC_KEEP_AWAKE").map_or(true, |v| v != "0"))
+}
+
+/// Runs `f` (a run's step loop) on the current worker of the session's pool while every other
+/// worker of that pool stays awake looking for work, until `f` returns.
+///
+/// Why: a rayon worker that finds no work spins for a few microseconds and then sleeps; on
+/// this class of VM a sleeping vCPU takes longer to wake than half of a typical parallel op
+/// (measured: PP-OCRv5 cls pointwise convs of ~0.3 ms ran no faster at 2 threads), so worker 0
+/// finished its share, found the other half not yet stolen and ran it too. A kept-awake worker
+/// steals a fork-join half within a microsecond (onnxruntime's pool spins the same way during
+/// a run). Between runs the workers sleep as before.
+fn with_workers_awake<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    let done = AtomicBool::new(false);
+    let runner = rayon::current_thread_index();
+    rayon::scope(|s| {
+        s.spawn_broadcast(|_, ctx| {
+            // The runner's own copy, and any copy a worker meets nested in a stolen job it
+            // is already keeping awake, end at once.
+            if Some(ctx.index()) != runner {
+                keep_awake(&done);
+            }
+        });
+        // Ends the keepers even if `f` unwinds (the scope waits for them before returning).
+        struct Done<'a>(&'a AtomicBool);
+        impl Drop for Done<'_> {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::Release);
+            }
+        }
+        let _done = Done(&done);
+        f()
+    })
+}
+
+/// The loop of a kept-awake worker: runs any job it can find in the pool (the fork-join halves
+/// worker 0 pushes), until `done`.
+fn keep_awake(done: &AtomicBool) {
+    thread_local! {
+        static KEEPING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+    // A broadcast copy reached through `yield_now` on a thread already in this loop.
+    if KEEPING.with(|k| k.replace(true)) {
+        return;
+    }
+    let mut idle = 0u32;
+    while !done.load(Ordering::Acquire) {
+        match rayon::yield_now() {
+            Some(rayon::Yield::Executed) => idle = 0,
+            _ if idle < AWAKE_SPIN_ROUNDS => {
+                idle += 1;
+                for _ in 0..16 {
+                    std::hint::spin_loop();
+                }
+            }
+            _ => std::thread::yield_now(),
+        }
+    }
+    KEEPING.with(|k| k.set(false));
 }
 
 fn check_input(vi: &ValueInfo, v: &Value, syms: &mut HashMap<String, usize>) -> Result<()> {

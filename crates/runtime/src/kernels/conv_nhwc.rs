@@ -20,6 +20,8 @@
 //! 16-lane arrays vectorized too, but its bounds checks and address arithmetic left it at ~6
 //! cycles per vector multiply-add.)
 
+use std::ops::Range;
+
 /// Channels per vector block.
 const L: usize = 16;
 /// Interior pixels computed together by the scalar twin.
@@ -81,7 +83,22 @@ pub fn dw_row(
     g: &DwGeom,
     oy: usize,
 ) -> bool {
-    if !sizes_fit(out, x, w, bias, g) {
+    dw_row_cols(out, x, w, bias, g, oy, 0..g.ow)
+}
+
+/// Output columns `cols` of row `oy` (as [`dw_row`]; `out` holds those `cols.len() * c`
+/// values): threads split a row this way when an image has fewer rows than threads need.
+#[must_use]
+pub fn dw_row_cols(
+    out: &mut [f32],
+    x: &[f32],
+    w: &[f32],
+    bias: Option<&[f32]>,
+    g: &DwGeom,
+    oy: usize,
+    cols: Range<usize>,
+) -> bool {
+    if !sizes_fit(out, x, w, bias, g, &cols) {
         return false;
     }
     #[cfg(target_arch = "x86_64")]
@@ -90,23 +107,32 @@ pub fn dw_row(
         if isa.has_avx512() {
             // SAFETY: the ISA module detected AVX-512F (with AVX2 and FMA) on this CPU (capped
             // by NPUC_ISA); the body is safe Rust over slices whose sizes were checked above.
-            unsafe { dw_row_avx512(out, x, w, bias, g, oy) };
+            unsafe { dw_row_avx512(out, x, w, bias, g, oy, cols) };
             return true;
         }
         if isa.has_avx2() {
             // SAFETY: the ISA module detected AVX2 and FMA on this CPU (capped by NPUC_ISA);
             // the body is safe Rust over slices whose sizes were checked above.
-            unsafe { dw_row_avx2(out, x, w, bias, g, oy) };
+            unsafe { dw_row_avx2(out, x, w, bias, g, oy, cols) };
             return true;
         }
     }
-    dw_row_body(out, x, w, bias, g, oy);
+    dw_row_body(out, x, w, bias, g, oy, cols);
     true
 }
 
-fn sizes_fit(out: &[f32], x: &[f32], w: &[f32], bias: Option<&[f32]>, g: &DwGeom) -> bool {
+fn sizes_fit(
+    out: &[f32],
+    x: &[f32],
+    w: &[f32],
+    bias: Option<&[f32]>,
+    g: &DwGeom,
+    cols: &Range<usize>,
+) -> bool {
     g.valid()
-        && out.len() == g.ow * g.c
+        && cols.start <= cols.end
+        && cols.end <= g.ow
+        && out.len() == cols.len() * g.c
         && x.len() == g.h * g.wd * g.c
         && w.len() == g.kh * g.kw * g.c
         && bias.is_none_or(|b| b.len() == g.c)
@@ -121,11 +147,12 @@ pub fn dw_row_scalar(
     bias: Option<&[f32]>,
     g: &DwGeom,
     oy: usize,
+    cols: Range<usize>,
 ) -> bool {
-    if !sizes_fit(out, x, w, bias, g) {
+    if !sizes_fit(out, x, w, bias, g, &cols) {
         return false;
     }
-    dw_row_body(out, x, w, bias, g, oy);
+    dw_row_body(out, x, w, bias, g, oy, cols);
     true
 }
 
@@ -146,9 +173,10 @@ unsafe fn dw_row_avx2(
     bias: Option<&[f32]>,
     g: &DwGeom,
     oy: usize,
+    cols: Range<usize>,
 ) {
     // SAFETY: the caller checked the slice sizes against `g` and detected AVX2+FMA.
-    unsafe { dw_row_simd(out, x, w, bias, g, oy, Simd::Avx2) }
+    unsafe { dw_row_simd(out, x, w, bias, g, oy, cols, Simd::Avx2) }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -160,9 +188,10 @@ unsafe fn dw_row_avx512(
     bias: Option<&[f32]>,
     g: &DwGeom,
     oy: usize,
+    cols: Range<usize>,
 ) {
     // SAFETY: the caller checked the slice sizes against `g` and detected AVX-512F.
-    unsafe { dw_row_simd(out, x, w, bias, g, oy, Simd::Avx512) }
+    unsafe { dw_row_simd(out, x, w, bias, g, oy, cols, Simd::Avx512) }
 }
 
 /// The row with the interior in SIMD blocks of 8, then 4, then 1 pixels, the borders in the
@@ -180,20 +209,24 @@ unsafe fn dw_row_simd(
     bias: Option<&[f32]>,
     g: &DwGeom,
     oy: usize,
+    cols: Range<usize>,
     simd: Simd,
 ) {
     let (lo, hi) = g.interior();
     let c = g.c;
-    for ox in (0..lo).chain(hi..g.ow) {
-        single_pixel(&mut out[ox * c..][..c], x, w, bias, g, oy, ox);
+    let o0 = cols.start;
+    for ox in (o0..lo.min(cols.end)).chain(hi.max(o0)..cols.end) {
+        single_pixel(&mut out[(ox - o0) * c..][..c], x, w, bias, g, oy, ox);
     }
+    // The interior within `cols`.
+    let (lo, hi) = (lo.max(o0), hi.min(cols.end));
     let mut rows = [(0usize, 0usize); 64];
     let mut nrows = 0;
     for (ky, iy) in rows_in(g, oy) {
         if nrows == rows.len() {
             // Kernels taller than 64 rows: the interior goes through the scalar body too.
             for ox in lo..hi {
-                single_pixel(&mut out[ox * c..][..c], x, w, bias, g, oy, ox);
+                single_pixel(&mut out[(ox - o0) * c..][..c], x, w, bias, g, oy, ox);
             }
             return;
         }
@@ -205,24 +238,25 @@ unsafe fn dw_row_simd(
     // SAFETY (all three calls): lo <= ox and ox + P <= hi, so every pixel's taps lie inside
     // the image (`interior`), the rows are inside it (`rows_in`), and the sizes fit (caller).
     while ox + 8 <= hi {
-        unsafe { interior_block::<8>(out, x, w, bias, g, rows, ox, simd) };
+        unsafe { interior_block::<8>(out, x, w, bias, g, rows, ox, o0, simd) };
         ox += 8;
     }
     if ox + 4 <= hi {
-        unsafe { interior_block::<4>(out, x, w, bias, g, rows, ox, simd) };
+        unsafe { interior_block::<4>(out, x, w, bias, g, rows, ox, o0, simd) };
         ox += 4;
     }
     while ox < hi {
-        unsafe { interior_block::<1>(out, x, w, bias, g, rows, ox, simd) };
+        unsafe { interior_block::<1>(out, x, w, bias, g, rows, ox, o0, simd) };
         ox += 1;
     }
 }
 
 /// Output pixels `ox .. ox + N` (all interior) over every channel: `N` accumulators of one
-/// channel block in registers across the taps.
+/// channel block in registers across the taps; `out` starts at output column `o0`.
 ///
 /// # Safety
-/// `sizes_fit(out, x, w, bias, g)`; `g.interior().0 <= ox`, `ox + N <= g.interior().1`; each
+/// `sizes_fit(out, x, w, bias, g, cols)` with `cols.start == o0 <= ox`, `ox + N <= cols.end`;
+/// `g.interior().0 <= ox`, `ox + N <= g.interior().1`; each
 /// `(ky, iy)` in `rows` has `ky < g.kh`, `iy < g.h`; the CPU has the features `simd` names.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
@@ -235,6 +269,7 @@ unsafe fn interior_block<const N: usize>(
     g: &DwGeom,
     rows: &[(usize, usize)],
     ox: usize,
+    o0: usize,
     simd: Simd,
 ) {
     use std::arch::x86_64::*;
@@ -281,7 +316,7 @@ unsafe fn interior_block<const N: usize>(
                         }
                     }
                     for (p, a) in acc.iter().enumerate() {
-                        _mm512_mask_storeu_ps(op.add((ox + p) * c + c0), m, *a);
+                        _mm512_mask_storeu_ps(op.add((ox - o0 + p) * c + c0), m, *a);
                     }
                 }
                 c0 += 16;
@@ -310,7 +345,7 @@ unsafe fn interior_block<const N: usize>(
                         }
                     }
                     for (p, a) in acc.iter().enumerate() {
-                        _mm256_storeu_ps(op.add((ox + p) * c + c0), *a);
+                        _mm256_storeu_ps(op.add((ox - o0 + p) * c + c0), *a);
                     }
                 }
                 c0 += 8;
@@ -318,7 +353,7 @@ unsafe fn interior_block<const N: usize>(
             if c0 < c {
                 // Channel tail (< 8): the same sums with scalar FMAs.
                 for p in 0..N {
-                    let o = &mut out[(ox + p) * c + c0..][..c - c0];
+                    let o = &mut out[(ox - o0 + p) * c + c0..][..c - c0];
                     match bias {
                         Some(b) => o.copy_from_slice(&b[c0..]),
                         None => o.fill(0.0),
@@ -387,22 +422,32 @@ fn rows_in(g: &DwGeom, oy: usize) -> impl Iterator<Item = (usize, usize)> + '_ {
 }
 
 #[inline(always)]
-fn dw_row_body(out: &mut [f32], x: &[f32], w: &[f32], bias: Option<&[f32]>, g: &DwGeom, oy: usize) {
+fn dw_row_body(
+    out: &mut [f32],
+    x: &[f32],
+    w: &[f32],
+    bias: Option<&[f32]>,
+    g: &DwGeom,
+    oy: usize,
+    cols: Range<usize>,
+) {
     let c = g.c;
+    let o0 = cols.start;
     let (lo, hi) = g.interior();
+    let (lo, hi) = (lo.max(o0), hi.min(cols.end).max(lo.max(o0)));
     let [_, sx] = g.stride;
     let [_, dx] = g.dilation;
     let [_, px] = g.pad;
     let row_len = g.wd * c;
-    let mut ox = 0;
-    while ox < g.ow {
+    let mut ox = o0;
+    while ox < cols.end {
         if ox < lo || ox >= hi || ox + P > hi {
-            single_pixel(&mut out[ox * c..][..c], x, w, bias, g, oy, ox);
+            single_pixel(&mut out[(ox - o0) * c..][..c], x, w, bias, g, oy, ox);
             ox += 1;
             continue;
         }
         // Interior: P pixels, all taps valid, channel blocks of L then a tail.
-        let block = &mut out[ox * c..][..P * c];
+        let block = &mut out[(ox - o0) * c..][..P * c];
         let mut c0 = 0;
         while c0 + L <= c {
             let mut acc = [[0f32; L]; P];
@@ -540,13 +585,25 @@ mod tests {
             let mut got = vec![f32::NAN; g.ow * g.c];
             prop_assert!(dw_row(&mut got, &x, &w, bias, &g, oy));
             let mut twin = vec![f32::NAN; g.ow * g.c];
-            prop_assert!(dw_row_scalar(&mut twin, &x, &w, bias, &g, oy));
+            prop_assert!(dw_row_scalar(&mut twin, &x, &w, bias, &g, oy, 0..g.ow));
             let want = reference(&x, &w, bias, &g, oy);
             for i in 0..got.len() {
                 prop_assert_eq!(twin[i].to_bits(), want[i].to_bits(), "value {} vs reference", i);
                 let (a, b) = (got[i], twin[i]);
                 prop_assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "value {}: {} vs {}", i, a, b);
             }
+            // The row computed in two column ranges (as threads split it), dispatched and
+            // scalar, gives the same bits as in one piece.
+            let cut = (seed as usize >> 8) % (g.ow + 1);
+            let (mut left, mut right) = (vec![f32::NAN; cut * g.c], vec![f32::NAN; (g.ow - cut) * g.c]);
+            prop_assert!(dw_row_cols(&mut left, &x, &w, bias, &g, oy, 0..cut));
+            prop_assert!(dw_row_cols(&mut right, &x, &w, bias, &g, oy, cut..g.ow));
+            let split: Vec<u32> = left.iter().chain(&right).map(|v| v.to_bits()).collect();
+            prop_assert_eq!(split, got.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+            prop_assert!(dw_row_scalar(&mut left, &x, &w, bias, &g, oy, 0..cut));
+            prop_assert!(dw_row_scalar(&mut right, &x, &w, bias, &g, oy, cut..g.ow));
+            let split: Vec<u32> = left.iter().chain(&right).map(|v| v.to_bits()).collect();
+            prop_assert_eq!(split, twin.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
         }
     }
 
@@ -569,6 +626,8 @@ mod tests {
         assert!(!dw_row(&mut out, &x, &w[1..], None, &g, 0));
         assert!(!dw_row(&mut out[1..], &x, &w, None, &g, 0));
         assert!(!dw_row(&mut out, &x, &w, Some(&[1.0]), &g, 0));
+        assert!(!dw_row_cols(&mut out, &x, &w, None, &g, 0, 1..5));
+        assert!(!dw_row_cols(&mut out, &x, &w, None, &g, 0, 1..4));
         assert!(!dw_row(
             &mut out,
             &x,

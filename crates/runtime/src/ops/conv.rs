@@ -476,10 +476,92 @@ fn conv(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
 /// (the adjoint of im2col, used by ConvTranspose). The columns are the input positions of the
 /// input rows `rows` (flattened as `z * ih + y`); every input position adds into its own output
 /// positions, so blocks of rows can be added one after another in any order.
-fn col2im_add<T: GemmFloat>(
+/// Whether a ConvTranspose's taps tile its output exactly: kernel equal to stride, no
+/// dilation, padding or output padding (the 2x2 stride-2 upsampling of detection heads).
+/// Then every output value comes from one tap of one input pixel, and col2im assigns
+/// (`bias + value`) instead of accumulating into a bias-filled output.
+fn taps_tile_output(g: &Geom) -> bool {
+    (0..3).all(|i| {
+        g.k[i] == g.s[i]
+            && g.d[i] == 1
+            && g.pb[i] == 0
+            && g.pe[i] == 0
+            && g.out[i] == g.inp[i] * g.s[i]
+    })
+}
+
+/// [`col2im_add`] (or, when `tiled` ([`taps_tile_output`]), [`col2im_set`] with the group's
+/// `bias`) with the output channels split across threads (each channel's plane is written
+/// only from its own rows of `col`).
+#[allow(clippy::too_many_arguments)]
+fn col2im_par<T: GemmFloat>(
     col: &[T],
     g: &Geom,
     m_g: usize,
+    rows: std::ops::Range<usize>,
+    out: &mut [T],
+    tiled: Option<Option<&[T]>>,
+    threads: usize,
+) {
+    let pout = g.out_size();
+    let one = |mis: std::ops::Range<usize>, part: &mut [T]| match tiled {
+        Some(bias) => col2im_set(col, g, mis, rows.clone(), part, bias),
+        None => col2im_add(col, g, mis, rows.clone(), part),
+    };
+    let work = m_g * g.k_size() * rows.len() * g.inp[2];
+    if threads > 1 && m_g > 1 && pout > 0 && work >= PAR_MIN {
+        let per = m_g.div_ceil(threads);
+        out[..m_g * pout]
+            .par_chunks_mut(per * pout)
+            .enumerate()
+            .for_each(|(i, part)| one(i * per..i * per + part.len() / pout, part));
+    } else {
+        one(0..m_g, out);
+    }
+}
+
+/// The columns of output channels `mis` (input rows `rows`) written into their planes as
+/// `bias + value`, for a conv whose taps tile the output ([`taps_tile_output`]): each output
+/// value is written once, so the output needs no fill beforehand.
+fn col2im_set<T: GemmFloat>(
+    col: &[T],
+    g: &Geom,
+    mis: std::ops::Range<usize>,
+    rows: std::ops::Range<usize>,
+    out: &mut [T],
+    bias: Option<&[T]>,
+) {
+    let [_, ih, iw] = g.inp;
+    let [_, oh, ow] = g.out;
+    let [_, kh, kw] = g.k;
+    let ks = g.k_size();
+    let pin = rows.len() * iw;
+    let pout = g.out_size();
+    for mi in mis.clone() {
+        let plane = &mut out[(mi - mis.start) * pout..][..pout];
+        let bv = bias.map_or(T::zero(), |b| b[mi]);
+        for kr in 0..ks {
+            let (a, b, c) = (kr / (kh * kw), (kr / kw) % kh, kr % kw);
+            let src_rows = &col[(mi * ks + kr) * pin..][..pin];
+            for (ri, r) in rows.clone().enumerate() {
+                let (z, y) = (r / ih, r % ih);
+                let (oz, oy) = (z * g.k[0] + a, y * kh + b);
+                let dst = &mut plane[(oz * oh + oy) * ow..][..ow];
+                let src = &src_rows[ri * iw..][..iw];
+                for (d, &v) in dst[c..].iter_mut().step_by(kw).zip(src) {
+                    *d = v + bv;
+                }
+            }
+        }
+    }
+}
+
+/// Scatters the columns of output channels `mis` (input rows `rows`) into their planes, `out`
+/// holding those channels' planes from `mis.start`.
+fn col2im_add<T: GemmFloat>(
+    col: &[T],
+    g: &Geom,
+    mis: std::ops::Range<usize>,
     rows: std::ops::Range<usize>,
     out: &mut [T],
 ) {
@@ -491,8 +573,8 @@ fn col2im_add<T: GemmFloat>(
     let ks = g.k_size();
     let pin = rows.len() * iw;
     let pout = g.out_size();
-    for mi in 0..m_g {
-        let plane = &mut out[mi * pout..(mi + 1) * pout];
+    for mi in mis.clone() {
+        let plane = &mut out[(mi - mis.start) * pout..][..pout];
         for kr in 0..ks {
             let (a, b, c) = (kr / (kh * kw), (kr / kw) % kh, kr % kw);
             let row = &col[(mi * ks + kr) * pin..][..pin];
@@ -658,13 +740,20 @@ fn conv_transpose(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
             fresh = transposed_weight(&T::load(w)?, group, c_g, rows);
             &fresh
         };
-        let mut out = crate::buffers::filled(n * m * pout, T::zero());
-        if let Some(b) = b {
-            let bv = T::load(b)?;
-            for (ch, plane) in out.chunks_mut(pout.max(1)).enumerate() {
-                plane.fill(bv[ch % m]);
+        let tiled = taps_tile_output(g);
+        let bv = b.map(T::load).transpose()?;
+        let mut out = if tiled {
+            // Every value is assigned by col2im_set.
+            crate::buffers::for_overwrite(n * m * pout)
+        } else {
+            let mut out = crate::buffers::filled(n * m * pout, T::zero());
+            if let Some(bv) = &bv {
+                for (ch, plane) in out.chunks_mut(pout.max(1)).enumerate() {
+                    plane.fill(bv[ch % m]);
+                }
             }
-        }
+            out
+        };
         // Blocks of whole input rows whose columns (`rows` x block values) stay within
         // COL_BLOCK_VALUES, so that the product writes them into cache and col2im reads them
         // back from there (one column buffer for the whole image made both go to memory:
@@ -704,7 +793,8 @@ fn conv_transpose(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
                         w_cols,
                         threads,
                     )?;
-                    col2im_add(&col, g, m_g, r0..r1, dst);
+                    let bias = bv.as_deref().map(|b| &b[gi * m_g..][..m_g]);
+                    col2im_par(&col, g, m_g, r0..r1, dst, tiled.then_some(bias), threads);
                 }
             }
         }

@@ -22,8 +22,12 @@ use crate::{bail, dispatch_numeric};
 use npuc_ir::{bf16, f16, numel, DType, Elem, Tensor};
 use rayon::prelude::*;
 
-/// Below this many elements a kernel runs on the calling thread: splitting costs more.
-pub(crate) const PAR_MIN: usize = 1 << 18;
+/// Below this many elements a kernel runs on the calling thread: splitting costs more. (With
+/// the session's workers kept awake a split costs a few microseconds; 64K values of a cheap
+/// op are ~20 us.)
+pub(crate) const PAR_MIN: usize = 1 << 16;
+/// The same for kernels of a few nanoseconds per value (exp, tanh, erf: sigmoid, GELU).
+pub(crate) const PAR_MIN_MATH: usize = 1 << 14;
 
 /// A broadcast of several input shapes to one output shape. Output dimensions of size 1 are
 /// dropped and adjacent dimensions merged wherever every input walks them contiguously (or
@@ -93,19 +97,48 @@ impl Bcast {
         self.len() == 0
     }
 
+    /// Contiguous output rows and their length: the output is `rows x inner` values.
+    pub fn rows_inner(&self) -> (usize, usize) {
+        if self.is_empty() {
+            return (0, 0);
+        }
+        let r = self.dims.len();
+        (self.dims[..r - 1].iter().product(), self.dims[r - 1])
+    }
+
     /// Calls `f(offsets, out_offset, len, inner_strides)` once per contiguous output row:
     /// `offsets[k]` is where input `k`'s row starts and `inner_strides[k]` is 0 or 1.
-    pub fn for_each_row(&self, mut f: impl FnMut(&[usize], usize, usize, &[usize])) {
-        if self.is_empty() {
+    pub fn for_each_row(&self, f: impl FnMut(&[usize], usize, usize, &[usize])) {
+        let (rows, _) = self.rows_inner();
+        self.for_each_row_in(0..rows, f);
+    }
+
+    /// [`Bcast::for_each_row`] over output rows `rows` only (threads take a range each).
+    pub fn for_each_row_in(
+        &self,
+        rows: std::ops::Range<usize>,
+        mut f: impl FnMut(&[usize], usize, usize, &[usize]),
+    ) {
+        if self.is_empty() || rows.is_empty() {
             return;
         }
         let r = self.dims.len();
         let inner = self.dims[r - 1];
         let inner_st: Vec<usize> = self.strides.iter().map(|s| s[r - 1]).collect();
-        let rows: usize = self.dims[..r - 1].iter().product();
+        // The multi-index of row `rows.start` (last outer dimension fastest) and the inputs'
+        // offsets there.
         let mut counter = vec![0usize; r - 1];
-        let mut offs = vec![0usize; self.strides.len()];
-        for row in 0..rows {
+        let mut rest = rows.start;
+        for d in (0..r - 1).rev() {
+            counter[d] = rest % self.dims[d];
+            rest /= self.dims[d];
+        }
+        let mut offs: Vec<usize> = self
+            .strides
+            .iter()
+            .map(|s| counter.iter().zip(s).map(|(c, st)| c * st).sum())
+            .collect();
+        for row in rows {
             f(&offs, row * inner, inner, &inner_st);
             for d in (0..r - 1).rev() {
                 counter[d] += 1;
@@ -132,8 +165,22 @@ pub fn binary_into<A: Copy, B: Copy, O>(
     out: &mut [O],
     f: impl Fn(A, B) -> O,
 ) {
-    plan.for_each_row(|offs, oo, n, st| {
-        let o = &mut out[oo..oo + n];
+    let (rows, _) = plan.rows_inner();
+    binary_rows(plan, 0..rows, a, b, out, f);
+}
+
+/// [`binary_into`] over the plan's output rows `rows` only, `out` holding just those rows.
+fn binary_rows<A: Copy, B: Copy, O>(
+    plan: &Bcast,
+    rows: std::ops::Range<usize>,
+    a: &[A],
+    b: &[B],
+    out: &mut [O],
+    f: impl Fn(A, B) -> O,
+) {
+    let base = rows.start * plan.rows_inner().1;
+    plan.for_each_row_in(rows, |offs, oo, n, st| {
+        let o = &mut out[oo - base..oo - base + n];
         let (ia, ib) = (offs[0], offs[1]);
         match (st[0], st[1]) {
             (0, 0) => {
@@ -264,20 +311,36 @@ pub fn binary_same<T: Elem>(
             apply_zip(v, o, threads, g);
         } else {
             // The kept input is contiguous over the output, so its inner stride is 1.
-            plan.for_each_row(|offs, oo, n, st| {
-                let row = &mut v[oo..oo + n];
-                let io = offs[other];
-                if st[other] == 0 {
-                    let y = o[io];
-                    for x in row {
-                        *x = g(*x, y);
+            let rows_of = |v: &mut [T], rows: std::ops::Range<usize>, base: usize| {
+                plan.for_each_row_in(rows, |offs, oo, n, st| {
+                    let row = &mut v[oo - base..oo - base + n];
+                    let io = offs[other];
+                    if st[other] == 0 {
+                        let y = o[io];
+                        for x in row {
+                            *x = g(*x, y);
+                        }
+                    } else {
+                        for (x, &y) in row.iter_mut().zip(&o[io..io + n]) {
+                            *x = g(*x, y);
+                        }
                     }
-                } else {
-                    for (x, &y) in row.iter_mut().zip(&o[io..io + n]) {
-                        *x = g(*x, y);
-                    }
-                }
-            });
+                })
+            };
+            let (rows, inner) = plan.rows_inner();
+            if threads > 1 && v.len() >= PAR_MIN && rows >= threads && inner > 0 {
+                // A channels-last scale (an SE block's `x * gate[C]`) is one short row per
+                // pixel: split the rows.
+                let per = rows.div_ceil(threads);
+                v.par_chunks_mut(per * inner)
+                    .enumerate()
+                    .for_each(|(i, part)| {
+                        let r0 = i * per;
+                        rows_of(part, r0..r0 + part.len() / inner, r0 * inner)
+                    });
+            } else {
+                rows_of(v, 0..rows, 0);
+            }
         }
         return Ok(t);
     }
@@ -287,6 +350,20 @@ pub fn binary_same<T: Elem>(
         let mut out = crate::buffers::take(xa.len());
         out.extend_from_slice(xa);
         apply_zip(&mut out, xb, threads, f);
+        return Ok(Tensor::from_vec(plan.out_shape, out)?);
+    }
+    let (rows, inner) = plan.rows_inner();
+    if sa != sb && threads > 1 && plan.len() >= PAR_MIN && rows >= threads && inner > 0 {
+        // A broadcast whose inputs are both still needed (an SE block's `x * gate` when `x`
+        // also feeds the residual): rows split across threads into a fresh output.
+        let mut out = crate::buffers::for_overwrite::<T>(plan.len());
+        let per = rows.div_ceil(threads);
+        out.par_chunks_mut(per * inner)
+            .enumerate()
+            .for_each(|(i, part)| {
+                let r0 = i * per;
+                binary_rows(&plan, r0..r0 + part.len() / inner, xa, xb, part, f)
+            });
         return Ok(Tensor::from_vec(plan.out_shape, out)?);
     }
     binary_map(a, b, f)

@@ -225,8 +225,9 @@ pub fn strided_copy<T: Movable>(
     strided_copy_mt(src, base, shape, strides, 1)
 }
 
-/// Outputs smaller than this many elements are copied on one thread.
-const PAR_MIN: usize = 1 << 18;
+/// Outputs smaller than this many elements are copied on one thread (with the session's
+/// workers kept awake a split costs a few microseconds; 64K values are ~20 us of copying).
+const PAR_MIN: usize = 1 << 16;
 
 /// [`strided_copy`] that splits large copies across up to `threads` rayon tasks along the
 /// outermost (merged) dimension.
@@ -646,24 +647,57 @@ fn transpose(ctx: &OpCtx, mut ins: Inputs) -> Result<Vec<Value>> {
     )?)])
 }
 
-fn concat_typed<T: Movable>(ts: &[&Tensor], axis: usize, shape: Vec<usize>) -> Result<Tensor> {
+fn concat_typed<T: Movable>(
+    ts: &[&Tensor],
+    axis: usize,
+    shape: Vec<usize>,
+    threads: usize,
+) -> Result<Tensor> {
+    use rayon::prelude::*;
     let outer: usize = shape[..axis].iter().product();
     let inner: usize = shape[axis + 1..].iter().product();
     let srcs: Vec<(&[T], usize)> = ts
         .iter()
         .map(|t| Ok((T::view(t)?, t.shape()[axis] * inner)))
         .collect::<Result<_>>()?;
-    let mut out: Vec<T> = crate::buffers::take(shape.iter().product());
-    for o in 0..outer {
-        for &(s, chunk) in &srcs {
-            out.extend_from_slice(&s[o * chunk..(o + 1) * chunk]);
+    // One output row: every input's chunk of that outer index, in order.
+    let row: usize = srcs.iter().map(|s| s.1).sum();
+    let total = outer * row;
+    if total == 0 {
+        return T::build(ts[0].dtype(), shape, vec![]);
+    }
+    // Every value is written below (the rows cover the output).
+    let mut out = T::out_buffer(total);
+    let fill = |o0: usize, part: &mut [T]| {
+        for (i, dst) in part.chunks_exact_mut(row).enumerate() {
+            let o = o0 + i;
+            let mut at = 0;
+            for &(s, chunk) in &srcs {
+                dst[at..at + chunk].clone_from_slice(&s[o * chunk..][..chunk]);
+                at += chunk;
+            }
         }
+    };
+    // A channels-last Concat (PP-OCRv6's detector head: 4 x 16 channels per pixel) is many
+    // short rows: split them across threads rather than copy on one.
+    if threads > 1 && outer > 1 && total >= PAR_MIN {
+        let per = outer.div_ceil(threads);
+        out.par_chunks_mut(per * row)
+            .enumerate()
+            .for_each(|(i, part)| fill(i * per, part));
+    } else {
+        fill(0, &mut out);
     }
     T::build(ts[0].dtype(), shape, out)
 }
 
 /// Concatenates tensors of equal rank and dtype along `axis`.
 pub fn concat_tensors(ts: &[&Tensor], axis: i64) -> Result<Tensor> {
+    concat_tensors_mt(ts, axis, 1)
+}
+
+/// [`concat_tensors`] with the copies split across up to `threads` threads when large.
+pub fn concat_tensors_mt(ts: &[&Tensor], axis: i64, threads: usize) -> Result<Tensor> {
     let Some(first) = ts.first() else {
         bail!("Concat needs at least one input");
     };
@@ -690,14 +724,18 @@ pub fn concat_tensors(ts: &[&Tensor], axis: i64) -> Result<Tensor> {
         }
         shape[axis] += t.shape()[axis];
     }
-    dispatch_any!(first.dtype(), T => concat_typed::<T>(ts, axis, shape))
+    dispatch_any!(first.dtype(), T => concat_typed::<T>(ts, axis, shape, threads))
 }
 
 /// Concat along `axis`.
 fn concat(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     let ts = ins.tensors()?;
     let axis = ctx.node.int_or("axis", 1)?;
-    Ok(vec![Value::tensor(concat_tensors(&ts, axis)?)])
+    Ok(vec![Value::tensor(concat_tensors_mt(
+        &ts,
+        axis,
+        ctx.threads,
+    )?)])
 }
 
 /// Splits `t` along `axis` into consecutive pieces of the given lengths.

@@ -77,7 +77,7 @@ fn col2im(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         let per = c * ks * xs[2];
         let mut out = vec![<T as num_traits::Zero>::zero(); n * c * pout];
         for ni in 0..n {
-            col2im_add(&xv[ni * per..(ni + 1) * per], &g, c, 0..g.inp[0] * g.inp[1], &mut out[ni * c * pout..(ni + 1) * c * pout]);
+            col2im_add(&xv[ni * per..(ni + 1) * per], &g, 0..c, 0..g.inp[0] * g.inp[1], &mut out[ni * c * pout..(ni + 1) * c * pout]);
         }
         T::store(x.dtype(), shape, out)?
     });

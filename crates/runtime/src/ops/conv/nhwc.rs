@@ -18,7 +18,7 @@ use crate::bail;
 use crate::error::Result;
 use crate::kernel::MAX_OPSET;
 use crate::kernel::{Inputs, OpCtx, Registry};
-use crate::kernels::conv_nhwc::{dw_row, DwGeom};
+use crate::kernels::conv_nhwc::{dw_row, dw_row_cols, DwGeom};
 use crate::kernels::sgemm::{self, PackedB, View};
 use crate::ops::fused::ACTIVATION_ATTRS;
 use crate::ops::fused::{apply_f32, Act};
@@ -291,11 +291,42 @@ fn depthwise_run(
         ok
     };
     let row_len = ow * c;
-    let ok = if threads > 1 && out.len() * kh * kw >= PAR_MIN && n * oh > 1 {
-        out.par_chunks_mut(row_len)
-            .enumerate()
-            .map(row)
-            .reduce(|| true, |a, b| a && b)
+    let rows = n * oh;
+    let ok = if threads > 1 && out.len() * kh * kw >= PAR_MIN && rows * ow > 1 {
+        // Late layers have a few rows of many channels (PP-OCR's classifier: 3 to 5 rows of
+        // 256-512): rows alone split 2 + 1 over two threads, and border rows have fewer valid
+        // taps. Such rows are cut into `threads` column runs each, and the units ordered run
+        // by run, so that rayon's halving gives each thread the same columns of every row.
+        let cuts = if rows >= 4 * threads {
+            1
+        } else {
+            threads.min(ow)
+        };
+        if cuts == 1 {
+            out.par_chunks_mut(row_len)
+                .enumerate()
+                .map(row)
+                .reduce(|| true, |a, b| a && b)
+        } else {
+            let seg = ow.div_ceil(cuts);
+            let mut units: Vec<(usize, usize, &mut [f32])> = Vec::with_capacity(rows * cuts);
+            for (r, orow) in out.chunks_mut(row_len).enumerate() {
+                for (j, part) in orow.chunks_mut(seg * c).enumerate() {
+                    units.push((j, r, part));
+                }
+            }
+            units.sort_unstable_by_key(|u| (u.0, u.1));
+            units
+                .into_par_iter()
+                .map(|(j, r, part)| {
+                    let (ni, oy) = (r / oh, r % oh);
+                    let cols = j * seg..j * seg + part.len() / c;
+                    let ok = dw_row_cols(part, &xv[ni * img..][..img], wp, bias, &dg, oy, cols);
+                    apply_f32(act, part);
+                    ok
+                })
+                .reduce(|| true, |a, b| a && b)
+        }
     } else {
         // Every row runs (no short-circuit): a failed row only marks the result.
         out.chunks_mut(row_len)
@@ -311,10 +342,19 @@ fn depthwise_run(
     Ok(())
 }
 
+/// Multiply-adds from which a group-1 conv is split across threads.
+const PAR_WORK: usize = 1 << 17;
+
 /// Pointwise and KxK convs (group 1): NHWC im2col (contiguous runs of `c` channels per tap)
 /// in chunks of output pixels, each chunk one GEMM `[rows, K] x [K, M]` straight into the
 /// output rows, then bias and activation on the chunk while it is in cache. A 1x1 stride-1
 /// unpadded conv reads the input rows directly (no im2col).
+///
+/// Threads: when the pixels outweigh the output channels (the activations are the larger
+/// operand) or the conv needs im2col, each thread takes a contiguous run of output pixels and
+/// does its own im2col, product and epilogue: one fork-join per conv, every stage parallel
+/// and each thread reading only its share of the activations. Otherwise (few pixels, many
+/// channels: late layers) the product splits its weight panels across the threads.
 #[allow(clippy::too_many_arguments)]
 fn gemm_run(
     xv: &[f32],
@@ -326,29 +366,77 @@ fn gemm_run(
     out: &mut [f32],
     threads: usize,
 ) -> Result<()> {
-    let [_, h, wd] = g.inp;
     let [_, oh, ow] = g.out;
     let [_, kh, kw] = g.k;
     let k = kh * kw * c;
     let total = n * oh * ow;
     let pointwise = kh * kw == 1 && g.s == [1; 3] && g.pb == [0; 3] && g.pe == [0; 3];
+    let by_pixels = threads > 1
+        && total * k * m >= PAR_WORK
+        && total >= 2 * threads * sgemm::MR
+        && (!pointwise || total >= m);
+    if !by_pixels {
+        return gemm_rows(xv, wp, bias, g, (c, m), act, 0..total, out, threads);
+    }
+    // Runs of whole micro-tiles, one per thread.
+    let per = total.div_ceil(threads).div_ceil(sgemm::MR) * sgemm::MR;
+    out.par_chunks_mut(per * m)
+        .enumerate()
+        .try_for_each(|(i, part)| {
+            let r0 = i * per;
+            gemm_rows(
+                xv,
+                wp,
+                bias,
+                g,
+                (c, m),
+                act,
+                r0..r0 + part.len() / m,
+                part,
+                1,
+            )
+        })
+}
+
+/// Output pixels `pixels` of [`gemm_run`]'s conv into `out` (their `pixels.len() * m` values).
+#[allow(clippy::too_many_arguments)]
+fn gemm_rows(
+    xv: &[f32],
+    wp: Weight,
+    bias: Option<&[f32]>,
+    g: &Geom,
+    (c, m): (usize, usize),
+    act: Act,
+    pixels: std::ops::Range<usize>,
+    out: &mut [f32],
+    threads: usize,
+) -> Result<()> {
+    let [_, h, wd] = g.inp;
+    let [_, oh, ow] = g.out;
+    let [_, kh, kw] = g.k;
+    let k = kh * kw * c;
+    let total = pixels.len();
+    let pointwise = kh * kw == 1 && g.s == [1; 3] && g.pb == [0; 3] && g.pe == [0; 3];
     // About 1 MB of columns per chunk: large enough for efficient (and threaded) GEMMs,
     // small enough that the chunk's output is still in cache for the epilogue.
     let chunk = ((1usize << 18) / k.max(1)).clamp(16, total.max(16));
+    // Every chunk writes each of its rows' k values (copies or zero padding) before use.
+    // Per-thread, reused across calls: the worker threads of a split have no run's pool.
     let mut col = if pointwise {
         vec![]
     } else {
-        // Every chunk writes each of its rows' k values (copies or zero padding) before use.
-        crate::buffers::for_overwrite::<f32>(chunk.min(total) * k)
+        let mut v = COLUMNS.with(|c| std::mem::take(&mut *c.borrow_mut()));
+        v.resize(v.len().max(chunk.min(total) * k), 0.0);
+        v
     };
     let mut r0 = 0;
     while r0 < total {
         let rows = chunk.min(total - r0);
         let lhs: &[f32] = if pointwise {
-            &xv[r0 * c..][..rows * c]
+            &xv[(pixels.start + r0) * c..][..rows * c]
         } else {
             for (i, dst) in col[..rows * k].chunks_exact_mut(k).enumerate() {
-                let p = r0 + i;
+                let p = pixels.start + r0 + i;
                 let (ni, rem) = (p / (oh * ow), p % (oh * ow));
                 let (oy, ox) = (rem / ow, rem % ow);
                 for a in 0..kh {
@@ -407,8 +495,18 @@ fn gemm_run(
         bias_act_par(dst, bias, m, act, threads);
         r0 += rows;
     }
-    crate::buffers::release(col);
+    COLUMNS.with(|c| {
+        let mut c = c.borrow_mut();
+        if c.capacity() < col.capacity() {
+            *c = col;
+        }
+    });
     Ok(())
+}
+
+thread_local! {
+    /// im2col columns of [`gemm_rows`], kept per thread (taken out while in use).
+    static COLUMNS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// `npuc.GlobalAveragePoolNhwc`: `[N, H, W, C]` to `[N, 1, 1, C]` (channel vectors summed
@@ -534,6 +632,11 @@ mod tests {
             (40, 40, 40, 3, 1, 1, [1, 1, 1, 1]),
             (37, 37, 37, 5, 2, 1, [2, 2, 2, 2]),
             (64, 64, 64, 3, 2, 2, [0, 1, 2, 0]),
+            // Large enough for two threads to split the pixels (KxK with im2col, pointwise).
+            (32, 48, 1, 3, 1, 1, [1, 1, 1, 1]),
+            (64, 32, 1, 1, 1, 1, [0, 0, 0, 0]),
+            // Depthwise with 6 output rows over two images: rows cut into column runs.
+            (96, 96, 96, 5, 4, 1, [2, 2, 2, 2]),
         ];
         for (ci, &(c, m, group, k, s, d, p)) in cases.iter().enumerate() {
             let (n, h, wd) = (2, 11, 9);

@@ -2,7 +2,7 @@
 //! instantiated for f32 and f64 (f16/bf16 compute through f32), and run in place when the input
 //! buffer may be reused.
 
-use super::{binary_same, reusable, same_dtype, Arith, PAR_MIN};
+use super::{binary_same, reusable, same_dtype, Arith, PAR_MIN, PAR_MIN_MATH};
 use crate::error::Result;
 use crate::kernel::{Inputs, OpCtx, Registry};
 use crate::value::Value;
@@ -356,7 +356,7 @@ fn unary_f32_kernel(
         Tensor::from_vec(x.shape().to_vec(), out)?
     };
     let v = t.as_mut_slice::<f32>()?;
-    if ctx.threads > 1 && v.len() >= PAR_MIN {
+    if ctx.threads > 1 && v.len() >= PAR_MIN_MATH {
         let chunk = v.len().div_ceil(ctx.threads);
         v.par_chunks_mut(chunk).for_each(kernel);
     } else {
@@ -364,10 +364,14 @@ fn unary_f32_kernel(
     }
     Ok(vec![Value::tensor(t)])
 }
-simple_float!(
-    /// Sigmoid: 1 / (1 + e^-x).
-    sigmoid, |x| 1.0 / (1.0 + (-x).fexp())
-);
+/// Sigmoid: 1 / (1 + e^-x); f32 through the dispatched slice kernel `act::sigmoid` (the
+/// fused activations' kernel: 16 lanes at AVX-512), f64 through the scalar body.
+fn sigmoid(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
+    use crate::kernels::act;
+    unary_f32_kernel(ctx, ins, act::sigmoid, act::sigmoid_f32, |x| {
+        1.0 / (1.0 + (-x).fexp())
+    })
+}
 simple_float!(
     /// Softsign: x / (1 + |x|).
     softsign, |x| x / (1.0 + x.abs())

@@ -149,7 +149,8 @@ fn resize(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         Some(r) => Some(r.to_f64_vec()?),
         None => None,
     };
-    resize_impl(x, &axes, scales, sizes, roi, policy, &cfg).map(|t| vec![Value::tensor(t)])
+    resize_impl(x, &axes, scales, sizes, roi, policy, &cfg, ctx.threads)
+        .map(|t| vec![Value::tensor(t)])
 }
 
 /// `Upsample` (deprecated): nearest or (bi)linear with asymmetric coordinates; scales come
@@ -181,10 +182,21 @@ fn upsample(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         antialias: false,
     };
     let axes: Vec<usize> = (0..x.rank()).collect();
-    resize_impl(x, &axes, Some(scales), None, None, "stretch", &cfg).map(|t| vec![Value::tensor(t)])
+    resize_impl(
+        x,
+        &axes,
+        Some(scales),
+        None,
+        None,
+        "stretch",
+        &cfg,
+        ctx.threads,
+    )
+    .map(|t| vec![Value::tensor(t)])
 }
 
 /// Resolves output sizes and per-axis scale factors, then resamples axis by axis.
+#[allow(clippy::too_many_arguments)]
 fn resize_impl(
     x: &Tensor,
     axes: &[usize],
@@ -193,6 +205,7 @@ fn resize_impl(
     roi: Option<Vec<f64>>,
     policy: &str,
     cfg: &ResizeCfg,
+    threads: usize,
 ) -> Result<Tensor> {
     let shape = x.shape().to_vec();
     let rank = shape.len();
@@ -283,6 +296,7 @@ fn resize_impl(
                 roi_full.as_deref(),
                 axes,
                 cfg,
+                threads,
             );
             downcast(Tensor::from_vec(out_shape, v)?, dt)
         }
@@ -295,6 +309,7 @@ fn resize_impl(
                 roi_full.as_deref(),
                 axes,
                 cfg,
+                threads,
             );
             Ok(Tensor::from_vec(out_shape, v)?)
         }
@@ -308,6 +323,7 @@ fn resize_impl(
                 roi_full.as_deref(),
                 axes,
                 cfg,
+                threads,
             );
             int_from_f64(dt, out_shape, &v)
         }
@@ -516,7 +532,8 @@ fn normalize(c: &mut [f64]) {
 }
 
 /// Resamples every axis in `axes` order whose size, scale or roi changes it.
-fn resample_axes<F: Real>(
+#[allow(clippy::too_many_arguments)]
+fn resample_axes<F: Real + Send + Sync>(
     x: &[F],
     in_shape: &[usize],
     out_shape: &[usize],
@@ -524,6 +541,7 @@ fn resample_axes<F: Real>(
     roi: Option<&[f64]>,
     axes: &[usize],
     cfg: &ResizeCfg,
+    threads: usize,
 ) -> Vec<F> {
     let rank = in_shape.len();
     let mut cur_shape = in_shape.to_vec();
@@ -546,6 +564,7 @@ fn resample_axes<F: Real>(
             inner,
             &taps,
             F::of(cfg.extrapolation),
+            threads,
         );
         cur_shape[a] = out_shape[a];
         // The previous pass's result was only this pass's input: back to the pool.
@@ -556,67 +575,99 @@ fn resample_axes<F: Real>(
     cur.unwrap_or_else(|| x.to_vec())
 }
 
-/// One axis: `[outer, in_w, inner]` -> `[outer, out_w, inner]`.
-fn resample_pass<F: Real>(
+/// Outputs from which a resampling pass splits its outer rows across threads.
+const RESAMPLE_PAR_MIN: usize = 1 << 16;
+
+/// One axis: `[outer, in_w, inner]` -> `[outer, out_w, inner]`, the outer rows split across
+/// `threads` when large.
+fn resample_pass<F: Real + Send + Sync>(
     src: &[F],
     outer: usize,
     in_w: usize,
     inner: usize,
     taps: &Taps<F>,
     extrapolation: F,
+    threads: usize,
 ) -> Vec<F> {
+    use rayon::prelude::*;
     let out_w = taps.extrapolated.len();
-    let n = taps.n;
-    let mut dst = crate::buffers::filled(outer * out_w * inner, F::zero());
-    for o in 0..outer {
-        let s = &src[o * in_w * inner..(o + 1) * in_w * inner];
-        let d = &mut dst[o * out_w * inner..(o + 1) * out_w * inner];
-        if inner == 1 && n == 1 {
-            // Nearest: a plain gather.
-            for (y, dv) in d.iter_mut().enumerate() {
-                *dv = if taps.extrapolated[y] {
-                    extrapolation
-                } else {
-                    s[taps.idx[y]]
-                };
-            }
-            continue;
-        }
-        if inner == 1 {
-            for (y, dv) in d.iter_mut().enumerate() {
-                *dv = if taps.extrapolated[y] {
-                    extrapolation
-                } else {
-                    let (ix, w) = (&taps.idx[y * n..(y + 1) * n], &taps.w[y * n..(y + 1) * n]);
-                    ix.iter()
-                        .zip(w)
-                        .fold(F::zero(), |acc, (&i, &w)| acc + s[i] * w)
-                };
-            }
-            continue;
-        }
-        for (y, drow) in d.chunks_exact_mut(inner).enumerate() {
-            if taps.extrapolated[y] {
-                drow.fill(extrapolation);
-                continue;
-            }
-            let (ix, w) = (&taps.idx[y * n..(y + 1) * n], &taps.w[y * n..(y + 1) * n]);
-            if n == 1 {
-                drow.copy_from_slice(&s[ix[0] * inner..(ix[0] + 1) * inner]);
-                continue;
-            }
-            let w0 = w[0];
-            for (dv, &sv) in drow.iter_mut().zip(&s[ix[0] * inner..(ix[0] + 1) * inner]) {
-                *dv = sv * w0;
-            }
-            for (&i, &wk) in ix.iter().zip(w).skip(1) {
-                for (dv, &sv) in drow.iter_mut().zip(&s[i * inner..(i + 1) * inner]) {
-                    *dv = *dv + sv * wk;
+    // Every value is written below (each output position is a gather, a sum or the
+    // extrapolation value).
+    let mut dst = crate::buffers::for_overwrite(outer * out_w * inner);
+    let plane = out_w * inner;
+    if threads > 1 && outer > 1 && dst.len() >= RESAMPLE_PAR_MIN && plane > 0 {
+        let per = outer.div_ceil(threads);
+        dst.par_chunks_mut(per * plane)
+            .enumerate()
+            .for_each(|(i, part)| {
+                for (j, d) in part.chunks_exact_mut(plane).enumerate() {
+                    let o = i * per + j;
+                    resample_row(
+                        &src[o * in_w * inner..][..in_w * inner],
+                        d,
+                        inner,
+                        taps,
+                        extrapolation,
+                    );
                 }
-            }
+            });
+    } else {
+        for o in 0..outer {
+            let s = &src[o * in_w * inner..(o + 1) * in_w * inner];
+            let d = &mut dst[o * out_w * inner..(o + 1) * out_w * inner];
+            resample_row(s, d, inner, taps, extrapolation);
         }
     }
     dst
+}
+
+/// One outer row of [`resample_pass`]: `s` is `[in_w, inner]`, `d` `[out_w, inner]`.
+fn resample_row<F: Real>(s: &[F], d: &mut [F], inner: usize, taps: &Taps<F>, extrapolation: F) {
+    let n = taps.n;
+    if inner == 1 && n == 1 {
+        // Nearest: a plain gather.
+        for (y, dv) in d.iter_mut().enumerate() {
+            *dv = if taps.extrapolated[y] {
+                extrapolation
+            } else {
+                s[taps.idx[y]]
+            };
+        }
+        return;
+    }
+    if inner == 1 {
+        for (y, dv) in d.iter_mut().enumerate() {
+            *dv = if taps.extrapolated[y] {
+                extrapolation
+            } else {
+                let (ix, w) = (&taps.idx[y * n..(y + 1) * n], &taps.w[y * n..(y + 1) * n]);
+                ix.iter()
+                    .zip(w)
+                    .fold(F::zero(), |acc, (&i, &w)| acc + s[i] * w)
+            };
+        }
+        return;
+    }
+    for (y, drow) in d.chunks_exact_mut(inner).enumerate() {
+        if taps.extrapolated[y] {
+            drow.fill(extrapolation);
+            continue;
+        }
+        let (ix, w) = (&taps.idx[y * n..(y + 1) * n], &taps.w[y * n..(y + 1) * n]);
+        if n == 1 {
+            drow.copy_from_slice(&s[ix[0] * inner..(ix[0] + 1) * inner]);
+            continue;
+        }
+        let w0 = w[0];
+        for (dv, &sv) in drow.iter_mut().zip(&s[ix[0] * inner..(ix[0] + 1) * inner]) {
+            *dv = sv * w0;
+        }
+        for (&i, &wk) in ix.iter().zip(w).skip(1) {
+            for (dv, &sv) in drow.iter_mut().zip(&s[i * inner..(i + 1) * inner]) {
+                *dv = *dv + sv * wk;
+            }
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
