@@ -188,6 +188,32 @@ fn concat_resize_sigmoid_transpose() {
 }
 
 #[test]
+fn image_to_channels_last_matches_definition() {
+    // An image's 3 planes interleaved into NHWC pixels (the entry transpose of every
+    // channels-last model), split into pixel runs at 2 threads.
+    let (c, h, w) = (3usize, 160usize, 200usize);
+    let outs = agree(
+        "Transpose NCHW to NHWC, 3 channels",
+        vec![Node::new("Transpose", &["x"], &["y"]).with_attr("perm", Attr::Ints(vec![0, 2, 3, 1]))],
+        &[("x", vec![1, c, h, w])],
+        &["y"],
+        vec![],
+    );
+    assert_eq!(outs[0].shape(), &[1, h, w, c]);
+    let x = rnd(c * h * w, 7);
+    let y = outs[0].as_slice::<f32>().unwrap();
+    for p in 0..h * w {
+        for ch in 0..c {
+            assert_eq!(
+                y[p * c + ch].to_bits(),
+                x[ch * h * w + p].to_bits(),
+                "pixel {p} channel {ch}"
+            );
+        }
+    }
+}
+
+#[test]
 fn conv_transpose_tiled_matches_definition() {
     // 2x2 stride 2 (taps tile the output) with bias, and a 3x3 stride 2 padded one (overlapping
     // taps: the accumulating path) for the thread check.
