@@ -1039,6 +1039,11 @@ fn keep_workers_awake() -> bool {
 /// steals a fork-join half within a microsecond (onnxruntime's pool spins the same way during
 /// a run). Between runs the workers sleep as before.
 fn with_workers_awake<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    // A run already going on this thread (a concurrent run of the same session that this
+    // worker picked up while waiting, or a nested one): its keepers are already out.
+    if RUNNING.with(|r| r.get()) {
+        return f();
+    }
     let done = AtomicBool::new(false);
     let runner = rayon::current_thread_index();
     rayon::scope(|s| {
@@ -1057,8 +1062,30 @@ fn with_workers_awake<R: Send>(f: impl FnOnce() -> R + Send) -> R {
             }
         }
         let _done = Done(&done);
+        let _running = Running::enter();
         f()
     })
+}
+
+thread_local! {
+    /// Whether this thread is running a session's steps inside [`with_workers_awake`].
+    static RUNNING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Marks this thread as running steps until dropped (also on unwinding).
+struct Running;
+
+impl Running {
+    fn enter() -> Running {
+        RUNNING.with(|r| r.set(true));
+        Running
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        RUNNING.with(|r| r.set(false));
+    }
 }
 
 /// The loop of a kept-awake worker: runs any job it can find in the pool (the fork-join halves
@@ -1067,8 +1094,10 @@ fn keep_awake(done: &AtomicBool) {
     thread_local! {
         static KEEPING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
     }
-    // A broadcast copy reached through `yield_now` on a thread already in this loop.
-    if KEEPING.with(|k| k.replace(true)) {
+    // A broadcast copy reached through `yield_now` on a thread already in this loop, or
+    // picked up by a thread running another run's steps (concurrent runs of one session: two
+    // workers each waiting inside its own run must not spin for the other's, or neither ends).
+    if RUNNING.with(|r| r.get()) || KEEPING.with(|k| k.replace(true)) {
         return;
     }
     let mut idle = 0u32;

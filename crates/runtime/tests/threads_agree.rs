@@ -270,3 +270,62 @@ fn conv_transpose_tiled_matches_definition() {
         )],
     );
 }
+
+#[test]
+fn concurrent_runs_of_one_two_thread_session() {
+    // Several callers running one 2-thread session at once: each run keeps the pool's other
+    // workers awake, and a worker waiting inside one run must not spin for another run's end
+    // (that deadlocked two such waiters). Every result equals the single-caller one.
+    let shape = vec![1, 40, 40, 64];
+    let m = Model {
+        ir_version: 8,
+        opset_imports: vec![OpsetImport {
+            domain: String::new(),
+            version: 19,
+        }],
+        graph: Graph {
+            name: "g".into(),
+            nodes: vec![
+                Node::new("Relu", &["x"], &["xr"]),
+                Node::new("Mul", &["xr", "g"], &["y"]),
+                Node::new("Sigmoid", &["y"], &["z"]),
+            ],
+            inputs: vec![input("x", &shape), input("g", &[1, 1, 1, 64])],
+            outputs: vec![ValueInfo::new("z", None), ValueInfo::new("xr", None)],
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let s = Session::new(&m, SessionOptions { threads: 2 }).unwrap();
+    let run = || -> Vec<u32> {
+        let feeds = vec![
+            (
+                "x".to_string(),
+                Value::tensor(Tensor::from_vec(shape.clone(), rnd(102_400, 1)).unwrap()),
+            ),
+            (
+                "g".to_string(),
+                Value::tensor(Tensor::from_vec(vec![1, 1, 1, 64], rnd(64, 2)).unwrap()),
+            ),
+        ];
+        match &s.run(feeds).unwrap()[0].1 {
+            Value::Tensor(t) => bits(t),
+            _ => panic!("not a tensor"),
+        }
+    };
+    let want = run();
+    std::thread::scope(|sc| {
+        let callers: Vec<_> = (0..4)
+            .map(|_| {
+                sc.spawn(|| {
+                    for _ in 0..25 {
+                        assert!(run() == want, "a concurrent run differs");
+                    }
+                })
+            })
+            .collect();
+        for c in callers {
+            c.join().unwrap();
+        }
+    });
+}
