@@ -32,15 +32,14 @@ fn input(name: &str, shape: &[usize]) -> ValueInfo {
 }
 
 /// One model of `nodes` over f32 inputs `ins` (name, shape), the given outputs and
-/// initializers; run at `threads` on inputs drawn from `rnd`.
-fn run(
+/// initializers.
+fn model(
     nodes: Vec<Node>,
     ins: &[(&str, Vec<usize>)],
     outs: &[&str],
     inits: Vec<(&str, Tensor)>,
-    threads: usize,
-) -> Vec<Tensor> {
-    let m = Model {
+) -> Model {
+    Model {
         ir_version: 8,
         opset_imports: vec![OpsetImport {
             domain: String::new(),
@@ -61,21 +60,33 @@ fn run(
             ..Default::default()
         },
         ..Default::default()
-    };
-    let s = Session::new(&m, SessionOptions { threads }).unwrap();
-    let feeds = || -> Vec<(String, Value)> {
-        ins.iter()
-            .enumerate()
-            .map(|(i, (n, shape))| {
-                let len = shape.iter().product();
-                let t = Tensor::from_vec(shape.clone(), rnd(len, i as u64 + 7)).unwrap();
-                (n.to_string(), Value::tensor(t))
-            })
-            .collect()
-    };
+    }
+}
+
+/// Feeds for `ins`: input `i` drawn from `rnd` with seed `i + 7`.
+fn feeds(ins: &[(&str, Vec<usize>)]) -> Vec<(String, Value)> {
+    ins.iter()
+        .enumerate()
+        .map(|(i, (n, shape))| {
+            let len = shape.iter().product();
+            let t = Tensor::from_vec(shape.clone(), rnd(len, i as u64 + 7)).unwrap();
+            (n.to_string(), Value::tensor(t))
+        })
+        .collect()
+}
+
+/// [`model`] run at `threads` on [`feeds`].
+fn run(
+    nodes: Vec<Node>,
+    ins: &[(&str, Vec<usize>)],
+    outs: &[&str],
+    inits: Vec<(&str, Tensor)>,
+    threads: usize,
+) -> Vec<Tensor> {
+    let s = Session::new(&model(nodes, ins, outs, inits), SessionOptions { threads }).unwrap();
     // Two runs: the second reuses the session's pooled buffers (stale contents).
-    s.run(feeds()).unwrap();
-    s.run(feeds())
+    s.run(feeds(ins)).unwrap();
+    s.run(feeds(ins))
         .unwrap()
         .into_iter()
         .map(|(_, v)| match v {
@@ -275,40 +286,22 @@ fn conv_transpose_tiled_matches_definition() {
 fn concurrent_runs_of_one_two_thread_session() {
     // Several callers running one 2-thread session at once: each run keeps the pool's other
     // workers awake, and a worker waiting inside one run must not spin for another run's end
-    // (that deadlocked two such waiters). Every result equals the single-caller one.
-    let shape = vec![1, 40, 40, 64];
-    let m = Model {
-        ir_version: 8,
-        opset_imports: vec![OpsetImport {
-            domain: String::new(),
-            version: 19,
-        }],
-        graph: Graph {
-            name: "g".into(),
-            nodes: vec![
-                Node::new("Relu", &["x"], &["xr"]),
-                Node::new("Mul", &["xr", "g"], &["y"]),
-                Node::new("Sigmoid", &["y"], &["z"]),
-            ],
-            inputs: vec![input("x", &shape), input("g", &[1, 1, 1, 64])],
-            outputs: vec![ValueInfo::new("z", None), ValueInfo::new("xr", None)],
-            ..Default::default()
-        },
-        ..Default::default()
-    };
+    // (two such waiters could each wait on the other). Every result equals the single-caller
+    // one.
+    let ins = [("x", vec![1, 40, 40, 64]), ("g", vec![1, 1, 1, 64])];
+    let m = model(
+        vec![
+            Node::new("Relu", &["x"], &["xr"]),
+            Node::new("Mul", &["xr", "g"], &["y"]),
+            Node::new("Sigmoid", &["y"], &["z"]),
+        ],
+        &ins,
+        &["z", "xr"],
+        vec![],
+    );
     let s = Session::new(&m, SessionOptions { threads: 2 }).unwrap();
     let run = || -> Vec<u32> {
-        let feeds = vec![
-            (
-                "x".to_string(),
-                Value::tensor(Tensor::from_vec(shape.clone(), rnd(102_400, 1)).unwrap()),
-            ),
-            (
-                "g".to_string(),
-                Value::tensor(Tensor::from_vec(vec![1, 1, 1, 64], rnd(64, 2)).unwrap()),
-            ),
-        ];
-        match &s.run(feeds).unwrap()[0].1 {
+        match &s.run(feeds(&ins)).unwrap()[0].1 {
             Value::Tensor(t) => bits(t),
             _ => panic!("not a tensor"),
         }

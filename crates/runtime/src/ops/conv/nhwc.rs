@@ -370,7 +370,7 @@ fn gemm_run(
     let [_, kh, kw] = g.k;
     let k = kh * kw * c;
     let total = n * oh * ow;
-    let pointwise = kh * kw == 1 && g.s == [1; 3] && g.pb == [0; 3] && g.pe == [0; 3];
+    let pointwise = reads_rows_in_place(g);
     let by_pixels = threads > 1
         && total * k * m >= PAR_WORK
         && total >= 2 * threads * sgemm::MR
@@ -398,6 +398,11 @@ fn gemm_run(
         })
 }
 
+/// A 1x1 stride-1 unpadded conv: the GEMM reads the input rows in place (no im2col).
+fn reads_rows_in_place(g: &Geom) -> bool {
+    g.k[1] * g.k[2] == 1 && g.s == [1; 3] && g.pb == [0; 3] && g.pe == [0; 3]
+}
+
 /// Output pixels `pixels` of [`gemm_run`]'s conv into `out` (their `pixels.len() * m` values).
 #[allow(clippy::too_many_arguments)]
 fn gemm_rows(
@@ -416,7 +421,7 @@ fn gemm_rows(
     let [_, kh, kw] = g.k;
     let k = kh * kw * c;
     let total = pixels.len();
-    let pointwise = kh * kw == 1 && g.s == [1; 3] && g.pb == [0; 3] && g.pe == [0; 3];
+    let pointwise = reads_rows_in_place(g);
     // About 1 MB of columns per chunk: large enough for efficient (and threaded) GEMMs,
     // small enough that the chunk's output is still in cache for the epilogue.
     let chunk = ((1usize << 18) / k.max(1)).clamp(16, total.max(16));
