@@ -3,7 +3,7 @@
 //! must give the same bits at 1 and at 2 threads: the split changes who computes a value,
 //! never how. Shapes are large enough to cross every op's split threshold. ConvTranspose's
 //! tiled path (kernel = stride, a detection head's 2x2 upsampling) is also checked against
-//! the definition computed here.
+//! the definition computed here. Channels-last convs that run direct split output rows.
 
 use npuc_ir::ValueInfo;
 use npuc_ir::{Attr, DType, Dim, Graph, Initializer, Model, Node, OpsetImport, Tensor, TypeInfo};
@@ -41,10 +41,16 @@ fn model(
 ) -> Model {
     Model {
         ir_version: 8,
-        opset_imports: vec![OpsetImport {
-            domain: String::new(),
-            version: 19,
-        }],
+        opset_imports: vec![
+            OpsetImport {
+                domain: String::new(),
+                version: 19,
+            },
+            OpsetImport {
+                domain: "npuc".into(),
+                version: 1,
+            },
+        ],
         graph: Graph {
             name: "g".into(),
             nodes,
@@ -280,6 +286,43 @@ fn conv_transpose_tiled_matches_definition() {
             Tensor::from_vec(vec![c, m, 3, 3], rnd(c * m * 9, 5)).unwrap(),
         )],
     );
+}
+
+#[test]
+fn direct_nhwc_convs() {
+    // Channels-last KxK convs over wide rows run direct (kernel rows read in place, border
+    // columns through im2col), split by output rows at 2 threads: a narrow 3x3 (16 outputs),
+    // a strided 3x3 over two weight panels, an unpadded 2x2 and a 5x5 with two border columns.
+    let cases: [(&str, usize, usize, usize, usize, usize); 4] = [
+        ("3x3 s1 narrow", 32, 16, 3, 1, 1),
+        ("3x3 s2 two panels", 24, 48, 3, 2, 1),
+        ("2x2 unpadded", 16, 8, 2, 1, 0),
+        ("5x5 s1", 8, 24, 5, 1, 2),
+    ];
+    for (i, &(what, c, m, k, s, p)) in cases.iter().enumerate() {
+        let mut node = Node::new("ConvNhwc", &["x", "w", "b"], &["y"])
+            .with_attr("kernel_shape", Attr::Ints(vec![k as i64; 2]))
+            .with_attr("strides", Attr::Ints(vec![s as i64; 2]))
+            .with_attr("pads", Attr::Ints(vec![p as i64; 4]))
+            .with_attr("activation", Attr::String("Relu".into()));
+        node.domain = "npuc".into();
+        agree(
+            what,
+            vec![node],
+            &[("x", vec![2, 30, 44, c])],
+            &["y"],
+            vec![
+                (
+                    "w",
+                    Tensor::from_vec(vec![m, c, k, k], rnd(m * c * k * k, 11 + i as u64)).unwrap(),
+                ),
+                (
+                    "b",
+                    Tensor::from_vec(vec![m], rnd(m, 13 + i as u64)).unwrap(),
+                ),
+            ],
+        );
+    }
 }
 
 #[test]

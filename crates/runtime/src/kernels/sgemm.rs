@@ -289,6 +289,118 @@ pub fn sgemm_packed(
     Ok(())
 }
 
+/// One reduction run of [`sgemm_packed_runs`]: rows `k0..k0 + kc` of the packed `b` against
+/// `kc` consecutive values of every row of `a` (row `i`'s at `a[i * ars..]`).
+#[derive(Clone, Copy, Debug)]
+pub struct Run<'a> {
+    pub a: &'a [f32],
+    pub k0: usize,
+    pub kc: usize,
+}
+
+/// `c[m x n] = sum over runs of a_run[m x kc] * b[k0..k0 + kc, :]`, single-threaded: each
+/// output one FMA chain over the runs in order (from zero; no runs give zeros), as
+/// [`sgemm_packed`] computes it when the runs are consecutive column ranges of one `a`.
+///
+/// A direct convolution's product: with an NHWC input, one kernel row's taps of a row of
+/// output pixels are `kw * c` consecutive values per pixel, pixels `stride * c` apart, so each
+/// kernel row is one run read in place (no im2col copy).
+#[allow(clippy::too_many_arguments)]
+pub fn sgemm_packed_runs(
+    isa: Isa,
+    m: usize,
+    ars: usize,
+    runs: &[Run],
+    b: &PackedB,
+    c: &mut [f32],
+    ldc: usize,
+) -> Result<()> {
+    let n = b.n;
+    for run in runs {
+        let fits = run.k0 + run.kc <= b.k
+            && (m == 0 || run.kc == 0 || run.a.len() >= (m - 1) * ars + run.kc);
+        if !fits {
+            bail!(
+                "f32 run product: run of {} steps from {} does not fit {m} rows at stride {ars} \
+                 ({} values) and {} weight rows",
+                run.kc,
+                run.k0,
+                run.a.len(),
+                b.k
+            );
+        }
+    }
+    check(isa, m, n, 0, View::rows(&[], 0), None, c, ldc)?;
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    if !available(isa) {
+        let bv = PackedView(b);
+        for i in 0..m {
+            for j in 0..n {
+                let mut acc = 0f32;
+                for run in runs {
+                    for kk in 0..run.kc {
+                        acc = run.a[i * ars + kk].mul_add(bv.at(run.k0 + kk, j), acc);
+                    }
+                }
+                c[i * ldc + j] = acc;
+            }
+        }
+        return Ok(());
+    }
+    for p in 0..n.div_ceil(NR) {
+        let j0 = p * NR;
+        let cols = NR.min(n - j0);
+        let narrow = cols <= 16;
+        // Rows in tiles of near-equal height (a row of 78 pixels: 4 narrow tiles of 19-20, not
+        // 3 of 24 and one of 6).
+        let tiles = m.div_ceil(if narrow { MR_NARROW } else { MR });
+        let mut i = 0;
+        for t in 0..tiles {
+            let r = (m - i) / (tiles - t);
+            let at = i * ldc + j0;
+            assert!(
+                at + (r - 1) * ldc + cols <= c.len(),
+                "sgemm output tile outside the output"
+            );
+            // Runs in groups of SEGS on the stack (no allocation per tile); later groups
+            // continue the chains from `c`.
+            let groups = runs.len().div_ceil(SEGS).max(1);
+            for g in 0..groups {
+                let group = &runs[(g * SEGS).min(runs.len())..((g + 1) * SEGS).min(runs.len())];
+                let mut parts: [(&[f32], &[f32], usize); SEGS] = [(&[], &[], 0); SEGS];
+                for (part, run) in parts.iter_mut().zip(group) {
+                    *part = (
+                        &run.a[i * ars..],
+                        &b.data[p * b.k * NR + run.k0 * NR..][..run.kc * NR],
+                        run.kc,
+                    );
+                }
+                // SAFETY: the level has AVX-512 F (`available`); `tile` checks every run's
+                // reads; the assert keeps rows i..i+r, columns j0..j0+cols inside `c`,
+                // borrowed mutably here.
+                unsafe {
+                    tile(
+                        narrow,
+                        r,
+                        &parts[..group.len()],
+                        (ars, 1),
+                        NR,
+                        c.as_mut_ptr().add(at),
+                        ldc,
+                        cols,
+                        g > 0,
+                        1.0,
+                    )
+                };
+            }
+            i += r;
+        }
+    }
+    Ok(())
+}
+
 /// Panels one row's product keeps in flight: 2 accumulators each, so 8 independent FMA
 /// chains hide the multiply-add latency (a single 1 x 32 tile has 2 and waits on them).
 const GEMV_PANELS: usize = 4;
@@ -548,34 +660,17 @@ fn block(
                         at + (r - 1) * c.ldc + cols <= c.len,
                         "sgemm output tile outside the output"
                     );
-                    // SAFETY: `run`'s callers checked the level (AVX-512 F); `ap` holds r rows
-                    // of kc steps at strides (ars, acs) (in place: `check` proved rows i..i+r
-                    // of `a` at steps k0..k0+kc lie inside it), `bp` kc rows of `cols` values at stride `ldb` (packed
-                    // panels: NR; in place: `check` proved rows k0..k0+kc of `b` at columns
-                    // j0..j0+cols lie inside it); the assert above keeps the tile's rows
-                    // i..i+r, columns j0..j0+cols inside `c`, which only this call writes.
+                    // SAFETY: `run`'s callers checked the level (AVX-512 F); `tile` checks the
+                    // run's reads (in place, `check` proved rows i..i+r of `a` at steps
+                    // k0..k0+kc and rows k0..k0+kc of `b` at columns j0..j0+cols lie inside
+                    // them); the assert above keeps the tile's rows i..i+r, columns
+                    // j0..j0+cols inside `c`, which only this call writes.
                     unsafe {
-                        if narrow {
-                            tile_narrow(
-                                r,
-                                kc,
-                                (ap, ars, acs),
-                                bp,
-                                ldb,
-                                c.ptr.add(at),
-                                c.ldc,
-                                cols,
-                                k0 > 0,
-                                if last { scale } else { 1.0 },
-                            );
-                            i += r;
-                            continue;
-                        }
                         tile(
+                            narrow,
                             r,
-                            kc,
-                            (ap, ars, acs),
-                            bp,
+                            &[(ap, bp, kc)],
+                            (ars, acs),
                             ldb,
                             c.ptr.add(at),
                             c.ldc,
@@ -640,20 +735,53 @@ pub fn sgemm_scalar(
     }
 }
 
-/// Dispatches the `rows`-row tile (1..=MR); `cont`: continue the chains from `c` (a later
-/// reduction pass) instead of from zero; `scale` multiplies the results as they are stored.
+/// One reduction run of a micro-tile: `k` steps of `a` (row `r`, step `kk` at
+/// `a + r * ars + kk * acs`) against `k` rows of `b` (`cols` values each, at stride `ldb`).
+#[derive(Clone, Copy)]
+struct Seg {
+    a: *const f32,
+    b: *const f32,
+    k: usize,
+}
+
+/// Reduction runs one kernel call takes (a tile with more chains them through `c`).
+const SEGS: usize = 8;
+
+/// A tile's reduction run after checking its bounds: `a` must hold `rows` rows of `k` steps at
+/// strides `(ars, acs)`, `b` `k` rows of `cols` values at stride `ldb`.
+fn seg(
+    (a, b, k): (&[f32], &[f32], usize),
+    rows: usize,
+    (ars, acs): (usize, usize),
+    ldb: usize,
+    cols: usize,
+) -> Seg {
+    assert!(
+        k == 0 || (b.len() >= (k - 1) * ldb + cols && a.len() > (rows - 1) * ars + (k - 1) * acs),
+        "sgemm tile operands too short"
+    );
+    Seg {
+        a: a.as_ptr(),
+        b: b.as_ptr(),
+        k,
+    }
+}
+
+/// One micro-tile of `rows` rows and `cols` columns: every output one FMA chain over the
+/// reduction runs `runs` (`(a, b, k)` each, bounds checked here) in order, starting from zero
+/// or, with `cont`, from `c` (a later reduction pass); `scale` multiplies the results as they
+/// are stored. `narrow` tiles take up to [`MR_NARROW`] rows of at most 16 columns (one
+/// accumulator per row), wide ones up to [`MR`] rows of at most [`NR`] columns.
 ///
 /// # Safety
-/// AVX-512 F; `a` holds `rows` rows of `k` steps at strides (row, step) `(ars, acs)`, `b` `k` rows of `cols` (<= NR) values at
-/// stride `ldb`, `c` points at `rows` writable rows of `cols` values at stride `ldc` that
-/// nothing else accesses meanwhile.
-#[cfg(target_arch = "x86_64")]
+/// AVX-512 F (on x86-64); `c` points at `rows` writable rows of `cols` values at stride `ldc`
+/// that nothing else accesses meanwhile.
 #[allow(clippy::too_many_arguments)]
 unsafe fn tile(
+    narrow: bool,
     rows: usize,
-    k: usize,
-    (a, ars, acs): (&[f32], usize, usize),
-    b: &[f32],
+    runs: &[(&[f32], &[f32], usize)],
+    strides: (usize, usize),
     ldb: usize,
     c: *mut f32,
     ldc: usize,
@@ -661,33 +789,87 @@ unsafe fn tile(
     cont: bool,
     scale: f32,
 ) {
+    let (max_rows, max_cols) = if narrow { (MR_NARROW, 16) } else { (MR, NR) };
     assert!(
-        (1..=MR).contains(&rows)
-            && (1..=NR).contains(&cols)
-            && (k == 0 || b.len() >= (k - 1) * ldb + cols)
-            && (k == 0 || a.len() > (rows - 1) * ars + (k - 1) * acs),
-        "sgemm tile operands too short"
+        (1..=max_rows).contains(&rows) && (1..=max_cols).contains(&cols),
+        "sgemm tile shape out of range"
     );
+    let groups = runs.len().div_ceil(SEGS).max(1);
+    for g in 0..groups {
+        let group = &runs[(g * SEGS).min(runs.len())..((g + 1) * SEGS).min(runs.len())];
+        let mut segs = [Seg {
+            a: std::ptr::null(),
+            b: std::ptr::null(),
+            k: 0,
+        }; SEGS];
+        for (s, &run) in segs.iter_mut().zip(group) {
+            *s = seg(run, rows, strides, ldb, cols);
+        }
+        let segs = &segs[..group.len()];
+        let scale = if g + 1 == groups { scale } else { 1.0 };
+        // SAFETY: every run's reads were checked by `seg`; `c` as this function's contract.
+        unsafe {
+            tile_kernel(
+                narrow,
+                rows,
+                segs,
+                strides,
+                ldb,
+                c,
+                ldc,
+                cols,
+                cont || g > 0,
+                scale,
+            )
+        }
+    }
+}
+
+/// Dispatches [`tile`]'s checked runs to the kernel for its row count.
+///
+/// # Safety
+/// As [`tile`], with every run's reads inside its operands.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile_kernel(
+    narrow: bool,
+    rows: usize,
+    segs: &[Seg],
+    (ars, acs): (usize, usize),
+    ldb: usize,
+    c: *mut f32,
+    ldc: usize,
+    cols: usize,
+    cont: bool,
+    scale: f32,
+) {
     macro_rules! go {
-        ($($r:literal)*) => {
+        ($kernel:ident: $($r:literal)*) => {
             match rows {
-                // SAFETY: AVX-512 F per this function's contract; the assert above bounds
-                // every access of the kernel.
-                $($r => unsafe { tile_avx512::<$r>(k, a.as_ptr(), ars, acs, b.as_ptr(), ldb, c, ldc, cols, cont, scale) },)*
+                // SAFETY: AVX-512 F and the runs' bounds per this function's contract.
+                $($r => unsafe { $kernel::<$r>(segs, ars, acs, ldb, c, ldc, cols, cont, scale) },)*
                 _ => unreachable!(),
             }
         };
     }
-    go!(1 2 3 4 5 6 7 8 9 10 11 12);
+    if narrow {
+        go!(tile_narrow_avx512: 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24);
+    } else {
+        go!(tile_avx512: 1 2 3 4 5 6 7 8 9 10 11 12);
+    }
 }
 
+/// The portable kernel (other architectures): the same FMA chains, one output at a time.
+///
+/// # Safety
+/// As [`tile`], with every run's reads inside its operands.
 #[cfg(not(target_arch = "x86_64"))]
 #[allow(clippy::too_many_arguments)]
-unsafe fn tile(
+unsafe fn tile_kernel(
+    _narrow: bool,
     rows: usize,
-    k: usize,
-    (a, ars, acs): (&[f32], usize, usize),
-    b: &[f32],
+    segs: &[Seg],
+    (ars, acs): (usize, usize),
     ldb: usize,
     c: *mut f32,
     ldc: usize,
@@ -697,107 +879,34 @@ unsafe fn tile(
 ) {
     for i in 0..rows {
         for j in 0..cols {
-            // SAFETY: `c` points at `rows` rows of `cols` values at stride `ldc` (contract).
-            let cij = unsafe { &mut *c.add(i * ldc + j) };
-            let mut acc = if cont { *cij } else { 0.0 };
-            for kk in 0..k {
-                acc = a[i * ars + kk * acs].mul_add(b[kk * ldb + j], acc);
+            // SAFETY: `c` holds `rows` rows of `cols` values at stride `ldc`, and every run
+            // `rows` rows of `k` steps (the contract).
+            unsafe {
+                let cij = &mut *c.add(i * ldc + j);
+                let mut acc = if cont { *cij } else { 0.0 };
+                for s in segs {
+                    for kk in 0..s.k {
+                        acc = (*s.a.add(i * ars + kk * acs)).mul_add(*s.b.add(kk * ldb + j), acc);
+                    }
+                }
+                *cij = acc * scale;
             }
-            *cij = acc * scale;
         }
     }
 }
 
-/// [`tile`] for at most 16 columns and up to [`MR_NARROW`] rows (one accumulator per row).
-///
-/// # Safety
-/// As [`tile`], with `rows <= MR_NARROW` and `cols <= 16`.
-#[cfg(target_arch = "x86_64")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn tile_narrow(
-    rows: usize,
-    k: usize,
-    (a, ars, acs): (&[f32], usize, usize),
-    b: &[f32],
-    ldb: usize,
-    c: *mut f32,
-    ldc: usize,
-    cols: usize,
-    cont: bool,
-    scale: f32,
-) {
-    assert!(
-        (1..=MR_NARROW).contains(&rows)
-            && (1..=16).contains(&cols)
-            && (k == 0 || b.len() >= (k - 1) * ldb + cols)
-            && (k == 0 || a.len() > (rows - 1) * ars + (k - 1) * acs),
-        "sgemm narrow tile operands too short"
-    );
-    macro_rules! go {
-        ($($r:literal)*) => {
-            match rows {
-                // SAFETY: AVX-512 F per this function's contract; the assert above bounds
-                // every access of the kernel.
-                $($r => unsafe { tile_narrow_avx512::<$r>(k, a.as_ptr(), ars, acs, b.as_ptr(), ldb, c, ldc, cols, cont, scale) },)*
-                _ => unreachable!(),
-            }
-        };
-    }
-    go!(1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24);
-}
-
-#[cfg(not(target_arch = "x86_64"))]
-#[allow(clippy::too_many_arguments)]
-unsafe fn tile_narrow(
-    rows: usize,
-    k: usize,
-    a: (&[f32], usize, usize),
-    b: &[f32],
-    ldb: usize,
-    c: *mut f32,
-    ldc: usize,
-    cols: usize,
-    cont: bool,
-    scale: f32,
-) {
-    // `tile` takes at most MR rows: split the narrow tile.
-    let (a, ars, acs) = a;
-    let mut r0 = 0;
-    while r0 < rows {
-        let r = MR.min(rows - r0);
-        // SAFETY: rows r0..r0+r of the narrow tile, under the same contract as `tile`'s.
-        unsafe {
-            tile(
-                r,
-                k,
-                (&a[r0 * ars..], ars, acs),
-                b,
-                ldb,
-                c.add(r0 * ldc),
-                ldc,
-                cols,
-                cont,
-                scale,
-            )
-        };
-        r0 += r;
-    }
-}
-
 /// R rows x 16 columns: R accumulators, columns beyond `cols` masked off; each output the
-/// same `k`-ordered FMA chain as the wide kernel's (so the results are identical).
+/// same FMA chain as the wide kernel's (so the results are identical).
 ///
 /// # Safety
-/// AVX-512 F; pointers valid as [`tile_narrow`] states.
+/// AVX-512 F; runs and `c` valid as [`tile`] states.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn tile_narrow_avx512<const R: usize>(
-    k: usize,
-    a: *const f32,
+    segs: &[Seg],
     ars: usize,
     acs: usize,
-    b: *const f32,
     ldb: usize,
     c: *mut f32,
     ldc: usize,
@@ -818,14 +927,16 @@ unsafe fn tile_narrow_avx512<const R: usize>(
             unsafe { *accr = _mm512_maskz_loadu_ps(m0, c.add(r * ldc)) };
         }
     }
-    for kk in 0..k {
-        // SAFETY: row kk < k of `b` holds `cols` values at kk * ldb (masked load) and
-        // a[r * ars + kk * acs] (r < R) is inside `a` (the caller's contract).
-        unsafe {
-            let b0 = _mm512_maskz_loadu_ps(m0, b.add(kk * ldb));
-            let ap = a.add(kk * acs);
-            for (r, accr) in acc.iter_mut().enumerate() {
-                *accr = _mm512_fmadd_ps(_mm512_set1_ps(*ap.add(r * ars)), b0, *accr);
+    for s in segs {
+        for kk in 0..s.k {
+            // SAFETY: row kk < k of the run's `b` holds `cols` values at kk * ldb (masked load)
+            // and a[r * ars + kk * acs] (r < R) is inside the run's `a` (checked by `seg`).
+            unsafe {
+                let b0 = _mm512_maskz_loadu_ps(m0, s.b.add(kk * ldb));
+                let ap = s.a.add(kk * acs);
+                for (r, accr) in acc.iter_mut().enumerate() {
+                    *accr = _mm512_fmadd_ps(_mm512_set1_ps(*ap.add(r * ars)), b0, *accr);
+                }
             }
         }
     }
@@ -845,16 +956,14 @@ unsafe fn tile_narrow_avx512<const R: usize>(
 /// `cols` are masked off (loads read nothing there, stores write nothing).
 ///
 /// # Safety
-/// AVX-512 F; pointers valid as [`tile`] states.
+/// AVX-512 F; runs and `c` valid as [`tile`] states.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn tile_avx512<const R: usize>(
-    k: usize,
-    a: *const f32,
+    segs: &[Seg],
     ars: usize,
     acs: usize,
-    b: *const f32,
     ldb: usize,
     c: *mut f32,
     ldc: usize,
@@ -885,18 +994,21 @@ unsafe fn tile_avx512<const R: usize>(
             }
         }
     }
-    for kk in 0..k {
-        // SAFETY: row kk < k of `b` holds `cols` values at kk * ldb (masked loads touch only
-        // those) and a[r * ars + kk * acs] (r < R) is inside `a` (the caller's contract).
-        unsafe {
-            let bp = b.add(kk * ldb);
-            let b0 = _mm512_maskz_loadu_ps(m0, bp);
-            let b1 = _mm512_maskz_loadu_ps(m1, bp.add(16));
-            let ap = a.add(kk * acs);
-            for (r, accr) in acc.iter_mut().enumerate() {
-                let av = _mm512_set1_ps(*ap.add(r * ars));
-                accr[0] = _mm512_fmadd_ps(av, b0, accr[0]);
-                accr[1] = _mm512_fmadd_ps(av, b1, accr[1]);
+    for s in segs {
+        for kk in 0..s.k {
+            // SAFETY: row kk < k of the run's `b` holds `cols` values at kk * ldb (masked loads
+            // touch only those) and a[r * ars + kk * acs] (r < R) is inside the run's `a`
+            // (checked by `seg`).
+            unsafe {
+                let bp = s.b.add(kk * ldb);
+                let b0 = _mm512_maskz_loadu_ps(m0, bp);
+                let b1 = _mm512_maskz_loadu_ps(m1, bp.add(16));
+                let ap = s.a.add(kk * acs);
+                for (r, accr) in acc.iter_mut().enumerate() {
+                    let av = _mm512_set1_ps(*ap.add(r * ars));
+                    accr[0] = _mm512_fmadd_ps(av, b0, accr[0]);
+                    accr[1] = _mm512_fmadd_ps(av, b1, accr[1]);
+                }
             }
         }
     }
@@ -984,6 +1096,62 @@ mod tests {
                 prop_assert_eq!(got[j].to_bits(), want[j].to_bits(), "column {}", j);
             }
         }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+        /// Products over reduction runs (a direct conv's kernel rows): the dispatched kernel
+        /// equals the scalar twin bit for bit, including more runs than one kernel call takes,
+        /// and consecutive runs of one `a` equal the plain packed product.
+        #[test]
+        fn runs_equal_scalar_twin(
+            m in 1usize..60, n in 1usize..70, kw in 1usize..40, runs in 0usize..11,
+            ars_pad in 0usize..5, seed in any::<u64>(),
+        ) {
+            let mut s = seed | 1;
+            let mut val = || (xorshift(&mut s) % 2001) as f32 / 1000.0 - 1.0;
+            let k = kw * runs.max(1);
+            let b: Vec<f32> = (0..k * n).map(|_| val()).collect();
+            let pb = PackedB::new(k, n, View::rows(&b, n)).unwrap();
+            // Run q reads kw values per row at stride ars from its own offset into one buffer.
+            let ars = kw * runs.max(1) + ars_pad;
+            let a: Vec<f32> = (0..m * ars + k).map(|_| val()).collect();
+            let list: Vec<Run> = (0..runs)
+                .map(|q| Run { a: &a[q * kw..], k0: q * kw, kc: kw })
+                .collect();
+            let ldc = n + 3;
+            let mut want = vec![f32::NAN; m * ldc];
+            sgemm_packed_runs(Isa::Scalar, m, ars, &list, &pb, &mut want, ldc).unwrap();
+            let mut got = vec![f32::NAN; m * ldc];
+            sgemm_packed_runs(Isa::detect(), m, ars, &list, &pb, &mut got, ldc).unwrap();
+            for i in 0..m * ldc {
+                prop_assert_eq!(got[i].to_bits(), want[i].to_bits(), "value {}", i);
+            }
+            if runs > 0 {
+                let mut whole = vec![f32::NAN; m * ldc];
+                sgemm_packed(Isa::detect(), m, 1.0, View::rows(&a, ars), &pb, &mut whole, ldc, 1)
+                    .unwrap();
+                for i in 0..m * ldc {
+                    prop_assert_eq!(got[i].to_bits(), whole[i].to_bits(), "value {}", i);
+                }
+            } else {
+                prop_assert!((0..m).all(|i| got[i * ldc..i * ldc + n].iter().all(|&v| v == 0.0)));
+            }
+        }
+    }
+
+    #[test]
+    fn runs_that_overreach_are_refused() {
+        let b = [1f32; 12];
+        let pb = PackedB::new(4, 3, View::rows(&b, 3)).unwrap();
+        let a = [1f32; 12];
+        let mut c = [0f32; 9];
+        let run = |k0, kc| Run { a: &a, k0, kc };
+        assert!(sgemm_packed_runs(Isa::detect(), 3, 4, &[run(0, 4)], &pb, &mut c, 3).is_ok());
+        // Rows past `a`, steps past `b`, an output too small.
+        assert!(sgemm_packed_runs(Isa::detect(), 3, 5, &[run(0, 4)], &pb, &mut c, 3).is_err());
+        assert!(sgemm_packed_runs(Isa::detect(), 3, 4, &[run(2, 3)], &pb, &mut c, 3).is_err());
+        assert!(sgemm_packed_runs(Isa::detect(), 3, 4, &[run(0, 4)], &pb, &mut c[..8], 3).is_err());
     }
 
     #[test]

@@ -370,6 +370,22 @@ fn gemm_run(
     let [_, kh, kw] = g.k;
     let k = kh * kw * c;
     let total = n * oh * ow;
+    if let (Some(cols), Weight::Panels(panels)) = (direct_columns(g, wp), wp) {
+        let rows = n * oh;
+        let row_len = ow * m;
+        if threads <= 1 || total * k * m < PAR_WORK || rows < 2 {
+            return direct_rows(xv, panels, bias, g, (c, m), act, cols, 0..rows, out);
+        }
+        let per = rows.div_ceil(threads);
+        return out
+            .par_chunks_mut(per * row_len)
+            .enumerate()
+            .try_for_each(|(i, part)| {
+                let r0 = i * per;
+                let r1 = r0 + part.len() / row_len;
+                direct_rows(xv, panels, bias, g, (c, m), act, cols, r0..r1, part)
+            });
+    }
     let pointwise = reads_rows_in_place(g);
     let by_pixels = threads > 1
         && total * k * m >= PAR_WORK
@@ -398,6 +414,170 @@ fn gemm_run(
         })
 }
 
+/// Writes output pixel `p`'s im2col row (`kh * kw * c` values in (tap, channel) order, zeros
+/// for taps in the padding) into `dst`.
+fn im2col_pixel(xv: &[f32], g: &Geom, c: usize, p: usize, dst: &mut [f32]) {
+    let [_, h, wd] = g.inp;
+    let [_, oh, ow] = g.out;
+    let [_, kh, kw] = g.k;
+    let (ni, rem) = (p / (oh * ow), p % (oh * ow));
+    let (oy, ox) = (rem / ow, rem % ow);
+    for a in 0..kh {
+        let iy = (oy * g.s[1] + a * g.d[1]) as isize - g.pb[1] as isize;
+        let d = &mut dst[a * kw * c..][..kw * c];
+        if iy < 0 || iy >= h as isize {
+            d.fill(0.0);
+            continue;
+        }
+        let row = &xv[(ni * h + iy as usize) * wd * c..][..wd * c];
+        let x0 = (ox * g.s[2]) as isize - g.pb[2] as isize;
+        if g.d[2] == 1 && x0 >= 0 && x0 as usize + kw <= wd {
+            // The row's taps are kw neighbouring pixels: one copy of kw * c values
+            // (per-tap copies of a few channels were libc calls of 12 bytes).
+            d.copy_from_slice(&row[x0 as usize * c..][..kw * c]);
+            continue;
+        }
+        for bb in 0..kw {
+            let d = &mut d[bb * c..][..c];
+            let ix = x0 + (bb * g.d[2]) as isize;
+            if ix < 0 || ix >= wd as isize {
+                d.fill(0.0);
+            } else {
+                d.copy_from_slice(&row[ix as usize * c..][..c]);
+            }
+        }
+    }
+}
+
+/// Kernel rows a direct conv takes (their runs sit in one stack array).
+const DIRECT_MAX_KH: usize = 16;
+
+/// Interior output pixels a row needs for the direct path: fewer fill the micro-tiles too
+/// poorly (late layers' short rows are better served by im2col tiles spanning rows).
+const DIRECT_MIN_INTERIOR: usize = 16;
+
+/// The interior output columns `lo..hi` of a group-1 conv that runs direct (every horizontal
+/// tap inside the input row), or `None` when it runs through im2col: direct needs the AVX-512
+/// product's packed panels, a kernel row's taps contiguous in NHWC (no horizontal dilation),
+/// and rows with at least [`DIRECT_MIN_INTERIOR`] interior pixels. A plain 1x1 stride-1 conv
+/// already reads its input rows in place.
+fn direct_columns(g: &Geom, wp: Weight) -> Option<(usize, usize)> {
+    let [_, _, wd] = g.inp;
+    let [_, _, ow] = g.out;
+    let [_, kh, kw] = g.k;
+    let (s, pl) = (g.s[2], g.pb[2]);
+    if !matches!(wp, Weight::Panels(_))
+        || reads_rows_in_place(g)
+        || g.d[2] != 1
+        || kh > DIRECT_MAX_KH
+        || wd + pl < kw
+    {
+        return None;
+    }
+    let lo = pl.div_ceil(s);
+    let hi = ow.min((wd + pl - kw) / s + 1);
+    (hi >= lo + DIRECT_MIN_INTERIOR).then_some((lo, hi))
+}
+
+/// Output rows `rows` (of `n * oh`) of a direct conv into `out` (their `ow * m` values each):
+/// each row's interior pixels `lo..hi` are one product over its valid kernel rows, each a run
+/// of `kw * c` values per pixel read in place from the input; the few border pixels per row go
+/// through im2col, a column of a block of rows at a time; bias and activation then run on the
+/// block while it is in cache. Each output is the same (tap, channel)-ordered FMA chain
+/// whichever rows a thread takes.
+#[allow(clippy::too_many_arguments)]
+fn direct_rows(
+    xv: &[f32],
+    wp: &PackedB,
+    bias: Option<&[f32]>,
+    g: &Geom,
+    (c, m): (usize, usize),
+    act: Act,
+    (lo, hi): (usize, usize),
+    rows: std::ops::Range<usize>,
+    out: &mut [f32],
+) -> Result<()> {
+    let [_, h, wd] = g.inp;
+    let [_, oh, ow] = g.out;
+    let [_, kh, kw] = g.k;
+    let k = kh * kw * c;
+    let row_len = ow * m;
+    let isa = Isa::detect();
+    // Rows per block: about 64 KB of output, so that the epilogue finds it in cache.
+    let block = ((1usize << 14) / row_len.max(1)).clamp(1, 16);
+    let borders = lo + (ow - hi);
+    let mut col = if borders > 0 {
+        COLUMNS.with(|cell| std::mem::take(&mut *cell.borrow_mut()))
+    } else {
+        vec![]
+    };
+    if borders > 0 {
+        col.resize(col.len().max(block * k), 0.0);
+    }
+    let mut r0 = rows.start;
+    while r0 < rows.end {
+        let nr = block.min(rows.end - r0);
+        let dst = &mut out[(r0 - rows.start) * row_len..][..nr * row_len];
+        for (i, orow) in dst.chunks_exact_mut(row_len).enumerate() {
+            let (ni, oy) = ((r0 + i) / oh, (r0 + i) % oh);
+            let mut runs = [sgemm::Run {
+                a: &[],
+                k0: 0,
+                kc: 0,
+            }; DIRECT_MAX_KH];
+            let mut used = 0;
+            for a in 0..kh {
+                let iy = (oy * g.s[1] + a * g.d[1]) as isize - g.pb[1] as isize;
+                if iy < 0 || iy >= h as isize {
+                    continue;
+                }
+                let x0 = lo * g.s[2] - g.pb[2];
+                runs[used] = sgemm::Run {
+                    a: &xv[((ni * h + iy as usize) * wd + x0) * c..],
+                    k0: a * kw * c,
+                    kc: kw * c,
+                };
+                used += 1;
+            }
+            sgemm::sgemm_packed_runs(
+                isa,
+                hi - lo,
+                g.s[2] * c,
+                &runs[..used],
+                wp,
+                &mut orow[lo * m..],
+                m,
+            )?;
+        }
+        for j in (0..lo).chain(hi..ow) {
+            for (i, dst) in col[..nr * k].chunks_exact_mut(k).enumerate() {
+                im2col_pixel(xv, g, c, (r0 + i) * ow + j, dst);
+            }
+            sgemm::sgemm_packed(
+                isa,
+                nr,
+                1.0,
+                View::rows(&col[..nr * k], k),
+                wp,
+                &mut dst[j * m..],
+                row_len,
+                1,
+            )?;
+        }
+        bias_act(dst, bias, m, act);
+        r0 += nr;
+    }
+    if borders > 0 {
+        COLUMNS.with(|cell| {
+            let mut cell = cell.borrow_mut();
+            if cell.capacity() < col.capacity() {
+                *cell = col;
+            }
+        });
+    }
+    Ok(())
+}
+
 /// A 1x1 stride-1 unpadded conv: the GEMM reads the input rows in place (no im2col).
 fn reads_rows_in_place(g: &Geom) -> bool {
     g.k[1] * g.k[2] == 1 && g.s == [1; 3] && g.pb == [0; 3] && g.pe == [0; 3]
@@ -416,8 +596,6 @@ fn gemm_rows(
     out: &mut [f32],
     threads: usize,
 ) -> Result<()> {
-    let [_, h, wd] = g.inp;
-    let [_, oh, ow] = g.out;
     let [_, kh, kw] = g.k;
     let k = kh * kw * c;
     let total = pixels.len();
@@ -441,34 +619,7 @@ fn gemm_rows(
             &xv[(pixels.start + r0) * c..][..rows * c]
         } else {
             for (i, dst) in col[..rows * k].chunks_exact_mut(k).enumerate() {
-                let p = pixels.start + r0 + i;
-                let (ni, rem) = (p / (oh * ow), p % (oh * ow));
-                let (oy, ox) = (rem / ow, rem % ow);
-                for a in 0..kh {
-                    let iy = (oy * g.s[1] + a * g.d[1]) as isize - g.pb[1] as isize;
-                    let d = &mut dst[a * kw * c..][..kw * c];
-                    if iy < 0 || iy >= h as isize {
-                        d.fill(0.0);
-                        continue;
-                    }
-                    let row = &xv[(ni * h + iy as usize) * wd * c..][..wd * c];
-                    let x0 = (ox * g.s[2]) as isize - g.pb[2] as isize;
-                    if g.d[2] == 1 && x0 >= 0 && x0 as usize + kw <= wd {
-                        // The row's taps are kw neighbouring pixels: one copy of kw * c values
-                        // (per-tap copies of a few channels were libc calls of 12 bytes).
-                        d.copy_from_slice(&row[x0 as usize * c..][..kw * c]);
-                        continue;
-                    }
-                    for bb in 0..kw {
-                        let d = &mut d[bb * c..][..c];
-                        let ix = x0 + (bb * g.d[2]) as isize;
-                        if ix < 0 || ix >= wd as isize {
-                            d.fill(0.0);
-                        } else {
-                            d.copy_from_slice(&row[ix as usize * c..][..c]);
-                        }
-                    }
-                }
+                im2col_pixel(xv, g, c, pixels.start + r0 + i, dst);
             }
             &col[..rows * k]
         };
@@ -643,8 +794,22 @@ mod tests {
             // Depthwise with 6 output rows over two images: rows cut into column runs.
             (96, 96, 96, 5, 4, 1, [2, 2, 2, 2]),
         ];
-        for (ci, &(c, m, group, k, s, d, p)) in cases.iter().enumerate() {
-            let (n, h, wd) = (2, 11, 9);
+        // Wide rows, run direct (kernel rows read in place, border columns through im2col):
+        // narrow and two-panel outputs, stride 2 with uneven pads, no borders, a 1x1 stride-2
+        // conv, more kernel rows than one micro-kernel call takes.
+        let direct = [
+            (8, 16, 1, 3, 1, 1, [1, 1, 1, 1]),
+            (3, 40, 1, 3, 2, 1, [1, 0, 0, 1]),
+            (6, 8, 1, 2, 1, 1, [0, 0, 0, 0]),
+            (16, 24, 1, 1, 2, 1, [0, 0, 0, 0]),
+            (2, 8, 1, 9, 1, 1, [4, 4, 4, 4]),
+        ];
+        let sized = cases
+            .iter()
+            .map(|&case| (case, (11, 9)))
+            .chain(direct.iter().map(|&case| (case, (12, 41))));
+        for (ci, ((c, m, group, k, s, d, p), (h, wd))) in sized.enumerate() {
+            let n = 2;
             let x = rnd(n * c * h * wd, 3 + ci as u64);
             let w = rnd(m * (c / group) * k * k, 5 + ci as u64);
             let b = rnd(m, 7 + ci as u64);
