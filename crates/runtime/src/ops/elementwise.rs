@@ -10,7 +10,7 @@ mod logic;
 mod unary;
 
 /// The vectorizable f32 `exp` shared by every kernel that needs one (softmax, sigmoid, ...).
-pub use unary::exp_f32;
+pub use unary::{exp_consts, exp_f32, exp_finish};
 
 pub use cast::cast_tensor;
 

@@ -191,37 +191,59 @@ impl FastExp for f64 {
     }
 }
 
+/// [`exp_f32`]'s constants (SIMD copies of it repeat its operations with these).
+pub mod exp_consts {
+    pub const LOG2E: f32 = std::f32::consts::LOG2_E;
+    pub const LN2_HI: f32 = 0.693_359_4;
+    pub const LN2_LO: f32 = -2.121_944_4e-4;
+    /// 1.5 * 2^23: adding it rounds to an integer.
+    pub const MAGIC: f32 = 12_582_912.0;
+    /// ln(f32::MAX)
+    pub const HI: f32 = 88.722_84;
+    /// ln(f32::MIN_POSITIVE)
+    pub const LO: f32 = -87.336_55;
+    /// The polynomial in the reduced argument, highest degree first.
+    pub const P: [f32; 6] = [
+        1.987_569_1e-4,
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        1.666_666_5e-1,
+        0.5,
+    ];
+}
+
 /// e^x in f32 (Cephes `expf` polynomial, about 1 ulp), branch-free so that loops over it
 /// vectorize with plain SSE2: round-to-nearest via the 1.5·2^23 trick, Cody–Waite range
 /// reduction, and the 2^n scale applied as two factors so that n = 128 does not overflow.
 /// Results below `f32::MIN_POSITIVE` flush to zero.
 #[inline(always)]
 pub fn exp_f32(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23
-    const HI: f32 = 88.722_84; // ln(f32::MAX)
-    const LO: f32 = -87.336_55; // ln(f32::MIN_POSITIVE)
+    use exp_consts::*;
     let xc = x.clamp(LO, HI);
     let t = xc * LOG2E + MAGIC;
     let n = t - MAGIC;
     let ni = (t.to_bits() as i32).wrapping_sub(0x4B40_0000);
     let r = xc - n * LN2_HI - n * LN2_LO;
-    let mut p = 1.987_569_1e-4f32;
-    p = p * r + 1.398_199_9e-3;
-    p = p * r + 8.333_452e-3;
-    p = p * r + 4.166_579_6e-2;
-    p = p * r + 1.666_666_5e-1;
-    p = p * r + 0.5;
+    let mut p = P[0];
+    for c in &P[1..] {
+        p = p * r + c;
+    }
     let e = p * r * r + r + 1.0;
+    exp_finish(x, e, ni)
+}
+
+/// The end of [`exp_f32`] and its fused copy: `e * 2^ni` (as two factors, so that `ni = 128`
+/// does not overflow), flushed to zero below `LO` and infinite above `HI` (by `x`, the
+/// unclamped argument; NaN passes through the arithmetic since both comparisons are false).
+#[inline(always)]
+pub fn exp_finish(x: f32, e: f32, ni: i32) -> f32 {
+    use exp_consts::{HI, LO};
     let n1 = ni >> 1;
     let n2 = ni - n1;
     let s1 = f32::from_bits(((n1 + 127) as u32) << 23);
     let s2 = f32::from_bits(((n2 + 127) as u32) << 23);
     let y = e * s1 * s2;
-    // Results that would be subnormal flush to zero (as they do in MLAS); NaN passes
-    // through the arithmetic above since both comparisons are false for it.
     if x < LO {
         0.0
     } else if x > HI {
