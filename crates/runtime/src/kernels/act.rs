@@ -6,7 +6,8 @@
 //! branches), which LLVM vectorizes 4 lanes wide in the baseline build and 8 lanes wide in the
 //! AVX2 build. Neither uses `mul_add` and LLVM does not contract `a * b + c` on its own, so both
 //! builds perform the same IEEE operations in the same order: the AVX2 copy is bit-identical to
-//! its scalar twin (tested). Exact GELU in f32 used to go through f64 and libm's `exp`, a fifth
+//! its scalar twin (tested). GELU is the exception: it fuses its polynomial and exp (`mul_add`,
+//! exactly rounded on every level) and has a hand-interleaved AVX-512 copy, [`gelu_avx512`]. Exact GELU in f32 used to go through f64 and libm's `exp`, a fifth
 //! of a ViT-S run.
 
 use crate::ops::elementwise::exp_f32;
