@@ -13,11 +13,16 @@ fn main() {
     let src: Vec<f32> = (0..n)
         .map(|i| ((i * 7919) % 2001) as f32 / 250.0 - 4.0)
         .collect();
-    let kernels: [(&str, Kernel); 4] = [
+    let kernels: [(&str, Kernel); 7] = [
         ("gelu", act::gelu),
         ("gelu scalar twin", act::gelu_scalar),
         ("tanh", act::tanh),
         ("sigmoid", act::sigmoid),
+        ("sigmoid scalar twin", act::sigmoid_scalar),
+        ("swish", act::swish),
+        ("softmax rows of 1000", |v| {
+            v.chunks_mut(1000).for_each(act::softmax_row)
+        }),
     ];
     for round in 0..3 {
         for (name, f) in kernels {

@@ -3,7 +3,8 @@
 //!   `s = scale / sqrt(var + eps)` equals a conv with weights `W * s[m]` and bias
 //!   `(b - mean) * s + B`.
 //! - `Mul` by a constant that is per output channel (shape `[M,1..]`, `[1,M,1..]` or a scalar)
-//!   scales weights and bias; `Add` of such a constant adds to the bias.
+//!   scales weights and bias; `Add` of such a constant adds to the bias (also after a group-1
+//!   `ConvTranspose`: a detector head's upsampling bias).
 //!
 //! Exact up to float rounding (the conv computes the same affine map of its inputs). The conv
 //! output must be read only by the folded op, and the fold is skipped whenever a shape, dtype
@@ -17,13 +18,21 @@ use std::collections::HashSet;
 pub struct ConvBnFold;
 pub struct ConvAffineFold;
 
-/// Weights (as f32 vec with shape) and bias of a Conv whose W (and B) are f32 constants.
+/// Weights (as f32 vec with shape) and bias of a Conv whose W (and B) are f32 constants; of a
+/// group-1 ConvTranspose (`W [C, M, k...]`, M output channels) too.
 fn conv_params(g: &Graph, ix: &Index, c: &Node) -> Option<(Vec<usize>, Vec<f32>, Vec<f32>)> {
     let w = ix.constant(g, c.input(1)?)?;
     if w.dtype() != DType::F32 || w.rank() < 3 {
         return None;
     }
-    let m = w.shape()[0];
+    let m = if is_op(c, "ConvTranspose") {
+        if !matches!(c.attr_int("group"), Ok(None | Some(1))) {
+            return None;
+        }
+        w.shape()[1]
+    } else {
+        w.shape()[0]
+    };
     let b = match c.input(2) {
         Some(b) => {
             let b = ix.constant(g, b)?;
@@ -96,7 +105,9 @@ fn run_fold(rw: &mut Rewriter<'_>, bn: bool) -> usize {
     let mut dead = HashSet::new();
     let mut plans = vec![];
     for (ci, c) in g.nodes.iter().enumerate() {
-        if !is_op(c, "Conv") || c.outputs.len() != 1 {
+        // A ConvTranspose takes only the bias fold (its weight's channels run the other way).
+        let deconv = is_op(c, "ConvTranspose");
+        if !(is_op(c, "Conv") || deconv) || c.outputs.len() != 1 || (deconv && bn) {
             continue;
         }
         let y = &c.outputs[0];
@@ -108,7 +119,7 @@ fn run_fold(rw: &mut Rewriter<'_>, bn: bool) -> usize {
         let Some((ws, mut w, mut b)) = conv_params(g, &ix, c) else {
             continue;
         };
-        let mch = ws[0];
+        let mch = b.len();
         let per = w.len() / mch.max(1);
         let rank = ws.len();
         if bn {
@@ -139,7 +150,7 @@ fn run_fold(rw: &mut Rewriter<'_>, bn: bool) -> usize {
             }
         } else {
             let is_mul = is_op(u, "Mul");
-            if !(is_mul || is_op(u, "Add")) {
+            if !(is_mul && !deconv || is_op(u, "Add")) {
                 continue;
             }
             let Some(other) = other_input(u, y) else {
@@ -237,5 +248,35 @@ mod tests {
         assert_eq!(n3, 1);
         assert_eq!(ops(&m3), ["Conv"]);
         assert_eq!(m3.graph.nodes[0].outputs, ["y"]);
+    }
+
+    /// A per-channel Add after a group-1 ConvTranspose (with or without a bias) folds into its
+    /// bias, outputs equal; a Mul after it stays (its weight runs `[C, M, ...]`).
+    #[test]
+    fn folds_add_into_conv_transpose_bias() {
+        for bias in [false, true] {
+            let ins: &[&str] = if bias { &["x", "w", "b"] } else { &["x", "w"] };
+            let mut m = model(
+                vec![
+                    Node::new("ConvTranspose", ins, &["c"])
+                        .with_attr("strides", Attr::Ints(vec![2, 2])),
+                    Node::new("Add", &["c", "a"], &["d"]),
+                    Node::new("Mul", &["d", "k"], &["y"]),
+                ],
+                &[("x", &[1, 2, 4, 5])],
+                &["y"],
+            );
+            let gi = &mut m.graph.initializers;
+            gi.push(init("w", data(&[2, 3, 2, 2], 1)));
+            gi.push(init("b", f32s(&[3], &[0.5, -0.5, 1.0])));
+            gi.push(init("a", f32s(&[1, 3, 1, 1], &[0.1, 0.2, 0.3])));
+            gi.push(init("k", f32s(&[1, 3, 1, 1], &[2.0, -1.0, 0.5])));
+            let feeds = [("x", data(&[1, 2, 4, 5], 9))];
+            let (m1, n1) = check_pass(&ConvAffineFold, &m, &feeds);
+            assert_eq!(n1, 1, "bias {bias}");
+            assert_eq!(ops(&m1), ["ConvTranspose", "Mul"]);
+            let (_, n2) = check_pass(&ConvAffineFold, &m1, &feeds);
+            assert_eq!(n2, 0);
+        }
     }
 }

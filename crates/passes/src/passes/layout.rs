@@ -15,7 +15,11 @@
 //!   `Clip`, ...) whose operands are chain values or constants: numpy broadcasting commutes with
 //!   permuting every operand the same way, so a constant operand of rank <= 4 is left-padded to
 //!   rank 4 and permuted (scalars and all-ones shapes stay as they are);
-//! - `GlobalAveragePool` (of a chain value) becomes `npuc.GlobalAveragePoolNhwc`;
+//! - `ConvTranspose` whose strides equal its kernel (no padding, dilation, group or output
+//!   padding; constant f32 weight) becomes `npuc.ConvTransposeNhwc`: a detector's upsampling
+//!   head stays in the chain to its (one-channel) output;
+//! - `GlobalAveragePool` (of a chain value) becomes `npuc.GlobalAveragePoolNhwc`, and so does
+//!   a `ReduceMean` over axes {2, 3} with `keepdims` (squeeze-excite blocks written that way);
 //! - 2-D `MaxPool` without the indices output (of a chain value) becomes `npuc.MaxPoolNhwc`
 //!   (same attributes): a detection stem's pooling no longer leaves the chain;
 //! - `Concat` of chain values, with its axis remapped;
@@ -99,27 +103,40 @@ enum Kind {
 
 pub struct LayoutNhwc;
 
-/// Whether a conv node can run as `npuc.ConvNhwc`.
-fn conv_ok(g: &npuc_ir::Graph, ix: &Index, n: &Node) -> bool {
-    let is_conv = is_op(n, "Conv") || (n.domain == "npuc" && n.op_type == "FusedConv");
-    if !is_conv || n.outputs.len() != 1 || n.input(0).is_none() {
-        return false;
+/// The constant f32 4-D weight of a (transposed) conv with one output and a data input, if its
+/// bias (when given) is a constant f32 vector as long as weight axis `out_axis` (the output
+/// channels: 0 for Conv, 1 for ConvTranspose) and there are no further inputs.
+fn conv_weight<'g>(
+    g: &'g npuc_ir::Graph,
+    ix: &Index,
+    n: &Node,
+    out_axis: usize,
+) -> Option<std::borrow::Cow<'g, Tensor>> {
+    if n.outputs.len() != 1 || n.input(0).is_none() || n.inputs.len() > 3 {
+        return None;
     }
-    let Some(w) = n.input(1).and_then(|w| ix.constant(g, w)) else {
-        return false;
-    };
+    let w = ix.constant(g, n.input(1)?)?;
     if w.rank() != 4 || w.dtype() != DType::F32 || w.shape().contains(&0) {
-        return false;
+        return None;
     }
     if let Some(b) = n.input(2) {
         match ix.constant(g, b) {
-            Some(b) if b.dtype() == DType::F32 && b.len() == w.shape()[0] => {}
-            _ => return false,
+            Some(b) if b.dtype() == DType::F32 && b.len() == w.shape()[out_axis] => {}
+            _ => return None,
         }
     }
-    if n.inputs.len() > 3 {
+    Some(w)
+}
+
+/// Whether a conv node can run as `npuc.ConvNhwc`.
+fn conv_ok(g: &npuc_ir::Graph, ix: &Index, n: &Node) -> bool {
+    let is_conv = is_op(n, "Conv") || (n.domain == "npuc" && n.op_type == "FusedConv");
+    if !is_conv {
         return false;
     }
+    let Some(w) = conv_weight(g, ix, n, 0) else {
+        return false;
+    };
     let group = match n.attr_int("group") {
         Ok(g) => g.unwrap_or(1),
         Err(_) => return false,
@@ -128,11 +145,38 @@ fn conv_ok(g: &npuc_ir::Graph, ix: &Index, n: &Node) -> bool {
     group == 1 || (group > 1 && cg == 1 && m as i64 == group)
 }
 
+/// Whether a ConvTranspose node can run as `npuc.ConvTransposeNhwc`: 2-D, constant f32 weight
+/// `[C, M, KH, KW]` (and bias), group 1, strides equal to the kernel, no padding, dilation or
+/// output padding (each input pixel writes its own output block: the upsampling heads of
+/// detectors).
+fn deconv_ok(g: &npuc_ir::Graph, ix: &Index, n: &Node) -> bool {
+    if !is_op(n, "ConvTranspose") {
+        return false;
+    }
+    let Some(w) = conv_weight(g, ix, n, 1) else {
+        return false;
+    };
+    let kernel = [w.shape()[2] as i64, w.shape()[3] as i64];
+    let ints_are = |name: &str, want: &[i64], absent_ok: bool| match n.attr_ints(name) {
+        Ok(Some(v)) => v == want,
+        Ok(None) => absent_ok,
+        Err(_) => false,
+    };
+    ints_are("strides", &kernel, false)
+        && ints_are("kernel_shape", &kernel, true)
+        && ints_are("pads", &[0; 4], true)
+        && ints_are("dilations", &[1, 1], true)
+        && ints_are("output_padding", &[0, 0], true)
+        && matches!(n.attr_int("group"), Ok(None | Some(1)))
+        && matches!(n.attr_ints("output_shape"), Ok(None))
+        && matches!(n.attr_str("auto_pad"), Ok(None | Some("NOTSET" | "VALID")))
+}
+
 fn classify(g: &npuc_ir::Graph, ix: &Index, n: &Node) -> Option<Kind> {
     if n.outputs.len() != 1 || n.outputs[0].is_empty() {
         return None;
     }
-    if conv_ok(g, ix, n) {
+    if conv_ok(g, ix, n) || deconv_ok(g, ix, n) {
         return Some(Kind::Conv);
     }
     let elementwise = (n.domain.is_empty() && ELEMENTWISE.contains(&n.op_type.as_str()))
@@ -141,6 +185,9 @@ fn classify(g: &npuc_ir::Graph, ix: &Index, n: &Node) -> Option<Kind> {
         return Some(Kind::Elementwise);
     }
     if is_op(n, "GlobalAveragePool") && n.inputs.len() == 1 {
+        return Some(Kind::Gap);
+    }
+    if is_op(n, "ReduceMean") && reduce_mean_is_gap(g, ix, n) {
         return Some(Kind::Gap);
     }
     if is_op(n, "MaxPool")
@@ -156,6 +203,29 @@ fn classify(g: &npuc_ir::Graph, ix: &Index, n: &Node) -> Option<Kind> {
         return Some(Kind::Resize);
     }
     None
+}
+
+/// A `ReduceMean` over axes {2, 3} (or {-2, -1}; the attribute, or the constant second input
+/// from opset 18) keeping the reduced axes: a global average pool of a 4-D value (membership
+/// requires the input to be known 4-D), as squeeze-excite blocks exported from Paddle write it.
+fn reduce_mean_is_gap(g: &npuc_ir::Graph, ix: &Index, n: &Node) -> bool {
+    if !matches!(n.attr_int("keepdims"), Ok(None | Some(1))) || n.input(0).is_none() {
+        return false;
+    }
+    let axes: Vec<i64> = match (n.inputs.len(), n.attr_ints("axes")) {
+        (1, Ok(Some(a))) => a.to_vec(),
+        (2, Ok(None)) => match ix.constant(g, &n.inputs[1]) {
+            Some(t) if t.dtype() == DType::I64 && t.rank() == 1 => match t.as_slice::<i64>() {
+                Ok(a) => a.to_vec(),
+                Err(_) => return false,
+            },
+            _ => return false,
+        },
+        _ => return false,
+    };
+    let mut axes: Vec<i64> = axes.iter().map(|a| a.rem_euclid(4)).collect();
+    axes.sort_unstable();
+    axes == [2, 3]
 }
 
 /// A Resize whose per-axis inputs are all absent or constant 4-axis vectors (no `axes`).
@@ -497,8 +567,12 @@ fn rewrite(m: &Model, chosen: &HashSet<usize>) -> (usize, GraphPatch) {
                 continue;
             }
             if ix.is_const(g, s) {
-                // Conv weights and biases stay; elementwise constants are permuted.
-                if t.op_type == "Conv" || t.op_type == "FusedConv" {
+                // Conv weights and biases stay; elementwise constants are permuted; a
+                // ReduceMean's axes are dropped below.
+                if matches!(
+                    t.op_type.as_str(),
+                    "Conv" | "FusedConv" | "ConvTranspose" | "ReduceMean"
+                ) {
                     continue;
                 }
                 if is_op(n, "Resize") {
@@ -568,9 +642,19 @@ fn rewrite(m: &Model, chosen: &HashSet<usize>) -> (usize, GraphPatch) {
                 t.domain = "npuc".into();
                 t.op_type = "ConvNhwc".into();
             }
+            ("", "ConvTranspose") => {
+                t.domain = "npuc".into();
+                t.op_type = "ConvTransposeNhwc".into();
+            }
             ("", "GlobalAveragePool") => {
                 t.domain = "npuc".into();
                 t.op_type = "GlobalAveragePoolNhwc".into();
+            }
+            ("", "ReduceMean") => {
+                t.domain = "npuc".into();
+                t.op_type = "GlobalAveragePoolNhwc".into();
+                t.inputs.truncate(1);
+                t.attrs.clear();
             }
             ("", "MaxPool") => {
                 t.domain = "npuc".into();
@@ -608,6 +692,22 @@ fn rewrite(m: &Model, chosen: &HashSet<usize>) -> (usize, GraphPatch) {
 mod tests {
     use super::*;
     use crate::passes::testutil::{data, init, model, run};
+
+    /// Every output equals the reference's: same shape, values within 1e-4 relative (the NHWC
+    /// kernels sum the same products in another order).
+    fn assert_outputs_close(got: &[Tensor], want: &[Tensor], what: &str) {
+        assert_eq!(got.len(), want.len(), "{what}");
+        for (a, b) in got.iter().zip(want) {
+            assert_eq!(a.shape(), b.shape(), "{what}");
+            let (a, b) = (a.as_slice::<f32>().unwrap(), b.as_slice::<f32>().unwrap());
+            for (p, q) in a.iter().zip(b) {
+                assert!(
+                    (p - q).abs() <= 1e-4 * (1.0 + q.abs()),
+                    "{what}: {p} vs {q}"
+                );
+            }
+        }
+    }
 
     fn conv(x: &str, w: &str, b: &str, y: &str, group: i64) -> Node {
         Node::new("Conv", &[x, w, b], &[y])
@@ -654,19 +754,108 @@ mod tests {
         // x enters once; y and r1 (graph outputs) leave once each.
         assert_eq!(count("Transpose"), 3);
         let got = run(&m, &[("x", x)]);
-        for (a, b) in got.iter().zip(&want) {
-            assert_eq!(a.shape(), b.shape());
-            for (p, q) in a
-                .as_slice::<f32>()
-                .unwrap()
-                .iter()
-                .zip(b.as_slice::<f32>().unwrap())
-            {
-                assert!((p - q).abs() <= 1e-4 * (1.0 + q.abs()), "{p} vs {q}");
-            }
-        }
+        assert_outputs_close(&got, &want, "chain");
         // Idempotent: nothing left to convert.
         assert_eq!(crate::apply_pass(&LayoutNhwc, &mut m).unwrap().changes, 0);
+    }
+
+    /// A squeeze-excite block whose pooling is `ReduceMean(axes {2, 3}, keepdims)` (attribute
+    /// at opset 17, constant input `[-1, -2]` at opset 18) stays in the chain as an NHWC global
+    /// average pool: no transpose around it, outputs equal the NCHW model's. A ReduceMean over
+    /// other axes (or without keepdims) is left alone.
+    #[test]
+    fn reduce_mean_over_spatial_axes_is_a_pool() {
+        for (opset, gap) in [(17, true), (18, true), (17, false)] {
+            let reduce = match (opset, gap) {
+                (17, true) => Node::new("ReduceMean", &["c2"], &["gp"])
+                    .with_attr("axes", Attr::Ints(vec![2, 3])),
+                (18, _) => Node::new("ReduceMean", &["c2", "ax"], &["gp"])
+                    .with_attr("keepdims", Attr::Int(1)),
+                _ => {
+                    Node::new("ReduceMean", &["c2"], &["gp"]).with_attr("axes", Attr::Ints(vec![1]))
+                }
+            };
+            let nodes = vec![
+                conv("x", "w1", "b1", "c1", 1),
+                conv("c1", "w2", "b2", "c2", 8),
+                reduce,
+                Node::new("Sigmoid", &["gp"], &["sg"]),
+                Node::new("Mul", &["c2", "sg"], &["se"]),
+                conv("se", "w3", "b3", "y", 1),
+            ];
+            let mut m = model(nodes, &[("x", &[1, 3, 10, 12])], &["y"]);
+            m.opset_imports[0].version = opset;
+            m.graph.initializers = vec![
+                init("w1", data(&[8, 3, 3, 3], 1)),
+                init("b1", data(&[8], 2)),
+                init("w2", data(&[8, 1, 3, 3], 4)),
+                init("b2", data(&[8], 5)),
+                init("w3", data(&[4, 8, 3, 3], 6)),
+                init("b3", data(&[4], 7)),
+                init("ax", Tensor::from_vec(vec![2], vec![-1i64, -2]).unwrap()),
+            ];
+            let x = data(&[1, 3, 10, 12], 9);
+            let want = run(&m, &[("x", x.clone())]);
+            crate::apply_pass(&LayoutNhwc, &mut m).unwrap();
+            let count = |op: &str| m.graph.nodes.iter().filter(|n| n.op_type == op).count();
+            assert_eq!(
+                count("GlobalAveragePoolNhwc"),
+                gap as usize,
+                "opset {opset}"
+            );
+            assert_eq!(count("ReduceMean"), !gap as usize, "opset {opset}");
+            if gap {
+                // x enters once, y leaves once.
+                assert_eq!(count("Transpose"), 2, "opset {opset}");
+            }
+            let got = run(&m, &[("x", x)]);
+            assert_outputs_close(&got, &want, &format!("opset {opset}"));
+        }
+    }
+
+    /// A DB-style head, Conv -> Conv -> Relu -> ConvTranspose (2x2 stride 2, bias) -> Relu ->
+    /// ConvTranspose (one channel) -> Sigmoid, is one chain to the output: the deconvs become
+    /// `ConvTransposeNhwc`, outputs equal. A stride-1 (overlapping) ConvTranspose stays NCHW.
+    #[test]
+    fn upsampling_conv_transposes_join_the_chain() {
+        for overlapping in [false, true] {
+            let s2 = Attr::Ints(if overlapping { vec![1, 1] } else { vec![2, 2] });
+            let nodes = vec![
+                conv("x", "w0", "b0", "c0", 1),
+                conv("c0", "w1", "b1", "c1", 1),
+                Node::new("Relu", &["c1"], &["r1"]),
+                Node::new("ConvTranspose", &["r1", "wt1", "bt1"], &["u1"])
+                    .with_attr("strides", s2.clone()),
+                Node::new("Relu", &["u1"], &["r2"]),
+                Node::new("ConvTranspose", &["r2", "wt2"], &["u2"]).with_attr("strides", s2),
+                Node::new("Sigmoid", &["u2"], &["y"]),
+            ];
+            let mut m = model(nodes, &[("x", &[1, 3, 6, 7])], &["y"]);
+            m.graph.initializers = vec![
+                init("w0", data(&[8, 3, 3, 3], 6)),
+                init("b0", data(&[8], 7)),
+                init("w1", data(&[8, 8, 3, 3], 1)),
+                init("b1", data(&[8], 2)),
+                init("wt1", data(&[8, 4, 2, 2], 3)),
+                init("bt1", data(&[4], 4)),
+                init("wt2", data(&[4, 1, 2, 2], 5)),
+            ];
+            let x = data(&[1, 3, 6, 7], 9);
+            let want = run(&m, &[("x", x.clone())]);
+            crate::apply_pass(&LayoutNhwc, &mut m).unwrap();
+            let count = |op: &str| m.graph.nodes.iter().filter(|n| n.op_type == op).count();
+            if overlapping {
+                // The two convs convert; r1 leaves the chain for the NCHW deconvs.
+                assert_eq!(count("ConvTransposeNhwc"), 0);
+                assert_eq!(count("ConvNhwc"), 2);
+            } else {
+                assert_eq!(count("ConvTransposeNhwc"), 2);
+                // x enters once, y leaves once.
+                assert_eq!(count("Transpose"), 2);
+            }
+            let got = run(&m, &[("x", x)]);
+            assert_outputs_close(&got, &want, &format!("overlapping {overlapping}"));
+        }
     }
 
     /// Conv -> Resize (scales, nearest; and sizes, linear) -> Conv stays one chain: the
@@ -707,18 +896,7 @@ mod tests {
             let count = |op: &str| m.graph.nodes.iter().filter(|n| n.op_type == op).count();
             assert_eq!(count("Transpose"), 2, "{mode}: one entering, one leaving");
             let got = run(&m, &[("x", x)]);
-            assert_eq!(got[0].shape(), want[0].shape());
-            for (p, q) in got[0]
-                .as_slice::<f32>()
-                .unwrap()
-                .iter()
-                .zip(want[0].as_slice::<f32>().unwrap())
-            {
-                assert!(
-                    (p - q).abs() <= 1e-4 * (1.0 + q.abs()),
-                    "{mode}: {p} vs {q}"
-                );
-            }
+            assert_outputs_close(&got, &want, mode);
         }
     }
 
@@ -758,18 +936,7 @@ mod tests {
             assert_eq!(count("MaxPoolNhwc"), 1, "{label}");
             assert_eq!(count("Transpose"), 2, "{label}: one entering, one leaving");
             let got = run(&m, &[("x", x)]);
-            assert_eq!(got[0].shape(), want[0].shape(), "{label}");
-            for (p, q) in got[0]
-                .as_slice::<f32>()
-                .unwrap()
-                .iter()
-                .zip(want[0].as_slice::<f32>().unwrap())
-            {
-                assert!(
-                    (p - q).abs() <= 1e-4 * (1.0 + q.abs()),
-                    "{label}: {p} vs {q}"
-                );
-            }
+            assert_outputs_close(&got, &want, label);
         }
     }
 
@@ -838,13 +1005,6 @@ mod tests {
             .collect();
         assert_eq!(tr.len(), 1, "only the exit transpose remains");
         let got = run(&m, &[("xh", x)]);
-        for (p, q) in got[0]
-            .as_slice::<f32>()
-            .unwrap()
-            .iter()
-            .zip(want[0].as_slice::<f32>().unwrap())
-        {
-            assert!((p - q).abs() <= 1e-4 * (1.0 + q.abs()), "{p} vs {q}");
-        }
+        assert_outputs_close(&got, &want, "transposed input");
     }
 }

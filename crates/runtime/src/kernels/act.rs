@@ -7,7 +7,10 @@
 //! AVX2 build. Neither uses `mul_add` and LLVM does not contract `a * b + c` on its own, so both
 //! builds perform the same IEEE operations in the same order: the AVX2 copy is bit-identical to
 //! its scalar twin (tested). GELU is the exception: it fuses its polynomial and exp (`mul_add`,
-//! exactly rounded on every level) and has a hand-interleaved AVX-512 copy, [`gelu_avx512`]. Exact GELU in f32 used to go through f64 and libm's `exp`, a fifth
+//! exactly rounded on every level) and has a hand-interleaved AVX-512 copy, [`gelu_avx512`].
+//! Sigmoid, swish, tanh and softmax rows have hand-interleaved AVX-512 copies as well
+//! (`sigmoid16`, ...: four vectors a step, the unfused exp's operations), bit-identical to the
+//! twins like the compiled copies. Exact GELU in f32 used to go through f64 and libm's `exp`, a fifth
 //! of a ViT-S run.
 
 use crate::ops::elementwise::exp_f32;
@@ -118,18 +121,18 @@ fn softmax_body(row: &mut [f32]) {
 /// An elementwise loop, its scalar twin (`$scalar`, public so tests compare against it), the
 /// AVX2 and AVX-512 copies and the dispatcher `$name`. The AVX-512 copy is the same safe Rust
 /// compiled 16 lanes wide: the same IEEE operations in the same order (no contraction), so it
-/// too equals the scalar twin bit for bit.
+/// too equals the scalar twin bit for bit; or, given as `avx512: path`, a hand-written copy.
 macro_rules! twin_loop {
-    ($(#[$doc:meta])* $name:ident, $scalar:ident, $avx2:ident, $avx512:ident, |$v:ident| $body:expr) => {
+    // The AVX-512 copy written by hand (`$custom`, unsafe, AVX-512 F): the dispatcher calls it.
+    ($(#[$doc:meta])* $name:ident, $scalar:ident, $avx2:ident, avx512: $custom:path, |$v:ident| $body:expr) => {
         $(#[$doc])*
         pub fn $name($v: &mut [f32]) {
             #[cfg(target_arch = "x86_64")]
             {
                 let isa = npuc_isa::Isa::detect();
                 if isa.has_avx512() {
-                    // SAFETY: the ISA module detected AVX-512F (with AVX2 and FMA) on this CPU
-                    // (capped by NPUC_ISA); the body is safe Rust over the slice.
-                    unsafe { $avx512($v) };
+                    // SAFETY: the ISA module detected AVX-512F on this CPU (capped by NPUC_ISA).
+                    unsafe { $custom($v) };
                     return;
                 }
                 if isa.has_avx2() {
@@ -152,6 +155,9 @@ macro_rules! twin_loop {
         unsafe fn $avx2($v: &mut [f32]) {
             $body
         }
+    };
+    ($(#[$doc:meta])* $name:ident, $scalar:ident, $avx2:ident, $avx512:ident, |$v:ident| $body:expr) => {
+        twin_loop!($(#[$doc])* $name, $scalar, $avx2, avx512: $avx512, |$v| $body);
 
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = "avx512f,avx2,fma")]
@@ -193,10 +199,7 @@ unsafe fn gelu_avx2(v: &mut [f32]) {
     v.iter_mut().for_each(|x| *x = gelu_f32(*x))
 }
 
-/// Vectors [`gelu_avx512`] carries through each step together.
-const GELU_LANES: usize = 4;
-
-/// [`gelu_f32`] on 16-lane vectors, [`GELU_LANES`] of them interleaved step by step: a GELU is
+/// [`gelu_f32`] on 16-lane vectors, [`EXP_LANES`] of them interleaved step by step: a GELU is
 /// a ~45-deep chain of dependent multiplies and adds, and one vector per loop iteration (the
 /// compiler's vectorization) left the multiply-add units waiting on latency. The same IEEE
 /// operations in the same order as [`gelu_f32`] and [`exp_fma_f32`] (fused where they fuse),
@@ -208,24 +211,9 @@ const GELU_LANES: usize = 4;
 #[target_feature(enable = "avx512f")]
 unsafe fn gelu_avx512(v: &mut [f32]) {
     use std::arch::x86_64::*;
-    const N: usize = GELU_LANES;
     let set = |c: f32| _mm512_set1_ps(c);
-    let mut blocks = v.chunks_exact_mut(16 * N);
-    for block in &mut blocks {
-        let mut x = [_mm512_setzero_ps(); N];
-        for (i, xi) in x.iter_mut().enumerate() {
-            // SAFETY: the block holds 16 * N values.
-            *xi = unsafe { _mm512_loadu_ps(block.as_ptr().add(16 * i)) };
-        }
-        let y = gelu16xn(x, set);
-        for (i, yi) in y.iter().enumerate() {
-            // SAFETY: as the loads.
-            unsafe { _mm512_storeu_ps(block.as_mut_ptr().add(16 * i), *yi) };
-        }
-    }
-    for x in blocks.into_remainder() {
-        *x = gelu_f32(*x);
-    }
+    // SAFETY: AVX-512 F, as this function requires.
+    unsafe { map16xn(v, |x| gelu16xn(x, set), gelu_f32) }
 }
 
 /// The body of [`gelu_avx512`] on `N` vectors.
@@ -247,7 +235,7 @@ fn gelu16xn<const N: usize>(
     }
     // exp_fma_f32(p - z * z)
     let a = each(&|i| _mm512_fnmadd_ps(z[i], z[i], p[i]));
-    let e = exp16xn(a, &set);
+    let e = exp16xn::<N, true>(a, &set);
     let e = each(&|i| _mm512_mul_ps(t[i], e[i]));
     // x >= 0: x/2 * (2 - e); else (and NaN) x/2 * e
     each(&|i| {
@@ -258,11 +246,12 @@ fn gelu16xn<const N: usize>(
     })
 }
 
-/// [`exp_fma_f32`] on `N` 16-lane vectors, operation for operation.
+/// [`exp_fma_f32`] (`FUSED`) or [`exp_f32`] (products and sums rounded apart) on `N` 16-lane
+/// vectors, operation for operation.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline]
-fn exp16xn<const N: usize>(
+fn exp16xn<const N: usize, const FUSED: bool>(
     x: [std::arch::x86_64::__m512; N],
     set: &impl Fn(f32) -> std::arch::x86_64::__m512,
 ) -> [std::arch::x86_64::__m512; N] {
@@ -270,19 +259,32 @@ fn exp16xn<const N: usize>(
     use std::arch::x86_64::*;
     let each = |f: &dyn Fn(usize) -> __m512| -> [__m512; N] { std::array::from_fn(f) };
     // max(LO, x) then min(HI, .) is `clamp`, and returns x when it is NaN (the second operand).
+    // a * b + c, fused or rounded twice as the scalar copy does it.
+    let madd = |a: __m512, b: __m512, c: __m512| {
+        if FUSED {
+            _mm512_fmadd_ps(a, b, c)
+        } else {
+            _mm512_add_ps(_mm512_mul_ps(a, b), c)
+        }
+    };
     let xc = each(&|i| _mm512_min_ps(set(k::HI), _mm512_max_ps(set(k::LO), x[i])));
-    let t = each(&|i| _mm512_fmadd_ps(xc[i], set(k::LOG2E), set(k::MAGIC)));
+    let t = each(&|i| madd(xc[i], set(k::LOG2E), set(k::MAGIC)));
     let n = each(&|i| _mm512_sub_ps(t[i], set(k::MAGIC)));
     let r = each(&|i| {
-        let r = _mm512_fnmadd_ps(n[i], set(k::LN2_HI), xc[i]);
-        _mm512_fnmadd_ps(n[i], set(k::LN2_LO), r)
+        if FUSED {
+            let r = _mm512_fnmadd_ps(n[i], set(k::LN2_HI), xc[i]);
+            _mm512_fnmadd_ps(n[i], set(k::LN2_LO), r)
+        } else {
+            let r = _mm512_sub_ps(xc[i], _mm512_mul_ps(n[i], set(k::LN2_HI)));
+            _mm512_sub_ps(r, _mm512_mul_ps(n[i], set(k::LN2_LO)))
+        }
     });
     let mut p = [set(k::P[0]); N];
     for &c in &k::P[1..] {
-        p = each(&|i| _mm512_fmadd_ps(p[i], r[i], set(c)));
+        p = each(&|i| madd(p[i], r[i], set(c)));
     }
     each(&|i| {
-        let e = _mm512_fmadd_ps(_mm512_mul_ps(p[i], r[i]), r[i], r[i]);
+        let e = madd(_mm512_mul_ps(p[i], r[i]), r[i], r[i]);
         let e = _mm512_add_ps(e, set(1.0));
         let ni = _mm512_sub_epi32(_mm512_castps_si512(t[i]), _mm512_set1_epi32(0x4B40_0000));
         let n1 = _mm512_srai_epi32::<1>(ni);
@@ -298,12 +300,161 @@ fn exp16xn<const N: usize>(
         _mm512_mask_blend_ps(hi, y, set(f32::INFINITY))
     })
 }
+/// Vectors the hand-written AVX-512 loops below carry through each step together (an exp is a
+/// ~20-deep chain of dependent operations: one vector per loop iteration, the compiler's
+/// vectorization, waits on latency; sigmoid measured ~1.0 ns a value that way).
+const EXP_LANES: usize = 4;
+
+/// `f` over whole blocks of `16 * EXP_LANES` values of `v` (loaded, mapped, stored) and
+/// `scalar` over the rest.
+///
+/// # Safety
+/// AVX-512 F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn map16xn(
+    v: &mut [f32],
+    f: impl Fn([std::arch::x86_64::__m512; EXP_LANES]) -> [std::arch::x86_64::__m512; EXP_LANES],
+    scalar: impl Fn(f32) -> f32,
+) {
+    use std::arch::x86_64::*;
+    let mut blocks = v.chunks_exact_mut(16 * EXP_LANES);
+    for block in &mut blocks {
+        let mut x = [_mm512_setzero_ps(); EXP_LANES];
+        for (i, xi) in x.iter_mut().enumerate() {
+            // SAFETY: the block holds 16 * EXP_LANES values.
+            *xi = unsafe { _mm512_loadu_ps(block.as_ptr().add(16 * i)) };
+        }
+        let y = f(x);
+        for (i, yi) in y.iter().enumerate() {
+            // SAFETY: as the loads.
+            unsafe { _mm512_storeu_ps(block.as_mut_ptr().add(16 * i), *yi) };
+        }
+    }
+    for x in blocks.into_remainder() {
+        *x = scalar(*x);
+    }
+}
+
+/// `-x` on each vector (sign bit flipped, as scalar negation does).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn neg16(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    _mm512_castsi512_ps(_mm512_xor_si512(
+        _mm512_castps_si512(x),
+        _mm512_set1_epi32(i32::MIN),
+    ))
+}
+
+/// [`sigmoid`] at AVX-512: [`sigmoid_f32`]'s operations on interleaved vectors.
+///
+/// # Safety
+/// AVX-512 F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn sigmoid16(v: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let set = |c: f32| _mm512_set1_ps(c);
+    let f = |x: [__m512; EXP_LANES]| {
+        let e = exp16xn::<EXP_LANES, false>(x.map(|x| neg16(x)), &set);
+        e.map(|e| _mm512_div_ps(set(1.0), _mm512_add_ps(set(1.0), e)))
+    };
+    // SAFETY: AVX-512 F, as this function requires.
+    unsafe { map16xn(v, f, sigmoid_f32) }
+}
+
+/// [`swish`] at AVX-512: `x / (1 + e^-x)` on interleaved vectors.
+///
+/// # Safety
+/// AVX-512 F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn swish16(v: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let set = |c: f32| _mm512_set1_ps(c);
+    let f = |x: [__m512; EXP_LANES]| {
+        let e = exp16xn::<EXP_LANES, false>(x.map(|x| neg16(x)), &set);
+        std::array::from_fn(|i| _mm512_div_ps(x[i], _mm512_add_ps(set(1.0), e[i])))
+    };
+    // SAFETY: AVX-512 F, as this function requires.
+    unsafe { map16xn(v, f, |x| x / (1.0 + exp_f32(-x))) }
+}
+
+/// [`tanh`] at AVX-512: [`tanh_f32`]'s operations (both branches, then the select) on
+/// interleaved vectors.
+///
+/// # Safety
+/// AVX-512 F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn tanh16(v: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let set = |c: f32| _mm512_set1_ps(c);
+    let f = |x: [__m512; EXP_LANES]| {
+        let each = |f: &dyn Fn(usize) -> __m512| -> [__m512; EXP_LANES] { std::array::from_fn(f) };
+        let a = each(&|i| _mm512_abs_ps(x[i]));
+        let z = each(&|i| _mm512_mul_ps(x[i], x[i]));
+        let mut p = [set(-5.704_988_7e-3); EXP_LANES];
+        p = each(&|i| _mm512_add_ps(_mm512_mul_ps(p[i], z[i]), set(2.063_909e-2)));
+        p = each(&|i| _mm512_sub_ps(_mm512_mul_ps(p[i], z[i]), set(5.373_971_6e-2)));
+        p = each(&|i| _mm512_add_ps(_mm512_mul_ps(p[i], z[i]), set(1.333_144_2e-1)));
+        p = each(&|i| _mm512_sub_ps(_mm512_mul_ps(p[i], z[i]), set(3.333_328e-1)));
+        // 2 * clamp(a, 0, 10); a NaN passes through max and min (their second operand).
+        let arg = each(&|i| {
+            let ac = _mm512_min_ps(set(10.0), _mm512_max_ps(set(0.0), a[i]));
+            _mm512_mul_ps(set(2.0), ac)
+        });
+        let e = exp16xn::<EXP_LANES, false>(arg, &set);
+        each(&|i| {
+            let small = _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p[i], z[i]), x[i]), x[i]);
+            let big = _mm512_sub_ps(
+                set(1.0),
+                _mm512_div_ps(set(2.0), _mm512_add_ps(e[i], set(1.0))),
+            );
+            let negative = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x[i], set(0.0));
+            let big = _mm512_mask_blend_ps(negative, big, neg16(big));
+            let near_zero = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(a[i], set(0.625));
+            _mm512_mask_blend_ps(near_zero, big, small)
+        })
+    };
+    // SAFETY: AVX-512 F, as this function requires.
+    unsafe { map16xn(v, f, tanh_f32) }
+}
+
+/// [`softmax_row`] at AVX-512: the max and sum as [`softmax_body`] takes them, the exps on
+/// interleaved vectors.
+///
+/// # Safety
+/// AVX-512 F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn softmax_row16(row: &mut [f32]) {
+    use std::arch::x86_64::*;
+    if row.is_empty() {
+        return;
+    }
+    let set = |c: f32| _mm512_set1_ps(c);
+    let m = max_of(row);
+    let f = |x: [__m512; EXP_LANES]| {
+        exp16xn::<EXP_LANES, false>(x.map(|x| _mm512_sub_ps(x, set(m))), &set)
+    };
+    // SAFETY: AVX-512 F, as this function requires.
+    unsafe { map16xn(row, f, |x| exp_f32(x - m)) };
+    let inv = 1.0 / sum_of(row);
+    for v in row.iter_mut() {
+        *v *= inv;
+    }
+}
+
 twin_loop!(
     /// Sigmoid over a slice, in place.
     sigmoid,
     sigmoid_scalar,
     sigmoid_avx2,
-    sigmoid_avx512,
+    avx512: sigmoid16,
     |v| v.iter_mut().for_each(|x| *x = sigmoid_f32(*x))
 );
 twin_loop!(
@@ -311,7 +462,7 @@ twin_loop!(
     swish,
     swish_scalar,
     swish_avx2,
-    swish_avx512,
+    avx512: swish16,
     |v| v.iter_mut().for_each(|x| *x /= 1.0 + exp_f32(-*x))
 );
 twin_loop!(
@@ -319,7 +470,7 @@ twin_loop!(
     tanh,
     tanh_scalar,
     tanh_avx2,
-    tanh_avx512,
+    avx512: tanh16,
     |v| v.iter_mut().for_each(|x| *x = tanh_f32(*x))
 );
 twin_loop!(
@@ -327,7 +478,7 @@ twin_loop!(
     softmax_row,
     softmax_row_scalar,
     softmax_row_avx2,
-    softmax_row_avx512,
+    avx512: softmax_row16,
     |v| softmax_body(v)
 );
 
@@ -428,7 +579,7 @@ mod tests {
         crate::ops::fused::gelu(x as f64)
     }
 
-    /// The interleaved AVX-512 GELU (blocks of 64 values) against the scalar twin: a sweep
+    /// The interleaved AVX-512 loops (blocks of 64 values) against the scalar twins: a sweep
     /// through both tails (exp's argument below its lower clamp from |x| ~ 13.2), signed
     /// zeros, infinities, NaN and huge values, several blocks long with a remainder.
     #[test]
@@ -454,6 +605,41 @@ mod tests {
             assert_eq!(x.to_bits(), y.to_bits(), "gelu({}): {x} vs {y}", v[i]);
         }
         assert!(a[304].is_nan() && a[300] == 0.0 && a[302] == f32::INFINITY);
+        // The hand-interleaved sigmoid, swish, tanh (blocks of 64 with a remainder) on the
+        // same values: equal to the scalar twin and to the one-value function.
+        type Pair = (&'static str, fn(&mut [f32]), fn(&mut [f32]), fn(f32) -> f32);
+        let pairs: [Pair; 3] = [
+            ("sigmoid", sigmoid, sigmoid_scalar, sigmoid_f32),
+            ("swish", swish, swish_scalar, |x| x / (1.0 + exp_f32(-x))),
+            ("tanh", tanh, tanh_scalar, tanh_f32),
+        ];
+        for (name, fast, twin, one) in pairs {
+            let (mut a, mut b) = (v.clone(), v.clone());
+            fast(&mut a);
+            twin(&mut b);
+            for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+                let z = one(v[i]);
+                assert_eq!(x.to_bits(), y.to_bits(), "{name}({}): {x} vs {y}", v[i]);
+                assert_eq!(x.to_bits(), z.to_bits(), "{name}({}): {x} vs {z}", v[i]);
+            }
+        }
+        // Softmax over rows of several blocks with a remainder, large and tiny values.
+        for len in [1usize, 63, 64, 65, 200] {
+            let row: Vec<f32> = (0..len)
+                .map(|i| v[(i * 7) % v.len()])
+                .map(|x| {
+                    if x.is_finite() {
+                        x.clamp(-90.0, 90.0)
+                    } else {
+                        0.0
+                    }
+                })
+                .collect();
+            let (mut a, mut b) = (row.clone(), row.clone());
+            softmax_row(&mut a);
+            softmax_row_scalar(&mut b);
+            assert_eq!(bits(&a), bits(&b), "softmax of {len}");
+        }
     }
 
     #[test]

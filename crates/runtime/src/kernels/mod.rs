@@ -8,6 +8,7 @@ pub mod fpenv;
 pub mod idwconv;
 pub mod igemm;
 pub mod imm;
+pub mod interleave;
 pub mod qconvert;
 pub mod qgemv;
 pub mod sgemm;

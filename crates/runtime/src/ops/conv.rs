@@ -6,6 +6,7 @@
 //! skips im2col for 1x1 stride-1 unpadded convs, and runs depthwise convs (one input channel
 //! per group) directly.
 
+mod deconv_nhwc;
 mod detect;
 mod nhwc;
 mod pool;

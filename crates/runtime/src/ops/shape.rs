@@ -25,11 +25,22 @@ pub trait Movable: Clone + Default + Send + Sync + 'static {
     fn out_buffer(len: usize) -> Vec<Self> {
         crate::buffers::filled(len, Self::default())
     }
+    /// `dst[3 r + c] = [p0, p1, p2][c][r]` by a vector kernel where the type has one (f32:
+    /// `kernels::interleave`); `false` leaves `dst` to the generic copy.
+    fn interleave3(_p0: &[Self], _p1: &[Self], _p2: &[Self], _dst: &mut [Self]) -> bool {
+        false
+    }
 }
 
 macro_rules! movable_pod {
-    ($($t:ty),*) => {$(
+    ($($t:ty $(=> $interleave3:path)?),*) => {$(
         impl Movable for $t {
+            $(
+            fn interleave3(p0: &[Self], p1: &[Self], p2: &[Self], dst: &mut [Self]) -> bool {
+                $interleave3(p0, p1, p2, dst);
+                true
+            }
+            )?
             fn view(t: &Tensor) -> Result<&[Self]> {
                 Ok(t.as_slice::<$t>()?)
             }
@@ -42,7 +53,7 @@ macro_rules! movable_pod {
         }
     )*};
 }
-movable_pod!(f32, f64, f16, bf16, i16, u16, i32, u32, i64, u64, bool);
+movable_pod!(f32 => crate::kernels::interleave::interleave3, f64, f16, bf16, i16, u16, i32, u32, i64, u64, bool);
 
 impl Movable for i8 {
     fn view(t: &Tensor) -> Result<&[Self]> {
@@ -341,6 +352,13 @@ fn fill_strided<T: Movable>(src: &[T], base: isize, dims: &[(usize, isize)], out
             let mut blocks = out.chunks_mut(rows * cols);
             for_each_offset(&outer_shape[..k - 1], &outer_strides[..k - 1], base, |o| {
                 let Some(dst) = blocks.next() else { return };
+                // Three planes into pixels (an RGB image to channels-last).
+                if cols == 3 {
+                    let plane = |c: isize| &src[(o + c * s) as usize..][..rows];
+                    if T::interleave3(plane(0), plane(1), plane(2), dst) {
+                        return;
+                    }
+                }
                 for r0 in (0..rows).step_by(TILE) {
                     for c0 in (0..cols).step_by(TILE) {
                         for r in r0..(r0 + TILE).min(rows) {
@@ -1464,6 +1482,29 @@ mod tests {
                     let got = strided_copy_mt(&src, 0, &oshape, &ost, threads).unwrap();
                     assert_eq!(got, want, "shape {shape:?} perm {perm:?}");
                 }
+            }
+        }
+    }
+
+    /// NCHW -> NHWC of three-channel f32 images (the vector interleave) equals the generic
+    /// copy of the same offsets as i32, with a batch, odd sizes and a thread split.
+    #[test]
+    fn three_plane_transposes_match_naive() {
+        for shape in [[1usize, 3, 7, 9], [2, 3, 20, 33], [1, 3, 1, 5]] {
+            let n: usize = shape.iter().product();
+            let src: Vec<i32> = (0..n as i32).collect();
+            let srcf: Vec<f32> = src.iter().map(|&v| v as f32).collect();
+            let st = isize_strides(&shape);
+            let perm = [0usize, 2, 3, 1];
+            let oshape: Vec<usize> = perm.iter().map(|&p| shape[p]).collect();
+            let ost: Vec<isize> = perm.iter().map(|&p| st[p]).collect();
+            let want: Vec<f32> = naive(&src, 0, &oshape, &ost)
+                .into_iter()
+                .map(|v| v as f32)
+                .collect();
+            for threads in [1, 2] {
+                let got = strided_copy_mt(&srcf, 0, &oshape, &ost, threads).unwrap();
+                assert_eq!(got, want, "shape {shape:?}");
             }
         }
     }

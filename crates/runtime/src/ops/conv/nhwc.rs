@@ -7,6 +7,7 @@
 //!   (`activation`, `activation_params`); bias and activation are applied while the output
 //!   rows are still in cache.
 //! - `npuc.GlobalAveragePoolNhwc(X)`: GlobalAveragePool of an NHWC tensor (`[N, 1, 1, C]`).
+//! - `npuc.ConvTransposeNhwc(X, W[, B])`: see [`super::deconv_nhwc`].
 //!
 //! Why NHWC pays on a CPU: a 1x1 conv is a plain GEMM `[N*H*W, C] x [C, M]` (as in NCHW), a
 //! KxK conv's im2col copies contiguous runs of `C` channels instead of single pixels, and a
@@ -34,6 +35,10 @@ use rayon::prelude::*;
 pub fn register(r: &mut Registry) {
     r.define(&CONV_NHWC, conv_nhwc);
     r.define(&GLOBAL_AVERAGE_POOL_NHWC, gap_nhwc);
+    r.define(
+        &super::deconv_nhwc::CONV_TRANSPOSE_NHWC,
+        super::deconv_nhwc::conv_transpose_nhwc,
+    );
 }
 
 /// `npuc.ConvNhwc` (see the module docs): Conv's attributes plus the fused activation.
@@ -854,6 +859,75 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// ConvTransposeNhwc equals ONNX ConvTranspose (the NCHW kernel), transposed: 2x2 stride 2
+    /// (PP-OCR's head), 3x2 stride (3, 2) with a bias, one output channel, two images; narrow
+    /// (`KW * M` < 16, the transposed product) and wide outputs; at 1 and 2 threads.
+    /// Overlapping strides are refused with the reason.
+    #[test]
+    fn conv_transpose_nhwc_matches_nchw() {
+        // (n, c, h, w, m, kh, kw, bias)
+        let cases = [
+            (1, 4, 5, 7, 3, 2, 2, false),
+            (2, 5, 3, 4, 8, 3, 2, true),
+            (1, 16, 6, 40, 1, 2, 2, true),
+            (2, 16, 20, 24, 16, 2, 2, true),
+        ];
+        for (ci, &(n, c, h, wd, m, kh, kw, bias)) in cases.iter().enumerate() {
+            let x = rnd(n * c * h * wd, 11 + ci as u64);
+            let wt =
+                Tensor::from_vec(vec![c, m, kh, kw], rnd(c * m * kh * kw, 13 + ci as u64)).unwrap();
+            let bt = Tensor::from_vec(vec![m], rnd(m, 17 + ci as u64)).unwrap();
+            let ins: &[&str] = if bias { &["x", "w", "b"] } else { &["x", "w"] };
+            let strides = Attr::Ints(vec![kh as i64, kw as i64]);
+            let deconv =
+                Node::new("ConvTranspose", ins, &["y"]).with_attr("strides", strides.clone());
+            let want = run_node(
+                deconv,
+                Tensor::from_vec(vec![n, c, h, wd], x.clone()).unwrap(),
+                wt.clone(),
+                bt.clone(),
+                1,
+            );
+            let ws = want.shape().to_vec();
+            let want = nchw_to_nhwc(
+                want.as_slice::<f32>().unwrap(),
+                [ws[0], ws[1], ws[2], ws[3]],
+            );
+            for threads in [1, 2] {
+                let node = npuc(Node::new("ConvTransposeNhwc", ins, &["y"]))
+                    .with_attr("strides", strides.clone());
+                let xn = nchw_to_nhwc(&x, [n, c, h, wd]);
+                let got = run_node(
+                    node,
+                    Tensor::from_vec(vec![n, h, wd, c], xn).unwrap(),
+                    wt.clone(),
+                    bt.clone(),
+                    threads,
+                );
+                assert_eq!(got.shape(), &[n, h * kh, wd * kw, m], "case {ci}");
+                for (i, (a, b)) in got.as_slice::<f32>().unwrap().iter().zip(&want).enumerate() {
+                    assert!(
+                        (a - b).abs() <= 1e-4 * (1.0 + b.abs()),
+                        "case {ci} threads {threads} at {i}: {a} vs {b}"
+                    );
+                }
+            }
+        }
+        // Stride 1 with a 2x2 kernel overlaps: refused, naming the rule.
+        let node = npuc(Node::new("ConvTransposeNhwc", &["x", "w"], &["y"]));
+        let m = model(
+            vec![node],
+            vec![(
+                "w",
+                Tensor::from_vec(vec![2, 2, 2, 2], vec![0f32; 16]).unwrap(),
+            )],
+        );
+        let s = Session::new(&m, SessionOptions { threads: 1 }).unwrap();
+        let x = Tensor::from_vec(vec![1, 3, 3, 2], vec![0f32; 18]).unwrap();
+        let e = s.run(vec![("x".into(), Value::tensor(x))]).unwrap_err();
+        assert!(e.to_string().contains("strides equal to the kernel"), "{e}");
     }
 
     #[test]
