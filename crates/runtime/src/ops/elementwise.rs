@@ -97,6 +97,28 @@ impl Bcast {
         self.len() == 0
     }
 
+    /// Whether input `k` gives every output row the same contiguous row (its first `inner`
+    /// values): a per-channel constant over a channels-last tensor (`[1, 1, 1, C]` against
+    /// `[1, H, W, C]`), whose rows are too short for the per-row walk of
+    /// [`Bcast::for_each_row`] to pay.
+    pub fn repeats_one_row(&self, k: usize) -> bool {
+        let r = self.dims.len();
+        let s = &self.strides[k];
+        s[r - 1] == 1 && s[..r - 1].iter().all(|&v| v == 0)
+    }
+
+    /// Whether input `k` covers the output contiguously (its shape is the output's).
+    pub fn is_contiguous(&self, k: usize) -> bool {
+        let mut want = 1;
+        for (&n, &st) in self.dims.iter().zip(&self.strides[k]).rev() {
+            if st != want && n > 1 {
+                return false;
+            }
+            want *= n;
+        }
+        true
+    }
+
     /// Contiguous output rows and their length: the output is `rows x inner` values.
     pub fn rows_inner(&self) -> (usize, usize) {
         if self.is_empty() {
@@ -178,7 +200,28 @@ fn binary_rows<A: Copy, B: Copy, O>(
     out: &mut [O],
     f: impl Fn(A, B) -> O,
 ) {
-    let base = rows.start * plan.rows_inner().1;
+    let inner = plan.rows_inner().1;
+    let base = rows.start * inner;
+    // One input the same short row for every output row, the other contiguous: plain loops.
+    for (row_input, full) in [(1usize, 0usize), (0, 1)] {
+        if inner == 0 || !plan.repeats_one_row(row_input) || !plan.is_contiguous(full) {
+            continue;
+        }
+        let span = base..base + out.len();
+        for (i, o) in out.chunks_exact_mut(inner).enumerate() {
+            let at = span.start + i * inner;
+            if row_input == 1 {
+                for ((v, &x), &y) in o.iter_mut().zip(&a[at..at + inner]).zip(&b[..inner]) {
+                    *v = f(x, y);
+                }
+            } else {
+                for ((v, &x), &y) in o.iter_mut().zip(&a[..inner]).zip(&b[at..at + inner]) {
+                    *v = f(x, y);
+                }
+            }
+        }
+        return;
+    }
     plan.for_each_row_in(rows, |offs, oo, n, st| {
         let o = &mut out[oo - base..oo - base + n];
         let (ia, ib) = (offs[0], offs[1]);
@@ -311,7 +354,19 @@ pub fn binary_same<T: Elem>(
             apply_zip(v, o, threads, g);
         } else {
             // The kept input is contiguous over the output, so its inner stride is 1.
+            let inner = plan.rows_inner().1;
+            let repeat = inner > 0 && plan.repeats_one_row(other);
             let rows_of = |v: &mut [T], rows: std::ops::Range<usize>, base: usize| {
+                if repeat {
+                    // The same row of `other` for every output row (a channels-last scale).
+                    let orow = &o[..inner];
+                    for row in v.chunks_exact_mut(inner) {
+                        for (x, &y) in row.iter_mut().zip(orow) {
+                            *x = g(*x, y);
+                        }
+                    }
+                    return;
+                }
                 plan.for_each_row_in(rows, |offs, oo, n, st| {
                     let row = &mut v[oo - base..oo - base + n];
                     let io = offs[other];
@@ -834,6 +889,51 @@ mod tests {
         let mut v = vec![];
         p.for_each_row(|o, oo, n, st| v.push((o.to_vec(), oo, n, st.to_vec())));
         v
+    }
+
+    /// A row repeated over every output row (either operand), a per-channel constant over a
+    /// channels-last tensor, and a broadcast that is neither: `binary_map` equals the
+    /// element-by-element definition (subtraction, so swapped operands would show).
+    #[test]
+    fn repeated_rows_match_the_definition() {
+        let cases: [(&[usize], &[usize]); 4] = [
+            (&[2, 3, 4], &[4]),
+            (&[4], &[2, 3, 4]),
+            (&[1, 3, 5, 16], &[1, 1, 1, 16]),
+            (&[2, 3, 4], &[2, 1, 4]),
+        ];
+        for (sa, sb) in cases {
+            let na: usize = sa.iter().product();
+            let nb: usize = sb.iter().product();
+            let a = Tensor::from_vec(
+                sa.to_vec(),
+                (0..na).map(|i| i as f32 * 1.5).collect::<Vec<_>>(),
+            )
+            .unwrap();
+            let b = Tensor::from_vec(
+                sb.to_vec(),
+                (0..nb).map(|i| i as f32 * 0.25 - 3.0).collect::<Vec<_>>(),
+            )
+            .unwrap();
+            let plan = Bcast::new(&[sa, sb]).unwrap();
+            let got = binary_map(&a, &b, |x: f32, y: f32| x - y).unwrap();
+            let out = plan.out_shape.clone();
+            let (ea, eb) = (broadcast_strides(sa, &out), broadcast_strides(sb, &out));
+            let (xa, xb) = (a.as_slice::<f32>().unwrap(), b.as_slice::<f32>().unwrap());
+            let g = got.as_slice::<f32>().unwrap();
+            assert_eq!(g.len(), plan.len());
+            for (i, &v) in g.iter().enumerate() {
+                // Multi-index of output element i, then each input's offset.
+                let (mut rest, mut oa, mut ob) = (i, 0, 0);
+                for d in (0..out.len()).rev() {
+                    let c = rest % out[d];
+                    rest /= out[d];
+                    oa += c * ea[d];
+                    ob += c * eb[d];
+                }
+                assert_eq!(v, xa[oa] - xb[ob], "{sa:?} - {sb:?} at {i}");
+            }
+        }
     }
 
     #[test]
