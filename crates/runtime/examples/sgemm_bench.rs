@@ -1,7 +1,7 @@
 //! f32 product throughput at the ViT-S and PP-OCR shapes, in GFLOP/s: the `gemm` crate (what
 //! `ops::matmul::gemm_into` calls below AVX-512) against `kernels::sgemm` (AVX-512), with `b`
 //! packed per call and packed once beforehand (a constant weight), alternating in each round.
-//! Usage: `cargo run --release -p npuc-runtime --example sgemm_bench [THREADS]`.
+//! Usage: `cargo run --release -p npuc-runtime --example sgemm_bench [THREADS [SHAPE]]`.
 
 use npuc_runtime::kernels::sgemm::{self, PackedB, View};
 use std::time::Instant;
@@ -23,6 +23,7 @@ fn main() {
         ("conv_b", 96, 864, 784),
         ("rec_mix", 40, 480, 120),
         ("v6_pw", 240, 160, 320),
+        ("v6_head", 40, 80, 6906),
         ("cls_c0", 3200, 27, 16),
         ("cls_pw", 400, 256, 256),
         ("cls_c30", 240, 512, 512),
@@ -35,8 +36,12 @@ fn main() {
         isa.name(),
         sgemm::available(isa)
     );
+    let only = std::env::args().nth(2);
     for round in 0..3 {
         for &(name, m, k, n) in &shapes {
+            if only.as_deref().is_some_and(|o| o != name) {
+                continue;
+            }
             let a: Vec<f32> = (0..m * k).map(|i| (i % 97) as f32 * 0.01 - 0.4).collect();
             let b: Vec<f32> = (0..k * n).map(|i| (i % 89) as f32 * 0.01 - 0.4).collect();
             let mut c = vec![0f32; m * n];

@@ -88,8 +88,8 @@ pub fn suggest_within_budget(inp: &BudgetInput, log: &mut dyn FnMut(&str)) -> Re
     let build = |set: &[usize]| promote(q, &cands, set, si.headroom, si.ranges);
     let target = si.target_db;
     let every: Vec<usize> = (0..cands.len()).collect();
-    let (base_db, base_cos) = ev.eval(q)?;
-    let (all_db, all_cos) = ev.eval(&build(&every)?)?;
+    let (base_db, base_cos) = ev.eval(q.clone())?;
+    let (all_db, all_cos) = ev.eval(build(&every)?)?;
     log(&format!(
         "target search: {} candidates; {} dB as calibrated, {} dB with all at 16 bits",
         cands.len(),
@@ -111,10 +111,18 @@ pub fn suggest_within_budget(inp: &BudgetInput, log: &mut dyn FnMut(&str)) -> Re
     // Sensitivity both ways, as noise shares.
     let (nb, na) = (noise(base_db), noise(all_db));
     let mut share = vec![0f64; cands.len()];
+    // Evaluation 2c: candidate c alone at 16 bits; 2c + 1: all but c.
+    let both = ev.eval_each(2 * cands.len(), &|i| {
+        let c = i / 2;
+        if i % 2 == 0 {
+            build(&[c])
+        } else {
+            let rest: Vec<usize> = every.iter().copied().filter(|&x| x != c).collect();
+            build(&rest)
+        }
+    })?;
     for c in 0..cands.len() {
-        let (p, _) = ev.eval(&build(&[c])?)?;
-        let rest: Vec<usize> = every.iter().copied().filter(|&x| x != c).collect();
-        let (d, _) = ev.eval(&build(&rest)?)?;
+        let ((p, _), (d, _)) = (both[2 * c], both[2 * c + 1]);
         // An all-8-bit model with unbounded noise says nothing about a single promotion.
         let gain = if nb.is_finite() {
             (nb - noise(p)).max(0.0)
@@ -164,7 +172,7 @@ pub fn suggest_within_budget(inp: &BudgetInput, log: &mut dyn FnMut(&str)) -> Re
         |ws: &[usize], a: &[usize]| -> Vec<usize> { ws.iter().chain(a).copied().collect() };
     let eval_set =
         |ev: &mut Evaluator, log: &mut dyn FnMut(&str), set: &[usize]| -> Result<(f64, f64)> {
-            let r = ev.eval(&build(set)?)?;
+            let r = ev.eval(build(set)?)?;
             log(&format!(
                 "target search: {} weights + {} activations -> {} dB",
                 set.iter().filter(|&&c| !cands[c].is_activation()).count(),
@@ -204,7 +212,7 @@ pub fn suggest_within_budget(inp: &BudgetInput, log: &mut dyn FnMut(&str)) -> Re
             }
             let mut trial = cur.0.clone();
             trial.push(c);
-            let r = ev.eval(&build(&set_of(&weights, &trial))?)?;
+            let r = ev.eval(build(&set_of(&weights, &trial))?)?;
             if r.0 > cur.1 .0 {
                 cur = (trial, r);
             }
@@ -276,7 +284,7 @@ pub fn suggest_within_budget(inp: &BudgetInput, log: &mut dyn FnMut(&str)) -> Re
         }
         budget -= 1;
         let trial: Vec<usize> = set.iter().copied().filter(|&x| x != c).collect();
-        let r = ev.eval(&build(&trial)?)?;
+        let r = ev.eval(build(&trial)?)?;
         if r.0 >= target + PRUNE_MARGIN_DB {
             log(&format!(
                 "target search: dropped {} ({} dB without it)",

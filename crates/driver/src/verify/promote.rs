@@ -54,6 +54,9 @@ pub(super) enum Kind {
         dq_node: usize,
         /// The float model's weight.
         float: Tensor,
+        /// Its int16 quantization (values, scale, zero point), made on the first promotion:
+        /// a search builds hundreds of models, most with every weight promoted.
+        w16: Box<std::sync::OnceLock<(Tensor, Tensor, Tensor)>>,
     },
 }
 
@@ -173,6 +176,7 @@ pub fn candidates(m: &Model, reference: &Model) -> Vec<Candidate> {
             kind: Kind::Weight {
                 dq_node: i,
                 float: f.clone(),
+                w16: Box::default(),
             },
         });
     }
@@ -302,15 +306,25 @@ pub fn promote(
             Kind::Act {
                 q_node, dq_nodes, ..
             } => (*q_node, dq_nodes.clone()),
-            Kind::Weight { dq_node, float } => {
+            Kind::Weight {
+                dq_node,
+                float,
+                w16,
+            } => {
                 let dq = &m.graph.nodes[*dq_node];
-                let slen = m
-                    .graph
-                    .initializer(dq.input(1).unwrap_or_default())
-                    .map(|t| t.len())
-                    .unwrap_or(1);
-                let (q, s, z) = weight_i16(float, dq.int_or("axis", 1)?, slen, &cand.tensor)
-                    .with_context(|| format!("weight '{}'", cand.tensor))?;
+                let (q, s, z) = match w16.get() {
+                    Some(done) => done.clone(),
+                    None => {
+                        let slen = m
+                            .graph
+                            .initializer(dq.input(1).unwrap_or_default())
+                            .map(|t| t.len())
+                            .unwrap_or(1);
+                        let made = weight_i16(float, dq.int_or("axis", 1)?, slen, &cand.tensor)
+                            .with_context(|| format!("weight '{}'", cand.tensor))?;
+                        w16.get_or_init(|| made).clone()
+                    }
+                };
                 let qn = fresh(format!("{}_w16", cand.tensor));
                 let sn = fresh(format!("{}_w16_scale", cand.tensor));
                 let zn = fresh(format!("{}_w16_zero_point", cand.tensor));
@@ -409,6 +423,27 @@ pub fn promote(
     Ok(out)
 }
 
+/// Weight bytes below which several evaluations may run at once: each lane holds the model's
+/// prepared copy (lowered weights, packed panels) besides the candidate being built.
+const PARALLEL_EVAL_MAX_BYTES: usize = 512 << 20;
+
+/// How many evaluations may run at once for `q`: the cores, or one for a large model.
+fn parallel_lanes(q: &Model) -> usize {
+    let bytes: usize = q
+        .graph
+        .initializers
+        .iter()
+        .map(|i| i.tensor.len() * i.tensor.dtype().size())
+        .sum();
+    if bytes > PARALLEL_EVAL_MAX_BYTES {
+        return 1;
+    }
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// One evaluation's result (output SQNR, cosine) with its index.
+type Indexed = (usize, Result<(f64, f64)>);
+
 /// Output SQNR (worst output) and its cosine of `q` against cached reference outputs.
 pub(super) struct Evaluator<'a> {
     reference_outputs: Vec<HashMap<String, std::sync::Arc<Tensor>>>,
@@ -416,6 +451,8 @@ pub(super) struct Evaluator<'a> {
     samples: &'a [Sample],
     threads: usize,
     simulate: bool,
+    /// Most evaluations [`Self::eval_each`] runs at once (memory: each holds a prepared copy).
+    max_lanes: usize,
     pub(super) evaluations: usize,
 }
 
@@ -438,19 +475,79 @@ impl<'a> Evaluator<'a> {
             samples: inp.samples,
             threads: inp.threads,
             simulate: inp.simulate,
+            max_lanes: parallel_lanes(inp.quantized),
             evaluations: 0,
         })
     }
 
-    pub(super) fn eval(&mut self, q: &Model) -> Result<(f64, f64)> {
+    /// Output SQNR (worst output) and cosine of the quantized model `q` on the samples.
+    pub(super) fn eval(&mut self, q: Model) -> Result<(f64, f64)> {
         self.evaluations += 1;
-        let prepared = prepare_quantized(q.clone(), self.simulate)?;
-        let sess = Session::new(
-            &prepared,
-            SessionOptions {
-                threads: self.threads,
-            },
-        )?;
+        self.measure(q, self.threads)
+    }
+
+    /// [`Self::eval`] of `count` models, model `i` built by `build(i)`, results in order. With
+    /// more than one thread and a model of moderate size, several are built and run at once,
+    /// each single-threaded: preparing a model (lowering, packing weights) runs on one core
+    /// and small models gain little from a second thread, so one evaluation at a time left a
+    /// core mostly idle (all-MiniLM-L6-v2 `--target-sqnr`: 327 evaluations, ~0.6 s each at 2
+    /// threads, about 40% of it preparation). The results are the same either way (kernels
+    /// give the same values at any thread count).
+    pub(super) fn eval_each(
+        &mut self,
+        count: usize,
+        build: &(dyn Fn(usize) -> Result<Model> + Sync),
+    ) -> Result<Vec<(f64, f64)>> {
+        self.evaluations += count;
+        let lanes = self.threads.min(count).min(self.max_lanes);
+        if lanes <= 1 {
+            return (0..count)
+                .map(|i| self.measure(build(i)?, self.threads))
+                .collect();
+        }
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let this = &*self;
+        let results: Vec<Vec<Indexed>> = std::thread::scope(|s| {
+            let lanes: Vec<_> = (0..lanes)
+                .map(|_| {
+                    s.spawn(|| {
+                        let mut mine = vec![];
+                        loop {
+                            let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            if i >= count {
+                                break;
+                            }
+                            let r = build(i).and_then(|m| this.measure(m, 1));
+                            let failed = r.is_err();
+                            mine.push((i, r));
+                            if failed {
+                                // Stop handing out work: the first error is reported.
+                                next.store(count, std::sync::atomic::Ordering::Relaxed);
+                            }
+                        }
+                        mine
+                    })
+                })
+                .collect();
+            lanes
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
+                .collect()
+        });
+        let mut out: Vec<Option<Result<(f64, f64)>>> = (0..count).map(|_| None).collect();
+        for (i, r) in results.into_iter().flatten() {
+            out[i] = Some(r);
+        }
+        out.into_iter()
+            .enumerate()
+            .map(|(i, r)| r.unwrap_or_else(|| Err(anyhow!("evaluation {i} was not run"))))
+            .collect()
+    }
+
+    /// One evaluation on `threads` threads.
+    fn measure(&self, q: Model, threads: usize) -> Result<(f64, f64)> {
+        let prepared = prepare_quantized(q, self.simulate)?;
+        let sess = Session::new(&prepared, SessionOptions { threads })?;
         let mut acc = vec![Acc::default(); self.output_pairs.len()];
         for (s, r) in self.samples.iter().zip(&self.reference_outputs) {
             let o = run_named(&sess, s)?;
@@ -544,7 +641,7 @@ pub(super) fn local_noise(inp: &SuggestInput, cands: &[Candidate]) -> Result<Vec
     .context("preparing the quantized model")?;
     let mut local = vec![Acc::default(); cands.len()];
     for (c, a) in cands.iter().zip(local.iter_mut()) {
-        if let Kind::Weight { dq_node, float } = &c.kind {
+        if let Kind::Weight { dq_node, float, .. } = &c.kind {
             *a = weight_local(q, &q.graph.nodes[*dq_node], float)?;
         }
     }
@@ -578,14 +675,14 @@ pub fn suggest(inp: &SuggestInput, log: &mut dyn FnMut(&str)) -> Result<(Suggest
 
     let mut ev = Evaluator::new(inp)?;
     let build = |set: &[usize]| promote(q, &cands, set, inp.headroom, inp.ranges);
-    let (base_db, base_cos) = ev.eval(q)?;
+    let (base_db, base_cos) = ev.eval(q.clone())?;
     log(&format!(
         "suggest: {} candidate tensors; output SQNR as given {} dB",
         cands.len(),
         super::fmt_db(base_db)
     ));
     let all_model = build(&order)?;
-    let (all_db, all_cos) = ev.eval(&all_model)?;
+    let (all_db, all_cos) = ev.eval(all_model.clone())?;
     log(&format!(
         "suggest: all {} promoted: {} dB",
         cands.len(),
@@ -599,11 +696,12 @@ pub fn suggest(inp: &SuggestInput, log: &mut dyn FnMut(&str)) -> Result<(Suggest
     let mut greedy: Option<(Vec<usize>, f64, f64)> = None;
     if base_db < target && all_db >= target {
         let k = inp.sensitivity_evals.min(order.len());
-        let mut sens = Vec::with_capacity(k);
-        for &c in &order[..k] {
-            let (d, _) = ev.eval(&build(&[c])?)?;
-            sens.push((if d.is_nan() { f64::NEG_INFINITY } else { d }, c));
-        }
+        let alone = ev.eval_each(k, &|i| build(&[order[i]]))?;
+        let mut sens: Vec<(f64, usize)> = alone
+            .iter()
+            .zip(&order[..k])
+            .map(|(&(d, _), &c)| (if d.is_nan() { f64::NEG_INFINITY } else { d }, c))
+            .collect();
         // Stable: ties keep the local ranking.
         sens.sort_by(|a, b| b.0.total_cmp(&a.0));
         if let Some((d, c)) = sens.first() {
@@ -622,7 +720,7 @@ pub fn suggest(inp: &SuggestInput, log: &mut dyn FnMut(&str)) -> Result<(Suggest
         for &c in &order[..k] {
             let mut trial = set.clone();
             trial.push(c);
-            let (d, cs) = ev.eval(&build(&trial)?)?;
+            let (d, cs) = ev.eval(build(&trial)?)?;
             if d > cur.0 {
                 set = trial;
                 cur = (d, cs);
@@ -651,7 +749,7 @@ pub fn suggest(inp: &SuggestInput, log: &mut dyn FnMut(&str)) -> Result<(Suggest
         let (mut best_db, mut best_cos) = (all_db, all_cos);
         while hi - lo > 1 {
             let mid = (lo + hi) / 2;
-            let (d, c) = ev.eval(&build(&order[..mid])?)?;
+            let (d, c) = ev.eval(build(&order[..mid])?)?;
             log(&format!("suggest: {mid} promoted: {} dB", super::fmt_db(d)));
             if d >= target {
                 hi = mid;
@@ -671,7 +769,7 @@ pub fn suggest(inp: &SuggestInput, log: &mut dyn FnMut(&str)) -> Result<(Suggest
             budget -= 1;
             let mut trial = set.clone();
             trial.remove(i);
-            let (d, c) = ev.eval(&build(&trial)?)?;
+            let (d, c) = ev.eval(build(&trial)?)?;
             if d >= target {
                 log(&format!(
                     "suggest: dropped {} ({} dB without it)",

@@ -5,27 +5,23 @@
 //! cycle a value; with three planes its inner rows are three values long, so the tiling does not
 //! help. At AVX-512 each 16 pixels take three loads, six permutes and three stores.
 
-/// `dst[3 r + c] = [p0, p1, p2][c][r]` for every `r < p0.len()`.
-///
-/// # Panics
-/// When the planes differ in length or `dst` is not three times as long (callers slice them).
-pub fn interleave3(p0: &[f32], p1: &[f32], p2: &[f32], dst: &mut [f32]) {
+/// `dst[3 r + c] = [p0, p1, p2][c][r]` for every `r < p0.len()`; `false` (nothing written) when
+/// the planes differ in length or `dst` is not three times as long, so a caller can fall back
+/// to its generic copy instead of failing.
+pub fn interleave3(p0: &[f32], p1: &[f32], p2: &[f32], dst: &mut [f32]) -> bool {
     let rows = p0.len();
-    assert!(
-        p1.len() == rows && p2.len() == rows && dst.len() == 3 * rows,
-        "interleave3: planes of {rows}, {} and {} values into {}",
-        p1.len(),
-        p2.len(),
-        dst.len()
-    );
+    if p1.len() != rows || p2.len() != rows || dst.len() != 3 * rows {
+        return false;
+    }
     #[cfg(target_arch = "x86_64")]
     if npuc_isa::Isa::detect().has_avx512() {
         // SAFETY: the ISA module detected AVX-512F on this CPU (capped by NPUC_ISA); the
         // lengths were checked above.
         unsafe { interleave3_avx512(p0, p1, p2, dst) };
-        return;
+        return true;
     }
-    interleave3_scalar(p0, p1, p2, dst)
+    interleave3_scalar(p0, p1, p2, dst);
+    true
 }
 
 /// The scalar twin of [`interleave3`] (same preconditions).
@@ -115,7 +111,7 @@ mod tests {
                 .collect();
             let mut fast = vec![f32::NAN; 3 * rows];
             let mut twin = vec![f32::NAN; 3 * rows];
-            interleave3(&p[0], &p[1], &p[2], &mut fast);
+            assert!(interleave3(&p[0], &p[1], &p[2], &mut fast));
             interleave3_scalar(&p[0], &p[1], &p[2], &mut twin);
             assert_eq!(fast, twin, "{rows} rows");
             for r in 0..rows {
@@ -124,5 +120,15 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Mismatched lengths are refused with nothing written (the caller copies generically).
+    #[test]
+    fn interleave3_refuses_mismatched_lengths() {
+        let (a, b) = (vec![1f32; 4], vec![2f32; 5]);
+        let mut dst = vec![0f32; 12];
+        assert!(!interleave3(&a, &a, &b, &mut dst));
+        assert!(!interleave3(&a, &a, &a, &mut dst[..11]));
+        assert!(dst.iter().all(|&v| v == 0.0));
     }
 }

@@ -37,8 +37,7 @@ macro_rules! movable_pod {
         impl Movable for $t {
             $(
             fn interleave3(p0: &[Self], p1: &[Self], p2: &[Self], dst: &mut [Self]) -> bool {
-                $interleave3(p0, p1, p2, dst);
-                true
+                $interleave3(p0, p1, p2, dst)
             }
             )?
             fn view(t: &Tensor) -> Result<&[Self]> {

@@ -204,14 +204,9 @@ pub fn conv_transpose_nhwc(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     let row_in = wd * c;
     let unit = |(r, dst): (usize, &mut [f32])| -> Result<()> {
         let a = &xv[r * row_in..][..row_in];
-        if matches!(packed, Packed::NarrowRows(_) | Packed::NarrowPanels(_)) {
-            return narrow_unit(isa, a, packed, bias, (wd, c, m, kh, kw), dst);
-        }
-        for (dy, orow) in dst.chunks_exact_mut(ow * m).enumerate() {
+        // One kernel row's product into output row `dy` (`orow`).
+        let kernel_row = |dy: usize, orow: &mut [f32]| -> Result<()> {
             match packed {
-                Packed::NarrowRows(_) | Packed::NarrowPanels(_) => {
-                    unreachable!("handled above")
-                }
                 Packed::Panels(p) => {
                     sgemm::sgemm_packed(isa, wd, 1.0, View::rows(a, c), &p[dy], orow, kw * m, 1)?
                 }
@@ -227,7 +222,18 @@ pub fn conv_transpose_nhwc(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
                     kw * m,
                     1,
                 )?,
+                Packed::NarrowRows(_) | Packed::NarrowPanels(_) => {
+                    narrow_unit(isa, a, packed, bias, (wd, c, m, kh, kw), orow)?
+                }
             }
+            Ok(())
+        };
+        if matches!(packed, Packed::NarrowRows(_) | Packed::NarrowPanels(_)) {
+            // All kernel rows at once (and the bias): `dst` is the whole block.
+            return kernel_row(0, dst);
+        }
+        for (dy, orow) in dst.chunks_exact_mut(ow * m).enumerate() {
+            kernel_row(dy, orow)?;
             if let Some(bias) = bias {
                 for px in orow.chunks_exact_mut(m) {
                     for (o, &bv) in px.iter_mut().zip(bias) {
