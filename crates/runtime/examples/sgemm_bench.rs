@@ -24,6 +24,10 @@ fn main() {
         ("rec_mix", 40, 480, 120),
         ("v6_pw", 240, 160, 320),
         ("v6_head", 40, 80, 6906),
+        // ViT-S decoder ConvTranspose blocks: W^T [M*16, C] x X block [C, pixels].
+        ("deconv1", 4096, 384, 64),
+        ("deconv2", 2048, 256, 128),
+        ("deconv3", 1024, 128, 256),
         ("cls_c0", 3200, 27, 16),
         ("cls_pw", 400, 256, 256),
         ("cls_c30", 240, 512, 512),

@@ -3,8 +3,10 @@
 //!   `s = scale / sqrt(var + eps)` equals a conv with weights `W * s[m]` and bias
 //!   `(b - mean) * s + B`.
 //! - `Mul` by a constant that is per output channel (shape `[M,1..]`, `[1,M,1..]` or a scalar)
-//!   scales weights and bias; `Add` of such a constant adds to the bias (also after a group-1
-//!   `ConvTranspose`: a detector head's upsampling bias).
+//!   scales weights and bias; `Add` of such a constant adds to the bias.
+//!
+//! All three also fold into a group-1 `ConvTranspose` (`W [C, M, k...]`: output channel `m`'s
+//! weights are `W[:, m]`): a detector head's upsampling bias, a decoder's BatchNormalization.
 //!
 //! Exact up to float rounding (the conv computes the same affine map of its inputs). The conv
 //! output must be read only by the folded op, and the fold is skipped whenever a shape, dtype
@@ -105,9 +107,8 @@ fn run_fold(rw: &mut Rewriter<'_>, bn: bool) -> usize {
     let mut dead = HashSet::new();
     let mut plans = vec![];
     for (ci, c) in g.nodes.iter().enumerate() {
-        // A ConvTranspose takes only the bias fold (its weight's channels run the other way).
         let deconv = is_op(c, "ConvTranspose");
-        if !(is_op(c, "Conv") || deconv) || c.outputs.len() != 1 || (deconv && bn) {
+        if !(is_op(c, "Conv") || deconv) || c.outputs.len() != 1 {
             continue;
         }
         let y = &c.outputs[0];
@@ -122,6 +123,23 @@ fn run_fold(rw: &mut Rewriter<'_>, bn: bool) -> usize {
         let mch = b.len();
         let per = w.len() / mch.max(1);
         let rank = ws.len();
+        // Output channel `ch`'s weights times `k`: a Conv's `W [M, ...]` holds them in one
+        // block, a (group-1) ConvTranspose's `W [C, M, k...]` in one kernel block per input
+        // channel.
+        let kernel: usize = ws[2..].iter().product();
+        let scale_out = |w: &mut [f32], ch: usize, k: f64| {
+            // (first block, blocks, stride between blocks, block length)
+            let (first, blocks, stride, len) = if deconv {
+                (ch * kernel, ws[0], mch * kernel, kernel)
+            } else {
+                (ch * per, 1, 0, per)
+            };
+            for bi in 0..blocks {
+                for v in &mut w[first + bi * stride..][..len] {
+                    *v = (*v as f64 * k) as f32;
+                }
+            }
+        };
         if bn {
             if !is_op(u, "BatchNormalization")
                 || u.input(0) != Some(y.as_str())
@@ -143,14 +161,12 @@ fn run_fold(rw: &mut Rewriter<'_>, bn: bool) -> usize {
             };
             for ch in 0..mch {
                 let s = p[0][ch] / (p[3][ch] + eps as f64).sqrt();
-                for v in &mut w[ch * per..(ch + 1) * per] {
-                    *v = (*v as f64 * s) as f32;
-                }
+                scale_out(&mut w, ch, s);
                 b[ch] = ((b[ch] as f64 - p[2][ch]) * s + p[1][ch]) as f32;
             }
         } else {
             let is_mul = is_op(u, "Mul");
-            if !(is_mul && !deconv || is_op(u, "Add")) {
+            if !(is_mul || is_op(u, "Add")) {
                 continue;
             }
             let Some(other) = other_input(u, y) else {
@@ -167,9 +183,7 @@ fn run_fold(rw: &mut Rewriter<'_>, bn: bool) -> usize {
             };
             for ch in 0..mch {
                 if is_mul {
-                    for v in &mut w[ch * per..(ch + 1) * per] {
-                        *v = (*v as f64 * k[ch]) as f32;
-                    }
+                    scale_out(&mut w, ch, k[ch]);
                     b[ch] = (b[ch] as f64 * k[ch]) as f32;
                 } else {
                     b[ch] = (b[ch] as f64 + k[ch]) as f32;
@@ -250,33 +264,42 @@ mod tests {
         assert_eq!(m3.graph.nodes[0].outputs, ["y"]);
     }
 
-    /// A per-channel Add after a group-1 ConvTranspose (with or without a bias) folds into its
-    /// bias, outputs equal; a Mul after it stays (its weight runs `[C, M, ...]`).
+    /// BatchNormalization, a per-channel Add and a per-channel Mul after a group-1 ConvTranspose
+    /// (with or without a bias; a decoder's 4x4 stride-2 upsampling) fold into its weight and
+    /// bias (output channel m is `W[:, m]`), outputs equal.
     #[test]
-    fn folds_add_into_conv_transpose_bias() {
+    fn folds_affine_ops_into_conv_transpose() {
         for bias in [false, true] {
             let ins: &[&str] = if bias { &["x", "w", "b"] } else { &["x", "w"] };
             let mut m = model(
                 vec![
                     Node::new("ConvTranspose", ins, &["c"])
-                        .with_attr("strides", Attr::Ints(vec![2, 2])),
-                    Node::new("Add", &["c", "a"], &["d"]),
+                        .with_attr("strides", Attr::Ints(vec![2, 2]))
+                        .with_attr("pads", Attr::Ints(vec![1, 1, 1, 1])),
+                    Node::new("BatchNormalization", &["c", "s", "bb", "mu", "var"], &["n"]),
+                    Node::new("Add", &["n", "a"], &["d"]),
                     Node::new("Mul", &["d", "k"], &["y"]),
                 ],
                 &[("x", &[1, 2, 4, 5])],
                 &["y"],
             );
             let gi = &mut m.graph.initializers;
-            gi.push(init("w", data(&[2, 3, 2, 2], 1)));
+            gi.push(init("w", data(&[2, 3, 4, 4], 1)));
             gi.push(init("b", f32s(&[3], &[0.5, -0.5, 1.0])));
+            gi.push(init("s", f32s(&[3], &[1.0, 0.5, 2.0])));
+            gi.push(init("bb", f32s(&[3], &[0.1, 0.2, 0.3])));
+            gi.push(init("mu", f32s(&[3], &[0.0, -1.0, 1.0])));
+            gi.push(init("var", f32s(&[3], &[1.0, 4.0, 0.25])));
             gi.push(init("a", f32s(&[1, 3, 1, 1], &[0.1, 0.2, 0.3])));
             gi.push(init("k", f32s(&[1, 3, 1, 1], &[2.0, -1.0, 0.5])));
             let feeds = [("x", data(&[1, 2, 4, 5], 9))];
-            let (m1, n1) = check_pass(&ConvAffineFold, &m, &feeds);
+            let (m1, n1) = check_pass(&ConvBnFold, &m, &feeds);
             assert_eq!(n1, 1, "bias {bias}");
-            assert_eq!(ops(&m1), ["ConvTranspose", "Mul"]);
-            let (_, n2) = check_pass(&ConvAffineFold, &m1, &feeds);
-            assert_eq!(n2, 0);
+            let (m2, n2) = check_pass(&ConvAffineFold, &m1, &feeds);
+            assert_eq!(n2, 1, "bias {bias}");
+            let (m3, n3) = check_pass(&ConvAffineFold, &m2, &feeds);
+            assert_eq!(n3, 1, "bias {bias}");
+            assert_eq!(ops(&m3), ["ConvTranspose"]);
         }
     }
 }

@@ -15,9 +15,10 @@
 //!   `Clip`, ...) whose operands are chain values or constants: numpy broadcasting commutes with
 //!   permuting every operand the same way, so a constant operand of rank <= 4 is left-padded to
 //!   rank 4 and permuted (scalars and all-ones shapes stay as they are);
-//! - `ConvTranspose` whose strides equal its kernel (no padding, dilation, group or output
-//!   padding; constant f32 weight) becomes `npuc.ConvTransposeNhwc`: a detector's upsampling
-//!   head stays in the chain to its (one-channel) output;
+//! - `ConvTranspose` (group 1, dilation 1, constant f32 weight) whose strides equal its kernel
+//!   (no padding) or divide it (padding below the kernel: a decoder's 4x4 stride-2 upsampling)
+//!   becomes `npuc.ConvTransposeNhwc`: a detector's upsampling head stays in the chain to its
+//!   (one-channel) output, a segmentation decoder runs channels-last;
 //! - `GlobalAveragePool` (of a chain value) becomes `npuc.GlobalAveragePoolNhwc`, and so does
 //!   a `ReduceMean` over axes {2, 3} with `keepdims` (squeeze-excite blocks written that way);
 //! - 2-D `MaxPool` without the indices output (of a chain value) becomes `npuc.MaxPoolNhwc`
@@ -146,9 +147,10 @@ fn conv_ok(g: &npuc_ir::Graph, ix: &Index, n: &Node) -> bool {
 }
 
 /// Whether a ConvTranspose node can run as `npuc.ConvTransposeNhwc`: 2-D, constant f32 weight
-/// `[C, M, KH, KW]` (and bias), group 1, strides equal to the kernel, no padding, dilation or
-/// output padding (each input pixel writes its own output block: the upsampling heads of
-/// detectors).
+/// `[C, M, KH, KW]` (and bias), group 1, dilation 1, and either strides equal to the kernel
+/// with no padding (each input pixel writes its own output block: the upsampling heads of
+/// detectors) or kernels a multiple of the strides with padding below the kernel (a decoder's
+/// 4x4 stride-2 upsampling: the sub-pixel form).
 fn deconv_ok(g: &npuc_ir::Graph, ix: &Index, n: &Node) -> bool {
     if !is_op(n, "ConvTranspose") {
         return false;
@@ -156,20 +158,9 @@ fn deconv_ok(g: &npuc_ir::Graph, ix: &Index, n: &Node) -> bool {
     let Some(w) = conv_weight(g, ix, n, 1) else {
         return false;
     };
-    let kernel = [w.shape()[2] as i64, w.shape()[3] as i64];
-    let ints_are = |name: &str, want: &[i64], absent_ok: bool| match n.attr_ints(name) {
-        Ok(Some(v)) => v == want,
-        Ok(None) => absent_ok,
-        Err(_) => false,
-    };
-    ints_are("strides", &kernel, false)
-        && ints_are("kernel_shape", &kernel, true)
-        && ints_are("pads", &[0; 4], true)
-        && ints_are("dilations", &[1, 1], true)
-        && ints_are("output_padding", &[0, 0], true)
-        && matches!(n.attr_int("group"), Ok(None | Some(1)))
-        && matches!(n.attr_ints("output_shape"), Ok(None))
-        && matches!(n.attr_str("auto_pad"), Ok(None | Some("NOTSET" | "VALID")))
+    let kernel = [w.shape()[2], w.shape()[3]];
+    // The op's own rule (non-overlapping, or sub-pixel: kernels a multiple of the strides).
+    npuc_runtime::ops::conv::conv_transpose_runs_nhwc(n, kernel).unwrap_or(false)
 }
 
 fn classify(g: &npuc_ir::Graph, ix: &Index, n: &Node) -> Option<Kind> {
@@ -815,19 +806,27 @@ mod tests {
 
     /// A DB-style head, Conv -> Conv -> Relu -> ConvTranspose (2x2 stride 2, bias) -> Relu ->
     /// ConvTranspose (one channel) -> Sigmoid, is one chain to the output: the deconvs become
-    /// `ConvTransposeNhwc`, outputs equal. A stride-1 (overlapping) ConvTranspose stays NCHW.
+    /// `ConvTransposeNhwc`, outputs equal. So do stride-1 padded deconvs (the sub-pixel form);
+    /// dilated ones stay NCHW.
     #[test]
     fn upsampling_conv_transposes_join_the_chain() {
-        for overlapping in [false, true] {
-            let s2 = Attr::Ints(if overlapping { vec![1, 1] } else { vec![2, 2] });
+        for form in ["blocks", "sub-pixel", "dilated"] {
+            let attrs = |n: Node| match form {
+                "blocks" => n.with_attr("strides", Attr::Ints(vec![2, 2])),
+                "sub-pixel" => n
+                    .with_attr("strides", Attr::Ints(vec![1, 1]))
+                    .with_attr("pads", Attr::Ints(vec![1, 0, 0, 1])),
+                _ => n
+                    .with_attr("strides", Attr::Ints(vec![2, 2]))
+                    .with_attr("dilations", Attr::Ints(vec![2, 2])),
+            };
             let nodes = vec![
                 conv("x", "w0", "b0", "c0", 1),
                 conv("c0", "w1", "b1", "c1", 1),
                 Node::new("Relu", &["c1"], &["r1"]),
-                Node::new("ConvTranspose", &["r1", "wt1", "bt1"], &["u1"])
-                    .with_attr("strides", s2.clone()),
+                attrs(Node::new("ConvTranspose", &["r1", "wt1", "bt1"], &["u1"])),
                 Node::new("Relu", &["u1"], &["r2"]),
-                Node::new("ConvTranspose", &["r2", "wt2"], &["u2"]).with_attr("strides", s2),
+                attrs(Node::new("ConvTranspose", &["r2", "wt2"], &["u2"])),
                 Node::new("Sigmoid", &["u2"], &["y"]),
             ];
             let mut m = model(nodes, &[("x", &[1, 3, 6, 7])], &["y"]);
@@ -844,17 +843,17 @@ mod tests {
             let want = run(&m, &[("x", x.clone())]);
             crate::apply_pass(&LayoutNhwc, &mut m).unwrap();
             let count = |op: &str| m.graph.nodes.iter().filter(|n| n.op_type == op).count();
-            if overlapping {
+            if form == "dilated" {
                 // The two convs convert; r1 leaves the chain for the NCHW deconvs.
                 assert_eq!(count("ConvTransposeNhwc"), 0);
                 assert_eq!(count("ConvNhwc"), 2);
             } else {
-                assert_eq!(count("ConvTransposeNhwc"), 2);
+                assert_eq!(count("ConvTransposeNhwc"), 2, "{form}");
                 // x enters once, y leaves once.
-                assert_eq!(count("Transpose"), 2);
+                assert_eq!(count("Transpose"), 2, "{form}");
             }
             let got = run(&m, &[("x", x)]);
-            assert_outputs_close(&got, &want, &format!("overlapping {overlapping}"));
+            assert_outputs_close(&got, &want, form);
         }
     }
 

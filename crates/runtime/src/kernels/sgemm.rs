@@ -113,6 +113,10 @@ impl PackedB {
     pub fn n(&self) -> usize {
         self.n
     }
+    /// Element `(kk, j)` of the packed matrix (`None` outside `k x n`).
+    pub fn at(&self, kk: usize, j: usize) -> Option<f32> {
+        (kk < self.k && j < self.n).then(|| PackedView(self).at(kk, j))
+    }
 }
 
 /// Packs `b` into `dst` (`n.div_ceil(NR) * k * NR` values; columns past `n` are zeroed).

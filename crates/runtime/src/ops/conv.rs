@@ -7,6 +7,7 @@
 //! per group) directly.
 
 mod deconv_nhwc;
+pub use deconv_nhwc::runs_nhwc as conv_transpose_runs_nhwc;
 mod detect;
 mod nhwc;
 mod pool;

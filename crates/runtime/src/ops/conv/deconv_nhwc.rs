@@ -1,15 +1,25 @@
 //! `npuc.ConvTransposeNhwc(X, W[, B])`: a 2-D ONNX ConvTranspose with `X` and `Y` channels-last
 //! (`[N, H, W, C]` in, `[N, OH, OW, M]` out; `W` in the ONNX layout `[C, M, KH, KW]`), made by
-//! the `layout-nhwc` pass for the upsampling heads of detectors (PP-OCR's DB head: 2x2 kernels
-//! at stride 2) so they stay in the channels-last chain instead of leaving it twice.
+//! the `layout-nhwc` pass for upsampling heads and decoders (PP-OCR's DB head: 2x2 kernels at
+//! stride 2; a ViT decoder's 4x4 kernels at stride 2, padding 1) so they stay in the
+//! channels-last chain instead of leaving it twice.
 //!
-//! Only the non-overlapping form is supported: strides equal to the kernel, no padding,
-//! dilation 1, group 1, no output padding. Then every input pixel writes its own
-//! `KH x KW` block of output pixels, and input row `y` alone makes output rows
-//! `y * KH .. y * KH + KH`: for kernel row `dy`, output row `y * KH + dy` read as a
-//! `[W, KW * M]` matrix is the product of the input row `[W, C]` and the weight's columns
-//! `(dy, dx, m)` for that `dy` (`[C, KW * M]`). No column buffer, no scatter: each product
-//! writes its output row in place, the bias added while the row is in cache.
+//! Two forms run, both group 1 and dilation 1:
+//! - **Non-overlapping** (strides equal to the kernel, no padding or output padding): every
+//!   input pixel writes its own `KH x KW` block of output pixels, and input row `y` alone makes
+//!   output rows `y * KH .. y * KH + KH`: for kernel row `dy`, output row `y * KH + dy` read as a
+//!   `[W, KW * M]` matrix is the product of the input row `[W, C]` and the weight's columns
+//!   `(dy, dx, m)` for that `dy` (`[C, KW * M]`). No column buffer, no scatter: each product
+//!   writes its output row in place, the bias added while the row is in cache.
+//! - **Sub-pixel** (each kernel extent a multiple `T` of its stride; explicit padding below the
+//!   kernel, output padding below the stride): output `o` (per axis) with `o + pad = q s + r`
+//!   receives exactly the taps `r, r + s, .., r + (T-1) s` from inputs `q, q - 1, .., q - T + 1`.
+//!   So the outputs of one residue class `(ry, rx)` are a stride-1 `T x T` convolution of the
+//!   input (zero-padded by `T - 1`) with that class's taps: one output row's pixels of a class
+//!   are a product `[pixels, T*T*C] x [T*T*C, M]` whose rows are `T` runs of `T*C` consecutive
+//!   input values (read in place, no im2col), written at a pixel stride of `s * M`. Every
+//!   multiply-add is one a direct scatter would do (none on padding taps outside the class),
+//!   and no column buffer is written or read back (the NCHW kernel's GEMM + col2im).
 
 use super::{spatial_attr, PAR_MIN};
 use crate::bail;
@@ -71,6 +81,11 @@ enum Packed {
     Panels(Vec<PackedB>),
     NarrowRows(Vec<f32>),
     NarrowPanels(PackedB),
+    /// Sub-pixel form: per residue class `(ry, rx)` (`ry * SW + rx`), `[T*T*C, M]` rows
+    /// ordered `(ty, tx, c)` (see [`class_weight`]); packed, in chunks of [`chunk_cols`]
+    /// output channels.
+    ClassRows(Vec<Vec<f32>>),
+    ClassPanels(Vec<Vec<PackedB>>),
 }
 
 /// Output rows of fewer values than this (`KW * M`) take one product over every kernel row at
@@ -109,6 +124,327 @@ fn weight_rows(wv: &[f32], (c, m, kh, kw): (usize, usize, usize, usize)) -> Vec<
         .collect()
 }
 
+/// Geometry of the sub-pixel form (per axis: stride, taps per output, begin padding, output
+/// size).
+#[derive(Clone, Copy, Debug)]
+struct SubPixel {
+    s: [usize; 2],
+    t: [usize; 2],
+    pb: [usize; 2],
+}
+
+/// Whether a ConvTranspose node (2-D) is the sub-pixel form (see the module docs): group 1,
+/// dilation 1, each kernel extent a multiple (>= 2) of its stride, explicit pads below the
+/// kernel, output padding below the stride, no output shape or automatic padding. Returns the
+/// geometry and the output size for input `[h, w]`; `Ok(None)` for another form, `Err` for
+/// malformed attributes.
+fn sub_pixel(
+    node: &Node,
+    kernel: [usize; 2],
+    input: [usize; 2],
+) -> Result<Option<(SubPixel, [usize; 2])>> {
+    let s = spatial_attr(node, "strides", 2, 1)?;
+    let d = spatial_attr(node, "dilations", 2, 1)?;
+    let op = spatial_attr(node, "output_padding", 2, 0)?;
+    let p = match node.attr_ints("pads")? {
+        None => vec![0; 4],
+        Some(v) if v.len() == 4 && v.iter().all(|&x| x >= 0) => {
+            v.iter().map(|&x| x as usize).collect()
+        }
+        Some(v) => bail!("ConvTranspose pads {v:?}: expected 4 non-negative values"),
+    };
+    let kernel_attr_ok = match node.attr_ints("kernel_shape")? {
+        None => true,
+        Some(k) => k.len() == 2 && k[0] as usize == kernel[0] && k[1] as usize == kernel[1],
+    };
+    let axis_ok = |i: usize| {
+        s[i] >= 1
+            && kernel[i].is_multiple_of(s[i])
+            && kernel[i] / s[i] >= 2
+            && p[i] < kernel[i]
+            && p[i + 2] < kernel[i]
+            && op[i] < s[i]
+    };
+    let form = d == [1, 1]
+        && axis_ok(0)
+        && axis_ok(1)
+        && kernel_attr_ok
+        && node.int_or("group", 1)? == 1
+        && node.attr_ints("output_shape")?.is_none()
+        && node.str_or("auto_pad", "NOTSET")? == "NOTSET";
+    if !form {
+        return Ok(None);
+    }
+    let mut out = [0usize; 2];
+    for i in 0..2 {
+        let full = s[i] * input[i].saturating_sub(1) + op[i] + kernel[i];
+        out[i] = full.checked_sub(p[i] + p[i + 2]).ok_or_else(|| {
+            crate::RtError::msg(format!(
+                "ConvTranspose pads {:?} exceed the output size {full} on axis {i}",
+                [p[i], p[i + 2]]
+            ))
+        })?;
+    }
+    let geo = SubPixel {
+        s: [s[0], s[1]],
+        t: [kernel[0] / s[0], kernel[1] / s[1]],
+        pb: [p[0], p[1]],
+    };
+    Ok(Some((geo, out)))
+}
+
+/// Whether a ConvTranspose node runs as `npuc.ConvTransposeNhwc` (either form; the layout
+/// pass's rule, repeated here so the op refuses what it cannot run).
+pub fn runs_nhwc(node: &Node, kernel: [usize; 2]) -> Result<bool> {
+    Ok(non_overlapping(node, kernel)? || sub_pixel(node, kernel, [1, 1])?.is_some())
+}
+
+/// The sub-pixel form's weight for residue class `(ry, rx)`: `[T0*T1*C, M]`, row
+/// `(ty * T1 + tx) * C + c` holding `W[c, :, ky, kx]` with `ky = ry + (T0-1-ty) s0` (padded input
+/// row `q + ty` is input `q - (T0-1-ty)`, which meets that tap), likewise `kx`.
+fn class_weight(
+    wv: &[f32],
+    (c, m, kh, kw): (usize, usize, usize, usize),
+    g: SubPixel,
+    (ry, rx): (usize, usize),
+) -> Vec<f32> {
+    let [t0, t1] = g.t;
+    let mut out = vec![0f32; t0 * t1 * c * m];
+    for ty in 0..t0 {
+        let ky = ry + (t0 - 1 - ty) * g.s[0];
+        for tx in 0..t1 {
+            let kx = rx + (t1 - 1 - tx) * g.s[1];
+            for ci in 0..c {
+                let row = &mut out[((ty * t1 + tx) * c + ci) * m..][..m];
+                for (mi, o) in row.iter_mut().enumerate() {
+                    *o = wv[((ci * m + mi) * kh + ky) * kw + kx];
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The first index `q` and the count of outputs `o = q s + r - pb` inside `0..size`.
+fn class_span(size: usize, s: usize, r: usize, pb: usize) -> (usize, usize) {
+    let q0 = pb.saturating_sub(r).div_ceil(s);
+    if size + pb < r + 1 {
+        return (q0, 0);
+    }
+    let q1 = (size - 1 + pb - r) / s;
+    (q0, (q1 + 1).saturating_sub(q0))
+}
+
+/// The sub-pixel form: see the module docs. `xv` is `[n, h, wd, c]`, the result
+/// `[n, oh, ow, m]`.
+#[allow(clippy::too_many_arguments)]
+fn sub_pixel_run(
+    ctx: &OpCtx,
+    isa: Isa,
+    xv: &[f32],
+    wv: &[f32],
+    bias: Option<&[f32]>,
+    (n, h, wd, c): (usize, usize, usize, usize),
+    (m, kh, kw): (usize, usize, usize),
+    g: SubPixel,
+    [oh, ow]: [usize; 2],
+) -> Result<Vec<f32>> {
+    let [t0, t1] = g.t;
+    let [s0, s1] = g.s;
+    let classes = s0 * s1;
+    let k = t0 * t1 * c;
+    let chunk = chunk_cols(k, m);
+    let pack = || -> Result<Packed> {
+        let ws: Vec<Vec<f32>> = (0..classes)
+            .map(|r| class_weight(wv, (c, m, kh, kw), g, (r / s1, r % s1)))
+            .collect();
+        if sgemm::available(isa) {
+            let mut p = vec![];
+            for w in &ws {
+                let chunks = (0..m)
+                    .step_by(chunk)
+                    .map(|j0| {
+                        let cols = chunk.min(m - j0);
+                        let part: Vec<f32> = w
+                            .chunks_exact(m)
+                            .flat_map(|row| &row[j0..j0 + cols])
+                            .copied()
+                            .collect();
+                        PackedB::new(k, cols, View::rows(&part, cols))
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                p.push(chunks);
+            }
+            return Ok(Packed::ClassPanels(p));
+        }
+        Ok(Packed::ClassRows(ws))
+    };
+    let packed = &*packed_weight(ctx, pack)?;
+    let fits = match packed {
+        Packed::ClassRows(r) => r.len() == classes && r.iter().all(|r| r.len() == k * m),
+        Packed::ClassPanels(p) => {
+            p.len() == classes
+                && p.iter().all(|ch| {
+                    ch.len() == m.div_ceil(chunk)
+                        && ch
+                            .iter()
+                            .enumerate()
+                            .all(|(j, q)| q.k() == k && q.n() == chunk.min(m - j * chunk))
+                })
+        }
+        _ => false,
+    };
+    if !fits {
+        bail!("ConvTransposeNhwc packed weight does not match (node cache of another shape)");
+    }
+    // The input zero-padded by T-1 before and enough after that every class's last output
+    // reads inside it: padded row q + ty is input row q + ty - (T0-1).
+    let (qy_end, qx_end) = ((oh - 1 + g.pb[0]) / s0 + 1, (ow - 1 + g.pb[1]) / s1 + 1);
+    let hp = (h + t0 - 1).max(qy_end + t0 - 1);
+    let wp = (wd + t1 - 1).max(qx_end + t1 - 1);
+    let mut padded = crate::buffers::filled(n * hp * wp * c, 0f32);
+    for ni in 0..n {
+        for y in 0..h {
+            let src = &xv[((ni * h + y) * wd) * c..][..wd * c];
+            let dst = &mut padded[((ni * hp + y + t0 - 1) * wp + t1 - 1) * c..][..wd * c];
+            dst.copy_from_slice(src);
+        }
+    }
+    let xp = &padded[..];
+    let mut out = crate::buffers::for_overwrite::<f32>(n * oh * ow * m);
+    let row_len = ow * m;
+    // Output row `row` (image and y), class column `rx`, output channels `j0..j0 + cols` of
+    // the class weight `w` (packed chunk or portable rows) into `dst` (that row).
+    let class_row = |row: usize, rx: usize, j: usize, dst: &mut [f32]| -> Result<()> {
+        let (ni, oy) = (row / oh, row % oh);
+        let (ry, qy) = ((oy + g.pb[0]) % s0, (oy + g.pb[0]) / s0);
+        let (qx0, count) = class_span(ow, s1, rx, g.pb[1]);
+        if count == 0 {
+            return Ok(());
+        }
+        let ox0 = qx0 * s1 + rx - g.pb[1];
+        let j0 = j * chunk;
+        let cdst = &mut dst[ox0 * m + j0..];
+        // Padded input pixel (qy + ty, qx0): the first row of run ty.
+        let at = |ty: usize| ((ni * hp + qy + ty) * wp + qx0) * c;
+        match packed {
+            Packed::ClassPanels(p) => {
+                if t0 > MAX_TAPS {
+                    bail!("ConvTransposeNhwc: {t0} kernel rows per output (most {MAX_TAPS})");
+                }
+                let mut runs = [sgemm::Run {
+                    a: &[],
+                    k0: 0,
+                    kc: 0,
+                }; MAX_TAPS];
+                for (ty, run) in runs.iter_mut().enumerate().take(t0) {
+                    *run = sgemm::Run {
+                        a: &xp[at(ty)..],
+                        k0: ty * t1 * c,
+                        kc: t1 * c,
+                    };
+                }
+                sgemm::sgemm_packed_runs(
+                    isa,
+                    count,
+                    c,
+                    &runs[..t0],
+                    &p[ry * s1 + rx][j],
+                    cdst,
+                    s1 * m,
+                )
+            }
+            Packed::ClassRows(w) => {
+                // Gather the rows (portable path), then one product over every channel.
+                let mut gathered = Vec::with_capacity(count * k);
+                for px in 0..count {
+                    for ty in 0..t0 {
+                        gathered.extend_from_slice(&xp[at(ty) + px * c..][..t1 * c]);
+                    }
+                }
+                gemm_into(
+                    count,
+                    m,
+                    k,
+                    1.0,
+                    Mat::rows(&gathered, k),
+                    Mat::rows(&w[ry * s1 + rx], m),
+                    None,
+                    cdst,
+                    s1 * m,
+                    1,
+                )
+            }
+            _ => bail!("ConvTransposeNhwc: a non-overlapping weight in the sub-pixel path"),
+        }
+    };
+    let chunks = match packed {
+        Packed::ClassPanels(_) => m.div_ceil(chunk),
+        _ => 1,
+    };
+    // A block of output rows: per class column and channel chunk, every row of the block, so
+    // a chunk's weights (sized to stay in L2) serve all of them before the next is read.
+    let block = |(b, dst): (usize, &mut [f32])| -> Result<()> {
+        let row0 = b * BLOCK_ROWS;
+        for rx in 0..s1 {
+            for j in 0..chunks {
+                for (i, rdst) in dst.chunks_exact_mut(row_len).enumerate() {
+                    class_row(row0 + i, rx, j, rdst)?;
+                }
+            }
+        }
+        if let Some(bias) = bias {
+            for px in dst.chunks_exact_mut(m) {
+                for (o, &bv) in px.iter_mut().zip(bias) {
+                    *o += bv;
+                }
+            }
+        }
+        Ok(())
+    };
+    if row_len > 0 {
+        let work = n * oh * ow * m * t0 * t1 * c / (s0 * s1).max(1);
+        if ctx.threads > 1 && work >= PAR_MIN * 16 && n * oh > BLOCK_ROWS {
+            out.par_chunks_mut(BLOCK_ROWS * row_len)
+                .enumerate()
+                .try_for_each(block)?;
+        } else {
+            out.chunks_mut(BLOCK_ROWS * row_len)
+                .enumerate()
+                .try_for_each(block)?;
+        }
+    }
+    crate::buffers::release(padded);
+    Ok(out)
+}
+
+/// Output rows a sub-pixel work unit takes (its weight chunks are read once for all of them).
+const BLOCK_ROWS: usize = 8;
+
+/// Output channels per packed weight chunk of the sub-pixel form: whole 32-column panels
+/// whose `k` rows stay within ~256 KB (L2 holds the chunks of every row class at once).
+fn chunk_cols(k: usize, m: usize) -> usize {
+    const CHUNK_BYTES: usize = 256 << 10;
+    let panels = (CHUNK_BYTES / 4 / k.max(1) / sgemm::NR).max(1);
+    (panels * sgemm::NR).min(m.max(1))
+}
+
+/// The weight as the products read it: made once per plan for a constant weight (the node's
+/// cache), on every call for a computed one.
+fn packed_weight(
+    ctx: &OpCtx,
+    pack: impl FnOnce() -> Result<Packed>,
+) -> Result<std::sync::Arc<Packed>> {
+    if ctx.input_is_const(1) {
+        ctx.cached(pack)
+    } else {
+        Ok(std::sync::Arc::new(pack()?))
+    }
+}
+
+/// Most kernel rows per output the sub-pixel path takes (runs on the stack).
+const MAX_TAPS: usize = 8;
+
 /// `npuc.ConvTransposeNhwc`: see the module docs.
 pub fn conv_transpose_nhwc(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     let x = ins.tensor(0)?;
@@ -129,13 +465,19 @@ pub fn conv_transpose_nhwc(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     if ws[0] != c || kh == 0 || kw == 0 {
         bail!("ConvTransposeNhwc weight {ws:?} does not fit X {xs:?} (W is [C, M, KH, KW])");
     }
-    if !non_overlapping(ctx.node, [kh, kw])? {
-        bail!(
-            "ConvTransposeNhwc runs only strides equal to the kernel {:?} with no padding, \
-             dilation, group or output padding (the layout pass converts no other)",
-            [kh, kw]
-        );
-    }
+    let sub = if non_overlapping(ctx.node, [kh, kw])? {
+        None
+    } else {
+        match sub_pixel(ctx.node, [kh, kw], [h, wd])? {
+            Some(sub) => Some(sub),
+            None => bail!(
+                "ConvTransposeNhwc runs strides equal to the kernel {:?} with no padding, or \
+                 kernels a multiple (>= 2) of the strides with padding below the kernel; \
+                 group 1, dilation 1 (the layout pass converts no other)",
+                [kh, kw]
+            ),
+        }
+    };
     let bias = match b {
         Some(b) if b.len() != m => {
             bail!(
@@ -152,6 +494,23 @@ pub fn conv_transpose_nhwc(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         bail!("ConvTransposeNhwc operand sizes do not match their shapes");
     }
     let isa = Isa::detect();
+    if let Some((g, [oh, ow])) = sub {
+        let out = sub_pixel_run(
+            ctx,
+            isa,
+            xv,
+            wv,
+            bias,
+            (n, h, wd, c),
+            (m, kh, kw),
+            g,
+            [oh, ow],
+        )?;
+        return Ok(vec![Value::tensor(Tensor::from_vec(
+            vec![n, oh, ow, m],
+            out,
+        )?)]);
+    }
     let dims = (c, m, kh, kw);
     let narrow = kw * m < NARROW;
     let pack = || -> Result<Packed> {
@@ -177,20 +536,13 @@ pub fn conv_transpose_nhwc(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         }
         Ok(Packed::Rows(rows))
     };
-    let cached;
-    let fresh;
-    let packed: &Packed = if ctx.input_is_const(1) {
-        cached = ctx.cached(pack)?;
-        &cached
-    } else {
-        fresh = pack()?;
-        &fresh
-    };
+    let packed = &*packed_weight(ctx, pack)?;
     let fits = match packed {
         Packed::Rows(r) => r.len() == kh && r.iter().all(|r| r.len() == c * kw * m),
         Packed::Panels(p) => p.len() == kh && p.iter().all(|p| p.k() == c && p.n() == kw * m),
         Packed::NarrowRows(r) => narrow && r.len() == c * m * kh * kw,
         Packed::NarrowPanels(p) => narrow && p.k() == c && p.n() == m * kh * kw,
+        Packed::ClassRows(_) | Packed::ClassPanels(_) => false,
     };
     if !fits {
         bail!(
@@ -224,6 +576,9 @@ pub fn conv_transpose_nhwc(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
                 )?,
                 Packed::NarrowRows(_) | Packed::NarrowPanels(_) => {
                     narrow_unit(isa, a, packed, bias, (wd, c, m, kh, kw), orow)?
+                }
+                Packed::ClassRows(_) | Packed::ClassPanels(_) => {
+                    bail!("ConvTransposeNhwc: a sub-pixel weight in the non-overlapping path")
                 }
             }
             Ok(())
@@ -286,9 +641,7 @@ fn narrow_unit(
             taps,
             1,
         )?,
-        Packed::Rows(_) | Packed::Panels(_) => {
-            bail!("ConvTransposeNhwc: a wide weight in the narrow path")
-        }
+        _ => bail!("ConvTransposeNhwc: a wide weight in the narrow path"),
     }
     let run = kw * m;
     let ow = wd * kw;

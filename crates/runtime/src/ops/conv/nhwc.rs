@@ -605,6 +605,25 @@ fn gemm_rows(
     let k = kh * kw * c;
     let total = pixels.len();
     let pointwise = reads_rows_in_place(g);
+    if pointwise && m == 1 && k <= ONE_CHANNEL_MAX_K {
+        // One output channel (a segmentation or detection head's last 1x1 conv): a dot
+        // product per pixel; the GEMM would fill 16-column tiles with one column.
+        let mut wcol = [0f32; ONE_CHANNEL_MAX_K];
+        for (kk, v) in wcol[..k].iter_mut().enumerate() {
+            *v = match wp {
+                Weight::Rows(w) => w[kk],
+                Weight::Panels(p) => p
+                    .at(kk, 0)
+                    .ok_or_else(|| crate::RtError::msg("ConvNhwc packed weight is not k x 1"))?,
+            };
+        }
+        let lhs = &xv[pixels.start * c..][..total * c];
+        if !crate::kernels::sgemv::dot_rows(&wcol[..k], lhs, k, &mut out[..total], false) {
+            bail!("ConvNhwc: {total} pixels of {k} values do not fit the input");
+        }
+        bias_act_par(&mut out[..total], bias, 1, act, threads);
+        return Ok(());
+    }
     // About 1 MB of columns per chunk: large enough for efficient (and threaded) GEMMs,
     // small enough that the chunk's output is still in cache for the epilogue.
     let chunk = ((1usize << 18) / k.max(1)).clamp(16, total.max(16));
@@ -664,6 +683,10 @@ fn gemm_rows(
     });
     Ok(())
 }
+
+/// Most input channels of the one-output-channel pointwise path (its weight column sits in a
+/// stack array).
+const ONE_CHANNEL_MAX_K: usize = 1024;
 
 thread_local! {
     /// im2col columns of [`gemm_rows`], kept per thread (taken out while in use).
@@ -779,6 +802,45 @@ mod tests {
         out[0].1.as_tensor().unwrap().clone()
     }
 
+    /// The NCHW op `node` on `x` (`shape`), its output shape (NCHW) and values transposed to NHWC.
+    fn nchw_reference(
+        node: Node,
+        x: &[f32],
+        shape: [usize; 4],
+        w: &Tensor,
+        b: &Tensor,
+    ) -> (Vec<usize>, Vec<f32>) {
+        let x = Tensor::from_vec(shape.to_vec(), x.to_vec()).unwrap();
+        let y = run_node(node, x, w.clone(), b.clone(), 1);
+        let ys = y.shape().to_vec();
+        let nhwc = nchw_to_nhwc(y.as_slice::<f32>().unwrap(), [ys[0], ys[1], ys[2], ys[3]]);
+        (ys, nhwc)
+    }
+
+    /// The NHWC op `node()` on `x` (given NCHW as `shape`, transposed here) at 1 and 2 threads
+    /// against the NCHW reference `(ws, want)` (`nchw_reference`), within 1e-4 relative.
+    fn check_nhwc(
+        node: impl Fn() -> Node,
+        x: &[f32],
+        [n, c, h, wd]: [usize; 4],
+        (w, b): (&Tensor, &Tensor),
+        (ws, want): (&[usize], &[f32]),
+        ci: usize,
+    ) {
+        for threads in [1, 2] {
+            let xn = nchw_to_nhwc(x, [n, c, h, wd]);
+            let x = Tensor::from_vec(vec![n, h, wd, c], xn).unwrap();
+            let got = run_node(node(), x, w.clone(), b.clone(), threads);
+            assert_eq!(got.shape(), &[ws[0], ws[2], ws[3], ws[1]], "case {ci}");
+            for (i, (a, b)) in got.as_slice::<f32>().unwrap().iter().zip(want).enumerate() {
+                assert!(
+                    (a - b).abs() <= 1e-4 * (1.0 + b.abs()),
+                    "case {ci} threads {threads} at {i}: {a} vs {b}"
+                );
+            }
+        }
+    }
+
     /// ConvNhwc (pointwise, strided 1x1, KxK padded/dilated, depthwise; with bias and an
     /// activation) equals ONNX Conv + Relu computed by the NCHW kernel, transposed.
     #[test]
@@ -786,6 +848,8 @@ mod tests {
         // (c, m, group, k, stride, dilation, pads)
         let cases = [
             (16, 24, 1, 1, 1, 1, [0, 0, 0, 0]),
+            // One output channel: a dot product per pixel.
+            (64, 1, 1, 1, 1, 1, [0, 0, 0, 0]),
             (16, 24, 1, 1, 2, 1, [0, 0, 0, 0]),
             (5, 7, 1, 3, 1, 1, [1, 1, 1, 1]),
             (3, 16, 1, 3, 2, 1, [1, 0, 0, 1]),
@@ -828,36 +892,9 @@ mod tests {
             let wt = Tensor::from_vec(vec![m, c / group, k, k], w).unwrap();
             let bt = Tensor::from_vec(vec![m], b).unwrap();
             let conv = attrs(npuc(Node::new("FusedConv", &["x", "w", "b"], &["y"])));
-            let want = run_node(
-                conv,
-                Tensor::from_vec(vec![n, c, h, wd], x.clone()).unwrap(),
-                wt.clone(),
-                bt.clone(),
-                1,
-            );
-            let ws = want.shape().to_vec();
-            let want = nchw_to_nhwc(
-                want.as_slice::<f32>().unwrap(),
-                [ws[0], ws[1], ws[2], ws[3]],
-            );
-            for threads in [1, 2] {
-                let node = attrs(npuc(Node::new("ConvNhwc", &["x", "w", "b"], &["y"])));
-                let xn = nchw_to_nhwc(&x, [n, c, h, wd]);
-                let got = run_node(
-                    node,
-                    Tensor::from_vec(vec![n, h, wd, c], xn).unwrap(),
-                    wt.clone(),
-                    bt.clone(),
-                    threads,
-                );
-                assert_eq!(got.shape(), &[ws[0], ws[2], ws[3], ws[1]], "case {ci}");
-                for (i, (a, b)) in got.as_slice::<f32>().unwrap().iter().zip(&want).enumerate() {
-                    assert!(
-                        (a - b).abs() <= 1e-4 * (1.0 + b.abs()),
-                        "case {ci} threads {threads} at {i}: {a} vs {b}"
-                    );
-                }
-            }
+            let (ws, want) = nchw_reference(conv, &x, [n, c, h, wd], &wt, &bt);
+            let node = || attrs(npuc(Node::new("ConvNhwc", &["x", "w", "b"], &["y"])));
+            check_nhwc(node, &x, [n, c, h, wd], (&wt, &bt), (&ws, &want), ci);
         }
     }
 
@@ -883,51 +920,77 @@ mod tests {
             let strides = Attr::Ints(vec![kh as i64, kw as i64]);
             let deconv =
                 Node::new("ConvTranspose", ins, &["y"]).with_attr("strides", strides.clone());
-            let want = run_node(
-                deconv,
-                Tensor::from_vec(vec![n, c, h, wd], x.clone()).unwrap(),
-                wt.clone(),
-                bt.clone(),
-                1,
-            );
-            let ws = want.shape().to_vec();
-            let want = nchw_to_nhwc(
-                want.as_slice::<f32>().unwrap(),
-                [ws[0], ws[1], ws[2], ws[3]],
-            );
-            for threads in [1, 2] {
-                let node = npuc(Node::new("ConvTransposeNhwc", ins, &["y"]))
-                    .with_attr("strides", strides.clone());
-                let xn = nchw_to_nhwc(&x, [n, c, h, wd]);
-                let got = run_node(
-                    node,
-                    Tensor::from_vec(vec![n, h, wd, c], xn).unwrap(),
-                    wt.clone(),
-                    bt.clone(),
-                    threads,
-                );
-                assert_eq!(got.shape(), &[n, h * kh, wd * kw, m], "case {ci}");
-                for (i, (a, b)) in got.as_slice::<f32>().unwrap().iter().zip(&want).enumerate() {
-                    assert!(
-                        (a - b).abs() <= 1e-4 * (1.0 + b.abs()),
-                        "case {ci} threads {threads} at {i}: {a} vs {b}"
-                    );
-                }
-            }
+            let (ws, want) = nchw_reference(deconv, &x, [n, c, h, wd], &wt, &bt);
+            assert_eq!(ws, [n, m, h * kh, wd * kw], "case {ci}");
+            let node = || {
+                npuc(Node::new("ConvTransposeNhwc", ins, &["y"]))
+                    .with_attr("strides", strides.clone())
+            };
+            check_nhwc(node, &x, [n, c, h, wd], (&wt, &bt), (&ws, &want), ci);
         }
-        // Stride 1 with a 2x2 kernel overlaps: refused, naming the rule.
-        let node = npuc(Node::new("ConvTransposeNhwc", &["x", "w"], &["y"]));
+        // Stride 2 with a 3x3 kernel (not a multiple): refused, naming the rule.
+        let node = npuc(Node::new("ConvTransposeNhwc", &["x", "w"], &["y"]))
+            .with_attr("strides", Attr::Ints(vec![2, 2]));
         let m = model(
             vec![node],
             vec![(
                 "w",
-                Tensor::from_vec(vec![2, 2, 2, 2], vec![0f32; 16]).unwrap(),
+                Tensor::from_vec(vec![2, 2, 3, 3], vec![0f32; 36]).unwrap(),
             )],
         );
         let s = Session::new(&m, SessionOptions { threads: 1 }).unwrap();
         let x = Tensor::from_vec(vec![1, 3, 3, 2], vec![0f32; 18]).unwrap();
         let e = s.run(vec![("x".into(), Value::tensor(x))]).unwrap_err();
         assert!(e.to_string().contains("strides equal to the kernel"), "{e}");
+    }
+
+    /// The sub-pixel form (kernels a multiple of the strides) against the NCHW ConvTranspose:
+    /// a ViT decoder's 4x4 stride 2 pad 1, asymmetric pads, output padding, unequal strides,
+    /// stride 1 (a full convolution), a one-channel output; at 1 and 2 threads.
+    #[test]
+    fn conv_transpose_nhwc_sub_pixel_matches_nchw() {
+        // (n, c, h, w, m, [kh, kw], strides, pads [b0, b1, e0, e1], output_padding)
+        type Case = (
+            usize,
+            usize,
+            usize,
+            usize,
+            usize,
+            [usize; 2],
+            [i64; 2],
+            [i64; 4],
+            [i64; 2],
+        );
+        let cases: [Case; 7] = [
+            (1, 8, 5, 6, 4, [4, 4], [2, 2], [1, 1, 1, 1], [0, 0]),
+            (2, 5, 4, 3, 7, [4, 4], [2, 2], [0, 2, 3, 1], [1, 0]),
+            (1, 6, 3, 5, 3, [6, 4], [3, 2], [2, 1, 0, 3], [2, 1]),
+            (1, 3, 4, 4, 2, [2, 3], [1, 1], [0, 1, 1, 0], [0, 0]),
+            (1, 16, 8, 9, 1, [4, 4], [2, 2], [1, 1, 1, 1], [0, 0]),
+            (1, 32, 7, 10, 40, [4, 4], [2, 2], [1, 1, 1, 1], [1, 1]),
+            (1, 4, 3, 3, 5, [4, 4], [2, 2], [3, 3, 3, 3], [0, 0]),
+        ];
+        for (ci, &(n, c, h, wd, m, [kh, kw], st, pads, op)) in cases.iter().enumerate() {
+            let x = rnd(n * c * h * wd, 31 + ci as u64);
+            let wt =
+                Tensor::from_vec(vec![c, m, kh, kw], rnd(c * m * kh * kw, 37 + ci as u64)).unwrap();
+            let bt = Tensor::from_vec(vec![m], rnd(m, 41 + ci as u64)).unwrap();
+            let attrs = |nd: Node| {
+                nd.with_attr("strides", Attr::Ints(st.to_vec()))
+                    .with_attr("pads", Attr::Ints(pads.to_vec()))
+                    .with_attr("output_padding", Attr::Ints(op.to_vec()))
+            };
+            let ins: &[&str] = &["x", "w", "b"];
+            let (ws, want) = nchw_reference(
+                attrs(Node::new("ConvTranspose", ins, &["y"])),
+                &x,
+                [n, c, h, wd],
+                &wt,
+                &bt,
+            );
+            let node = || attrs(npuc(Node::new("ConvTransposeNhwc", ins, &["y"])));
+            check_nhwc(node, &x, [n, c, h, wd], (&wt, &bt), (&ws, &want), ci);
+        }
     }
 
     #[test]
