@@ -251,6 +251,13 @@ fn sub_pixel_run(
 ) -> Result<Vec<f32>> {
     let [t0, t1] = g.t;
     let [s0, s1] = g.s;
+    if n * oh * ow * m == 0 {
+        // Padding that consumes the whole output (or an empty batch or channel count).
+        return Ok(vec![]);
+    }
+    if t0 > MAX_TAPS {
+        bail!("ConvTransposeNhwc: {t0} kernel rows per output (most {MAX_TAPS})");
+    }
     let classes = s0 * s1;
     let k = t0 * t1 * c;
     let chunk = chunk_cols(k, m);
@@ -329,9 +336,6 @@ fn sub_pixel_run(
         let at = |ty: usize| ((ni * hp + qy + ty) * wp + qx0) * c;
         match packed {
             Packed::ClassPanels(p) => {
-                if t0 > MAX_TAPS {
-                    bail!("ConvTransposeNhwc: {t0} kernel rows per output (most {MAX_TAPS})");
-                }
                 let mut runs = [sgemm::Run {
                     a: &[],
                     k0: 0,
@@ -356,13 +360,13 @@ fn sub_pixel_run(
             }
             Packed::ClassRows(w) => {
                 // Gather the rows (portable path), then one product over every channel.
-                let mut gathered = Vec::with_capacity(count * k);
-                for px in 0..count {
-                    for ty in 0..t0 {
-                        gathered.extend_from_slice(&xp[at(ty) + px * c..][..t1 * c]);
+                let mut gathered = crate::buffers::for_overwrite::<f32>(count * k);
+                for (px, row) in gathered.chunks_exact_mut(k).enumerate() {
+                    for (ty, part) in row.chunks_exact_mut(t1 * c).enumerate() {
+                        part.copy_from_slice(&xp[at(ty) + px * c..][..t1 * c]);
                     }
                 }
-                gemm_into(
+                let done = gemm_into(
                     count,
                     m,
                     k,
@@ -373,7 +377,9 @@ fn sub_pixel_run(
                     cdst,
                     s1 * m,
                     1,
-                )
+                );
+                crate::buffers::release(gathered);
+                done
             }
             _ => bail!("ConvTransposeNhwc: a non-overlapping weight in the sub-pixel path"),
         }
@@ -393,13 +399,7 @@ fn sub_pixel_run(
                 }
             }
         }
-        if let Some(bias) = bias {
-            for px in dst.chunks_exact_mut(m) {
-                for (o, &bv) in px.iter_mut().zip(bias) {
-                    *o += bv;
-                }
-            }
-        }
+        add_bias(dst, bias);
         Ok(())
     };
     if row_len > 0 {
@@ -416,6 +416,18 @@ fn sub_pixel_run(
     }
     crate::buffers::release(padded);
     Ok(out)
+}
+
+/// Adds `bias` (one value per channel, if any) to every pixel of the channels-last `dst`.
+fn add_bias(dst: &mut [f32], bias: Option<&[f32]>) {
+    let Some(bias) = bias.filter(|b| !b.is_empty()) else {
+        return;
+    };
+    for px in dst.chunks_exact_mut(bias.len()) {
+        for (o, &bv) in px.iter_mut().zip(bias) {
+            *o += bv;
+        }
+    }
 }
 
 /// Output rows a sub-pixel work unit takes (its weight chunks are read once for all of them).
@@ -589,13 +601,7 @@ pub fn conv_transpose_nhwc(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         }
         for (dy, orow) in dst.chunks_exact_mut(ow * m).enumerate() {
             kernel_row(dy, orow)?;
-            if let Some(bias) = bias {
-                for px in orow.chunks_exact_mut(m) {
-                    for (o, &bv) in px.iter_mut().zip(bias) {
-                        *o += bv;
-                    }
-                }
-            }
+            add_bias(orow, bias);
         }
         Ok(())
     };
