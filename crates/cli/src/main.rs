@@ -15,6 +15,12 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+/// Large buffers start on a cache line, so the AVX-512 kernels' vector loads never straddle two
+/// (see `npuc_runtime::kernels::align_alloc`).
+#[global_allocator]
+static ALLOC: npuc_runtime::kernels::align_alloc::CacheAligned =
+    npuc_runtime::kernels::align_alloc::CacheAligned;
+
 #[derive(Parser)]
 #[command(
     name = "npuc",

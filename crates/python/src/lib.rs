@@ -16,6 +16,12 @@
 //! aside): numpy arrays are copied in and handed out without a copy.
 #![deny(unsafe_code)]
 
+/// Large buffers start on a cache line, as in the `npuc` binary
+/// (`npuc_runtime::kernels::align_alloc`).
+#[global_allocator]
+static ALLOC: npuc_runtime::kernels::align_alloc::CacheAligned =
+    npuc_runtime::kernels::align_alloc::CacheAligned;
+
 mod args;
 mod llm;
 mod session;

@@ -2,6 +2,7 @@
 //! twins, selected at run time by CPU feature detection.
 
 pub mod act;
+pub mod align_alloc;
 pub mod blockq4;
 pub mod conv_nhwc;
 pub mod fpenv;

@@ -651,9 +651,17 @@ fn block(
                 // Row-major `a` in place and one register of columns: narrow tiles.
                 let narrow = cols <= 16 && a.cs == 1;
                 let step = if narrow { MR_NARROW } else { MR };
+                // An in-place `a` takes tiles of near-equal height (40 rows: 4 of 10, not 3 of
+                // 12 and one of 4 whose few accumulator chains wait on the FMA latency); packed
+                // micro-panels are MR rows each.
+                let tiles = (c1 - c0).div_ceil(step);
                 let mut i = c0;
-                while i < c1 {
-                    let r = step.min(c1 - i);
+                for t in 0..tiles {
+                    let r = if a.cs == 1 {
+                        (c1 - i) / (tiles - t)
+                    } else {
+                        step.min(c1 - i)
+                    };
                     let (ap, ars, acs) = if a.cs == 1 {
                         (&a.data[i * a.rs + k0..], a.rs, 1)
                     } else {

@@ -85,17 +85,12 @@ fn max_pool_nhwc(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
                             inner.copy_from_slice(src);
                             first = false;
                         } else {
-                            for (m, &v) in inner.iter_mut().zip(src) {
-                                *m = max_keep_number(*m, v);
-                            }
+                            crate::kernels::act::max_keep_into(inner, src);
                         }
                     }
                 }
                 // All-NaN windows give 0, as the plane kernels do.
-                #[allow(clippy::eq_op)]
-                inner
-                    .iter_mut()
-                    .for_each(|m| *m = if *m != *m { 0.0 } else { *m });
+                crate::kernels::act::nan_to_zero(inner);
             }
             for (ox, o) in orow.chunks_exact_mut(c).enumerate() {
                 if (x0..x1).contains(&ox) {
@@ -209,6 +204,18 @@ fn pool_geom(node: &Node, in_sp: &[usize]) -> Result<Geom> {
 /// given the window's first input coordinate `start`.
 #[inline]
 fn taps(start: isize, k: usize, d: usize, len: usize) -> (usize, usize) {
+    if d == 1 {
+        // `valid_range` without its divisions (a few per output: most of a small average
+        // pool's time, e.g. PP-OCRv6 rec's 3x2 pool over 160 x 3 x 80 took 0.14 ms).
+        let top = len as isize - 1 - start;
+        let hi = if top < 0 {
+            0
+        } else {
+            (top + 1).min(k as isize)
+        };
+        let lo = if start >= 0 { 0 } else { -start }.min(hi);
+        return (lo as usize, hi as usize);
+    }
     valid_range(k, d, start, len)
 }
 
@@ -711,6 +718,21 @@ fn pad_corner<T: Copy + Default>(src: &[T], from: &[usize], to: &[usize]) -> Vec
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn taps_without_dilation_equal_valid_range() {
+        for len in 0..9usize {
+            for k in 0..7usize {
+                for start in -9isize..12 {
+                    assert_eq!(
+                        taps(start, k, 1, len),
+                        valid_range(k, 1, start, len),
+                        "start {start}, k {k}, len {len}"
+                    );
+                }
+            }
+        }
+    }
 
     proptest! {
         /// The row-wise 2-D path gives the values of the general per-window loop (run here by
