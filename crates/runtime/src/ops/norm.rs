@@ -184,8 +184,7 @@ fn soft_node(ctx: &OpCtx, mut ins: Inputs, kind: SoftKind) -> Result<Vec<Value>>
     };
     let threads = ctx.threads;
     if x.dtype() == DType::F32 && inner == 1 && kind == SoftKind::Softmax {
-        // The AVX-512/AVX2 copies of one loop where the CPU has them (its exp fuses its
-        // multiply-adds, so values may differ from soft_row's in the last bit).
+        // The AVX2 build of the same loop where the CPU has it (bit-identical to soft_row).
         let data = x.as_mut_slice::<f32>()?;
         for_rows(data, n, threads, |_, row| {
             crate::kernels::act::softmax_row(row)
