@@ -67,19 +67,20 @@ impl<T> Shelf<T> {
     }
 }
 
-/// Free buffers by element type: `f32` (float graphs) and the 8-bit types quantized graphs
-/// pass between their integer kernels.
+/// Free buffers by element type: `f32` (float graphs), the 8-bit types quantized graphs
+/// pass between their integer kernels and the `i32` sums of their integer products.
 #[derive(Default)]
 pub struct Pool {
     f32s: Shelf<f32>,
     u8s: Shelf<u8>,
     i8s: Shelf<i8>,
+    i32s: Shelf<i32>,
 }
 
 impl Pool {
     /// Number of buffers held.
     pub fn len(&self) -> usize {
-        self.f32s.bufs.len() + self.u8s.bufs.len() + self.i8s.bufs.len()
+        self.f32s.bufs.len() + self.u8s.bufs.len() + self.i8s.bufs.len() + self.i32s.bufs.len()
     }
 
     /// Whether the pool holds no buffer.
@@ -89,7 +90,7 @@ impl Pool {
 
     /// Bytes held.
     pub fn bytes(&self) -> usize {
-        self.f32s.bytes() + self.u8s.bytes() + self.i8s.bytes()
+        self.f32s.bytes() + self.u8s.bytes() + self.i8s.bytes() + self.i32s.bytes()
     }
 
     /// The shelf for element type `T`, when `T` is pooled.
@@ -100,6 +101,8 @@ impl Pool {
             &mut self.u8s
         } else if TypeId::of::<T>() == TypeId::of::<i8>() {
             &mut self.i8s
+        } else if TypeId::of::<T>() == TypeId::of::<i32>() {
+            &mut self.i32s
         } else {
             return None;
         };
@@ -143,7 +146,7 @@ impl Drop for PoolGuard<'_> {
 }
 
 /// An empty `Vec<T>` with capacity for at least `len` elements: a buffer from the running
-/// plan's pool when one fits (`f32`, `u8` and `i8` are pooled), otherwise a fresh allocation.
+/// plan's pool when one fits (`f32`, `u8`, `i8` and `i32` are pooled), otherwise a fresh allocation.
 /// Kernels use it for output buffers they fill by `push`/`extend`.
 pub fn take<T: 'static>(len: usize) -> Vec<T> {
     let mut v = pooled::<T>(len).unwrap_or_else(|| Vec::with_capacity(len));
@@ -234,6 +237,7 @@ pub(crate) fn recycle(v: Value) {
         TensorData::F32(_) => recycle_as::<f32>(t),
         TensorData::U8(_) => recycle_as::<u8>(t),
         TensorData::I8(_) => recycle_as::<i8>(t),
+        TensorData::I32(_) => recycle_as::<i32>(t),
         _ => {}
     }
 }

@@ -6,8 +6,9 @@
 //! branches), which LLVM vectorizes 4 lanes wide in the baseline build and 8 lanes wide in the
 //! AVX2 build. Neither uses `mul_add` and LLVM does not contract `a * b + c` on its own, so both
 //! builds perform the same IEEE operations in the same order: the AVX2 copy is bit-identical to
-//! its scalar twin (tested). GELU is the exception: it fuses its polynomial and exp (`mul_add`,
-//! exactly rounded on every level) and has a hand-interleaved AVX-512 copy, [`gelu_avx512`].
+//! its scalar twin (tested). GELU and tanh are the exceptions: they fuse their polynomials
+//! (`mul_add`, exactly rounded on every level; tanh is a rational form without exp) and have
+//! hand-interleaved AVX-512 copies, [`gelu_avx512`] and `tanh16`.
 //! Sigmoid, swish, tanh and softmax rows have hand-interleaved AVX-512 copies as well
 //! (`sigmoid16`, ...: four vectors a step, the unfused exp's operations), bit-identical to the
 //! twins like the compiled copies. Exact GELU in f32 used to go through f64 and libm's `exp`, a fifth
@@ -74,25 +75,61 @@ pub fn gelu_f32(x: f32) -> f32 {
     }
 }
 
-/// `tanh(x)` in f32, branch-free (Cephes `tanhf`): an odd polynomial below 0.625, where
-/// `1 - 2 / (e^2|x| + 1)` would cancel, and that form above it (with |x| clamped at 10, where
-/// tanh is 1 in f32); relative error 1.3e-7 measured over |x| < 12. NaN stays NaN.
+/// Clamp of [`tanh_f32`]'s argument: at 9, tanh is 1 in f32 and the rational form gives 1.
+const TANH_CLAMP: f32 = 9.0;
+/// Below this |x|, tanh(x) is x in f32 (the first dropped term, x^3/3, is under half an ulp).
+const TANH_TINY: f32 = 0.0004;
+/// [`tanh_f32`]'s numerator coefficients, of x^13, x^11, ..., x^1 (the odd minimax rational
+/// form Eigen's and MLAS's float tanh use).
+const TANH_P: [f32; 7] = [
+    -2.760_768_5e-16,
+    2.000_187_9e-13,
+    -8.604_671_5e-11,
+    5.122_297e-8,
+    1.485_722_4e-5,
+    6.372_619_3e-4,
+    4.893_524_6e-3,
+];
+/// Denominator coefficients, of x^6, x^4, x^2, x^0.
+const TANH_Q: [f32; 4] = [1.198_258_4e-6, 1.185_347_1e-4, 2.268_434_6e-3, 4.893_525e-3];
+
+/// `v` limited to `[lo, hi]`, NaN kept: the scalar form of `min(hi, max(lo, v))` with the
+/// vector instructions' operand order (they return the second operand when one is NaN).
+#[inline(always)]
+fn clamp_keep_nan(v: f32, lo: f32, hi: f32) -> f32 {
+    if v > hi {
+        hi
+    } else if v < lo {
+        lo
+    } else {
+        v
+    }
+}
+
+/// `tanh(x)` in f32, branch-free: a rational minimax form `x·P(x²) / Q(x²)` on x clamped to
+/// ±[`TANH_CLAMP`], the quotient limited to ±1 (the form overshoots by up to 2 ulp near 8.5),
+/// x itself below [`TANH_TINY`]. One division and ten fused multiply-adds, no exp: 3x faster
+/// than the exp form at AVX-512. Relative error 2.8e-7 over |x| < 12 (f32 simulation). NaN
+/// stays NaN. Every level uses the same fused operations in the same order, so the
+/// dispatched loops equal this function bit for bit.
 #[inline(always)]
 pub fn tanh_f32(x: f32) -> f32 {
-    let a = x.abs();
-    let z = x * x;
-    let small =
-        ((((-5.704_988_7e-3 * z + 2.063_909e-2) * z - 5.373_971_6e-2) * z + 1.333_144_2e-1) * z
-            - 3.333_328e-1)
-            * z
-            * x
-            + x;
-    let big = 1.0 - 2.0 / (exp_f32(2.0 * a.clamp(0.0, 10.0)) + 1.0);
-    let big = if x < 0.0 { -big } else { big };
-    if a < 0.625 {
-        small
+    let xc = clamp_keep_nan(x, -TANH_CLAMP, TANH_CLAMP);
+    let x2 = xc * xc;
+    let mut p = TANH_P[0];
+    for &c in &TANH_P[1..] {
+        p = p.mul_add(x2, c);
+    }
+    let p = p * xc;
+    let mut q = TANH_Q[0];
+    for &c in &TANH_Q[1..] {
+        q = q.mul_add(x2, c);
+    }
+    let r = clamp_keep_nan(p / q, -1.0, 1.0);
+    if x.abs() < TANH_TINY {
+        x
     } else {
-        big
+        r
     }
 }
 
@@ -383,8 +420,7 @@ unsafe fn swish16(v: &mut [f32]) {
     unsafe { map16xn(v, f, |x| x / (1.0 + exp_f32(-x))) }
 }
 
-/// [`tanh`] at AVX-512: [`tanh_f32`]'s operations (both branches, then the select) on
-/// interleaved vectors.
+/// [`tanh`] at AVX-512: [`tanh_f32`]'s fused operations on interleaved vectors.
 ///
 /// # Safety
 /// AVX-512 F.
@@ -395,29 +431,22 @@ unsafe fn tanh16(v: &mut [f32]) {
     let set = |c: f32| _mm512_set1_ps(c);
     let f = |x: [__m512; EXP_LANES]| {
         let each = |f: &dyn Fn(usize) -> __m512| -> [__m512; EXP_LANES] { std::array::from_fn(f) };
-        let a = each(&|i| _mm512_abs_ps(x[i]));
-        let z = each(&|i| _mm512_mul_ps(x[i], x[i]));
-        let mut p = [set(-5.704_988_7e-3); EXP_LANES];
-        p = each(&|i| _mm512_add_ps(_mm512_mul_ps(p[i], z[i]), set(2.063_909e-2)));
-        p = each(&|i| _mm512_sub_ps(_mm512_mul_ps(p[i], z[i]), set(5.373_971_6e-2)));
-        p = each(&|i| _mm512_add_ps(_mm512_mul_ps(p[i], z[i]), set(1.333_144_2e-1)));
-        p = each(&|i| _mm512_sub_ps(_mm512_mul_ps(p[i], z[i]), set(3.333_328e-1)));
-        // 2 * clamp(a, 0, 10); a NaN passes through max and min (their second operand).
-        let arg = each(&|i| {
-            let ac = _mm512_min_ps(set(10.0), _mm512_max_ps(set(0.0), a[i]));
-            _mm512_mul_ps(set(2.0), ac)
-        });
-        let e = exp16xn::<EXP_LANES, false>(arg, &set);
+        // min(C, max(-C, x)): a NaN x passes through both (the second operand is returned).
+        let xc = each(&|i| _mm512_min_ps(set(TANH_CLAMP), _mm512_max_ps(set(-TANH_CLAMP), x[i])));
+        let x2 = each(&|i| _mm512_mul_ps(xc[i], xc[i]));
+        let mut p = [set(TANH_P[0]); EXP_LANES];
+        for &c in &TANH_P[1..] {
+            p = each(&|i| _mm512_fmadd_ps(p[i], x2[i], set(c)));
+        }
+        let mut q = [set(TANH_Q[0]); EXP_LANES];
+        for &c in &TANH_Q[1..] {
+            q = each(&|i| _mm512_fmadd_ps(q[i], x2[i], set(c)));
+        }
         each(&|i| {
-            let small = _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p[i], z[i]), x[i]), x[i]);
-            let big = _mm512_sub_ps(
-                set(1.0),
-                _mm512_div_ps(set(2.0), _mm512_add_ps(e[i], set(1.0))),
-            );
-            let negative = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x[i], set(0.0));
-            let big = _mm512_mask_blend_ps(negative, big, neg16(big));
-            let near_zero = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(a[i], set(0.625));
-            _mm512_mask_blend_ps(near_zero, big, small)
+            let r = _mm512_div_ps(_mm512_mul_ps(p[i], xc[i]), q[i]);
+            let r = _mm512_min_ps(set(1.0), _mm512_max_ps(set(-1.0), r));
+            let tiny = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(_mm512_abs_ps(x[i]), set(TANH_TINY));
+            _mm512_mask_blend_ps(tiny, r, x[i])
         })
     };
     // SAFETY: AVX-512 F, as this function requires.
@@ -720,8 +749,8 @@ mod tests {
         let mut x = -12.0f32;
         while x < 12.0 {
             let (got, want) = (tanh_f32(x) as f64, (x as f64).tanh());
-            // 3e-7 relative: Cephes tanhf's polynomial (1.3e-7 measured) plus exp_f32's 4e-7
-            // scaled by 2/(e^2|x|+1) <= 0.45 on the exponential branch.
+            // 3e-7 relative: the rational form's minimax error plus its f32 rounding (2.8e-7
+            // in an f32 simulation, near x = 0.0157).
             assert!(
                 (got - want).abs() <= 3e-7 * want.abs(),
                 "tanh({x}) = {got}, want {want}"

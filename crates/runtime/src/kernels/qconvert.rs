@@ -88,6 +88,67 @@ pub fn quantize<T: QInt>(isa: Isa, x: &[f32], scale: f32, zp: i32, out: &mut [T]
     }
 }
 
+/// The range of `x` extended to 0, NaN ignored: `(max(0, x...), min(0, x...))`, what
+/// DynamicQuantizeLinear derives its scale from. `L` independent lanes so the loop vectorizes
+/// (`f32::max` in a running fold does not); the result does not depend on `L` (the lanes only
+/// replace a value by a strictly larger/smaller one, so every zero they hold is the initial +0).
+#[inline(always)]
+fn range_lanes<const L: usize>(x: &[f32]) -> (f32, f32) {
+    let (mut hi, mut lo) = ([0f32; L], [0f32; L]);
+    let chunks = x.chunks_exact(L);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for ((h, l), &v) in hi.iter_mut().zip(lo.iter_mut()).zip(c) {
+            *h = if v > *h { v } else { *h };
+            *l = if v < *l { v } else { *l };
+        }
+    }
+    let (mut mx, mut mn) = (0f32, 0f32);
+    for &v in hi.iter().chain(tail) {
+        mx = if v > mx { v } else { mx };
+    }
+    for &v in lo.iter().chain(tail) {
+        mn = if v < mn { v } else { mn };
+    }
+    (mx, mn)
+}
+
+/// [`range_lanes`] dispatched: 16 lanes compiled for AVX-512, 8 for AVX2, the scalar twin
+/// [`range_with_zero_scalar`] otherwise (all give the same pair).
+pub fn range_with_zero(x: &[f32]) -> (f32, f32) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let isa = Isa::detect();
+        if isa.has_avx512() {
+            // SAFETY: AVX-512 F was detected on this CPU (capped by NPUC_ISA); the body is
+            // safe Rust.
+            return unsafe { range_avx512(x) };
+        }
+        if isa.has_avx2() {
+            // SAFETY: AVX2 was detected on this CPU (capped by NPUC_ISA); safe Rust body.
+            return unsafe { range_avx2(x) };
+        }
+    }
+    range_with_zero_scalar(x)
+}
+
+/// The scalar twin (baseline target) of [`range_with_zero`].
+pub fn range_with_zero_scalar(x: &[f32]) -> (f32, f32) {
+    range_lanes::<8>(x)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2")]
+unsafe fn range_avx512(x: &[f32]) -> (f32, f32) {
+    range_lanes::<32>(x)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn range_avx2(x: &[f32]) -> (f32, f32) {
+    range_lanes::<16>(x)
+}
+
 /// `out[i] = (x[i] - zp) as f32 * scale` (ONNX DequantizeLinear, per tensor, f32 output).
 pub fn dequantize<T: QInt>(isa: Isa, x: &[T], scale: f32, zp: i32, out: &mut [f32]) {
     let n = x.len().min(out.len());
@@ -435,6 +496,18 @@ mod tests {
     }
 
     proptest! {
+        #[test]
+        fn range_matches_scalar_twin(x in values(), negzero in any::<bool>()) {
+            let mut x = x;
+            if negzero && !x.is_empty() {
+                x[0] = -0.0;
+            }
+            let want = x.iter().filter(|v| !v.is_nan()).fold((0f32, 0f32), |(h, l), &v| (h.max(v), l.min(v)));
+            let got = range_with_zero(&x);
+            prop_assert_eq!(got, range_with_zero_scalar(&x));
+            prop_assert_eq!(got, want);
+        }
+
         #[test]
         fn quantize_matches_scalar(x in values(), scale in prop_oneof![Just(0.5f32), 0.001f32..3.0], zp8 in 0i32..256, zps in -128i32..128, zp16 in 0i32..65536) {
             both_quantize::<u8>(&x, scale, zp8);

@@ -266,7 +266,8 @@ pub fn binary_map<A: Elem, B: Elem, O: Elem>(
         out.extend(xa.iter().zip(xb).map(|(&x, &y)| f(x, y)));
         out
     } else {
-        let mut out = crate::buffers::filled(plan.len(), O::default());
+        // `binary_into` writes every output value.
+        let mut out = crate::buffers::for_overwrite::<O>(plan.len());
         binary_into(&plan, xa, xb, &mut out, f);
         out
     };

@@ -473,24 +473,8 @@ fn dynamic_quantize_linear(_ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
 /// Computes DynamicQuantizeLinear's (scale, zero point) for `xs`, all in f32 like the
 /// reference.
 pub fn dynamic_qparams_u8(xs: &[f32]) -> (f32, u8) {
-    // The range extended to 0, NaN ignored, in 8 independent lanes so the loop vectorizes
-    // (`f32::max` in a running fold does not).
-    let (mut hi, mut lo) = ([0f32; 8], [0f32; 8]);
-    let chunks = xs.chunks_exact(8);
-    let tail = chunks.remainder();
-    for c in chunks {
-        for ((h, l), &v) in hi.iter_mut().zip(lo.iter_mut()).zip(c) {
-            *h = if v > *h { v } else { *h };
-            *l = if v < *l { v } else { *l };
-        }
-    }
-    let (mut mx, mut mn) = (0f32, 0f32);
-    for &v in hi.iter().chain(tail) {
-        mx = mx.max(v);
-    }
-    for &v in lo.iter().chain(tail) {
-        mn = mn.min(v);
-    }
+    // The range extended to 0, NaN ignored (vectorized at the CPU's level).
+    let (mx, mn) = crate::kernels::qconvert::range_with_zero(xs);
     let range = if mx == mn { 1.0 } else { mx - mn };
     let scale = range / 255.0;
     let initial_zp = 0.0 - mn / scale;
@@ -501,7 +485,8 @@ pub fn dynamic_qparams_u8(xs: &[f32]) -> (f32, u8) {
 /// DynamicQuantizeLinear on a slice: (quantized, scale, zero point).
 pub fn dynamic_quantize_u8(xs: &[f32]) -> (Vec<u8>, f32, u8) {
     let (scale, zp) = dynamic_qparams_u8(xs);
-    let mut q = vec![0u8; xs.len()];
+    // Every value is written by `quantize_u8`.
+    let mut q = crate::buffers::for_overwrite::<u8>(xs.len());
     quantize_u8(xs, scale, zp, &mut q);
     (q, scale, zp)
 }
@@ -670,17 +655,26 @@ fn matmul_integer_packed(
     let packed = ctx.cached(|| {
         let bv = sub_zero_point(b, ins.opt_tensor(3), b_vec_shape)?;
         Ok(if n < NARROW_N {
-            PackedMatB::Columns(
-                (0..n)
-                    .map(|c| (0..k).map(|r| bv[r * n + c]).collect())
-                    .collect(),
-            )
+            let cols: Vec<Vec<i32>> = (0..n)
+                .map(|c| (0..k).map(|r| bv[r * n + c]).collect())
+                .collect();
+            let fits_i8 = bv.iter().all(|&v| (-128..=127).contains(&v));
+            let bytes = fits_i8.then(|| {
+                let b: Vec<Vec<i8>> = cols
+                    .iter()
+                    .map(|c| c.iter().map(|&v| v as i8).collect())
+                    .collect();
+                let sums = cols.iter().map(|c| c.iter().sum()).collect();
+                (b, sums)
+            });
+            PackedMatB::Columns { cols, bytes }
         } else {
             // 8-bit values minus 8-bit zero points: within [-255, 255], exact in i16.
             PackedMatB::Panels(PackedB::pack(k, n, |r, c| bv[r * n + c] as i16))
         })
     })?;
-    let mut out = vec![0i32; m * n];
+    // Every sum is written by either product.
+    let mut out = crate::buffers::for_overwrite::<i32>(m * n);
     match &*packed {
         PackedMatB::Panels(pb) => {
             let pa = match a.dtype() {
@@ -689,7 +683,13 @@ fn matmul_integer_packed(
             };
             igemm_packed(&pa, pb, &mut out, ctx.threads)?;
         }
-        PackedMatB::Columns(cols) => match a.dtype() {
+        PackedMatB::Columns {
+            bytes: Some((cols, sums)),
+            ..
+        } if a.dtype() == DType::U8 => {
+            byte_dot_columns(a.as_slice::<u8>()?, a_zp, cols, sums, &mut out)
+        }
+        PackedMatB::Columns { cols, .. } => match a.dtype() {
             DType::U8 => dot_columns(a.as_slice::<u8>()?, a_zp, cols, &mut out),
             _ => dot_columns(a.as_slice::<i8>()?, a_zp, cols, &mut out),
         },
@@ -707,8 +707,12 @@ const NARROW_N: usize = 8;
 /// A constant MatMulInteger B, zero points subtracted, in the layout its product wants.
 enum PackedMatB {
     Panels(crate::kernels::igemm::PackedB),
-    /// Columns of a narrow B, each `k` values.
-    Columns(Vec<Vec<i32>>),
+    /// Columns of a narrow B, each `k` values; when every value fits i8, also as bytes with
+    /// each column's sum (for the VNNI byte product of a u8 A).
+    Columns {
+        cols: Vec<Vec<i32>>,
+        bytes: Option<(Vec<Vec<i8>>, Vec<i32>)>,
+    },
 }
 
 /// `out[i, c] = Σ_p (a[i, p] - zp) · col_c[p]` for the rows of `a` (row length `k` =
@@ -719,6 +723,19 @@ fn dot_columns<T: Copy + Into<i32>>(a: &[T], zp: i16, cols: &[Vec<i32>], out: &m
     for (row, o) in a.chunks_exact(k).zip(out.chunks_exact_mut(n)) {
         for (d, col) in o.iter_mut().zip(cols) {
             *d = crate::kernels::imm::dot(row, zp as i32, col);
+        }
+    }
+}
+
+/// [`dot_columns`] for a u8 `a` and byte columns: `Σ_p a[i, p] · col[p] - zp · Σ col`, the
+/// same wrapping i32 value as `Σ_p (a[i, p] - zp) · col[p]`.
+fn byte_dot_columns(a: &[u8], zp: i16, cols: &[Vec<i8>], sums: &[i32], out: &mut [i32]) {
+    let k = cols[0].len();
+    let n = cols.len();
+    for (row, o) in a.chunks_exact(k).zip(out.chunks_exact_mut(n)) {
+        for ((d, col), &sum) in o.iter_mut().zip(cols).zip(sums) {
+            *d = crate::kernels::imm::dot_u8_i8(row, col)
+                .wrapping_sub((zp as i32).wrapping_mul(sum));
         }
     }
 }

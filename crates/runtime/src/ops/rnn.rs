@@ -472,7 +472,8 @@ impl Layer<'_> {
                 .collect::<Result<_>>()?
         };
         let mut out = LayerOut {
-            y: vec![0.0; seq * self.dirs * batch * hsz],
+            // Every value of Y is copied from a direction's output below.
+            y: crate::buffers::for_overwrite::<f32>(seq * self.dirs * batch * hsz),
             y_h: vec![0.0; self.dirs * batch * hsz],
             y_c: vec![0.0; self.dirs * batch * hsz],
         };
@@ -488,6 +489,9 @@ impl Layer<'_> {
                 out.y_h[si..si + hsz].copy_from_slice(&dir.h[b * hsz..(b + 1) * hsz]);
                 out.y_c[si..si + hsz].copy_from_slice(&dir.c[b * hsz..(b + 1) * hsz]);
             }
+        }
+        for dir in per_dir {
+            crate::buffers::release(dir.y);
         }
         Ok(out)
     }
@@ -513,7 +517,8 @@ impl Layer<'_> {
             }
         };
         let mut qs = QScratch::default();
-        let mut ydir = vec![0f32; seq * batch * hsz];
+        // Zeros stay past each row's length; pooled buffers, so a run allocates no pages.
+        let mut ydir = crate::buffers::zeroed::<f32>(seq * batch * hsz);
         {
             let reverse = self.reverse_only || d == 1;
             let acts = &self.acts[d * n_acts..(d + 1) * n_acts];
@@ -522,7 +527,8 @@ impl Layer<'_> {
             let pd = &self.p[d * 3 * hsz..(d + 1) * 3 * hsz];
             // Input projection for all timesteps, with the biases that can be folded in.
             let rows = seq * batch;
-            let mut xw = vec![0f32; rows * gh];
+            // Every value is written by the projection below.
+            let mut xw = crate::buffers::for_overwrite::<f32>(rows * gh);
             let lbr = matches!(
                 self.kind,
                 CellKind::Gru {
@@ -621,8 +627,9 @@ impl Layer<'_> {
                     match self.kind {
                         CellKind::Rnn => {
                             for j in 0..hsz {
-                                hb[j] = acts[0].apply(clip(xr[j] + hrr[j]));
+                                hb[j] = clip(xr[j] + hrr[j]);
                             }
+                            acts[0].apply_slice(hb);
                         }
                         CellKind::Gru {
                             linear_before_reset,
@@ -711,6 +718,7 @@ impl Layer<'_> {
                     ydir[yi..yi + hsz].copy_from_slice(hb);
                 }
             }
+            crate::buffers::release(xw);
             Ok(DirOut { y: ydir, h, c })
         }
     }
