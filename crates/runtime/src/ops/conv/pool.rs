@@ -484,6 +484,46 @@ fn sum_pool_run<T: GemmFloat + 'static>(
         ih + g.pb[1] + g.pe[1],
         iw + g.pb[2] + g.pe[2],
     ];
+    if p == 0 && g.d == [1, 1, 1] && id == 1 && od == 1 && g.pb[0] == 0 && g.pe[0] == 0 {
+        // A 2-D (or 1-D) average without dilation: per output row, the window's input rows are
+        // summed into column sums first (one vectorized add per row over the width), then each
+        // output adds its window's column sums: no per-tap index arithmetic (PP-OCRv6 rec's
+        // 3x2 pool over 160 x 3 x 80 spent most of its time there). The sums associate by
+        // column instead of by row: the same values up to f32 rounding.
+        let run2d = |plane: usize, yo: &mut [T]| {
+            let xc = &x[plane * pin..(plane + 1) * pin];
+            let mut colsum = vec![T::zero(); iw];
+            for yy in 0..oh {
+                let sy = (yy * g.s[1]) as isize - g.pb[1] as isize;
+                let (b0, b1) = taps(sy, g.k[1], 1, ih);
+                let nb = taps((yy * g.s[1]) as isize, g.k[1], 1, padded[1]);
+                colsum.fill(T::zero());
+                for b in b0..b1 {
+                    let py = (sy + b as isize) as usize;
+                    for (s, &v) in colsum.iter_mut().zip(&xc[py * iw..][..iw]) {
+                        *s += v;
+                    }
+                }
+                for (xx, o) in yo[yy * ow..(yy + 1) * ow].iter_mut().enumerate() {
+                    let sx = (xx * g.s[2]) as isize - g.pb[2] as isize;
+                    let (c0, c1) = taps(sx, g.k[2], 1, iw);
+                    let mut acc = T::zero();
+                    for c in c0..c1 {
+                        acc += colsum[(sx + c as isize) as usize];
+                    }
+                    let cnt = if include_pad {
+                        let nc_ = taps((xx * g.s[2]) as isize, g.k[2], 1, padded[2]);
+                        (nb.1 - nb.0) * (nc_.1 - nc_.0)
+                    } else {
+                        (b1 - b0) * (c1 - c0)
+                    };
+                    *o = acc / T::from_f64(cnt as f64);
+                }
+            }
+        };
+        for_planes(&mut y, pout, nc * pout * g.k_size(), threads, run2d);
+        return y;
+    }
     let pf = T::from_f64(p as f64);
     let inv_p = T::from_f64(1.0 / p.max(1) as f64);
     let run = |plane: usize, yo: &mut [T]| {
@@ -718,6 +758,67 @@ fn pad_corner<T: Copy + Default>(src: &[T], from: &[usize], to: &[usize]) -> Vec
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn two_d_average_equals_the_window_mean() {
+        // The column-sum path of `sum_pool_run` against a direct f64 mean, over kernels,
+        // strides and pads (end pads beyond the input, windows partly or wholly in padding),
+        // with and without count_include_pad.
+        let (h, w) = (5usize, 7usize);
+        let x: Vec<f32> = (0..2 * h * w)
+            .map(|i| ((i * 37) % 23) as f32 - 11.0)
+            .collect();
+        for (kh, kw, sh, sw, ph, pw) in [
+            (3, 2, 3, 2, 0, 0),
+            (2, 2, 1, 1, 1, 0),
+            (3, 3, 2, 2, 1, 1),
+            (1, 4, 1, 3, 0, 2),
+        ] {
+            let oh = (h + 2 * ph - kh) / sh + 1;
+            let ow = (w + 2 * pw - kw) / sw + 1;
+            let g = Geom {
+                inp: [1, h, w],
+                out: [1, oh, ow],
+                k: [1, kh, kw],
+                s: [1, sh, sw],
+                d: [1, 1, 1],
+                pb: [0, ph, pw],
+                pe: [0, ph, pw],
+            };
+            for include_pad in [false, true] {
+                let y = sum_pool_run::<f32>(&x, 2, &g, include_pad, 0, 1);
+                for plane in 0..2 {
+                    for oy in 0..oh {
+                        for ox in 0..ow {
+                            let (mut sum, mut n, mut padded) = (0f64, 0usize, 0usize);
+                            for a in 0..kh {
+                                for b in 0..kw {
+                                    let (iy, ix) = (
+                                        (oy * sh + a) as isize - ph as isize,
+                                        (ox * sw + b) as isize - pw as isize,
+                                    );
+                                    padded += 1;
+                                    if (0..h as isize).contains(&iy)
+                                        && (0..w as isize).contains(&ix)
+                                    {
+                                        sum +=
+                                            x[plane * h * w + iy as usize * w + ix as usize] as f64;
+                                        n += 1;
+                                    }
+                                }
+                            }
+                            let want = sum / if include_pad { padded } else { n } as f64;
+                            let got = y[plane * oh * ow + oy * ow + ox] as f64;
+                            assert!(
+                                (got - want).abs() <= 1e-6 * want.abs().max(1.0),
+                                "k {kh}x{kw} s {sh}x{sw} p {ph},{pw} pad {include_pad}: {got} vs {want}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
 
     #[test]
     fn taps_without_dilation_equal_valid_range() {
