@@ -718,7 +718,10 @@ enum PackedMatB {
 /// `out[i, c] = Σ_p (a[i, p] - zp) · col_c[p]` for the rows of `a` (row length `k` =
 /// `col.len()`); exact in i32 (8-bit operands minus zero points, `k` within `MAX_K`).
 fn dot_columns<T: Copy + Into<i32>>(a: &[T], zp: i16, cols: &[Vec<i32>], out: &mut [i32]) {
-    let k = cols[0].len();
+    // A B with no columns has no sums to write.
+    let Some(k) = cols.first().map(Vec::len) else {
+        return;
+    };
     let n = cols.len();
     for (row, o) in a.chunks_exact(k).zip(out.chunks_exact_mut(n)) {
         for (d, col) in o.iter_mut().zip(cols) {
@@ -730,7 +733,9 @@ fn dot_columns<T: Copy + Into<i32>>(a: &[T], zp: i16, cols: &[Vec<i32>], out: &m
 /// [`dot_columns`] for a u8 `a` and byte columns: `Σ_p a[i, p] · col[p] - zp · Σ col`, the
 /// same wrapping i32 value as `Σ_p (a[i, p] - zp) · col[p]`.
 fn byte_dot_columns(a: &[u8], zp: i16, cols: &[Vec<i8>], sums: &[i32], out: &mut [i32]) {
-    let k = cols[0].len();
+    let Some(k) = cols.first().map(Vec::len) else {
+        return;
+    };
     let n = cols.len();
     for (row, o) in a.chunks_exact(k).zip(out.chunks_exact_mut(n)) {
         for ((d, col), &sum) in o.iter_mut().zip(cols).zip(sums) {
@@ -1047,6 +1052,31 @@ fn qlinear_conv(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn narrow_column_products_without_columns_write_nothing() {
+        // MatMulInteger with B [k, 0]: no columns, no sums (indexing the first column panicked).
+        let mut out: Vec<i32> = vec![];
+        dot_columns(&[1u8, 2, 3], 0, &[], &mut out);
+        byte_dot_columns(&[1u8, 2, 3], 0, &[], &[], &mut out);
+        assert!(out.is_empty());
+        // One column: the byte product equals the definition, zero point included.
+        let (a, col) = ([200u8, 3, 255, 0], [-128i8, 127, 5, -1]);
+        let want: i32 = a
+            .iter()
+            .zip(&col)
+            .map(|(&x, &y)| (x as i32 - 7) * y as i32)
+            .sum();
+        let mut got = [0i32];
+        byte_dot_columns(
+            &a,
+            7,
+            &[col.to_vec()],
+            &[col.iter().map(|&v| v as i32).sum()],
+            &mut got,
+        );
+        assert_eq!(got[0], want);
+    }
 
     #[test]
     fn igemm_small() {
