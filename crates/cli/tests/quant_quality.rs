@@ -267,7 +267,7 @@ fn default_recipe_reports_held_out_sqnr() {
     // minmax 25.66 -> 26.43 dB.
     let c = vit_s(32);
     let samples = 64;
-    let plain_art = c.compile(
+    let (plain_art, _) = c.compile(
         "w8a8-minmax",
         samples,
         &[
@@ -279,7 +279,7 @@ fn default_recipe_reports_held_out_sqnr() {
             "off",
         ],
     );
-    let plain = c.artifact_sqnr(&plain_art.0, "w8a8-minmax", &[]);
+    let plain = c.artifact_sqnr(&plain_art, "w8a8-minmax", &[]);
     let (dflt_art, log) = c.compile("w8a8-default", samples, &["--quantize", "w8a8"]);
     let dflt = c.artifact_sqnr(&dflt_art, "w8a8-default", &[]);
     eprintln!("default recipe: {dflt:.2} dB (plain minmax {plain:.2} dB)\n{log}");
