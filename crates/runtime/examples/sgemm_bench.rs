@@ -1,7 +1,7 @@
 //! f32 product throughput at the ViT-S and PP-OCR shapes, in GFLOP/s: the `gemm` crate (what
 //! `ops::matmul::gemm_into` calls below AVX-512) against `kernels::sgemm` (AVX-512), with `b`
 //! packed per call and packed once beforehand (a constant weight), alternating in each round.
-//! Usage: `cargo run --release -p npuc-runtime --example sgemm_bench [THREADS [SHAPE]]`.
+//! Usage: `cargo run --release -p npuc-runtime --example sgemm_bench [THREADS [SHAPE | MxKxN]]`.
 
 use npuc_runtime::kernels::sgemm::{self, PackedB, View};
 use std::time::Instant;
@@ -41,6 +41,17 @@ fn main() {
         sgemm::available(isa)
     );
     let only = std::env::args().nth(2);
+    // `MxKxN` runs that shape alone.
+    let custom: Vec<usize> = only
+        .as_deref()
+        .map(|o| o.split('x').filter_map(|d| d.parse().ok()).collect())
+        .unwrap_or_default();
+    let shapes: Vec<(&str, usize, usize, usize)> = if let [m, k, n] = custom[..] {
+        vec![("custom", m, k, n)]
+    } else {
+        shapes.to_vec()
+    };
+    let only = only.filter(|_| custom.len() != 3);
     for round in 0..3 {
         for &(name, m, k, n) in &shapes {
             if only.as_deref().is_some_and(|o| o != name) {

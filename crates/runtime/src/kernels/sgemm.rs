@@ -661,17 +661,20 @@ fn block(
                 // Row-major `a` in place and one register of columns: narrow tiles.
                 let narrow = cols <= 16 && a.cs == 1;
                 let step = if narrow { MR_NARROW } else { MR };
-                // An in-place `a` takes tiles of near-equal height (40 rows: 4 of 10, not 3 of
-                // 12 and one of 4 whose few accumulator chains wait on the FMA latency); packed
-                // micro-panels are MR rows each.
+                // Narrow tiles over an in-place `a` have near-equal heights, wide ones are MR
+                // rows (the assembly loop) but for the last one or two ([`in_place_height`]);
+                // packed micro-panels are MR rows each.
                 let tiles = (c1 - c0).div_ceil(step);
-                let mut i = c0;
-                for t in 0..tiles {
-                    let r = if a.cs == 1 {
-                        (c1 - i) / (tiles - t)
-                    } else {
+                let (mut i, mut t) = (c0, 0);
+                while i < c1 {
+                    let r = if a.cs != 1 {
                         step.min(c1 - i)
+                    } else if narrow {
+                        (c1 - i) / (tiles - t).max(1)
+                    } else {
+                        in_place_height(c1 - i)
                     };
+                    t += 1;
                     let (ap, ars, acs) = if a.cs == 1 {
                         (&a.data[i * a.rs + k0..], a.rs, 1)
                     } else {
@@ -709,6 +712,19 @@ fn block(
         c0 = c1;
     }
     give_scratch(&SCRATCH_A, apack);
+}
+
+/// Height of the next wide tile over an in-place `a` with `left` rows to go: [`MR`] (the
+/// assembly loop's tile) while that leaves either nothing or a last tile of 8 or more rows;
+/// otherwise the last 13..23 rows split into two near-equal tiles (40 rows: 12, 12, 8, 8, not
+/// a last tile of 4 whose 8 accumulator chains wait on the multiply-add latency).
+fn in_place_height(left: usize) -> usize {
+    // Between MR and 2 MR rows the remainder is 1..MR-1.
+    if left <= MR || left >= 2 * MR || left - MR >= 8 {
+        left.min(MR)
+    } else {
+        left / 2
+    }
 }
 
 /// Packs rows `rows` x steps `k0..k0+kc` of `a`: micro-panel `q` (rows `q*MR..`) at
@@ -1017,6 +1033,13 @@ unsafe fn tile_avx512<const R: usize>(
         }
     }
     for s in segs {
+        if R == MR && acs == 1 && ldb == NR && cols == NR {
+            // SAFETY: R == MR, so `acc` is MR rows of two accumulators; the run's `a` holds
+            // MR rows of `k` contiguous steps at stride `ars` and its `b` `k` full rows of NR
+            // values (checked by `seg` with cols == NR).
+            unsafe { run12_in_place(s, ars, acc.as_mut_ptr().cast()) };
+            continue;
+        }
         for kk in 0..s.k {
             // SAFETY: row kk < k of the run's `b` holds `cols` values at kk * ldb (masked loads
             // touch only those) and a[r * ars + kk * acs] (r < R) is inside the run's `a`
@@ -1046,6 +1069,145 @@ unsafe fn tile_avx512<const R: usize>(
             _mm512_mask_storeu_ps(c.add(r * ldc), m0, v0);
             _mm512_mask_storeu_ps(c.add(r * ldc + 16), m1, v1);
         }
+    }
+}
+
+/// [`run12_in_place`]'s row `r` at step offset `k` (0..3 within an iteration): broadcast
+/// `a[r][k]` from row base `base` plus `idx` (0, one or two row strides) into `zmm{bc}`, then
+/// the two multiply-adds into accumulators `zmm{c0}`, `zmm{c1}` with the panel row in
+/// `zmm24`, `zmm25`.
+#[cfg(target_arch = "x86_64")]
+#[rustfmt::skip]
+macro_rules! row12 {
+    ($base:literal, $idx:literal, $bc:literal, $c0:literal, $c1:literal, $k:literal) => {
+        concat!(
+            "vbroadcastss zmm", $bc, ", dword ptr [", $base, $idx, " + ", $k, "*4]\n",
+            "vfmadd231ps zmm", $c0, ", zmm", $bc, ", zmm24\n",
+            "vfmadd231ps zmm", $c1, ", zmm", $bc, ", zmm25\n",
+        )
+    };
+}
+
+/// One step of [`run12_in_place`] at offset `k`: the panel row's two loads, then the twelve
+/// rows (bases `{a}`, `{a3}`, `{a6}`, `{a9}`, three rows each), broadcasts rotating over
+/// `zmm26..zmm29`.
+#[cfg(target_arch = "x86_64")]
+#[rustfmt::skip]
+macro_rules! step12 {
+    ($k:literal) => {
+        concat!(
+            "vmovups zmm24, [{b} + ", $k, "*128]\n",
+            "vmovups zmm25, [{b} + ", $k, "*128 + 64]\n",
+            row12!("{a}", "", "26", "0", "1", $k),
+            row12!("{a}", " + {s}", "27", "2", "3", $k),
+            row12!("{a}", " + 2*{s}", "28", "4", "5", $k),
+            row12!("{a3}", "", "29", "6", "7", $k),
+            row12!("{a3}", " + {s}", "26", "8", "9", $k),
+            row12!("{a3}", " + 2*{s}", "27", "10", "11", $k),
+            row12!("{a6}", "", "28", "12", "13", $k),
+            row12!("{a6}", " + {s}", "29", "14", "15", $k),
+            row12!("{a6}", " + 2*{s}", "26", "16", "17", $k),
+            row12!("{a9}", "", "27", "18", "19", $k),
+            row12!("{a9}", " + {s}", "28", "20", "21", $k),
+            row12!("{a9}", " + 2*{s}", "29", "22", "23", $k),
+        )
+    };
+}
+
+/// The full [`MR`] x [`NR`] tile's reduction run over a row-major `a` (rows `ars` values
+/// apart, steps contiguous) and a packed panel of `b`, in assembly: the compiled loop spent an
+/// address computation per row and step (ports the multiply-adds need), while here each row
+/// is a base register plus `ars` times 0, 1 or 2 (four bases for the twelve rows), advanced
+/// once per four steps. The same multiply-adds in the same order as [`tile_avx512`]'s loop,
+/// so the same bits.
+///
+/// # Safety
+/// AVX-512 F; `acc` points at MR pairs of accumulators; `s.a` holds MR rows of `s.k` steps at
+/// stride `ars`, `s.b` `s.k` rows of NR values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn run12_in_place(s: &Seg, ars: usize, acc: *mut [[std::arch::x86_64::__m512; 2]; MR]) {
+    // SAFETY: as this function's contract.
+    let acc = unsafe { &mut *acc };
+    let (a, b, k) = (s.a, s.b, s.k);
+    // SAFETY: the loop reads a[r * ars + kk] (r < MR, kk < k) and b[kk * NR .. kk * NR + NR]
+    // (kk < k) only, and writes no memory (only the accumulator registers).
+    unsafe {
+        core::arch::asm!(
+            "lea {a3}, [{a} + 2*{s}]",
+            "add {a3}, {s}",
+            "lea {a6}, [{a3} + 2*{s}]",
+            "add {a6}, {s}",
+            "lea {a9}, [{a6} + 2*{s}]",
+            "add {a9}, {s}",
+            "test {k4}, {k4}",
+            "jz 3f",
+            "2:",
+            step12!("0"),
+            step12!("1"),
+            step12!("2"),
+            step12!("3"),
+            "add {a}, 16",
+            "add {a3}, 16",
+            "add {a6}, 16",
+            "add {a9}, 16",
+            "add {b}, 512",
+            "dec {k4}",
+            "jnz 2b",
+            "3:",
+            "test {k1}, {k1}",
+            "jz 5f",
+            "4:",
+            step12!("0"),
+            "add {a}, 4",
+            "add {a3}, 4",
+            "add {a6}, 4",
+            "add {a9}, 4",
+            "add {b}, 128",
+            "dec {k1}",
+            "jnz 4b",
+            "5:",
+            a = inout(reg) a => _,
+            s = in(reg) ars * 4,
+            b = inout(reg) b => _,
+            k4 = inout(reg) k / 4 => _,
+            k1 = inout(reg) k % 4 => _,
+            a3 = out(reg) _,
+            a6 = out(reg) _,
+            a9 = out(reg) _,
+            inout("zmm0") acc[0][0],
+            inout("zmm1") acc[0][1],
+            inout("zmm2") acc[1][0],
+            inout("zmm3") acc[1][1],
+            inout("zmm4") acc[2][0],
+            inout("zmm5") acc[2][1],
+            inout("zmm6") acc[3][0],
+            inout("zmm7") acc[3][1],
+            inout("zmm8") acc[4][0],
+            inout("zmm9") acc[4][1],
+            inout("zmm10") acc[5][0],
+            inout("zmm11") acc[5][1],
+            inout("zmm12") acc[6][0],
+            inout("zmm13") acc[6][1],
+            inout("zmm14") acc[7][0],
+            inout("zmm15") acc[7][1],
+            inout("zmm16") acc[8][0],
+            inout("zmm17") acc[8][1],
+            inout("zmm18") acc[9][0],
+            inout("zmm19") acc[9][1],
+            inout("zmm20") acc[10][0],
+            inout("zmm21") acc[10][1],
+            inout("zmm22") acc[11][0],
+            inout("zmm23") acc[11][1],
+            out("zmm24") _,
+            out("zmm25") _,
+            out("zmm26") _,
+            out("zmm27") _,
+            out("zmm28") _,
+            out("zmm29") _,
+            options(nostack, readonly),
+        );
     }
 }
 
