@@ -958,28 +958,36 @@ unsafe fn tile_narrow_avx512<const R: usize>(
     } else {
         (1u32 << cols) as u16 - 1
     };
-    let mut acc = [_mm512_setzero_ps(); R];
+    // MR_NARROW accumulators whatever R: the assembly loop names all of them (registers
+    // zmm0..zmm23); only the first R are loaded, computed and stored.
+    let mut acc = [_mm512_setzero_ps(); MR_NARROW];
     if cont {
-        for (r, accr) in acc.iter_mut().enumerate() {
+        for (r, accr) in acc.iter_mut().enumerate().take(R) {
             // SAFETY: row r < R of `c` holds `cols` values at r * ldc (masked load).
             unsafe { *accr = _mm512_maskz_loadu_ps(m0, c.add(r * ldc)) };
         }
     }
     for s in segs {
+        if acs == 1 && ldb == NR {
+            // SAFETY: R <= MR_NARROW rows of the run's `a` hold `k` contiguous steps at stride
+            // `ars` and its `b` `k` rows of at least `cols` values NR apart (checked by `seg`).
+            unsafe { narrow_in_place::<R>(s, ars, m0, &mut acc) };
+            continue;
+        }
         for kk in 0..s.k {
             // SAFETY: row kk < k of the run's `b` holds `cols` values at kk * ldb (masked load)
             // and a[r * ars + kk * acs] (r < R) is inside the run's `a` (checked by `seg`).
             unsafe {
                 let b0 = _mm512_maskz_loadu_ps(m0, s.b.add(kk * ldb));
                 let ap = s.a.add(kk * acs);
-                for (r, accr) in acc.iter_mut().enumerate() {
+                for (r, accr) in acc.iter_mut().enumerate().take(R) {
                     *accr = _mm512_fmadd_ps(_mm512_set1_ps(*ap.add(r * ars)), b0, *accr);
                 }
             }
         }
     }
     let sv = _mm512_set1_ps(scale);
-    for (r, accr) in acc.iter().enumerate() {
+    for (r, accr) in acc.iter().enumerate().take(R) {
         let v = if scale != 1.0 {
             _mm512_mul_ps(*accr, sv)
         } else {
@@ -987,6 +995,204 @@ unsafe fn tile_narrow_avx512<const R: usize>(
         };
         // SAFETY: row r < R of `c` holds `cols` values at r * ldc (masked store).
         unsafe { _mm512_mask_storeu_ps(c.add(r * ldc), m0, v) };
+    }
+}
+
+/// [`narrow_in_place`]'s row `r` at step offset `k` (0..3 within an iteration): one
+/// multiply-add into `zmm{r}` of the panel row in `zmm24` and `a[r][k]` broadcast from memory,
+/// row `r` addressed as base `{a<r/4>}` plus 0, 1, 2 or 3 row strides.
+#[cfg(target_arch = "x86_64")]
+#[rustfmt::skip]
+macro_rules! nrow {
+    (@ $base:literal, $idx:literal, $r:literal, $k:literal) => {
+        concat!("vfmadd231ps zmm", $r, ", zmm24, dword ptr [", $base, $idx, " + ", $k, "*4]{{1to16}}\n")
+    };
+    (0, $k:literal) => { nrow!(@ "{a0}", "", "0", $k) };
+    (1, $k:literal) => { nrow!(@ "{a0}", " + {s}", "1", $k) };
+    (2, $k:literal) => { nrow!(@ "{a0}", " + 2*{s}", "2", $k) };
+    (3, $k:literal) => { nrow!(@ "{a0}", " + {s3}", "3", $k) };
+    (4, $k:literal) => { nrow!(@ "{a1}", "", "4", $k) };
+    (5, $k:literal) => { nrow!(@ "{a1}", " + {s}", "5", $k) };
+    (6, $k:literal) => { nrow!(@ "{a1}", " + 2*{s}", "6", $k) };
+    (7, $k:literal) => { nrow!(@ "{a1}", " + {s3}", "7", $k) };
+    (8, $k:literal) => { nrow!(@ "{a2}", "", "8", $k) };
+    (9, $k:literal) => { nrow!(@ "{a2}", " + {s}", "9", $k) };
+    (10, $k:literal) => { nrow!(@ "{a2}", " + 2*{s}", "10", $k) };
+    (11, $k:literal) => { nrow!(@ "{a2}", " + {s3}", "11", $k) };
+    (12, $k:literal) => { nrow!(@ "{a3}", "", "12", $k) };
+    (13, $k:literal) => { nrow!(@ "{a3}", " + {s}", "13", $k) };
+    (14, $k:literal) => { nrow!(@ "{a3}", " + 2*{s}", "14", $k) };
+    (15, $k:literal) => { nrow!(@ "{a3}", " + {s3}", "15", $k) };
+    (16, $k:literal) => { nrow!(@ "{a4}", "", "16", $k) };
+    (17, $k:literal) => { nrow!(@ "{a4}", " + {s}", "17", $k) };
+    (18, $k:literal) => { nrow!(@ "{a4}", " + 2*{s}", "18", $k) };
+    (19, $k:literal) => { nrow!(@ "{a4}", " + {s3}", "19", $k) };
+    (20, $k:literal) => { nrow!(@ "{a5}", "", "20", $k) };
+    (21, $k:literal) => { nrow!(@ "{a5}", " + {s}", "21", $k) };
+    (22, $k:literal) => { nrow!(@ "{a5}", " + 2*{s}", "22", $k) };
+    (23, $k:literal) => { nrow!(@ "{a5}", " + {s3}", "23", $k) };
+}
+
+/// One step of [`narrow_in_place`] at offset `k` over rows `$r`: the panel row's masked load,
+/// then a multiply-add per row.
+#[cfg(target_arch = "x86_64")]
+#[rustfmt::skip]
+macro_rules! nstep {
+    ($k:literal; $($r:tt)*) => {
+        concat!("vmovups zmm24{{{m}}}{{z}}, [{b} + ", $k, "*128]\n", $(nrow!($r, $k)),*)
+    };
+}
+
+/// The reduction loop of [`narrow_in_place`] over rows `$r` (0..R-1): four steps an
+/// iteration at constant offsets, then single steps.
+#[cfg(target_arch = "x86_64")]
+#[rustfmt::skip]
+macro_rules! narrow_loop {
+    ($acc:ident, $a:expr, $s:expr, $b:expr, $k:expr, $m:expr; $($r:tt)*) => {
+        core::arch::asm!(
+            "lea {s3}, [{s} + 2*{s}]",
+            "lea {a1}, [{a0} + 4*{s}]",
+            "lea {a2}, [{a1} + 4*{s}]",
+            "lea {a3}, [{a2} + 4*{s}]",
+            "lea {a4}, [{a3} + 4*{s}]",
+            "lea {a5}, [{a4} + 4*{s}]",
+            "test {k4}, {k4}",
+            "jz 3f",
+            "2:",
+            nstep!("0"; $($r)*),
+            nstep!("1"; $($r)*),
+            nstep!("2"; $($r)*),
+            nstep!("3"; $($r)*),
+            "add {a0}, 16",
+            "add {a1}, 16",
+            "add {a2}, 16",
+            "add {a3}, 16",
+            "add {a4}, 16",
+            "add {a5}, 16",
+            "add {b}, 512",
+            "dec {k4}",
+            "jnz 2b",
+            "3:",
+            "test {k1}, {k1}",
+            "jz 5f",
+            "4:",
+            nstep!("0"; $($r)*),
+            "add {a0}, 4",
+            "add {a1}, 4",
+            "add {a2}, 4",
+            "add {a3}, 4",
+            "add {a4}, 4",
+            "add {a5}, 4",
+            "add {b}, 128",
+            "dec {k1}",
+            "jnz 4b",
+            "5:",
+            a0 = inout(reg) $a => _,
+            s = in(reg) $s,
+            b = inout(reg) $b => _,
+            k4 = inout(reg) $k / 4 => _,
+            k1 = inout(reg) $k % 4 => _,
+            m = in(kreg) $m,
+            s3 = out(reg) _,
+            a1 = out(reg) _,
+            a2 = out(reg) _,
+            a3 = out(reg) _,
+            a4 = out(reg) _,
+            a5 = out(reg) _,
+            inout("zmm0") $acc[0],
+            inout("zmm1") $acc[1],
+            inout("zmm2") $acc[2],
+            inout("zmm3") $acc[3],
+            inout("zmm4") $acc[4],
+            inout("zmm5") $acc[5],
+            inout("zmm6") $acc[6],
+            inout("zmm7") $acc[7],
+            inout("zmm8") $acc[8],
+            inout("zmm9") $acc[9],
+            inout("zmm10") $acc[10],
+            inout("zmm11") $acc[11],
+            inout("zmm12") $acc[12],
+            inout("zmm13") $acc[13],
+            inout("zmm14") $acc[14],
+            inout("zmm15") $acc[15],
+            inout("zmm16") $acc[16],
+            inout("zmm17") $acc[17],
+            inout("zmm18") $acc[18],
+            inout("zmm19") $acc[19],
+            inout("zmm20") $acc[20],
+            inout("zmm21") $acc[21],
+            inout("zmm22") $acc[22],
+            inout("zmm23") $acc[23],
+            out("zmm24") _,
+            options(nostack, readonly),
+        )
+    };
+}
+
+/// A narrow tile's reduction run over a row-major `a` (rows `ars` values apart, steps
+/// contiguous) and a packed panel of `b` (rows [`NR`] values apart, `m0` masking the tile's
+/// columns), in assembly: the compiled loop chained the 24 rows' addresses through one
+/// register, a serial add per row and step (18 cycles a step for 24 multiply-adds that need
+/// 12). Here rows are six base registers plus 0..3 row strides, advanced once per four steps;
+/// each multiply-add broadcasts its `a` value from memory. The same multiply-adds in the same
+/// order as [`tile_narrow_avx512`]'s loop, so the same bits.
+///
+/// # Safety
+/// AVX-512 F; `s.a` holds `R <= MR_NARROW` rows of `s.k` steps at stride `ars`, `s.b` `s.k`
+/// rows of the columns `m0` selects, [`NR`] values apart.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn narrow_in_place<const R: usize>(
+    s: &Seg,
+    ars: usize,
+    m0: std::arch::x86_64::__mmask16,
+    acc: &mut [std::arch::x86_64::__m512; MR_NARROW],
+) {
+    let (a, b, k, sb) = (s.a, s.b, s.k, ars * 4);
+    // SAFETY: the loop reads a[r * ars + kk] (r < R, kk < k) and the masked columns of
+    // b[kk * NR ..] (kk < k) only, and writes no memory (only the accumulator registers). Row
+    // bases past row R - 1 are computed but never dereferenced.
+    unsafe {
+        match R {
+            1 => narrow_loop!(acc, a, sb, b, k, m0; 0),
+            2 => narrow_loop!(acc, a, sb, b, k, m0; 0 1),
+            3 => narrow_loop!(acc, a, sb, b, k, m0; 0 1 2),
+            4 => narrow_loop!(acc, a, sb, b, k, m0; 0 1 2 3),
+            5 => narrow_loop!(acc, a, sb, b, k, m0; 0 1 2 3 4),
+            6 => narrow_loop!(acc, a, sb, b, k, m0; 0 1 2 3 4 5),
+            7 => narrow_loop!(acc, a, sb, b, k, m0; 0 1 2 3 4 5 6),
+            8 => narrow_loop!(acc, a, sb, b, k, m0; 0 1 2 3 4 5 6 7),
+            9 => narrow_loop!(acc, a, sb, b, k, m0; 0 1 2 3 4 5 6 7 8),
+            10 => narrow_loop!(acc, a, sb, b, k, m0; 0 1 2 3 4 5 6 7 8 9),
+            11 => narrow_loop!(acc, a, sb, b, k, m0; 0 1 2 3 4 5 6 7 8 9 10),
+            12 => narrow_loop!(acc, a, sb, b, k, m0; 0 1 2 3 4 5 6 7 8 9 10 11),
+            13 => narrow_loop!(acc, a, sb, b, k, m0; 0 1 2 3 4 5 6 7 8 9 10 11 12),
+            14 => narrow_loop!(acc, a, sb, b, k, m0; 0 1 2 3 4 5 6 7 8 9 10 11 12 13),
+            15 => narrow_loop!(acc, a, sb, b, k, m0; 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14),
+            16 => narrow_loop!(acc, a, sb, b, k, m0; 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15),
+            17 => narrow_loop!(acc, a, sb, b, k, m0; 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16),
+            18 => narrow_loop!(acc, a, sb, b, k, m0; 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17),
+            19 => {
+                narrow_loop!(acc, a, sb, b, k, m0; 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18)
+            }
+            20 => {
+                narrow_loop!(acc, a, sb, b, k, m0; 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19)
+            }
+            21 => {
+                narrow_loop!(acc, a, sb, b, k, m0; 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20)
+            }
+            22 => {
+                narrow_loop!(acc, a, sb, b, k, m0; 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21)
+            }
+            23 => {
+                narrow_loop!(acc, a, sb, b, k, m0; 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22)
+            }
+            24 => {
+                narrow_loop!(acc, a, sb, b, k, m0; 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23)
+            }
+            _ => unreachable!("narrow tiles have 1..=MR_NARROW rows"),
+        }
     }
 }
 
@@ -1320,6 +1526,41 @@ mod tests {
                 }
             } else {
                 prop_assert!((0..m).all(|i| got[i * ldc..i * ldc + n].iter().all(|&v| v == 0.0)));
+            }
+        }
+    }
+
+    /// Every narrow tile height (one tile of `m` rows, 1..=MR_NARROW) with full and masked
+    /// column counts, at step counts around the assembly loop's four-step unrolling: the
+    /// dispatched kernel equals the scalar twin bit for bit.
+    #[test]
+    fn every_narrow_tile_height_equals_scalar_twin() {
+        let mut s = 7u64;
+        let mut val = || (xorshift(&mut s) % 2001) as f32 / 1000.0 - 1.0;
+        for m in 1..=MR_NARROW {
+            for n in [1, 8, 15, 16] {
+                for k in [1, 3, 4, 9, 64] {
+                    let b: Vec<f32> = (0..k * n).map(|_| val()).collect();
+                    let pb = PackedB::new(k, n, View::rows(&b, n)).unwrap();
+                    let ars = k + 5;
+                    let a: Vec<f32> = (0..m * ars).map(|_| val()).collect();
+                    let list = [Run {
+                        a: &a,
+                        k0: 0,
+                        kc: k,
+                    }];
+                    let mut want = vec![f32::NAN; m * n];
+                    sgemm_packed_runs(Isa::Scalar, m, ars, &list, &pb, &mut want, n).unwrap();
+                    let mut got = vec![f32::NAN; m * n];
+                    sgemm_packed_runs(Isa::detect(), m, ars, &list, &pb, &mut got, n).unwrap();
+                    for i in 0..m * n {
+                        assert_eq!(
+                            got[i].to_bits(),
+                            want[i].to_bits(),
+                            "m {m} n {n} k {k} at {i}"
+                        );
+                    }
+                }
             }
         }
     }
