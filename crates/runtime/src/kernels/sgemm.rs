@@ -662,8 +662,8 @@ fn block(
                 let narrow = cols <= 16 && a.cs == 1;
                 let step = if narrow { MR_NARROW } else { MR };
                 // Narrow tiles over an in-place `a` have near-equal heights, wide ones are MR
-                // rows (the assembly loop) but for the last one or two ([`in_place_height`]);
-                // packed micro-panels are MR rows each.
+                // rows but for the last one or two ([`in_place_height`]); packed micro-panels
+                // are MR rows each.
                 let tiles = (c1 - c0).div_ceil(step);
                 let (mut i, mut t) = (c0, 0);
                 while i < c1 {
@@ -715,7 +715,7 @@ fn block(
 }
 
 /// Height of the next wide tile over an in-place `a` with `left` rows to go: [`MR`] (the
-/// assembly loop's tile) while that leaves either nothing or a last tile of 8 or more rows;
+/// most accumulators) while that leaves either nothing or a last tile of 8 or more rows;
 /// otherwise the last 13..23 rows split into two near-equal tiles (40 rows: 12, 12, 8, 8, not
 /// a last tile of 4 whose 8 accumulator chains wait on the multiply-add latency).
 fn in_place_height(left: usize) -> usize {
@@ -1228,9 +1228,11 @@ unsafe fn tile_avx512<const R: usize>(
     } else {
         0
     };
-    let mut acc = [[_mm512_setzero_ps(); 2]; R];
+    // MR pairs of accumulators whatever R: the assembly loop names all of them (registers
+    // zmm0..zmm23); only the first R are loaded, computed and stored.
+    let mut acc = [[_mm512_setzero_ps(); 2]; MR];
     if cont {
-        for (r, accr) in acc.iter_mut().enumerate() {
+        for (r, accr) in acc.iter_mut().enumerate().take(R) {
             // SAFETY: row r < R of `c` holds `cols` values at r * ldc (masked loads).
             unsafe {
                 accr[0] = _mm512_maskz_loadu_ps(m0, c.add(r * ldc));
@@ -1239,11 +1241,10 @@ unsafe fn tile_avx512<const R: usize>(
         }
     }
     for s in segs {
-        if R == MR && acs == 1 && ldb == NR && cols == NR {
-            // SAFETY: R == MR, so `acc` is MR rows of two accumulators; the run's `a` holds
-            // MR rows of `k` contiguous steps at stride `ars` and its `b` `k` full rows of NR
-            // values (checked by `seg` with cols == NR).
-            unsafe { run12_in_place(s, ars, acc.as_mut_ptr().cast()) };
+        if acs == 1 && ldb == NR {
+            // SAFETY: R <= MR rows of the run's `a` hold `k` contiguous steps at stride `ars`
+            // and its `b` `k` rows of at least `cols` values NR apart (checked by `seg`).
+            unsafe { wide_in_place::<R>(s, ars, (m0, m1), &mut acc) };
             continue;
         }
         for kk in 0..s.k {
@@ -1255,7 +1256,7 @@ unsafe fn tile_avx512<const R: usize>(
                 let b0 = _mm512_maskz_loadu_ps(m0, bp);
                 let b1 = _mm512_maskz_loadu_ps(m1, bp.add(16));
                 let ap = s.a.add(kk * acs);
-                for (r, accr) in acc.iter_mut().enumerate() {
+                for (r, accr) in acc.iter_mut().enumerate().take(R) {
                     let av = _mm512_set1_ps(*ap.add(r * ars));
                     accr[0] = _mm512_fmadd_ps(av, b0, accr[0]);
                     accr[1] = _mm512_fmadd_ps(av, b1, accr[1]);
@@ -1264,7 +1265,7 @@ unsafe fn tile_avx512<const R: usize>(
         }
     }
     let sv = _mm512_set1_ps(scale);
-    for (r, accr) in acc.iter().enumerate() {
+    for (r, accr) in acc.iter().enumerate().take(R) {
         let (v0, v1) = if scale != 1.0 {
             (_mm512_mul_ps(accr[0], sv), _mm512_mul_ps(accr[1], sv))
         } else {
@@ -1278,70 +1279,56 @@ unsafe fn tile_avx512<const R: usize>(
     }
 }
 
-/// [`run12_in_place`]'s row `r` at step offset `k` (0..3 within an iteration): broadcast
-/// `a[r][k]` from row base `base` plus `idx` (0, one or two row strides) into `zmm{bc}`, then
-/// the two multiply-adds into accumulators `zmm{c0}`, `zmm{c1}` with the panel row in
-/// `zmm24`, `zmm25`.
+/// [`wide_in_place`]'s row `r` at step offset `k` (0..3 within an iteration): broadcast
+/// `a[r][k]` from row base `{a<3 (r/3)>}` plus 0, 1 or 2 row strides into a register rotating
+/// over `zmm26..zmm29`, then the two multiply-adds into `zmm{2r}`, `zmm{2r+1}` with the panel
+/// row in `zmm24`, `zmm25`.
 #[cfg(target_arch = "x86_64")]
 #[rustfmt::skip]
-macro_rules! row12 {
-    ($base:literal, $idx:literal, $bc:literal, $c0:literal, $c1:literal, $k:literal) => {
+macro_rules! wrow {
+    (@ $base:literal, $idx:literal, $bc:literal, $c0:literal, $c1:literal, $k:literal) => {
         concat!(
             "vbroadcastss zmm", $bc, ", dword ptr [", $base, $idx, " + ", $k, "*4]\n",
             "vfmadd231ps zmm", $c0, ", zmm", $bc, ", zmm24\n",
             "vfmadd231ps zmm", $c1, ", zmm", $bc, ", zmm25\n",
         )
     };
+    (0, $k:literal) => { wrow!(@ "{a0}", "", "26", "0", "1", $k) };
+    (1, $k:literal) => { wrow!(@ "{a0}", " + {s}", "27", "2", "3", $k) };
+    (2, $k:literal) => { wrow!(@ "{a0}", " + 2*{s}", "28", "4", "5", $k) };
+    (3, $k:literal) => { wrow!(@ "{a3}", "", "29", "6", "7", $k) };
+    (4, $k:literal) => { wrow!(@ "{a3}", " + {s}", "26", "8", "9", $k) };
+    (5, $k:literal) => { wrow!(@ "{a3}", " + 2*{s}", "27", "10", "11", $k) };
+    (6, $k:literal) => { wrow!(@ "{a6}", "", "28", "12", "13", $k) };
+    (7, $k:literal) => { wrow!(@ "{a6}", " + {s}", "29", "14", "15", $k) };
+    (8, $k:literal) => { wrow!(@ "{a6}", " + 2*{s}", "26", "16", "17", $k) };
+    (9, $k:literal) => { wrow!(@ "{a9}", "", "27", "18", "19", $k) };
+    (10, $k:literal) => { wrow!(@ "{a9}", " + {s}", "28", "20", "21", $k) };
+    (11, $k:literal) => { wrow!(@ "{a9}", " + 2*{s}", "29", "22", "23", $k) };
 }
 
-/// One step of [`run12_in_place`] at offset `k`: the panel row's two loads, then the twelve
-/// rows (bases `{a}`, `{a3}`, `{a6}`, `{a9}`, three rows each), broadcasts rotating over
-/// `zmm26..zmm29`.
+/// One step of [`wide_in_place`] at offset `k` over rows `$r`: the panel row's two masked
+/// loads, then each row's broadcast and multiply-adds.
 #[cfg(target_arch = "x86_64")]
 #[rustfmt::skip]
-macro_rules! step12 {
-    ($k:literal) => {
+macro_rules! wstep {
+    ($k:literal; $($r:tt)*) => {
         concat!(
-            "vmovups zmm24, [{b} + ", $k, "*128]\n",
-            "vmovups zmm25, [{b} + ", $k, "*128 + 64]\n",
-            row12!("{a}", "", "26", "0", "1", $k),
-            row12!("{a}", " + {s}", "27", "2", "3", $k),
-            row12!("{a}", " + 2*{s}", "28", "4", "5", $k),
-            row12!("{a3}", "", "29", "6", "7", $k),
-            row12!("{a3}", " + {s}", "26", "8", "9", $k),
-            row12!("{a3}", " + 2*{s}", "27", "10", "11", $k),
-            row12!("{a6}", "", "28", "12", "13", $k),
-            row12!("{a6}", " + {s}", "29", "14", "15", $k),
-            row12!("{a6}", " + 2*{s}", "26", "16", "17", $k),
-            row12!("{a9}", "", "27", "18", "19", $k),
-            row12!("{a9}", " + {s}", "28", "20", "21", $k),
-            row12!("{a9}", " + 2*{s}", "29", "22", "23", $k),
+            "vmovups zmm24{{{m0}}}{{z}}, [{b} + ", $k, "*128]\n",
+            "vmovups zmm25{{{m1}}}{{z}}, [{b} + ", $k, "*128 + 64]\n",
+            $(wrow!($r, $k)),*
         )
     };
 }
 
-/// The full [`MR`] x [`NR`] tile's reduction run over a row-major `a` (rows `ars` values
-/// apart, steps contiguous) and a packed panel of `b`, in assembly: the compiled loop spent an
-/// address computation per row and step (ports the multiply-adds need), while here each row
-/// is a base register plus `ars` times 0, 1 or 2 (four bases for the twelve rows), advanced
-/// once per four steps. The same multiply-adds in the same order as [`tile_avx512`]'s loop,
-/// so the same bits.
-///
-/// # Safety
-/// AVX-512 F; `acc` points at MR pairs of accumulators; `s.a` holds MR rows of `s.k` steps at
-/// stride `ars`, `s.b` `s.k` rows of NR values.
+/// The reduction loop of [`wide_in_place`] over rows `$r` (0..R-1): four steps an iteration
+/// at constant offsets, then single steps.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-#[inline]
-unsafe fn run12_in_place(s: &Seg, ars: usize, acc: *mut [[std::arch::x86_64::__m512; 2]; MR]) {
-    // SAFETY: as this function's contract.
-    let acc = unsafe { &mut *acc };
-    let (a, b, k) = (s.a, s.b, s.k);
-    // SAFETY: the loop reads a[r * ars + kk] (r < MR, kk < k) and b[kk * NR .. kk * NR + NR]
-    // (kk < k) only, and writes no memory (only the accumulator registers).
-    unsafe {
+#[rustfmt::skip]
+macro_rules! wide_loop {
+    ($acc:ident, $a:expr, $s:expr, $b:expr, $k:expr, $m0:expr, $m1:expr; $($r:tt)*) => {
         core::arch::asm!(
-            "lea {a3}, [{a} + 2*{s}]",
+            "lea {a3}, [{a0} + 2*{s}]",
             "add {a3}, {s}",
             "lea {a6}, [{a3} + 2*{s}]",
             "add {a6}, {s}",
@@ -1350,11 +1337,11 @@ unsafe fn run12_in_place(s: &Seg, ars: usize, acc: *mut [[std::arch::x86_64::__m
             "test {k4}, {k4}",
             "jz 3f",
             "2:",
-            step12!("0"),
-            step12!("1"),
-            step12!("2"),
-            step12!("3"),
-            "add {a}, 16",
+            wstep!("0"; $($r)*),
+            wstep!("1"; $($r)*),
+            wstep!("2"; $($r)*),
+            wstep!("3"; $($r)*),
+            "add {a0}, 16",
             "add {a3}, 16",
             "add {a6}, 16",
             "add {a9}, 16",
@@ -1365,8 +1352,8 @@ unsafe fn run12_in_place(s: &Seg, ars: usize, acc: *mut [[std::arch::x86_64::__m
             "test {k1}, {k1}",
             "jz 5f",
             "4:",
-            step12!("0"),
-            "add {a}, 4",
+            wstep!("0"; $($r)*),
+            "add {a0}, 4",
             "add {a3}, 4",
             "add {a6}, 4",
             "add {a9}, 4",
@@ -1374,38 +1361,40 @@ unsafe fn run12_in_place(s: &Seg, ars: usize, acc: *mut [[std::arch::x86_64::__m
             "dec {k1}",
             "jnz 4b",
             "5:",
-            a = inout(reg) a => _,
-            s = in(reg) ars * 4,
-            b = inout(reg) b => _,
-            k4 = inout(reg) k / 4 => _,
-            k1 = inout(reg) k % 4 => _,
+            a0 = inout(reg) $a => _,
+            s = in(reg) $s,
+            b = inout(reg) $b => _,
+            k4 = inout(reg) $k / 4 => _,
+            k1 = inout(reg) $k % 4 => _,
+            m0 = in(kreg) $m0,
+            m1 = in(kreg) $m1,
             a3 = out(reg) _,
             a6 = out(reg) _,
             a9 = out(reg) _,
-            inout("zmm0") acc[0][0],
-            inout("zmm1") acc[0][1],
-            inout("zmm2") acc[1][0],
-            inout("zmm3") acc[1][1],
-            inout("zmm4") acc[2][0],
-            inout("zmm5") acc[2][1],
-            inout("zmm6") acc[3][0],
-            inout("zmm7") acc[3][1],
-            inout("zmm8") acc[4][0],
-            inout("zmm9") acc[4][1],
-            inout("zmm10") acc[5][0],
-            inout("zmm11") acc[5][1],
-            inout("zmm12") acc[6][0],
-            inout("zmm13") acc[6][1],
-            inout("zmm14") acc[7][0],
-            inout("zmm15") acc[7][1],
-            inout("zmm16") acc[8][0],
-            inout("zmm17") acc[8][1],
-            inout("zmm18") acc[9][0],
-            inout("zmm19") acc[9][1],
-            inout("zmm20") acc[10][0],
-            inout("zmm21") acc[10][1],
-            inout("zmm22") acc[11][0],
-            inout("zmm23") acc[11][1],
+            inout("zmm0") $acc[0][0],
+            inout("zmm1") $acc[0][1],
+            inout("zmm2") $acc[1][0],
+            inout("zmm3") $acc[1][1],
+            inout("zmm4") $acc[2][0],
+            inout("zmm5") $acc[2][1],
+            inout("zmm6") $acc[3][0],
+            inout("zmm7") $acc[3][1],
+            inout("zmm8") $acc[4][0],
+            inout("zmm9") $acc[4][1],
+            inout("zmm10") $acc[5][0],
+            inout("zmm11") $acc[5][1],
+            inout("zmm12") $acc[6][0],
+            inout("zmm13") $acc[6][1],
+            inout("zmm14") $acc[7][0],
+            inout("zmm15") $acc[7][1],
+            inout("zmm16") $acc[8][0],
+            inout("zmm17") $acc[8][1],
+            inout("zmm18") $acc[9][0],
+            inout("zmm19") $acc[9][1],
+            inout("zmm20") $acc[10][0],
+            inout("zmm21") $acc[10][1],
+            inout("zmm22") $acc[11][0],
+            inout("zmm23") $acc[11][1],
             out("zmm24") _,
             out("zmm25") _,
             out("zmm26") _,
@@ -1413,7 +1402,50 @@ unsafe fn run12_in_place(s: &Seg, ars: usize, acc: *mut [[std::arch::x86_64::__m
             out("zmm28") _,
             out("zmm29") _,
             options(nostack, readonly),
-        );
+        )
+    };
+}
+
+/// A wide tile's reduction run over a row-major `a` (rows `ars` values apart, steps
+/// contiguous) and a packed panel of `b` (`m0`, `m1` masking the tile's columns), in assembly:
+/// the compiled loop spent an address computation per row and step (ports the multiply-adds
+/// need), while here each row is a base register plus `ars` times 0, 1 or 2 (a base per three
+/// rows), advanced once per four steps. The same multiply-adds in the same order as
+/// [`tile_avx512`]'s loop, so the same bits.
+///
+/// # Safety
+/// AVX-512 F; `s.a` holds `R <= MR` rows of `s.k` steps at stride `ars`, `s.b` `s.k` rows of
+/// the columns `m0`, `m1` select, [`NR`] values apart.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+#[rustfmt::skip]
+unsafe fn wide_in_place<const R: usize>(
+    s: &Seg,
+    ars: usize,
+    (m0, m1): (std::arch::x86_64::__mmask16, std::arch::x86_64::__mmask16),
+    acc: &mut [[std::arch::x86_64::__m512; 2]; MR],
+) {
+    let (a, b, k, sb) = (s.a, s.b, s.k, ars * 4);
+    // SAFETY: the loop reads a[r * ars + kk] (r < R, kk < k) and the masked columns of
+    // b[kk * NR ..] (kk < k) only, and writes no memory (only the accumulator registers). Row
+    // bases past row R - 1 are computed but never dereferenced.
+    unsafe {
+        match R {
+            1 => wide_loop!(acc, a, sb, b, k, m0, m1; 0),
+            2 => wide_loop!(acc, a, sb, b, k, m0, m1; 0 1),
+            3 => wide_loop!(acc, a, sb, b, k, m0, m1; 0 1 2),
+            4 => wide_loop!(acc, a, sb, b, k, m0, m1; 0 1 2 3),
+            5 => wide_loop!(acc, a, sb, b, k, m0, m1; 0 1 2 3 4),
+            6 => wide_loop!(acc, a, sb, b, k, m0, m1; 0 1 2 3 4 5),
+            7 => wide_loop!(acc, a, sb, b, k, m0, m1; 0 1 2 3 4 5 6),
+            8 => wide_loop!(acc, a, sb, b, k, m0, m1; 0 1 2 3 4 5 6 7),
+            9 => wide_loop!(acc, a, sb, b, k, m0, m1; 0 1 2 3 4 5 6 7 8),
+            10 => wide_loop!(acc, a, sb, b, k, m0, m1; 0 1 2 3 4 5 6 7 8 9),
+            11 => wide_loop!(acc, a, sb, b, k, m0, m1; 0 1 2 3 4 5 6 7 8 9 10),
+            12 => wide_loop!(acc, a, sb, b, k, m0, m1; 0 1 2 3 4 5 6 7 8 9 10 11),
+            _ => unreachable!("wide tiles have 1..=MR rows"),
+        }
     }
 }
 
@@ -1530,15 +1562,15 @@ mod tests {
         }
     }
 
-    /// Every narrow tile height (one tile of `m` rows, 1..=MR_NARROW) with full and masked
-    /// column counts, at step counts around the assembly loop's four-step unrolling: the
-    /// dispatched kernel equals the scalar twin bit for bit.
+    /// Every tile height (narrow: one tile of `m` rows, 1..=MR_NARROW; wide: one or two of
+    /// 1..=MR) with full and masked column counts, at step counts around the assembly loops'
+    /// four-step unrolling: the dispatched kernel equals the scalar twin bit for bit.
     #[test]
-    fn every_narrow_tile_height_equals_scalar_twin() {
+    fn every_tile_height_equals_scalar_twin() {
         let mut s = 7u64;
         let mut val = || (xorshift(&mut s) % 2001) as f32 / 1000.0 - 1.0;
         for m in 1..=MR_NARROW {
-            for n in [1, 8, 15, 16] {
+            for n in [1, 8, 15, 16, 17, 31, 32, 40] {
                 for k in [1, 3, 4, 9, 64] {
                     let b: Vec<f32> = (0..k * n).map(|_| val()).collect();
                     let pb = PackedB::new(k, n, View::rows(&b, n)).unwrap();
