@@ -22,7 +22,9 @@
 //! - `GlobalAveragePool` (of a chain value) becomes `npuc.GlobalAveragePoolNhwc`, and so does
 //!   a `ReduceMean` over axes {2, 3} with `keepdims` (squeeze-excite blocks written that way);
 //! - 2-D `MaxPool` without the indices output (of a chain value) becomes `npuc.MaxPoolNhwc`
-//!   (same attributes): a detection stem's pooling no longer leaves the chain;
+//!   (same attributes): a detection stem's pooling no longer leaves the chain; likewise an
+//!   undilated 2-D `AveragePool` becomes `npuc.AveragePoolNhwc` (a recogniser's pooling before
+//!   its sequence head: the exit transpose then moves the pooled tensor, not the feature map);
 //! - `Concat` of chain values, with its axis remapped;
 //! - `Resize` (no `axes` attribute) of a chain value with constant `roi`/`scales`/`sizes`:
 //!   those per-axis constants are permuted, and the runtime's N-D resampler scales H and W
@@ -97,7 +99,7 @@ enum Kind {
     Conv,
     Elementwise,
     Gap,
-    MaxPool,
+    Pool,
     Concat,
     Resize,
 }
@@ -185,7 +187,19 @@ fn classify(g: &npuc_ir::Graph, ix: &Index, n: &Node) -> Option<Kind> {
         && n.inputs.len() == 1
         && matches!(n.attr_ints("kernel_shape"), Ok(Some(k)) if k.len() == 2)
     {
-        return Some(Kind::MaxPool);
+        return Some(Kind::Pool);
+    }
+    // The NHWC average sums undilated windows only (by input rows, then columns).
+    if is_op(n, "AveragePool")
+        && n.inputs.len() == 1
+        && matches!(n.attr_ints("kernel_shape"), Ok(Some(k)) if k.len() == 2)
+        && match n.attr_ints("dilations") {
+            Ok(None) => true,
+            Ok(Some(d)) => d.iter().all(|&v| v == 1),
+            Err(_) => false,
+        }
+    {
+        return Some(Kind::Pool);
     }
     if is_op(n, "Concat") {
         return Some(Kind::Concat);
@@ -402,7 +416,7 @@ fn convert(m: &Model) -> (usize, GraphPatch) {
                     }
                 }
                 // A 2-D pool keeps the rank.
-                Kind::MaxPool => {
+                Kind::Pool => {
                     if r4.contains(&d[0]) {
                         r4.insert(out.clone());
                     } else if r4.contains(out) {
@@ -441,7 +455,7 @@ fn convert(m: &Model) -> (usize, GraphPatch) {
                         .is_some_and(|t| const_use(n, j, &t).is_some())
             }),
             // The NHWC pool kernel is f32: its input must come from the chain itself.
-            Kind::Gap | Kind::MaxPool => ix.producer.contains_key(&d[0]),
+            Kind::Gap | Kind::Pool => ix.producer.contains_key(&d[0]),
             Kind::Resize => d.len() == 1 && n.inputs[0] == d[0],
             Kind::Concat => {
                 d.len() == n.inputs.iter().filter(|s| !s.is_empty()).count()
@@ -452,7 +466,7 @@ fn convert(m: &Model) -> (usize, GraphPatch) {
     }
     // The pool rule needs its input produced by a member; settle that after membership.
     for (i, n) in g.nodes.iter().enumerate() {
-        if member[i] && matches!(kinds[i], Some(Kind::Gap | Kind::MaxPool)) {
+        if member[i] && matches!(kinds[i], Some(Kind::Gap | Kind::Pool)) {
             let p = ix.producer.get(&n.inputs[0]).copied();
             if !p.is_some_and(|p| member[p]) {
                 member[i] = false;
@@ -650,6 +664,10 @@ fn rewrite(m: &Model, chosen: &HashSet<usize>) -> (usize, GraphPatch) {
             ("", "MaxPool") => {
                 t.domain = "npuc".into();
                 t.op_type = "MaxPoolNhwc".into();
+            }
+            ("", "AveragePool") => {
+                t.domain = "npuc".into();
+                t.op_type = "AveragePoolNhwc".into();
             }
             ("", "Concat") => {
                 let a = n.attr_int("axis").ok().flatten().unwrap_or(1).rem_euclid(4);
@@ -899,6 +917,24 @@ mod tests {
         }
     }
 
+    /// `x [1, 3, 9, 11]` -> 3x3 conv (4 channels) -> `pool` (reading `c1`, writing `p`) -> 3x3
+    /// conv (5 channels) -> `y`.
+    fn conv_pool_conv(pool: Node) -> Model {
+        let nodes = vec![
+            conv("x", "w1", "b1", "c1", 1),
+            pool,
+            conv("p", "w2", "b2", "y", 1),
+        ];
+        let mut m = model(nodes, &[("x", &[1, 3, 9, 11])], &["y"]);
+        m.graph.initializers = vec![
+            init("w1", data(&[4, 3, 3, 3], 1)),
+            init("b1", data(&[4], 2)),
+            init("w2", data(&[5, 4, 3, 3], 3)),
+            init("b2", data(&[5], 4)),
+        ];
+        m
+    }
+
     /// Conv -> MaxPool -> Conv stays one chain (`npuc.MaxPoolNhwc`), with SAME padding as in a
     /// detection stem and with explicit pads, stride, dilation and ceil mode; the outputs equal
     /// the NCHW model's exactly (a max moves values, it does not round).
@@ -915,18 +951,7 @@ mod tests {
             .with_attr("pads", Attr::Ints(vec![1, 0, 1, 1]))
             .with_attr("ceil_mode", Attr::Int(1));
         for (label, pool) in [("same", same), ("padded", padded)] {
-            let nodes = vec![
-                conv("x", "w1", "b1", "c1", 1),
-                pool,
-                conv("p", "w2", "b2", "y", 1),
-            ];
-            let mut m = model(nodes, &[("x", &[1, 3, 9, 11])], &["y"]);
-            m.graph.initializers = vec![
-                init("w1", data(&[4, 3, 3, 3], 1)),
-                init("b1", data(&[4], 2)),
-                init("w2", data(&[5, 4, 3, 3], 3)),
-                init("b2", data(&[5], 4)),
-            ];
+            let mut m = conv_pool_conv(pool);
             let x = data(&[1, 3, 9, 11], 9);
             let want = run(&m, &[("x", x.clone())]);
             let st = crate::apply_pass(&LayoutNhwc, &mut m).unwrap();
@@ -934,6 +959,37 @@ mod tests {
             let count = |op: &str| m.graph.nodes.iter().filter(|n| n.op_type == op).count();
             assert_eq!(count("MaxPoolNhwc"), 1, "{label}");
             assert_eq!(count("Transpose"), 2, "{label}: one entering, one leaving");
+            let got = run(&m, &[("x", x)]);
+            assert_outputs_close(&got, &want, label);
+        }
+    }
+
+    /// Conv -> AveragePool -> Conv stays one chain (`npuc.AveragePoolNhwc`) with and without
+    /// counting the pads, with stride, pads and ceil mode; the NHWC sums (input rows, then
+    /// columns, as the NCHW kernel adds them) give the NCHW model's outputs. A dilated average
+    /// stays NCHW.
+    #[test]
+    fn average_pool_joins_the_chain() {
+        let pool = |include: i64| {
+            Node::new("AveragePool", &["c1"], &["p"])
+                .with_attr("kernel_shape", Attr::Ints(vec![3, 2]))
+                .with_attr("strides", Attr::Ints(vec![2, 2]))
+                .with_attr("pads", Attr::Ints(vec![1, 0, 1, 1]))
+                .with_attr("ceil_mode", Attr::Int(1))
+                .with_attr("count_include_pad", Attr::Int(include))
+        };
+        let dilated = pool(0).with_attr("dilations", Attr::Ints(vec![1, 2]));
+        for (label, pool, converts) in [
+            ("exclude pads", pool(0), true),
+            ("include pads", pool(1), true),
+            ("dilated", dilated, false),
+        ] {
+            let mut m = conv_pool_conv(pool);
+            let x = data(&[1, 3, 9, 11], 9);
+            let want = run(&m, &[("x", x.clone())]);
+            crate::apply_pass(&LayoutNhwc, &mut m).unwrap();
+            let count = |op: &str| m.graph.nodes.iter().filter(|n| n.op_type == op).count();
+            assert_eq!(count("AveragePoolNhwc"), usize::from(converts), "{label}");
             let got = run(&m, &[("x", x)]);
             assert_outputs_close(&got, &want, label);
         }

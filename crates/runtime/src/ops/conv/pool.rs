@@ -20,6 +20,7 @@ pub fn register(r: &mut Registry) {
     r.add("GlobalLpPool", 1, global_lp_pool);
     r.add("MaxUnpool", 9, max_unpool);
     r.define(&MAX_POOL_NHWC, max_pool_nhwc);
+    r.define(&AVERAGE_POOL_NHWC, average_pool_nhwc);
 }
 
 /// `npuc.MaxPoolNhwc(X [N, H, W, C]) -> Y [N, OH, OW, C]`: 2-D MaxPool (MaxPool's attributes,
@@ -37,6 +38,110 @@ pub static MAX_POOL_NHWC: npuc_ir::opdef::OpDef = npuc_ir::opdef::OpDef {
 /// MaxPool's rule on the NCHW view of `X`, its result read back as NHWC.
 fn infer_max_pool_nhwc(n: &npuc_ir::infer::NodeIn) -> npuc_ir::infer::R<Vec<npuc_ir::TypeInfo>> {
     super::nhwc::infer_nhwc_as(n, "MaxPool")
+}
+
+/// `npuc.AveragePoolNhwc(X [N, H, W, C]) -> Y [N, OH, OW, C]`: 2-D AveragePool without
+/// dilation (AveragePool's attributes) of a channels-last f32 tensor, produced by the
+/// `layout-nhwc` pass so a pooling between convs (or before a recogniser's head) stays in the
+/// NHWC chain.
+pub static AVERAGE_POOL_NHWC: npuc_ir::opdef::OpDef = npuc_ir::opdef::OpDef {
+    domain: "npuc",
+    name: "AveragePoolNhwc",
+    inputs: &[npuc_ir::opdef::Param::required("X")],
+    outputs: &[npuc_ir::opdef::Param::required("Y")],
+    attrs: &[],
+    infer: infer_average_pool_nhwc,
+};
+
+/// AveragePool's rule on the NCHW view of `X`, its result read back as NHWC.
+fn infer_average_pool_nhwc(
+    n: &npuc_ir::infer::NodeIn,
+) -> npuc_ir::infer::R<Vec<npuc_ir::TypeInfo>> {
+    super::nhwc::infer_nhwc_as(n, "AveragePool")
+}
+
+/// `npuc.AveragePoolNhwc`: per output row, the window's input rows summed into column sums
+/// (one contiguous add per row over `W * C` values), then per output pixel its window's
+/// columns' channel vectors added and divided by the tap count; the same additions in the same
+/// order as the NCHW kernel's undilated path ([`sum_pool_run`]), so the same values.
+fn average_pool_nhwc(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
+    let x = ins.tensor(0)?;
+    let xs = x.shape();
+    if xs.len() != 4 || x.dtype() != DType::F32 {
+        bail!(
+            "AveragePoolNhwc needs an f32 X [N, H, W, C], got {} {xs:?}",
+            x.dtype()
+        );
+    }
+    let (n, h, w, c) = (xs[0], xs[1], xs[2], xs[3]);
+    let g = pool_geom(ctx.node, &[h, w])?;
+    if g.d[1] != 1 || g.d[2] != 1 {
+        bail!(
+            "AveragePoolNhwc sums undilated windows only, got dilations {:?}",
+            &g.d[1..]
+        );
+    }
+    let include_pad = ctx.node.int_or("count_include_pad", 0)? != 0;
+    let [_, oh, ow] = g.out;
+    let (padded_h, padded_w) = (h + g.pb[1] + g.pe[1], w + g.pb[2] + g.pe[2]);
+    let xv = x.as_slice::<f32>()?;
+    let img = h * w * c;
+    // Every output value is written below.
+    let out = crate::buffers::for_overwrite::<f32>(n * oh * ow * c);
+    let row = |(r, orow): (usize, &mut [f32])| {
+        let (ni, oy) = (r / oh.max(1), r % oh.max(1));
+        let xi = &xv[ni * img..][..img];
+        let sy = (oy * g.s[1]) as isize - g.pb[1] as isize;
+        let (b0, b1) = taps(sy, g.k[1], 1, h);
+        let nb = taps((oy * g.s[1]) as isize, g.k[1], 1, padded_h);
+        let mut colsum = vec![0f32; w * c];
+        for b in b0..b1 {
+            let py = (sy + b as isize) as usize;
+            for (s, &v) in colsum.iter_mut().zip(&xi[py * w * c..][..w * c]) {
+                *s += v;
+            }
+        }
+        for (ox, o) in orow.chunks_exact_mut(c).enumerate() {
+            let sx = (ox * g.s[2]) as isize - g.pb[2] as isize;
+            let (c0, c1) = taps(sx, g.k[2], 1, w);
+            o.fill(0.0);
+            for t in c0..c1 {
+                let px = (sx + t as isize) as usize;
+                for (a, &v) in o.iter_mut().zip(&colsum[px * c..][..c]) {
+                    *a += v;
+                }
+            }
+            let cnt = if include_pad {
+                let nc = taps((ox * g.s[2]) as isize, g.k[2], 1, padded_w);
+                (nb.1 - nb.0) * (nc.1 - nc.0)
+            } else {
+                (b1 - b0) * (c1 - c0)
+            } as f32;
+            o.iter_mut().for_each(|a| *a /= cnt);
+        }
+    };
+    nhwc_rows_out(ctx, &g, [n, oh, ow, c], out, row)
+}
+
+/// Runs `row(r, out_row)` over the output rows of an NHWC pool (`shape` `[N, OH, OW, C]`, `out`
+/// its values), split across threads when the work pays, and wraps `out` as the result.
+fn nhwc_rows_out(
+    ctx: &OpCtx,
+    g: &Geom,
+    shape: [usize; 4],
+    mut out: Vec<f32>,
+    row: impl Fn((usize, &mut [f32])) + Sync + Send,
+) -> Result<Vec<Value>> {
+    let [n, oh, ow, c] = shape;
+    let row_len = ow * c;
+    if row_len > 0 {
+        if ctx.threads > 1 && out.len() * g.k_size() >= PAR_MIN && n * oh > 1 {
+            out.par_chunks_mut(row_len).enumerate().for_each(row);
+        } else {
+            out.chunks_mut(row_len).enumerate().for_each(row);
+        }
+    }
+    Ok(vec![Value::tensor(Tensor::from_vec(shape.to_vec(), out)?)])
 }
 
 /// `npuc.MaxPoolNhwc`: per output pixel, the running maximum of its taps' channel vectors
@@ -57,7 +162,7 @@ fn max_pool_nhwc(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     let xv = x.as_slice::<f32>()?;
     let img = h * w * c;
     // Every output value is written below.
-    let mut out = crate::buffers::for_overwrite::<f32>(n * oh * ow * c);
+    let out = crate::buffers::for_overwrite::<f32>(n * oh * ow * c);
     if c > 0 {
         let row = |(r, orow): (usize, &mut [f32])| {
             let (ni, oy) = (r / oh.max(1), r % oh.max(1));
@@ -124,14 +229,7 @@ fn max_pool_nhwc(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
                 }
             }
         };
-        let row_len = ow * c;
-        if row_len > 0 {
-            if ctx.threads > 1 && out.len() * g.k_size() >= PAR_MIN && n * oh > 1 {
-                out.par_chunks_mut(row_len).enumerate().for_each(row);
-            } else {
-                out.chunks_mut(row_len).enumerate().for_each(row);
-            }
-        }
+        return nhwc_rows_out(ctx, &g, [n, oh, ow, c], out, row);
     }
     Ok(vec![Value::tensor(Tensor::from_vec(
         vec![n, oh, ow, c],
