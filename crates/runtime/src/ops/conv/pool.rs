@@ -94,7 +94,10 @@ fn average_pool_nhwc(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         let sy = (oy * g.s[1]) as isize - g.pb[1] as isize;
         let (b0, b1) = taps(sy, g.k[1], 1, h);
         let nb = taps((oy * g.s[1]) as isize, g.k[1], 1, padded_h);
-        let mut colsum = vec![0f32; w * c];
+        // Per-thread column sums, reused across rows and calls (no allocation per row).
+        let mut colsum = COLUMN_SUMS.with(|cell| std::mem::take(&mut *cell.borrow_mut()));
+        colsum.clear();
+        colsum.resize(w * c, 0.0);
         for b in b0..b1 {
             let py = (sy + b as isize) as usize;
             for (s, &v) in colsum.iter_mut().zip(&xi[py * w * c..][..w * c]) {
@@ -119,8 +122,14 @@ fn average_pool_nhwc(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
             } as f32;
             o.iter_mut().for_each(|a| *a /= cnt);
         }
+        COLUMN_SUMS.with(|cell| *cell.borrow_mut() = colsum);
     };
     nhwc_rows_out(ctx, &g, [n, oh, ow, c], out, row)
+}
+
+thread_local! {
+    /// [`average_pool_nhwc`]'s column sums, kept per thread (taken out while in use).
+    static COLUMN_SUMS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Runs `row(r, out_row)` over the output rows of an NHWC pool (`shape` `[N, OH, OW, C]`, `out`
