@@ -9,7 +9,7 @@ use npuc_ir::{
 };
 use std::any::Any;
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
@@ -794,7 +794,7 @@ pub struct Session {
     opts: SessionOptions,
     /// The session's own workers (`opts.threads` of them, made at the first run), on which a
     /// multi-threaded run executes its steps; see [`Session::workers`].
-    workers: OnceLock<Option<rayon::ThreadPool>>,
+    workers: OnceLock<Option<Workers>>,
     /// Whether runs flush subnormal floats to zero ([`crate::kernels::fpenv`]).
     flush_denormals: AtomicBool,
 }
@@ -829,7 +829,7 @@ impl Session {
     /// idle worker spins briefly before it sleeps. `NPUC_SESSION_POOL=0` falls back to the
     /// process-wide pool (for comparisons). `None` when single-threaded or when the pool
     /// cannot be made (then the caller's thread runs the steps, as with one thread).
-    fn workers(&self) -> Option<&rayon::ThreadPool> {
+    fn workers(&self) -> Option<&Workers> {
         self.workers
             .get_or_init(|| {
                 if self.opts.threads <= 1
@@ -850,6 +850,10 @@ impl Session {
                     .stack_size(8 << 20)
                     .build()
                     .ok()
+                    .map(|pool| Workers {
+                        pool,
+                        awake: Arc::new(Awake::new(self.opts.threads)),
+                    })
             })
             .as_ref()
     }
@@ -1004,8 +1008,14 @@ impl Session {
             self.plan.run_slots(ordered, None, threads, observe, timer)
         };
         let outs = match self.workers() {
-            Some(pool) if keep_workers_awake() => pool.install(|| with_workers_awake(run))?,
-            Some(pool) => pool.install(run)?,
+            Some(w) if keep_workers_awake() => {
+                let _active = w.awake.begin(&w.pool);
+                w.pool.install(|| {
+                    let _running = Running::enter();
+                    run()
+                })?
+            }
+            Some(w) => w.pool.install(run)?,
             None => run()?,
         };
         Ok(self
@@ -1017,94 +1027,155 @@ impl Session {
     }
 }
 
-/// Idle checks a kept-awake worker makes with only `pause` between them (each ~0.1-0.2 us)
-/// before it also gives its CPU back to the OS scheduler (`yield`) between checks: spin
-/// briefly, then yield.
+/// Idle checks a kept-awake worker makes during a run with only `pause` between them (each
+/// ~0.1-0.2 us) before it also gives its CPU back to the OS scheduler (`yield`) between
+/// checks: spin briefly, then yield.
 const AWAKE_SPIN_ROUNDS: u32 = 2000;
 
-/// Whether multi-threaded runs keep their idle workers awake ([`with_workers_awake`]);
-/// `NPUC_KEEP_AWAKE=0` lets them sleep between ops (for comparisons).
+/// How long (microseconds) kept-awake workers stay in their loop after a run ends, yielding
+/// their CPU between checks, so that the next run of a loop of runs (a benchmark, a video
+/// stream, a server under load) starts without waking a sleeping thread. `NPUC_LINGER_US`
+/// overrides it; 0 lets the workers sleep as soon as a run ends.
+const LINGER_US: u64 = 2000;
+
+fn linger_us() -> u64 {
+    static US: OnceLock<u64> = OnceLock::new();
+    *US.get_or_init(|| {
+        std::env::var("NPUC_LINGER_US")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(LINGER_US)
+    })
+}
+
+/// Whether multi-threaded runs keep their idle workers awake ([`Awake`]); `NPUC_KEEP_AWAKE=0`
+/// lets them sleep between ops (for comparisons).
 fn keep_workers_awake() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| std::env::var("NPUC_KEEP_AWAKE").map_or(true, |v| v != "0"))
 }
 
-/// Runs `f` (a run's step loop) on the current worker of the session's pool while every other
-/// worker of that pool stays awake looking for work, until `f` returns.
+/// A multi-threaded session's own pool and what its kept-awake workers watch.
+struct Workers {
+    pool: rayon::ThreadPool,
+    awake: Arc<Awake>,
+}
+
+/// Keeps a session's idle workers awake during its runs and for [`linger_us`] after each.
 ///
 /// Why: a rayon worker that finds no work spins for a few microseconds and then sleeps; on
 /// this class of VM a sleeping vCPU takes longer to wake than half of a typical parallel op
-/// (measured: PP-OCRv5 cls pointwise convs of ~0.3 ms ran no faster at 2 threads), so worker 0
-/// finished its share, found the other half not yet stolen and ran it too. A kept-awake worker
-/// steals a fork-join half within a microsecond (onnxruntime's pool spins the same way during
-/// a run). Between runs the workers sleep as before.
-fn with_workers_awake<R: Send>(f: impl FnOnce() -> R + Send) -> R {
-    // A run already going on this thread (a concurrent run of the same session that this
-    // worker picked up while waiting, or a nested one): its keepers are already out.
-    if RUNNING.with(|r| r.get()) {
-        return f();
-    }
-    let done = AtomicBool::new(false);
-    let runner = rayon::current_thread_index();
-    rayon::scope(|s| {
-        s.spawn_broadcast(|_, ctx| {
-            // The runner's own copy, and any copy a worker meets nested in a stolen job it
-            // is already keeping awake, end at once.
-            if Some(ctx.index()) != runner {
-                keep_awake(&done);
-            }
-        });
-        // Ends the keepers even if `f` unwinds (the scope waits for them before returning).
-        struct Done<'a>(&'a AtomicBool);
-        impl Drop for Done<'_> {
-            fn drop(&mut self) {
-                self.0.store(true, Ordering::Release);
-            }
+/// (measured: PP-OCRv5 cls pointwise convs of ~0.3 ms ran no faster at 2 threads), so the
+/// worker running the steps finished its share, found the other half not yet stolen and ran
+/// it too. A kept-awake worker steals a fork-join half within a microsecond (onnxruntime's
+/// pool spins the same way). Keeping them through the gap between runs also saves the two
+/// wake-ups each run otherwise starts with (the worker that takes the steps, then the
+/// others): measured 0.08-0.24 ms a run on the romanizer encoder at 2 threads (kernels
+/// 0.31-0.34 ms).
+struct Awake {
+    /// Runs of this session in progress.
+    active: AtomicUsize,
+    /// Workers now in [`keep_awake`]'s loop.
+    keepers: AtomicUsize,
+    /// When the last run ended, in microseconds after `epoch`.
+    last_end_us: AtomicU64,
+    epoch: Instant,
+    threads: usize,
+}
+
+impl Awake {
+    fn new(threads: usize) -> Awake {
+        Awake {
+            active: AtomicUsize::new(0),
+            keepers: AtomicUsize::new(0),
+            last_end_us: AtomicU64::new(0),
+            epoch: Instant::now(),
+            threads,
         }
-        let _done = Done(&done);
-        let _running = Running::enter();
-        f()
-    })
+    }
+
+    fn now_us(&self) -> u64 {
+        self.epoch.elapsed().as_micros() as u64
+    }
+
+    /// Marks a run as started (until the guard drops) and sends every worker not already in
+    /// its keep-awake loop into it.
+    fn begin<'a>(self: &'a Arc<Self>, pool: &rayon::ThreadPool) -> ActiveRun<'a> {
+        // `active` before `keepers`: a keeper about to leave re-reads `active` after
+        // leaving, so either it stays or this run sees it gone and sends a new one (a second
+        // copy on a thread already keeping returns at once).
+        self.active.fetch_add(1, Ordering::SeqCst);
+        if self.keepers.load(Ordering::SeqCst) < self.threads {
+            let awake = Arc::clone(self);
+            pool.spawn_broadcast(move |_| keep_awake(&awake));
+        }
+        ActiveRun(self)
+    }
+}
+
+/// A run in progress; dropping it (also on unwinding) records the run's end.
+struct ActiveRun<'a>(&'a Awake);
+
+impl Drop for ActiveRun<'_> {
+    fn drop(&mut self) {
+        self.0.last_end_us.store(self.0.now_us(), Ordering::SeqCst);
+        self.0.active.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 thread_local! {
-    /// Whether this thread is running a session's steps inside [`with_workers_awake`].
+    /// Whether this thread is running a session's steps.
     static RUNNING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Whether this thread is in [`keep_awake`]'s loop.
+    static KEEPING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
-/// Marks this thread as running steps until dropped (also on unwinding).
-struct Running;
+/// Marks this thread as running steps until dropped (also on unwinding); restores what was
+/// there (a worker waiting inside one run's step may pick up another run's steps).
+struct Running(bool);
 
 impl Running {
     fn enter() -> Running {
-        RUNNING.with(|r| r.set(true));
-        Running
+        Running(RUNNING.with(|r| r.replace(true)))
     }
 }
 
 impl Drop for Running {
     fn drop(&mut self) {
-        RUNNING.with(|r| r.set(false));
+        let was = self.0;
+        RUNNING.with(|r| r.set(was));
     }
 }
 
-/// The loop of a kept-awake worker: runs any job it can find in the pool (the fork-join halves
-/// worker 0 pushes), until `done`.
-fn keep_awake(done: &AtomicBool) {
-    thread_local! {
-        static KEEPING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-    }
-    // A broadcast copy reached through `yield_now` on a thread already in this loop, or
-    // picked up by a thread running another run's steps (concurrent runs of one session: two
-    // workers each waiting inside its own run must not spin for the other's, or neither ends).
+/// The loop of a kept-awake worker: runs any job it can find in the pool (a run's steps, the
+/// fork-join halves of its kernels), spinning briefly while a run is going on and yielding its
+/// CPU otherwise, until no run has been going on for [`linger_us`].
+fn keep_awake(awake: &Awake) {
+    // A copy reached on a thread running steps (while it waits inside a kernel's join: the
+    // steps would stall behind this loop) or on a thread already in this loop returns at once.
     if RUNNING.with(|r| r.get()) || KEEPING.with(|k| k.replace(true)) {
         return;
     }
+    awake.keepers.fetch_add(1, Ordering::SeqCst);
+    let linger = linger_us();
     let mut idle = 0u32;
-    while !done.load(Ordering::Acquire) {
+    loop {
+        let running = awake.active.load(Ordering::SeqCst) > 0;
+        if !running
+            && awake
+                .now_us()
+                .saturating_sub(awake.last_end_us.load(Ordering::SeqCst))
+                >= linger
+        {
+            awake.keepers.fetch_sub(1, Ordering::SeqCst);
+            if awake.active.load(Ordering::SeqCst) == 0 {
+                break;
+            }
+            awake.keepers.fetch_add(1, Ordering::SeqCst);
+        }
         match rayon::yield_now() {
             Some(rayon::Yield::Executed) => idle = 0,
-            _ if idle < AWAKE_SPIN_ROUNDS => {
+            _ if running && idle < AWAKE_SPIN_ROUNDS => {
                 idle += 1;
                 for _ in 0..16 {
                     std::hint::spin_loop();
