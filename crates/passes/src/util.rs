@@ -125,6 +125,45 @@ impl Index {
         matches!(self.prod(g, name), Some((_, n)) if n.op_type == "Constant" && n.domain.is_empty())
     }
 
+    /// Whether `name` is a constant or computed from constants only, through pure nodes (e.g. a
+    /// weight stored as int8 and scaled by `Cast` + `Mul`, left unfolded because its f32 form
+    /// exceeds the folding budget): the runtime computes such a value once per plan and
+    /// treats it as a constant ([`npuc_runtime`]'s derived steps), so a weight's fusions apply
+    /// to it too.
+    pub fn is_const_derived(&self, g: &Graph, name: &str) -> bool {
+        self.const_derived_memo(g, name, &mut HashMap::new())
+    }
+
+    fn const_derived_memo<'g>(
+        &self,
+        g: &'g Graph,
+        name: &'g str,
+        memo: &mut HashMap<&'g str, bool>,
+    ) -> bool {
+        if self.is_const(g, name) {
+            return true;
+        }
+        if let Some(&known) = memo.get(name) {
+            return known;
+        }
+        // Provisionally false: a (malformed) cycle through `name` then ends here.
+        memo.insert(name, false);
+        let derived = !self.graph_inputs.contains(name)
+            && match self.prod(g, name) {
+                Some((_, n)) => {
+                    is_pure(n)
+                        && n.inputs.iter().any(|i| !i.is_empty())
+                        && n.inputs
+                            .iter()
+                            .filter(|i| !i.is_empty())
+                            .all(|i| self.const_derived_memo(g, i, memo))
+                }
+                None => false,
+            };
+        memo.insert(name, derived);
+        derived
+    }
+
     /// A constant's value as f64s (any numeric dtype).
     pub fn const_f64(&self, g: &Graph, name: &str) -> Option<Vec<f64>> {
         self.constant(g, name)?.to_f64_vec().ok()

@@ -1,6 +1,7 @@
 //! Fusions into the `npuc` fused ops (see `npuc_runtime::ops::fused`):
 //!
-//! - [`MatMulBiasFusion`]: `Add(MatMul(A, W), c)` with `W` a constant 2-D float weight `[K, N]`
+//! - [`MatMulBiasFusion`]: `Add(MatMul(A, W), c)` with `W` a 2-D float weight `[K, N]` (a
+//!   constant, or computed from constants only, e.g. int8 codes through `Cast` + `Mul`)
 //!   and `c` a constant of `N` values along the last axis (whose rank does not exceed the
 //!   product's, so broadcasting cannot change the shape) becomes `FusedMatMul(A, W, c)`.
 //! - [`ActivationFusion`]: an activation reading the only output of Conv / Gemm / MatMul /
@@ -13,7 +14,7 @@
 use crate::util::{is_op, Index};
 use crate::{GraphPatch, Pass, PassError, PassStats, Rewriter};
 use npuc_ir::infer::{infer_model, InferResult};
-use npuc_ir::{Attr, DType, Graph, Node, TypeInfo};
+use npuc_ir::{Attr, DType, Dim, Graph, Node, TypeInfo};
 use std::collections::HashMap;
 
 /// A matched activation: (op name, its float parameters), the nodes it replaces, and the
@@ -33,6 +34,20 @@ fn dtype_of(r: &InferResult, name: &str) -> Option<DType> {
 fn rank_of(r: &InferResult, name: &str) -> Option<usize> {
     match r.type_of(name)? {
         TypeInfo::Tensor { shape: Some(s), .. } => Some(s.len()),
+        _ => None,
+    }
+}
+
+/// A value's shape when every dimension is a known number.
+fn static_shape(r: &InferResult, name: &str) -> Option<Vec<usize>> {
+    match r.type_of(name)? {
+        TypeInfo::Tensor { shape: Some(s), .. } => s
+            .iter()
+            .map(|d| match d {
+                Dim::Fixed(n) => Some(*n),
+                _ => None,
+            })
+            .collect(),
         _ => None,
     }
 }
@@ -57,13 +72,23 @@ impl Pass for MatMulBiasFusion {
                 continue;
             }
             let y = &n.outputs[0];
-            let Some(w) = n.input(1).and_then(|w| ix.constant(g, w)) else {
-                continue;
+            // The weight: a constant, or computed from constants only (the runtime computes it
+            // once per plan), with a 2-D float type known from inference.
+            let Some(wname) = n.input(1) else { continue };
+            let (w_dtype, nn) = match ix.constant(g, wname) {
+                Some(w) if w.rank() == 2 => (w.dtype(), w.shape()[1]),
+                Some(_) => continue,
+                None if ix.is_const_derived(g, wname) => {
+                    match (dtype_of(&r, wname), static_shape(&r, wname).as_deref()) {
+                        (Some(dt), Some(&[_, nn])) => (dt, nn),
+                        _ => continue,
+                    }
+                }
+                None => continue,
             };
-            if w.rank() != 2 || !matches!(w.dtype(), DType::F32 | DType::F64) {
+            if !matches!(w_dtype, DType::F32 | DType::F64) {
                 continue;
             }
-            let nn = w.shape()[1];
             let Some(ui) = ix.sole_user(y) else { continue };
             let u = &g.nodes[ui];
             if !is_op(u, "Add") || u.outputs.len() != 1 {
@@ -77,11 +102,11 @@ impl Pass for MatMulBiasFusion {
             };
             let out_rank = rank_of(&r, y);
             let rank_ok = ct.rank() <= 1 || out_rank.is_some_and(|k| ct.rank() <= k);
-            if ct.dtype() != w.dtype()
+            if ct.dtype() != w_dtype
                 || ct.len() != nn
                 || ct.shape().last() != Some(&nn)
                 || !rank_ok
-                || dtype_of(&r, y) != Some(w.dtype())
+                || dtype_of(&r, y) != Some(w_dtype)
             {
                 continue;
             }
@@ -286,5 +311,39 @@ mod tests {
         let (m2, n2) = check_pass(&ActivationFusion, &m1, &feeds);
         assert_eq!(n2, 2);
         assert_eq!(ops(&m2), ["FusedMatMul", "FusedConv"]);
+    }
+
+    /// A weight stored as int8 and scaled at run time (`Cast` + `Mul`, as PP-OCRv6 rec's
+    /// 80 x 6906 head, too large for the folding budget) still takes its bias; a weight
+    /// computed from a graph input does not.
+    #[test]
+    fn matmul_bias_with_a_weight_derived_from_constants() {
+        let q: Vec<i8> = (0..20).map(|i| (i * 37 % 255 - 127) as i8).collect();
+        let mut m = model(
+            vec![
+                Node::new("Cast", &["wq"], &["wf"]).with_attr("to", Attr::Int(1)),
+                Node::new("Mul", &["wf", "ws"], &["w"]),
+                Node::new("MatMul", &["x", "w"], &["mm"]),
+                Node::new("Add", &["mm", "b"], &["y"]),
+                Node::new("Mul", &["wf", "x2"], &["w2"]),
+                Node::new("MatMul", &["x", "w2"], &["mm2"]),
+                Node::new("Add", &["mm2", "b"], &["z"]),
+            ],
+            &[("x", &[2, 3, 4]), ("x2", &[4, 5])],
+            &["y", "z"],
+        );
+        m.graph.initializers.push(init(
+            "wq",
+            npuc_ir::Tensor::from_vec(vec![4, 5], q).unwrap(),
+        ));
+        m.graph.initializers.push(init("ws", data(&[5], 6)));
+        m.graph.initializers.push(init("b", data(&[5], 2)));
+        let feeds = [("x", data(&[2, 3, 4], 4)), ("x2", data(&[4, 5], 7))];
+        let (m1, n1) = check_pass(&MatMulBiasFusion, &m, &feeds);
+        assert_eq!(n1, 1);
+        assert_eq!(
+            ops(&m1),
+            ["Cast", "Mul", "FusedMatMul", "Mul", "MatMul", "Add"]
+        );
     }
 }

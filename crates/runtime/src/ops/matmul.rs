@@ -532,7 +532,7 @@ pub(crate) fn matmul_const_b(ctx: &OpCtx, a: &Tensor, b: &Tensor) -> Result<Opti
         );
     }
     let rows = p.batches() * p.m;
-    let mut out = crate::buffers::zeroed::<f32>(rows * n);
+    let mut out = crate::buffers::for_overwrite::<f32>(rows * n);
     sgemm::sgemm_packed(
         isa,
         rows,
