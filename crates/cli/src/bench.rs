@@ -171,6 +171,8 @@ pub fn bench(
         sess.run(feeds.clone())?;
         times.push(t.elapsed().as_secs_f64() * 1e3);
     }
+    // In run order, for `--json` (warm-up trends, outliers).
+    let run_ms = times.clone();
     times.sort_by(f64::total_cmp);
     let median = times[times.len() / 2];
     let (min, max) = (times[0], times[times.len() - 1]);
@@ -199,6 +201,7 @@ pub fn bench(
             serde_json::json!({
                 "load_ms": load_ms, "first_run_ms": first_run_ms, "median_ms": median,
                 "min_ms": min, "max_ms": max, "peak_rss_bytes": rss, "threads": threads, "runs": times.len(),
+                "run_ms": run_ms,
                 "profile": profile.as_ref().map(Profile::to_json),
             })
         );
