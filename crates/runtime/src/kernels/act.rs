@@ -72,17 +72,7 @@ fn exp_fma_f32(x: f32) -> f32 {
 /// `-GELU_CLAMP` the result is -0 (also for -inf, where `x/2 (1 + erf)` would be NaN).
 #[inline(always)]
 pub fn gelu_f32(x: f32) -> f32 {
-    let xc = clamp_keep_nan(x, -GELU_CLAMP, GELU_CLAMP);
-    let s = xc * xc;
-    let mut p = GELU_P[0];
-    for c in &GELU_P[1..] {
-        p = p.mul_add(s, *c);
-    }
-    let mut q = GELU_Q[0];
-    for c in &GELU_Q[1..] {
-        q = q.mul_add(s, *c);
-    }
-    let e = clamp_keep_nan(xc * p / q, -1.0, 1.0);
+    let e = odd_rational_unit(x, GELU_CLAMP, &GELU_P, &GELU_Q);
     let half = 0.5 * x;
     let g = half.mul_add(e, half);
     if x < -GELU_CLAMP {
@@ -123,6 +113,25 @@ fn clamp_keep_nan(v: f32, lo: f32, hi: f32) -> f32 {
     }
 }
 
+/// The odd rational form of [`tanh_f32`] and of [`gelu_f32`]'s erf: `xc P(xc²) / Q(xc²)` with
+/// `xc` = x clamped to ±`clamp`, limited to [-1, 1] (NaN kept). `p` and `q` hold the
+/// coefficients from the highest power of `xc²` down, each polynomial one chain of fused
+/// multiply-adds ([`odd_rational_unit16xn`] does the same operations on vectors).
+#[inline(always)]
+fn odd_rational_unit(x: f32, clamp: f32, p: &[f32], q: &[f32]) -> f32 {
+    let xc = clamp_keep_nan(x, -clamp, clamp);
+    let s = xc * xc;
+    let mut pv = p[0];
+    for &c in &p[1..] {
+        pv = pv.mul_add(s, c);
+    }
+    let mut qv = q[0];
+    for &c in &q[1..] {
+        qv = qv.mul_add(s, c);
+    }
+    clamp_keep_nan(xc * pv / qv, -1.0, 1.0)
+}
+
 /// `tanh(x)` in f32, branch-free: a rational minimax form `x·P(x²) / Q(x²)` on x clamped to
 /// ±[`TANH_CLAMP`], the quotient limited to ±1 (the form overshoots by up to 2 ulp near 8.5),
 /// x itself below [`TANH_TINY`]. One division and ten fused multiply-adds, no exp: 3x faster
@@ -131,18 +140,7 @@ fn clamp_keep_nan(v: f32, lo: f32, hi: f32) -> f32 {
 /// dispatched loops equal this function bit for bit.
 #[inline(always)]
 pub fn tanh_f32(x: f32) -> f32 {
-    let xc = clamp_keep_nan(x, -TANH_CLAMP, TANH_CLAMP);
-    let x2 = xc * xc;
-    let mut p = TANH_P[0];
-    for &c in &TANH_P[1..] {
-        p = p.mul_add(x2, c);
-    }
-    let p = p * xc;
-    let mut q = TANH_Q[0];
-    for &c in &TANH_Q[1..] {
-        q = q.mul_add(x2, c);
-    }
-    let r = clamp_keep_nan(p / q, -1.0, 1.0);
+    let r = odd_rational_unit(x, TANH_CLAMP, &TANH_P, &TANH_Q);
     if x.abs() < TANH_TINY {
         x
     } else {
@@ -282,25 +280,41 @@ fn gelu16xn<const N: usize>(
 ) -> [std::arch::x86_64::__m512; N] {
     use std::arch::x86_64::*;
     let each = |f: &dyn Fn(usize) -> __m512| -> [__m512; N] { std::array::from_fn(f) };
-    // clamp_keep_nan: min(hi, max(lo, v)) returns v when it is NaN (the second operand).
-    let clamp = |v: __m512, lo: f32, hi: f32| _mm512_min_ps(set(hi), _mm512_max_ps(set(lo), v));
-    let xc = each(&|i| clamp(x[i], -GELU_CLAMP, GELU_CLAMP));
-    let s = each(&|i| _mm512_mul_ps(xc[i], xc[i]));
-    let mut p = [set(GELU_P[0]); N];
-    for &c in &GELU_P[1..] {
-        p = each(&|i| _mm512_fmadd_ps(p[i], s[i], set(c)));
-    }
-    let mut q = [set(GELU_Q[0]); N];
-    for &c in &GELU_Q[1..] {
-        q = each(&|i| _mm512_fmadd_ps(q[i], s[i], set(c)));
-    }
-    let e = each(&|i| clamp(_mm512_div_ps(_mm512_mul_ps(xc[i], p[i]), q[i]), -1.0, 1.0));
+    let e = odd_rational_unit16xn(x, GELU_CLAMP, &GELU_P, &GELU_Q, &set);
     each(&|i| {
         let half = _mm512_mul_ps(set(0.5), x[i]);
         let g = _mm512_fmadd_ps(half, e[i], half);
         let below = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x[i], set(-GELU_CLAMP));
         _mm512_mask_blend_ps(below, g, set(-0.0))
     })
+}
+
+/// [`odd_rational_unit`] on `N` 16-lane vectors, operation for operation.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn odd_rational_unit16xn<const N: usize>(
+    x: [std::arch::x86_64::__m512; N],
+    clamp: f32,
+    p: &[f32],
+    q: &[f32],
+    set: &impl Fn(f32) -> std::arch::x86_64::__m512,
+) -> [std::arch::x86_64::__m512; N] {
+    use std::arch::x86_64::*;
+    let each = |f: &dyn Fn(usize) -> __m512| -> [__m512; N] { std::array::from_fn(f) };
+    // clamp_keep_nan: min(hi, max(lo, v)) returns v when it is NaN (the second operand).
+    let limit = |v: __m512, lo: f32, hi: f32| _mm512_min_ps(set(hi), _mm512_max_ps(set(lo), v));
+    let xc = each(&|i| limit(x[i], -clamp, clamp));
+    let s = each(&|i| _mm512_mul_ps(xc[i], xc[i]));
+    let mut pv = [set(p[0]); N];
+    for &c in &p[1..] {
+        pv = each(&|i| _mm512_fmadd_ps(pv[i], s[i], set(c)));
+    }
+    let mut qv = [set(q[0]); N];
+    for &c in &q[1..] {
+        qv = each(&|i| _mm512_fmadd_ps(qv[i], s[i], set(c)));
+    }
+    each(&|i| limit(_mm512_div_ps(_mm512_mul_ps(xc[i], pv[i]), qv[i]), -1.0, 1.0))
 }
 
 /// [`exp_fma_f32`] (`FUSED`) or [`exp_f32`] (products and sums rounded apart) on `N` 16-lane
@@ -451,22 +465,10 @@ unsafe fn tanh16(v: &mut [f32]) {
     let set = |c: f32| _mm512_set1_ps(c);
     let f = |x: [__m512; EXP_LANES]| {
         let each = |f: &dyn Fn(usize) -> __m512| -> [__m512; EXP_LANES] { std::array::from_fn(f) };
-        // min(C, max(-C, x)): a NaN x passes through both (the second operand is returned).
-        let xc = each(&|i| _mm512_min_ps(set(TANH_CLAMP), _mm512_max_ps(set(-TANH_CLAMP), x[i])));
-        let x2 = each(&|i| _mm512_mul_ps(xc[i], xc[i]));
-        let mut p = [set(TANH_P[0]); EXP_LANES];
-        for &c in &TANH_P[1..] {
-            p = each(&|i| _mm512_fmadd_ps(p[i], x2[i], set(c)));
-        }
-        let mut q = [set(TANH_Q[0]); EXP_LANES];
-        for &c in &TANH_Q[1..] {
-            q = each(&|i| _mm512_fmadd_ps(q[i], x2[i], set(c)));
-        }
+        let r = odd_rational_unit16xn(x, TANH_CLAMP, &TANH_P, &TANH_Q, &set);
         each(&|i| {
-            let r = _mm512_div_ps(_mm512_mul_ps(p[i], xc[i]), q[i]);
-            let r = _mm512_min_ps(set(1.0), _mm512_max_ps(set(-1.0), r));
             let tiny = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(_mm512_abs_ps(x[i]), set(TANH_TINY));
-            _mm512_mask_blend_ps(tiny, r, x[i])
+            _mm512_mask_blend_ps(tiny, r[i], x[i])
         })
     };
     // SAFETY: AVX-512 F, as this function requires.
