@@ -262,3 +262,26 @@ pub fn other_input<'n>(n: &'n Node, one: &str) -> Option<&'n str> {
 pub fn is_op(n: &Node, op: &str) -> bool {
     n.op_type == op && n.domain.is_empty()
 }
+
+/// A value's dtype and shape when inference knows both, every dimension a number.
+pub(crate) fn fixed_shape(
+    r: &npuc_ir::infer::InferResult,
+    name: &str,
+) -> Option<(DType, Vec<usize>)> {
+    match r.type_of(name)? {
+        npuc_ir::TypeInfo::Tensor {
+            dtype: Some(d),
+            shape: Some(s),
+        } => {
+            let dims: Option<Vec<usize>> = s
+                .iter()
+                .map(|d| match d {
+                    npuc_ir::Dim::Fixed(n) => Some(*n),
+                    _ => None,
+                })
+                .collect();
+            Some((*d, dims?))
+        }
+        _ => None,
+    }
+}

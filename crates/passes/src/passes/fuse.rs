@@ -11,10 +11,10 @@
 //!   HardSigmoid's alpha/beta) and `x * Sigmoid(x)` (Swish). The fused kernel computes the
 //!   same function of the same product.
 
-use crate::util::{is_op, Index};
+use crate::util::{fixed_shape, is_op, Index};
 use crate::{GraphPatch, Pass, PassError, PassStats, Rewriter};
 use npuc_ir::infer::{infer_model, InferResult};
-use npuc_ir::{Attr, DType, Dim, Graph, Node, TypeInfo};
+use npuc_ir::{Attr, DType, Graph, Node, TypeInfo};
 use std::collections::HashMap;
 
 /// A matched activation: (op name, its float parameters), the nodes it replaces, and the
@@ -34,20 +34,6 @@ fn dtype_of(r: &InferResult, name: &str) -> Option<DType> {
 fn rank_of(r: &InferResult, name: &str) -> Option<usize> {
     match r.type_of(name)? {
         TypeInfo::Tensor { shape: Some(s), .. } => Some(s.len()),
-        _ => None,
-    }
-}
-
-/// A value's shape when every dimension is a known number.
-fn static_shape(r: &InferResult, name: &str) -> Option<Vec<usize>> {
-    match r.type_of(name)? {
-        TypeInfo::Tensor { shape: Some(s), .. } => s
-            .iter()
-            .map(|d| match d {
-                Dim::Fixed(n) => Some(*n),
-                _ => None,
-            })
-            .collect(),
         _ => None,
     }
 }
@@ -78,12 +64,10 @@ impl Pass for MatMulBiasFusion {
             let (w_dtype, nn) = match ix.constant(g, wname) {
                 Some(w) if w.rank() == 2 => (w.dtype(), w.shape()[1]),
                 Some(_) => continue,
-                None if ix.is_const_derived(g, wname) => {
-                    match (dtype_of(&r, wname), static_shape(&r, wname).as_deref()) {
-                        (Some(dt), Some(&[_, nn])) => (dt, nn),
-                        _ => continue,
-                    }
-                }
+                None if ix.is_const_derived(g, wname) => match fixed_shape(&r, wname) {
+                    Some((dt, s)) if s.len() == 2 => (dt, s[1]),
+                    _ => continue,
+                },
                 None => continue,
             };
             if !matches!(w_dtype, DType::F32 | DType::F64) {

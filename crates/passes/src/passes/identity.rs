@@ -5,32 +5,14 @@
 //! Readers of the output are redirected to the input; when the output is a graph output its
 //! name is kept by renaming the input's producer instead.
 
+use crate::util::fixed_shape;
 use crate::util::{is_op, Index};
 use crate::{GraphPatch, Pass, PassError, PassStats, Rewriter};
 use npuc_ir::infer::{infer_model, InferResult};
-use npuc_ir::{Dim, Node, TypeInfo};
+use npuc_ir::{Node, TypeInfo};
 use std::collections::HashMap;
 
 pub struct IdentityElim;
-
-fn fixed_shape(r: &InferResult, name: &str) -> Option<(npuc_ir::DType, Vec<usize>)> {
-    match r.type_of(name)? {
-        TypeInfo::Tensor {
-            dtype: Some(d),
-            shape: Some(s),
-        } => {
-            let dims: Option<Vec<usize>> = s
-                .iter()
-                .map(|d| match d {
-                    Dim::Fixed(n) => Some(*n),
-                    _ => None,
-                })
-                .collect();
-            Some((*d, dims?))
-        }
-        _ => None,
-    }
-}
 
 fn dtype_of(r: &InferResult, name: &str) -> Option<npuc_ir::DType> {
     match r.type_of(name)? {
