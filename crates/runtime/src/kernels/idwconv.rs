@@ -57,13 +57,25 @@ pub fn phase_index(g: &DwGeom, pwq: usize, r: usize, c: usize) -> usize {
     (r * g.sw + c % g.sw) * pwq + c / g.sw
 }
 
+/// Values the kernel may read past the end of the plane (a block of output columns is computed
+/// [`LANES`] at a time; the lanes past the row's end read whatever follows and are never
+/// stored). Callers allocate planes of [`plane_len`] values.
+pub const SLACK: usize = LANES;
+
+/// Values of a padded, phase-split plane for `g` with `pwq` values per phase row, including
+/// the [`SLACK`] the kernel may read beyond the last row.
+pub fn plane_len(g: &DwGeom, pwq: usize) -> usize {
+    rows_needed(g) * g.sw * pwq + SLACK
+}
+
 /// Sums of one plane (see the module docs) at the process-wide level. `x` is the phase-split
-/// padded plane with `pwq` values per phase row ([`phase_width`] or more).
+/// padded plane with `pwq` values per phase row ([`phase_width`] or more), [`plane_len`]
+/// values long.
 ///
 /// # Panics
-/// If `x` or `out` (`oh * ow`) is smaller than the geometry reads or writes, `taps` holds fewer
-/// than `kh * kw` values, the kernel has more than [`MAX_TAPS`] taps or a stride is 0: callers
-/// size and check them from the geometry.
+/// If `x` is shorter than [`plane_len`] or `out` than `oh * ow`, `taps` holds fewer than
+/// `kh * kw` values, the kernel has more than [`MAX_TAPS`] taps or a stride is 0: callers size
+/// and check them from the geometry.
 pub fn dw_plane(x: &[f32], pwq: usize, taps: &[f32], g: &DwGeom, out: &mut [i32]) {
     dw_plane_with(Isa::detect(), x, pwq, taps, g, out)
 }
@@ -76,7 +88,7 @@ pub fn dw_plane_with(isa: Isa, x: &[f32], pwq: usize, taps: &[f32], g: &DwGeom, 
         "padded plane narrower than the kernel reads"
     );
     assert!(
-        x.len() >= rows_needed(g) * g.sw * pwq,
+        x.len() >= plane_len(g, pwq),
         "padded plane shorter than the kernel reads"
     );
     assert!(taps.len() >= g.kh * g.kw && out.len() >= g.oh * g.ow);
@@ -98,34 +110,69 @@ pub fn dw_plane_with(isa: Isa, x: &[f32], pwq: usize, taps: &[f32], g: &DwGeom, 
     dw_plane_scalar(x, pwq, taps, g, out)
 }
 
-/// Output columns per accumulator block (kept in registers across all taps).
-const BLOCK: usize = 64;
+/// Output columns per accumulator vector.
+const LANES: usize = 16;
+
+/// `B` vectors of [`LANES`] output columns from `ox0` of output row `oy` (fixed-size arrays, so
+/// the accumulators stay in registers across all taps); the first `len` are stored.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn dw_block<const B: usize>(
+    x: &[f32],
+    pwq: usize,
+    taps: &[f32],
+    g: &DwGeom,
+    oy: usize,
+    ox0: usize,
+    len: usize,
+    out: &mut [i32],
+) {
+    let mut acc = [[0f32; LANES]; B];
+    for ky in 0..g.kh {
+        let r = oy * g.sh + ky * g.dh;
+        for kx in 0..g.kw {
+            let t = taps[ky * g.kw + kx];
+            let c = kx * g.dw;
+            let start = (r * g.sw + c % g.sw) * pwq + c / g.sw + ox0;
+            for (a, v) in acc
+                .iter_mut()
+                .zip(x[start..start + B * LANES].chunks_exact(LANES))
+            {
+                for (a, &v) in a.iter_mut().zip(v) {
+                    *a = v.mul_add(t, *a);
+                }
+            }
+        }
+    }
+    // The sums are exact integers of magnitude <= 2^24 for the operands the module docs
+    // state; the clamp keeps any other input (and NaN, which `max` drops) inside i32 too.
+    for (o, &a) in out[..len].iter_mut().zip(acc.as_flattened()) {
+        // Not `clamp`: it keeps NaN, which the conversion below must never see.
+        #[allow(clippy::manual_clamp)]
+        let a = a.max(-16_777_216.0).min(16_777_216.0);
+        // SAFETY: `a` is finite and within i32's range after the clamp (`to_int_unchecked`'s
+        // requirement); unlike `as i32` it vectorizes to one truncating conversion.
+        *o = unsafe { a.to_int_unchecked::<i32>() };
+    }
+}
 
 /// The body shared by every level (safe Rust; bounds are checked by the slicing).
 #[inline(always)]
 fn dw_plane_body(x: &[f32], pwq: usize, taps: &[f32], g: &DwGeom, out: &mut [i32]) {
     let ow = g.ow;
-    let mut acc = [0f32; BLOCK];
     for oy in 0..g.oh {
         let orow = &mut out[oy * ow..(oy + 1) * ow];
-        for (b, ob) in orow.chunks_mut(BLOCK).enumerate() {
-            let ox0 = b * BLOCK;
-            let acc = &mut acc[..ob.len()];
-            acc.fill(0.0);
-            for ky in 0..g.kh {
-                let r = oy * g.sh + ky * g.dh;
-                for kx in 0..g.kw {
-                    let t = taps[ky * g.kw + kx];
-                    let c = kx * g.dw;
-                    let start = (r * g.sw + c % g.sw) * pwq + c / g.sw + ox0;
-                    for (a, &v) in acc.iter_mut().zip(&x[start..start + ob.len()]) {
-                        *a = v.mul_add(t, *a);
-                    }
-                }
+        let mut ox0 = 0;
+        while ox0 < ow {
+            let len = (ow - ox0).min(4 * LANES);
+            let o = &mut orow[ox0..];
+            match len.div_ceil(LANES) {
+                4 => dw_block::<4>(x, pwq, taps, g, oy, ox0, len, o),
+                3 => dw_block::<3>(x, pwq, taps, g, oy, ox0, len, o),
+                2 => dw_block::<2>(x, pwq, taps, g, oy, ox0, len, o),
+                _ => dw_block::<1>(x, pwq, taps, g, oy, ox0, len, o),
             }
-            for (o, &a) in ob.iter_mut().zip(acc.iter()) {
-                *o = a as i32;
-            }
+            ox0 += len;
         }
     }
 }
@@ -222,7 +269,7 @@ mod tests {
             let want = reference(&x, pw, &taps, &g);
             // The phase-split f32 plane the kernel reads (padding beyond `pw` stays 0).
             let pwq = phase_width(&g).max(pw.div_ceil(sw)) + (case % 2);
-            let mut xs = vec![0f32; rows * sw * pwq];
+            let mut xs = vec![0f32; plane_len(&g, pwq)];
             for r in 0..rows {
                 for c in 0..pw {
                     xs[phase_index(&g, pwq, r, c)] = x[r * pw + c] as f32;
@@ -237,6 +284,40 @@ mod tests {
                 dw_plane_with(isa, &xs, pwq, &tf, &g, &mut got);
                 assert_eq!(got, want, "{}, case {case}: {g:?} pw {pw}", isa.name());
             }
+        }
+    }
+
+    /// Operands outside the contract (NaN, infinities, sums past 2^24) give clamped values at
+    /// every level, the same at each, never undefined conversions.
+    #[test]
+    fn out_of_contract_operands_are_clamped() {
+        let g = DwGeom {
+            kh: 1,
+            kw: 1,
+            sh: 1,
+            sw: 1,
+            dh: 1,
+            dw: 1,
+            oh: 1,
+            ow: 20,
+        };
+        let pwq = phase_width(&g);
+        let mut x = vec![0f32; plane_len(&g, pwq)];
+        x[0] = f32::NAN;
+        x[2] = f32::INFINITY;
+        x[4] = -1e30;
+        x[6] = 1e9;
+        let taps = [1.0f32];
+        let mut want = vec![0i32; 20];
+        dw_plane_scalar(&x, pwq, &taps, &g, &mut want);
+        assert_eq!(
+            want[..8],
+            [-16_777_216, 0, 16_777_216, 0, -16_777_216, 0, 16_777_216, 0]
+        );
+        for isa in Isa::ALL.into_iter().filter(|&l| l <= Isa::detect()) {
+            let mut got = vec![7i32; 20];
+            dw_plane_with(isa, &x, pwq, &taps, &g, &mut got);
+            assert_eq!(got, want, "{}", isa.name());
         }
     }
 }

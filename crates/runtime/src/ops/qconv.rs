@@ -107,9 +107,7 @@ pub fn qconv(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     let w = ins.tensor(3)?;
     let w_scale = ins.tensor(4)?;
     let w_zp = ins.opt_tensor(5);
-    let bias = ins.opt_tensor(6);
-    let ys_t = ins.tensor(7)?;
-    let yz_t = ins.tensor(8)?;
+    let y_dtype = ins.tensor(8)?.dtype();
     if !matches!(x.dtype(), DType::U8 | DType::I8) {
         bail!("QConv: x must be u8 or i8, found {}", x.dtype());
     }
@@ -140,8 +138,61 @@ pub fn qconv(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     if !const_w {
         bail!("QConv needs a constant weight");
     }
-    let packed = ctx.cached(|| pack_weight(w, w_scale, w_zp, m, k, depthwise))?;
-    let bias: Vec<f32> = match bias {
+    // The output stage depends on the scales, zero points, bias and table only: built once
+    // per plan with the weight when they are all constants (the usual case), else per run.
+    let rq_inputs = [1, 2, 6, 7, 8, 9];
+    let rq_const = rq_inputs
+        .iter()
+        .all(|&i| ins.opt_tensor(i).is_none() || ctx.input_is_const(i));
+    let plan = ctx.cached(|| {
+        let weight = pack_weight(w, w_scale, w_zp, m, k, depthwise)?;
+        let rq = if rq_const {
+            Some(requant(&ins, sx, m, &weight.scale)?)
+        } else {
+            None
+        };
+        Ok(QConvPlan { weight, rq })
+    })?;
+    let per_run;
+    let rq = match &plan.rq {
+        Some(rq) => rq,
+        None => {
+            per_run = requant(&ins, sx, m, &plan.weight.scale)?;
+            &per_run
+        }
+    };
+    let job = Job {
+        geom: &geom,
+        n,
+        c,
+        m,
+        zx,
+        threads: ctx.threads.max(1),
+        weight: &plan.weight.body,
+        rq,
+    };
+    let shape = vec![n, m, geom.out[1], geom.out[2]];
+    let t = match (x.dtype(), y_dtype) {
+        (DType::U8, DType::U8) => Tensor::from_vec(shape, job.run::<u8, u8>(x.as_slice()?)?)?,
+        (DType::U8, DType::I8) => Tensor::from_vec(shape, job.run::<u8, i8>(x.as_slice()?)?)?,
+        (DType::I8, DType::U8) => Tensor::from_vec(shape, job.run::<i8, u8>(x.as_slice()?)?)?,
+        (DType::I8, DType::I8) => Tensor::from_vec(shape, job.run::<i8, i8>(x.as_slice()?)?)?,
+        (_, other) => bail!("QConv output must be u8 or i8, found {other}"),
+    };
+    Ok(vec![Value::tensor(t)])
+}
+
+/// The node's constant data, built on its first run (see [`OpCtx::cached`]).
+struct QConvPlan {
+    weight: QConvWeight,
+    /// The output stage when every input it reads is a constant.
+    rq: Option<Requant>,
+}
+
+/// The output stage from inputs 6 (bias), 7 and 8 (`y_scale`, `y_zero_point`) and 9 (table),
+/// with `mult[m] = sx * w_scale[m]`.
+fn requant(ins: &Inputs, sx: f32, m: usize, w_scale: &[f32]) -> Result<Requant> {
+    let bias: Vec<f32> = match ins.opt_tensor(6) {
         Some(t) => {
             let v: Vec<f32> = t.to_f64_vec()?.iter().map(|&b| b as f32).collect();
             if v.len() != m {
@@ -151,6 +202,7 @@ pub fn qconv(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         }
         None => vec![0.0; m],
     };
+    let (ys_t, yz_t) = (ins.tensor(7)?, ins.tensor(8)?);
     let ys = f32_scalar(ys_t, "y_scale")?;
     if !(ys > 0.0 && ys.is_finite()) {
         bail!("QConv: y_scale must be positive and finite, found {ys}");
@@ -172,33 +224,14 @@ pub fn qconv(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
             Some(v)
         }
     };
-    let rq = Requant {
-        mult: packed.scale.iter().map(|&sw| sx * sw).collect(),
+    Ok(Requant {
+        mult: w_scale.iter().map(|&sw| sx * sw).collect(),
         bias,
         inv_ys: 1.0 / ys,
         zp: yz,
         range,
         table,
-    };
-    let job = Job {
-        geom: &geom,
-        n,
-        c,
-        m,
-        zx,
-        threads: ctx.threads.max(1),
-        weight: &packed.body,
-        rq: &rq,
-    };
-    let shape = vec![n, m, geom.out[1], geom.out[2]];
-    let t = match (x.dtype(), yz_t.dtype()) {
-        (DType::U8, DType::U8) => Tensor::from_vec(shape, job.run::<u8, u8>(x.as_slice()?)?)?,
-        (DType::U8, DType::I8) => Tensor::from_vec(shape, job.run::<u8, i8>(x.as_slice()?)?)?,
-        (DType::I8, DType::U8) => Tensor::from_vec(shape, job.run::<i8, u8>(x.as_slice()?)?)?,
-        (DType::I8, DType::I8) => Tensor::from_vec(shape, job.run::<i8, i8>(x.as_slice()?)?)?,
-        (_, other) => bail!("QConv output must be u8 or i8, found {other}"),
-    };
-    Ok(vec![Value::tensor(t)])
+    })
 }
 
 fn pack_weight(
@@ -387,7 +420,7 @@ impl Job<'_> {
         let ntaps = kh * kw;
         let isa = Isa::detect();
         let run = |co0: usize, o: &mut [T]| {
-            let mut plane = vec![0f32; ph * dg.sw * pwq];
+            let mut plane = vec![0f32; idwconv::plane_len(&dg, pwq)];
             let mut sums = vec![0i32; pout];
             let mut filled = usize::MAX;
             for (j, oc) in o.chunks_exact_mut(pout).enumerate() {
@@ -395,20 +428,15 @@ impl Job<'_> {
                 let ci = co / mult;
                 if ci != filled {
                     let src = &x[ci * ih * iw..(ci + 1) * ih * iw];
-                    // Padded column `c` holds input column `c - pl` where that exists.
-                    let (lo, hi) = (pl.min(pw), (pl + iw).min(pw));
                     for py in 0..ph {
                         let row = &mut plane[py * dg.sw * pwq..(py + 1) * dg.sw * pwq];
-                        row.fill(0.0);
                         let iy = py as isize - pt as isize;
                         if iy < 0 || iy >= ih as isize {
+                            row.fill(0.0);
                             continue;
                         }
                         let srow = &src[iy as usize * iw..(iy as usize + 1) * iw];
-                        for c in lo..hi {
-                            let v = (srow[c - pl].to_i32() - self.zx) as f32;
-                            row[(c % dg.sw) * pwq + c / dg.sw] = v;
-                        }
+                        fill_phases(row, pwq, dg.sw, pl, pw, srow, self.zx);
                     }
                     filled = ci;
                 }
@@ -430,6 +458,46 @@ impl Job<'_> {
                 .for_each(|(i, o)| run(i * per, o));
         } else {
             run(0, out);
+        }
+    }
+}
+
+/// One padded input row in the phase-split layout (see `idwconv`): phase `q` (`row[q * pwq..]`)
+/// holds padded columns `q, q + sw, ..`; padded column `c < pw` is input column `c - pl`
+/// (zero-point corrected) where that exists, every other value 0. Column ranges per phase are
+/// computed once, so the copy is a strided (for `sw == 1` contiguous) conversion loop with no
+/// division per value (the per-value `c % sw`, `c / sw` of a runtime stride cost more than the
+/// convolution's arithmetic).
+fn fill_phases<X: QInt>(
+    row: &mut [f32],
+    pwq: usize,
+    sw: usize,
+    pl: usize,
+    pw: usize,
+    srow: &[X],
+    zx: i32,
+) {
+    // Padded columns with an input value: lo..hi.
+    let (lo, hi) = (pl.min(pw), (pl + srow.len()).min(pw));
+    for (q, dst) in row.chunks_exact_mut(pwq).enumerate().take(sw) {
+        // Phase q's j-th value is padded column q + j * sw: the valid j are j0..j1.
+        let j1 = if hi > q { (hi - q).div_ceil(sw) } else { 0 }.min(pwq);
+        let j0 = lo.saturating_sub(q).div_ceil(sw).min(j1);
+        dst[..j0].fill(0.0);
+        dst[j1..].fill(0.0);
+        if j0 == j1 {
+            continue;
+        }
+        let first = q + j0 * sw - pl;
+        let conv = |v: &X| (v.to_i32() - zx) as f32;
+        if sw == 1 {
+            for (d, v) in dst[j0..j1].iter_mut().zip(&srow[first..]) {
+                *d = conv(v);
+            }
+        } else {
+            for (d, v) in dst[j0..j1].iter_mut().zip(srow[first..].iter().step_by(sw)) {
+                *d = conv(v);
+            }
         }
     }
 }
