@@ -113,34 +113,26 @@ pub fn dw_plane_with(isa: Isa, x: &[f32], pwq: usize, taps: &[f32], g: &DwGeom, 
 /// Output columns per accumulator vector.
 const LANES: usize = 16;
 
-/// `B` vectors of [`LANES`] output columns from `ox0` of output row `oy` (fixed-size arrays, so
-/// the accumulators stay in registers across all taps); the first `len` are stored.
+/// The most accumulator vectors of one block (a row of up to 128 output columns in one pass).
+const MAX_VECS: usize = 8;
+
+/// `B` vectors of [`LANES`] output columns whose tap `t` reads `x[base + offs[t]..]` (fixed-size
+/// arrays, so the accumulators stay in registers across all taps); the first `len` are stored.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 fn dw_block<const B: usize>(
     x: &[f32],
-    pwq: usize,
+    base: usize,
+    offs: &[usize],
     taps: &[f32],
-    g: &DwGeom,
-    oy: usize,
-    ox0: usize,
     len: usize,
     out: &mut [i32],
 ) {
     let mut acc = [[0f32; LANES]; B];
-    for ky in 0..g.kh {
-        let r = oy * g.sh + ky * g.dh;
-        for kx in 0..g.kw {
-            let t = taps[ky * g.kw + kx];
-            let c = kx * g.dw;
-            let start = (r * g.sw + c % g.sw) * pwq + c / g.sw + ox0;
-            for (a, v) in acc
-                .iter_mut()
-                .zip(x[start..start + B * LANES].chunks_exact(LANES))
-            {
-                for (a, &v) in a.iter_mut().zip(v) {
-                    *a = v.mul_add(t, *a);
-                }
+    for (&o, &t) in offs.iter().zip(taps) {
+        let src = &x[base + o..base + o + B * LANES];
+        for (a, v) in acc.iter_mut().zip(src.chunks_exact(LANES)) {
+            for (a, &v) in a.iter_mut().zip(v) {
+                *a = v.mul_add(t, *a);
             }
         }
     }
@@ -159,20 +151,40 @@ fn dw_block<const B: usize>(
 /// The body shared by every level (safe Rust; bounds are checked by the slicing).
 #[inline(always)]
 fn dw_plane_body(x: &[f32], pwq: usize, taps: &[f32], g: &DwGeom, out: &mut [i32]) {
-    let ow = g.ow;
+    let (ow, ntaps) = (g.ow, g.kh * g.kw);
+    // Where each tap reads, relative to its output row's first input row (no division in the
+    // loops).
+    let mut offs = [0usize; MAX_TAPS];
+    for ky in 0..g.kh {
+        for kx in 0..g.kw {
+            let c = kx * g.dw;
+            offs[ky * g.kw + kx] = (ky * g.dh * g.sw + c % g.sw) * pwq + c / g.sw;
+        }
+    }
+    let (offs, taps) = (&offs[..ntaps], &taps[..ntaps]);
+    // A row's vectors in near-equal blocks of at most MAX_VECS (10 vectors: 5 + 5, not 8 + 2).
+    let vecs = ow.div_ceil(LANES);
+    let per = vecs.div_ceil(vecs.div_ceil(MAX_VECS).max(1)).max(1);
     for oy in 0..g.oh {
+        let row = oy * g.sh * g.sw * pwq;
         let orow = &mut out[oy * ow..(oy + 1) * ow];
-        let mut ox0 = 0;
-        while ox0 < ow {
-            let len = (ow - ox0).min(4 * LANES);
-            let o = &mut orow[ox0..];
-            match len.div_ceil(LANES) {
-                4 => dw_block::<4>(x, pwq, taps, g, oy, ox0, len, o),
-                3 => dw_block::<3>(x, pwq, taps, g, oy, ox0, len, o),
-                2 => dw_block::<2>(x, pwq, taps, g, oy, ox0, len, o),
-                _ => dw_block::<1>(x, pwq, taps, g, oy, ox0, len, o),
+        let mut v0 = 0;
+        while v0 < vecs {
+            let nv = per.min(vecs - v0);
+            let ox0 = v0 * LANES;
+            let len = (nv * LANES).min(ow - ox0);
+            let (base, o) = (row + ox0, &mut orow[ox0..]);
+            match nv {
+                8 => dw_block::<8>(x, base, offs, taps, len, o),
+                7 => dw_block::<7>(x, base, offs, taps, len, o),
+                6 => dw_block::<6>(x, base, offs, taps, len, o),
+                5 => dw_block::<5>(x, base, offs, taps, len, o),
+                4 => dw_block::<4>(x, base, offs, taps, len, o),
+                3 => dw_block::<3>(x, base, offs, taps, len, o),
+                2 => dw_block::<2>(x, base, offs, taps, len, o),
+                _ => dw_block::<1>(x, base, offs, taps, len, o),
             }
-            ox0 += len;
+            v0 += nv;
         }
     }
 }
