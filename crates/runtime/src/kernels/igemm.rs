@@ -238,48 +238,24 @@ impl QuadsB {
         })
     }
 
-    /// [`QuadsB::pack`] from a contiguous row-major `k x n` slice.
+    /// [`QuadsB::pack`] from a contiguous row-major `k x n` slice (per-run activations: the
+    /// packing is on every run's path). Compiled for the widest level the CPU has (safe Rust
+    /// body; the per-column passes vectorize over columns, the quad interleave over 4 rows).
     fn pack_rows<T: Copy>(k: usize, n: usize, src: &[T], f: &impl Fn(T) -> i16) -> Option<QuadsB> {
-        let quads = k.div_ceil(4);
-        let panels = n.div_ceil(NRQ);
-        let (mut lo, mut hi) = (vec![i32::MAX; n], vec![i32::MIN; n]);
-        let mut colsum = vec![0i32; panels * NRQ];
-        for row in src[..k * n].chunks_exact(n.max(1)) {
-            for (c, &v) in row.iter().enumerate() {
-                let v = f(v) as i32;
-                lo[c] = lo[c].min(v);
-                hi[c] = hi[c].max(v);
-                colsum[c] = colsum[c].wrapping_add(v);
+        assert!(src.len() >= k * n, "packed operand source too short");
+        #[cfg(target_arch = "x86_64")]
+        {
+            let isa = Isa::detect();
+            if isa.has_avx512() {
+                // SAFETY: AVX-512 F/BW detected on this CPU; the body is safe Rust.
+                return unsafe { quads_pack_rows_avx512(k, n, src, f) };
+            }
+            if isa.has_avx2() {
+                // SAFETY: AVX2 detected on this CPU; the body is safe Rust.
+                return unsafe { quads_pack_rows_avx2(k, n, src, f) };
             }
         }
-        let mut off = vec![0i32; panels * NRQ];
-        if k > 0 {
-            for c in 0..n {
-                if hi[c] - lo[c] > 255 {
-                    return None;
-                }
-                off[c] = b_offset(lo[c], hi[c]);
-            }
-        }
-        let mut data = vec![0i8; panels * quads * NRQ * 4];
-        for (r, row) in src[..k * n].chunks_exact(n.max(1)).enumerate() {
-            let (q, t) = (r / 4, r % 4);
-            for (pn, chunk) in row.chunks(NRQ).enumerate() {
-                let base = pn * quads * NRQ * 4 + q * NRQ * 4 + t;
-                let offs = &off[pn * NRQ..];
-                for (j, &v) in chunk.iter().enumerate() {
-                    data[base + j * 4] = (f(v) as i32 + offs[j]) as i8;
-                }
-            }
-        }
-        Some(QuadsB {
-            quads,
-            panels,
-            data,
-            off,
-            colsum,
-            pairs: OnceLock::new(),
-        })
+        quads_pack_rows_body(k, n, src, f)
     }
 
     /// The corrected value (r, c).
@@ -288,6 +264,102 @@ impl QuadsB {
         let s = self.data[pn * self.quads * NRQ * 4 + (r / 4) * NRQ * 4 + j * 4 + r % 4];
         (s as i32 - self.off[c]) as i16
     }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn quads_pack_rows_avx512<T: Copy>(
+    k: usize,
+    n: usize,
+    src: &[T],
+    f: &impl Fn(T) -> i16,
+) -> Option<QuadsB> {
+    quads_pack_rows_body(k, n, src, f)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn quads_pack_rows_avx2<T: Copy>(
+    k: usize,
+    n: usize,
+    src: &[T],
+    f: &impl Fn(T) -> i16,
+) -> Option<QuadsB> {
+    quads_pack_rows_body(k, n, src, f)
+}
+
+/// The body of [`QuadsB::pack_rows`] (every level).
+#[inline(always)]
+fn quads_pack_rows_body<T: Copy>(
+    k: usize,
+    n: usize,
+    src: &[T],
+    f: &impl Fn(T) -> i16,
+) -> Option<QuadsB> {
+    let quads = k.div_ceil(4);
+    let panels = n.div_ceil(NRQ);
+    let (mut lo, mut hi) = (vec![i32::MAX; n], vec![i32::MIN; n]);
+    let mut colsum = vec![0i32; panels * NRQ];
+    for row in src[..k * n].chunks_exact(n.max(1)) {
+        for (((&v, lo), hi), sum) in row.iter().zip(&mut lo).zip(&mut hi).zip(&mut colsum) {
+            let v = f(v) as i32;
+            *lo = (*lo).min(v);
+            *hi = (*hi).max(v);
+            *sum = sum.wrapping_add(v);
+        }
+    }
+    let mut off = vec![0i32; panels * NRQ];
+    if k > 0 {
+        for c in 0..n {
+            if hi[c] - lo[c] > 255 {
+                return None;
+            }
+            off[c] = b_offset(lo[c], hi[c]);
+        }
+    }
+    // Quad q of a panel holds, per column, rows 4q..4q+4 as 4 consecutive bytes (rows past k
+    // stay 0).
+    let mut data = vec![0i8; panels * quads * NRQ * 4];
+    let row = |r: usize| &src[r * n..(r + 1) * n];
+    let put = |v: T, o: i32| (f(v) as i32 + o) as i8;
+    for q in 0..quads {
+        let r0 = 4 * q;
+        for pn in 0..panels {
+            let c0 = pn * NRQ;
+            let w = NRQ.min(n - c0);
+            let dst = &mut data[pn * quads * NRQ * 4 + q * NRQ * 4..][..w * 4];
+            let offs = &off[c0..c0 + w];
+            if r0 + 4 <= k {
+                let (a, b, c, d) = (
+                    &row(r0)[c0..c0 + w],
+                    &row(r0 + 1)[c0..c0 + w],
+                    &row(r0 + 2)[c0..c0 + w],
+                    &row(r0 + 3)[c0..c0 + w],
+                );
+                for (j, (o, &off)) in dst.chunks_exact_mut(4).zip(offs).enumerate() {
+                    o[0] = put(a[j], off);
+                    o[1] = put(b[j], off);
+                    o[2] = put(c[j], off);
+                    o[3] = put(d[j], off);
+                }
+            } else {
+                for t in 0..k - r0 {
+                    let s = &row(r0 + t)[c0..c0 + w];
+                    for (j, (&v, &off)) in s.iter().zip(offs).enumerate() {
+                        dst[j * 4 + t] = put(v, off);
+                    }
+                }
+            }
+        }
+    }
+    Some(QuadsB {
+        quads,
+        panels,
+        data,
+        off,
+        colsum,
+        pairs: OnceLock::new(),
+    })
 }
 
 impl PackedB {

@@ -10,6 +10,7 @@ pub mod idwconv;
 pub mod igemm;
 pub mod imm;
 pub mod interleave;
+pub mod lut8;
 pub mod qconvert;
 pub mod qgemv;
 pub mod sgemm;

@@ -22,6 +22,8 @@ pub trait QInt: Copy + Send + Sync + Default + 'static {
     fn from_i32(v: i32) -> Self;
     /// Widens to i32.
     fn to_i32(self) -> i32;
+    /// The values as their bytes, for the 8-bit types (`None` for wider ones).
+    fn bytes_mut(s: &mut [Self]) -> Option<&mut [u8]>;
     /// Which packing the AVX2 stores/loads use.
     #[doc(hidden)]
     const KIND: Kind;
@@ -50,6 +52,10 @@ macro_rules! qint {
             #[inline(always)]
             fn to_i32(self) -> i32 {
                 self as i32
+            }
+            #[inline(always)]
+            fn bytes_mut(s: &mut [Self]) -> Option<&mut [u8]> {
+                (std::mem::size_of::<$t>() == 1).then(|| bytemuck::cast_slice_mut(s))
             }
         }
     };

@@ -31,6 +31,7 @@ use crate::error::Result;
 use crate::kernel::{Inputs, OpCtx, MAX_OPSET};
 use crate::kernels::idwconv::{self, DwGeom};
 use crate::kernels::igemm::{igemm_then, PackedA, PackedB, MAX_K};
+use crate::kernels::lut8;
 use crate::kernels::qconvert::{self, Isa, QInt};
 use crate::ops::conv::{conv_geom, valid_range, Geom};
 use crate::ops::qlinear::{f32_scalar, is_8bit, qrange, zp_scalar};
@@ -220,8 +221,13 @@ fn requant(ins: &Inputs, sx: f32, m: usize, w_scale: &[f32]) -> Result<Requant> 
                     t.shape()
                 );
             }
-            let v: Vec<i32> = t.to_i64_vec()?.iter().map(|&v| v as i32).collect();
-            Some(v)
+            // As bytes (the 8-bit codes' bits), one 256-entry table per row.
+            let v: Vec<u8> = t.to_i64_vec()?.iter().map(|&v| v as u8).collect();
+            Some(
+                v.chunks_exact(256)
+                    .map(|r| <[u8; 256]>::try_from(r).expect("256-value rows"))
+                    .collect(),
+            )
         }
     };
     Ok(Requant {
@@ -278,8 +284,9 @@ struct Requant {
     inv_ys: f32,
     zp: i32,
     range: (i32, i32),
-    /// The fused lookup (see the module docs), as i32: 256 values, or 256 per channel.
-    table: Option<Vec<i32>>,
+    /// The fused lookup (see the module docs) as the output codes' bytes: one table, or one
+    /// per channel.
+    table: Option<Vec<[u8; 256]>>,
 }
 
 impl Requant {
@@ -302,17 +309,12 @@ impl Requant {
             );
         }
         if let Some(tab) = &self.table {
-            let row = if tab.len() == 256 {
-                &tab[..]
-            } else {
-                &tab[co * 256..(co + 1) * 256]
-            };
-            let row: &[i32; 256] = row.try_into().expect("256-entry table");
-            // The requantized codes lie in T's range, so `code - T::LO` is in [0, 256) for the
-            // 8-bit types QConv produces.
-            for v in out.iter_mut() {
-                *v = T::from_i32(row[(v.to_i32() - T::LO) as usize]);
-            }
+            let row = if tab.len() == 1 { &tab[0] } else { &tab[co] };
+            // i8 codes index their table from the lowest code: `code + 128`, the byte with
+            // its top bit flipped.
+            let flip = if T::LO < 0 { 0x80 } else { 0 };
+            let bytes = T::bytes_mut(out).expect("QConv writes 8-bit codes");
+            lut8::lut8(row, flip, bytes);
         }
     }
 }
@@ -333,7 +335,8 @@ impl Job<'_> {
     fn run<X: QInt, T: QInt>(&self, x: &[X]) -> Result<Vec<T>> {
         let g = self.geom;
         let (pin, pout) = (g.inp[1] * g.inp[2], g.out[1] * g.out[2]);
-        let mut out: Vec<T> = crate::buffers::zeroed(self.n * self.m * pout);
+        // Every output value is written (each channel's plane by its requantization).
+        let mut out: Vec<T> = crate::buffers::for_overwrite(self.n * self.m * pout);
         if out.is_empty() {
             return Ok(out);
         }
@@ -370,11 +373,15 @@ impl Job<'_> {
         let b = if pointwise {
             PackedB::pack_rows(k, pout, x, |v: X| (v.to_i32() - zx) as i16)
         } else {
-            let mut col = vec![0i16; k * pout];
+            // `im2col` writes every value.
+            let mut col: Vec<i16> = crate::buffers::for_overwrite(k * pout);
             im2col(x, g, c, zx, &mut col);
-            PackedB::pack_rows(k, pout, &col, |v| v)
+            let b = PackedB::pack_rows(k, pout, &col, |v| v);
+            crate::buffers::release(col);
+            b
         };
-        let mut sums = vec![0i32; self.m * pout];
+        // The product overwrites every sum; the buffer goes back to the pool after.
+        let mut sums: Vec<i32> = crate::buffers::for_overwrite(self.m * pout);
         let isa = Isa::detect();
         let base = out.as_ptr() as usize;
         let rq = self.rq;
@@ -390,7 +397,9 @@ impl Job<'_> {
                 rq.plane(isa, co0 + j, sr, or);
             }
         };
-        igemm_then(a, &b, &mut sums, out, self.threads, &epi)
+        let done = igemm_then(a, &b, &mut sums, out, self.threads, &epi);
+        crate::buffers::release(sums);
+        done
     }
 
     /// Depthwise, one image: every output channel from its input channel's padded plane.

@@ -447,6 +447,16 @@ fn quant_row<'a, T: QInt>(
 fn lut_rows<T: QInt>(o: &mut [T], n: usize, tab: &[T]) {
     let at = |t: &[T], v: T| t[(v.to_i32() - T::LO) as usize & 0xff];
     if tab.len() == 256 {
+        if let Some(bytes) = T::bytes_mut(o) {
+            // One table for every column: the byte lookup kernel (see `lut8`).
+            let mut t8 = [0u8; 256];
+            for (d, &v) in t8.iter_mut().zip(tab) {
+                *d = v.to_i32() as u8;
+            }
+            let flip = if T::LO < 0 { 0x80 } else { 0 };
+            crate::kernels::lut8::lut8(&t8, flip, bytes);
+            return;
+        }
         for v in o.iter_mut() {
             *v = at(tab, *v);
         }
