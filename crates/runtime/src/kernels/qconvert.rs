@@ -193,9 +193,16 @@ pub fn requant_row<T: QInt>(
     let (flo, fhi) = ((lo - zp) as f32, (hi - zp) as f32);
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
-    if isa.has_avx2() && Isa::detect().has_avx2() {
-        // SAFETY: avx2 checked; all slices hold at least `n` values (asserted above).
-        done = unsafe { avx2::requant(acc, acc_lo, mult, bias, inv_ys, zp, flo, fhi, out) };
+    if isa.has_avx512() && Isa::detect().has_avx512() {
+        // SAFETY: avx512 F/BW checked; all slices hold at least `n` values (asserted above).
+        done = unsafe { avx512::requant(acc, acc_lo, mult, bias, inv_ys, zp, flo, fhi, out) };
+    }
+    #[cfg(target_arch = "x86_64")]
+    if done < n && isa.has_avx2() && Isa::detect().has_avx2() {
+        let (a, l) = (&acc[done..], acc_lo.map(|l| &l[done..]));
+        let (m, b) = (&mult[done..], &bias[done..]);
+        // SAFETY: avx2 checked; all slices hold at least `n - done` values from `done`.
+        done += unsafe { avx2::requant(a, l, m, b, inv_ys, zp, flo, fhi, &mut out[done..]) };
     }
     let _ = isa;
     let zf = zp as f32;
@@ -443,6 +450,74 @@ mod avx2 {
                 let v = affine(acc, acc_lo, mult, bias, j);
                 // Same operand order as the scalar `v.max(lo).min(hi)`.
                 _mm256_storeu_ps(op.add(j), _mm256_min_ps(_mm256_max_ps(v, vlo), vhi));
+            }
+        }
+        n
+    }
+}
+
+/// 16-lane form of [`avx2::requant`]: the same operations per lane (multiply, add, multiply,
+/// clamp with the value first, round half to even, add the zero point), so the same codes.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::{Kind, QInt};
+    use std::arch::x86_64::*;
+
+    /// # Safety
+    /// avx512 F/BW; `acc`, `acc_lo`, `mult`, `bias` hold at least `out.len()` values. Returns
+    /// the number of elements done (a multiple of 16).
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn requant<T: QInt>(
+        acc: &[i32],
+        acc_lo: Option<&[i32]>,
+        mult: &[f32],
+        bias: &[f32],
+        inv_ys: f32,
+        zp: i32,
+        flo: f32,
+        fhi: f32,
+        out: &mut [T],
+    ) -> usize {
+        let n = out.len() / 16 * 16;
+        let (vi, vlo, vhi, vz) = (
+            _mm512_set1_ps(inv_ys),
+            _mm512_set1_ps(flo),
+            _mm512_set1_ps(fhi),
+            _mm512_set1_ps(zp as f32),
+        );
+        let op = out.as_mut_ptr();
+        for j in (0..n).step_by(16) {
+            // SAFETY: j + 16 <= n <= every slice's length (caller contract); unaligned loads
+            // and stores of exactly 16 lanes.
+            unsafe {
+                let a = _mm512_cvtepi32_ps(_mm512_loadu_si512(acc.as_ptr().add(j) as *const _));
+                let s = match acc_lo {
+                    None => a,
+                    Some(l) => _mm512_add_ps(
+                        _mm512_mul_ps(a, _mm512_set1_ps(256.0)),
+                        _mm512_cvtepi32_ps(_mm512_loadu_si512(l.as_ptr().add(j) as *const _)),
+                    ),
+                };
+                let v = _mm512_add_ps(
+                    _mm512_mul_ps(s, _mm512_loadu_ps(mult.as_ptr().add(j))),
+                    _mm512_loadu_ps(bias.as_ptr().add(j)),
+                );
+                let v = _mm512_mul_ps(v, vi);
+                // `max(v, lo)` returns lo when v is NaN (as the scalar `f32::max`).
+                let c = _mm512_min_ps(_mm512_max_ps(v, vlo), vhi);
+                let r =
+                    _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(c);
+                let q = _mm512_cvtps_epi32(_mm512_add_ps(r, vz));
+                // The codes lie in T's range: the narrowing conversions are exact.
+                match T::KIND {
+                    Kind::U8 | Kind::I8 => {
+                        _mm_storeu_si128(op.add(j) as *mut __m128i, _mm512_cvtepi32_epi8(q))
+                    }
+                    Kind::U16 | Kind::I16 => {
+                        _mm256_storeu_si256(op.add(j) as *mut __m256i, _mm512_cvtepi32_epi16(q))
+                    }
+                }
             }
         }
         n
