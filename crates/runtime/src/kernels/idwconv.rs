@@ -17,6 +17,7 @@
 //! product to pay. The same body is compiled for the baseline target (the scalar twin), AVX2+FMA
 //! and AVX-512, dispatched at run time.
 
+use crate::kernels::qconvert::QInt;
 use npuc_isa::Isa;
 
 /// The most taps whose f32 sums are proven exact: floor(2^24 / (255 * 255)) = 258.
@@ -108,6 +109,133 @@ pub fn dw_plane_with(isa: Isa, x: &[f32], pwq: usize, taps: &[f32], g: &DwGeom, 
     }
     let _ = isa;
     dw_plane_scalar(x, pwq, taps, g, out)
+}
+
+/// Fills the padded, phase-split plane `plane` ([`plane_len`] values, `pwq` per phase row)
+/// of one input channel `src` (`ih x iw` codes, row-major) for geometry `g` with the leading
+/// padding `(pt, pl)`: padded value (r, c) is `src[r - pt][c - pl] - zx` where that exists, 0
+/// elsewhere (the padding is the real value 0). At the process-wide level.
+///
+/// # Panics
+/// If `src` holds fewer than `ih * iw` values or `plane` fewer than [`plane_len`].
+pub fn fill_plane<X: QInt>(
+    src: &[X],
+    dims: (usize, usize),
+    pads: (usize, usize),
+    zx: i32,
+    g: &DwGeom,
+    pwq: usize,
+    plane: &mut [f32],
+) {
+    fill_plane_with(Isa::detect(), src, dims, pads, zx, g, pwq, plane)
+}
+
+/// [`fill_plane`] at an explicit level (tests compare the levels).
+#[allow(clippy::too_many_arguments)]
+pub fn fill_plane_with<X: QInt>(
+    isa: Isa,
+    src: &[X],
+    dims: (usize, usize),
+    pads: (usize, usize),
+    zx: i32,
+    g: &DwGeom,
+    pwq: usize,
+    plane: &mut [f32],
+) {
+    assert!(src.len() >= dims.0 * dims.1 && plane.len() >= plane_len(g, pwq) && g.sw > 0);
+    #[cfg(target_arch = "x86_64")]
+    {
+        if isa.has_avx512() && Isa::detect().has_avx512() {
+            // SAFETY: AVX-512 detected on this CPU; the body is safe Rust.
+            unsafe { fill_plane_avx512(src, dims, pads, zx, g, pwq, plane) };
+            return;
+        }
+        if isa.has_avx2() && Isa::detect().has_avx2() {
+            // SAFETY: AVX2 detected on this CPU; the body is safe Rust.
+            unsafe { fill_plane_avx2(src, dims, pads, zx, g, pwq, plane) };
+            return;
+        }
+    }
+    let _ = isa;
+    fill_plane_body(src, dims, pads, zx, g, pwq, plane)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn fill_plane_avx512<X: QInt>(
+    src: &[X],
+    dims: (usize, usize),
+    pads: (usize, usize),
+    zx: i32,
+    g: &DwGeom,
+    pwq: usize,
+    plane: &mut [f32],
+) {
+    fill_plane_body(src, dims, pads, zx, g, pwq, plane)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn fill_plane_avx2<X: QInt>(
+    src: &[X],
+    dims: (usize, usize),
+    pads: (usize, usize),
+    zx: i32,
+    g: &DwGeom,
+    pwq: usize,
+    plane: &mut [f32],
+) {
+    fill_plane_body(src, dims, pads, zx, g, pwq, plane)
+}
+
+/// The body of [`fill_plane`] (every level; the scalar twin at the baseline). Column ranges
+/// per phase are computed once per row, so the copy is a strided (for `sw == 1` contiguous)
+/// conversion loop with no division per value.
+#[inline(always)]
+fn fill_plane_body<X: QInt>(
+    src: &[X],
+    (ih, iw): (usize, usize),
+    (pt, pl): (usize, usize),
+    zx: i32,
+    g: &DwGeom,
+    pwq: usize,
+    plane: &mut [f32],
+) {
+    let (sw, pw) = (g.sw, cols_needed(g));
+    // Padded columns with an input value: lo..hi.
+    let (lo, hi) = (pl.min(pw), (pl + iw).min(pw));
+    let conv = |v: &X| (v.to_i32() - zx) as f32;
+    for (py, row) in plane[..rows_needed(g) * sw * pwq]
+        .chunks_exact_mut(sw * pwq)
+        .enumerate()
+    {
+        let iy = py as isize - pt as isize;
+        if iy < 0 || iy >= ih as isize {
+            row.fill(0.0);
+            continue;
+        }
+        let srow = &src[iy as usize * iw..(iy as usize + 1) * iw];
+        for (q, dst) in row.chunks_exact_mut(pwq).enumerate() {
+            // Phase q's j-th value is padded column q + j * sw: the valid j are j0..j1.
+            let j1 = if hi > q { (hi - q).div_ceil(sw) } else { 0 }.min(pwq);
+            let j0 = lo.saturating_sub(q).div_ceil(sw).min(j1);
+            dst[..j0].fill(0.0);
+            dst[j1..].fill(0.0);
+            if j0 == j1 {
+                continue;
+            }
+            let first = q + j0 * sw - pl;
+            if sw == 1 {
+                for (d, v) in dst[j0..j1].iter_mut().zip(&srow[first..]) {
+                    *d = conv(v);
+                }
+            } else {
+                for (d, v) in dst[j0..j1].iter_mut().zip(srow[first..].iter().step_by(sw)) {
+                    *d = conv(v);
+                }
+            }
+        }
+    }
 }
 
 /// Output columns per accumulator vector.
@@ -330,6 +458,74 @@ mod tests {
             let mut got = vec![7i32; 20];
             dw_plane_with(isa, &x, pwq, &taps, &g, &mut got);
             assert_eq!(got, want, "{}", isa.name());
+        }
+    }
+
+    /// The plane fill equals the definition (padded value (r, c) = input (r - pt, c - pl) minus
+    /// the zero point, else 0, at its phase-split index) at every level, u8 and i8 codes.
+    #[test]
+    fn fill_plane_matches_definition_at_every_level() {
+        let mut s = 0xf111_u64;
+        for case in 0..200 {
+            let r = |s: &mut u64, n: u64| (xorshift(s) % n) as usize;
+            let g = DwGeom {
+                kh: 1 + r(&mut s, 5),
+                kw: 1 + r(&mut s, 5),
+                sh: 1 + r(&mut s, 2),
+                sw: 1 + r(&mut s, 3),
+                dh: 1 + r(&mut s, 2),
+                dw: 1 + r(&mut s, 2),
+                oh: 1 + r(&mut s, 5),
+                ow: 1 + r(&mut s, 40),
+            };
+            let (ih, iw) = (1 + r(&mut s, 12), 1 + r(&mut s, 50));
+            let (pt, pl) = (r(&mut s, 3), r(&mut s, 3));
+            let zx = r(&mut s, 256) as i32;
+            let src: Vec<u8> = (0..ih * iw).map(|_| xorshift(&mut s) as u8).collect();
+            let pwq = phase_width(&g) + case % 2;
+            // The definition over the codes' integer values, minus the zero point.
+            let define = |vals: &[i32], zp: i32| {
+                let mut w = vec![0f32; plane_len(&g, pwq)];
+                for row in 0..rows_needed(&g) {
+                    for c in 0..cols_needed(&g) {
+                        let (iy, ix) = (row as isize - pt as isize, c as isize - pl as isize);
+                        if iy >= 0 && ix >= 0 && (iy as usize) < ih && (ix as usize) < iw {
+                            w[phase_index(&g, pwq, row, c)] =
+                                (vals[iy as usize * iw + ix as usize] - zp) as f32;
+                        }
+                    }
+                }
+                w
+            };
+            let signed: Vec<i8> = src.iter().map(|&v| v as i8).collect();
+            let want = define(&src.iter().map(|&v| v as i32).collect::<Vec<_>>(), zx);
+            let want_i8 = define(
+                &signed.iter().map(|&v| v as i32).collect::<Vec<_>>(),
+                zx - 128,
+            );
+            for isa in Isa::ALL.into_iter().filter(|&l| l <= Isa::detect()) {
+                let mut got = vec![7f32; plane_len(&g, pwq)];
+                fill_plane_with(isa, &src, (ih, iw), (pt, pl), zx, &g, pwq, &mut got);
+                let n = rows_needed(&g) * g.sw * pwq;
+                assert_eq!(got[..n], want[..n], "u8 {}, case {case}: {g:?}", isa.name());
+                let mut got = vec![7f32; plane_len(&g, pwq)];
+                fill_plane_with(
+                    isa,
+                    &signed,
+                    (ih, iw),
+                    (pt, pl),
+                    zx - 128,
+                    &g,
+                    pwq,
+                    &mut got,
+                );
+                assert_eq!(
+                    got[..n],
+                    want_i8[..n],
+                    "i8 {}, case {case}: {g:?}",
+                    isa.name()
+                );
+            }
         }
     }
 }

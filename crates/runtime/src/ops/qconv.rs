@@ -421,7 +421,6 @@ impl Job<'_> {
         // The padded plane: the rows and columns the kernel reads (the end padding may be
         // larger than what it reaches, or cut rows the strides never reach), phase-split for
         // the width stride (see `idwconv`).
-        let (ph, pw) = (idwconv::rows_needed(&dg), idwconv::cols_needed(&dg));
         let pwq = idwconv::phase_width(&dg);
         let (pt, pl) = (g.pb[1], g.pb[2]);
         let mult = self.m / self.c;
@@ -437,16 +436,7 @@ impl Job<'_> {
                 let ci = co / mult;
                 if ci != filled {
                     let src = &x[ci * ih * iw..(ci + 1) * ih * iw];
-                    for py in 0..ph {
-                        let row = &mut plane[py * dg.sw * pwq..(py + 1) * dg.sw * pwq];
-                        let iy = py as isize - pt as isize;
-                        if iy < 0 || iy >= ih as isize {
-                            row.fill(0.0);
-                            continue;
-                        }
-                        let srow = &src[iy as usize * iw..(iy as usize + 1) * iw];
-                        fill_phases(row, pwq, dg.sw, pl, pw, srow, self.zx);
-                    }
+                    idwconv::fill_plane(src, (ih, iw), (pt, pl), self.zx, &dg, pwq, &mut plane);
                     filled = ci;
                 }
                 idwconv::dw_plane(
@@ -467,46 +457,6 @@ impl Job<'_> {
                 .for_each(|(i, o)| run(i * per, o));
         } else {
             run(0, out);
-        }
-    }
-}
-
-/// One padded input row in the phase-split layout (see `idwconv`): phase `q` (`row[q * pwq..]`)
-/// holds padded columns `q, q + sw, ..`; padded column `c < pw` is input column `c - pl`
-/// (zero-point corrected) where that exists, every other value 0. Column ranges per phase are
-/// computed once, so the copy is a strided (for `sw == 1` contiguous) conversion loop with no
-/// division per value (the per-value `c % sw`, `c / sw` of a runtime stride cost more than the
-/// convolution's arithmetic).
-fn fill_phases<X: QInt>(
-    row: &mut [f32],
-    pwq: usize,
-    sw: usize,
-    pl: usize,
-    pw: usize,
-    srow: &[X],
-    zx: i32,
-) {
-    // Padded columns with an input value: lo..hi.
-    let (lo, hi) = (pl.min(pw), (pl + srow.len()).min(pw));
-    for (q, dst) in row.chunks_exact_mut(pwq).enumerate().take(sw) {
-        // Phase q's j-th value is padded column q + j * sw: the valid j are j0..j1.
-        let j1 = if hi > q { (hi - q).div_ceil(sw) } else { 0 }.min(pwq);
-        let j0 = lo.saturating_sub(q).div_ceil(sw).min(j1);
-        dst[..j0].fill(0.0);
-        dst[j1..].fill(0.0);
-        if j0 == j1 {
-            continue;
-        }
-        let first = q + j0 * sw - pl;
-        let conv = |v: &X| (v.to_i32() - zx) as f32;
-        if sw == 1 {
-            for (d, v) in dst[j0..j1].iter_mut().zip(&srow[first..]) {
-                *d = conv(v);
-            }
-        } else {
-            for (d, v) in dst[j0..j1].iter_mut().zip(srow[first..].iter().step_by(sw)) {
-                *d = conv(v);
-            }
         }
     }
 }
