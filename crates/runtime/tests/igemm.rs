@@ -344,10 +344,41 @@ fn kernels_equal_twins_at_every_isa_level_the_host_has() {
             String::from_utf8_lossy(&out.stderr)
         );
         assert!(
-            text.contains("test result: ok. 9 passed"),
-            "NPUC_ISA={}: expected 9 tests to pass in:\n{text}",
+            text.contains("test result: ok. 10 passed"),
+            "NPUC_ISA={}: expected 10 tests to pass in:\n{text}",
             level.name()
         );
         eprintln!("NPUC_ISA={}: igemm tests passed", level.name());
+    }
+}
+
+/// The activation packer split across threads by column panels gives the same products as
+/// the one-thread packer, in both layouts, for an operand large enough to split (and one
+/// column whose values span more than a byte, which sends quads to the pairs fallback).
+#[test]
+fn panel_parallel_packing_equals_serial() {
+    let (m, n, k) = (7, 1000, 70);
+    let a: Vec<i16> = (0..m * k).map(|i| (i * 37 % 256) as i16 - 100).collect();
+    let mut b: Vec<i16> = (0..k * n).map(|i| (i * 101 % 256) as i16 - 128).collect();
+    for wide in [false, true] {
+        if wide {
+            b[5 * n + 321] = 255;
+            b[6 * n + 321] = -256;
+        }
+        for layout in [Layout::Pairs, Layout::Quads] {
+            let pa = PackedA::pack_rows_as(layout, PackBuf::default(), m, k, &a, |v| v);
+            let serial = PackedB::pack_rows_as(layout, k, n, &b, |v| v);
+            let par = PackedB::pack_rows_par(layout, k, n, &b, |v| v, 2);
+            assert_eq!(serial.layout(), par.layout(), "{layout:?} wide {wide}");
+            let (mut c1, mut c2) = (vec![0i32; m * n], vec![0i32; m * n]);
+            igemm(&pa, &serial, &mut c1, 1).unwrap();
+            igemm(&pa, &par, &mut c2, 1).unwrap();
+            assert_eq!(c1, c2, "{layout:?} wide {wide}");
+            let want = reference(m, n, k, &a, &b);
+            assert!(
+                c1.iter().zip(&want).all(|(&c, &w)| c as i64 == w),
+                "{layout:?} wide {wide}"
+            );
+        }
     }
 }

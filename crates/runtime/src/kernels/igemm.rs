@@ -241,21 +241,43 @@ impl QuadsB {
     /// [`QuadsB::pack`] from a contiguous row-major `k x n` slice (per-run activations: the
     /// packing is on every run's path). Compiled for the widest level the CPU has (safe Rust
     /// body; the per-column passes vectorize over columns, the quad interleave over 4 rows).
-    fn pack_rows<T: Copy>(k: usize, n: usize, src: &[T], f: &impl Fn(T) -> i16) -> Option<QuadsB> {
+    fn pack_rows<T: Copy + Sync>(
+        k: usize,
+        n: usize,
+        src: &[T],
+        f: &(impl Fn(T) -> i16 + Sync),
+        threads: usize,
+    ) -> Option<QuadsB> {
         assert!(src.len() >= k * n, "packed operand source too short");
-        #[cfg(target_arch = "x86_64")]
-        {
-            let isa = Isa::detect();
-            if isa.has_avx512() {
-                // SAFETY: AVX-512 F/BW detected on this CPU; the body is safe Rust.
-                return unsafe { quads_pack_rows_avx512(k, n, src, f) };
-            }
-            if isa.has_avx2() {
-                // SAFETY: AVX2 detected on this CPU; the body is safe Rust.
-                return unsafe { quads_pack_rows_avx2(k, n, src, f) };
-            }
-        }
-        quads_pack_rows_body(k, n, src, f)
+        let quads = k.div_ceil(4);
+        let panels = n.div_ceil(NRQ);
+        let mut data = vec![0i8; panels * quads * NRQ * 4];
+        let mut off = vec![0i32; panels * NRQ];
+        let mut colsum = vec![0i32; panels * NRQ];
+        // Panels are independent (their columns' statistics and their own slab of `data`).
+        let slab = (quads * NRQ * 4).max(1);
+        let one = |(pn, ((d, o), c)): PanelJob| quads_pack_panel(k, n, src, f, pn, d, o, c);
+        let fits = if threads > 1 && panels > 1 && k * n >= PACK_PAR_MIN {
+            data.par_chunks_mut(slab)
+                .zip(off.par_chunks_mut(NRQ))
+                .zip(colsum.par_chunks_mut(NRQ))
+                .enumerate()
+                .all(one)
+        } else {
+            data.chunks_mut(slab)
+                .zip(off.chunks_mut(NRQ))
+                .zip(colsum.chunks_mut(NRQ))
+                .enumerate()
+                .all(one)
+        };
+        fits.then_some(QuadsB {
+            quads,
+            panels,
+            data,
+            off,
+            colsum,
+            pairs: OnceLock::new(),
+        })
     }
 
     /// The corrected value (r, c).
@@ -266,100 +288,130 @@ impl QuadsB {
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn quads_pack_rows_avx512<T: Copy>(
+/// One panel of [`QuadsB::pack_rows`]: its index, slab of quads, offsets and column sums.
+type PanelJob<'a> = (usize, ((&'a mut [i8], &'a mut [i32]), &'a mut [i32]));
+
+/// Values of a per-run activation operand from which its packing is split across threads.
+const PACK_PAR_MIN: usize = 1 << 16;
+
+/// Packs column panel `pn` of [`QuadsB::pack_rows`]: its columns' offsets and sums into `off`
+/// and `colsum` (NRQ each), its quads into `slab`; false when a column spans more than 256
+/// values. Compiled for the widest level the CPU has (safe Rust body).
+#[allow(clippy::too_many_arguments)]
+fn quads_pack_panel<T: Copy>(
     k: usize,
     n: usize,
     src: &[T],
     f: &impl Fn(T) -> i16,
-) -> Option<QuadsB> {
-    quads_pack_rows_body(k, n, src, f)
+    pn: usize,
+    slab: &mut [i8],
+    off: &mut [i32],
+    colsum: &mut [i32],
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let isa = Isa::detect();
+        if isa.has_avx512() {
+            // SAFETY: AVX-512 F/BW detected on this CPU; the body is safe Rust.
+            return unsafe { quads_pack_panel_avx512(k, n, src, f, pn, slab, off, colsum) };
+        }
+        if isa.has_avx2() {
+            // SAFETY: AVX2 detected on this CPU; the body is safe Rust.
+            return unsafe { quads_pack_panel_avx2(k, n, src, f, pn, slab, off, colsum) };
+        }
+    }
+    quads_pack_panel_body(k, n, src, f, pn, slab, off, colsum)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn quads_pack_panel_avx512<T: Copy>(
+    k: usize,
+    n: usize,
+    src: &[T],
+    f: &impl Fn(T) -> i16,
+    pn: usize,
+    slab: &mut [i8],
+    off: &mut [i32],
+    colsum: &mut [i32],
+) -> bool {
+    quads_pack_panel_body(k, n, src, f, pn, slab, off, colsum)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn quads_pack_rows_avx2<T: Copy>(
+#[allow(clippy::too_many_arguments)]
+unsafe fn quads_pack_panel_avx2<T: Copy>(
     k: usize,
     n: usize,
     src: &[T],
     f: &impl Fn(T) -> i16,
-) -> Option<QuadsB> {
-    quads_pack_rows_body(k, n, src, f)
+    pn: usize,
+    slab: &mut [i8],
+    off: &mut [i32],
+    colsum: &mut [i32],
+) -> bool {
+    quads_pack_panel_body(k, n, src, f, pn, slab, off, colsum)
 }
 
-/// The body of [`QuadsB::pack_rows`] (every level).
+/// The body of [`quads_pack_panel`] (every level).
 #[inline(always)]
-fn quads_pack_rows_body<T: Copy>(
+#[allow(clippy::too_many_arguments)]
+fn quads_pack_panel_body<T: Copy>(
     k: usize,
     n: usize,
     src: &[T],
     f: &impl Fn(T) -> i16,
-) -> Option<QuadsB> {
-    let quads = k.div_ceil(4);
-    let panels = n.div_ceil(NRQ);
-    let (mut lo, mut hi) = (vec![i32::MAX; n], vec![i32::MIN; n]);
-    let mut colsum = vec![0i32; panels * NRQ];
-    for row in src[..k * n].chunks_exact(n.max(1)) {
-        for (((&v, lo), hi), sum) in row.iter().zip(&mut lo).zip(&mut hi).zip(&mut colsum) {
+    pn: usize,
+    slab: &mut [i8],
+    off: &mut [i32],
+    colsum: &mut [i32],
+) -> bool {
+    let c0 = pn * NRQ;
+    let w = NRQ.min(n - c0);
+    let row = |r: usize| &src[r * n + c0..r * n + c0 + w];
+    let (mut lo, mut hi) = ([i32::MAX; NRQ], [i32::MIN; NRQ]);
+    for r in 0..k {
+        let it = row(r).iter().zip(&mut lo[..w]).zip(&mut hi[..w]);
+        for (((&v, lo), hi), sum) in it.zip(&mut colsum[..w]) {
             let v = f(v) as i32;
             *lo = (*lo).min(v);
             *hi = (*hi).max(v);
             *sum = sum.wrapping_add(v);
         }
     }
-    let mut off = vec![0i32; panels * NRQ];
     if k > 0 {
-        for c in 0..n {
-            if hi[c] - lo[c] > 255 {
-                return None;
+        for j in 0..w {
+            if hi[j] - lo[j] > 255 {
+                return false;
             }
-            off[c] = b_offset(lo[c], hi[c]);
+            off[j] = b_offset(lo[j], hi[j]);
         }
     }
-    // Quad q of a panel holds, per column, rows 4q..4q+4 as 4 consecutive bytes (rows past k
-    // stay 0).
-    let mut data = vec![0i8; panels * quads * NRQ * 4];
-    let row = |r: usize| &src[r * n..(r + 1) * n];
+    // Quad q holds, per column, rows 4q..4q+4 as 4 consecutive bytes (rows past k stay 0).
     let put = |v: T, o: i32| (f(v) as i32 + o) as i8;
-    for q in 0..quads {
+    let offs = &off[..w];
+    for q in 0..k.div_ceil(4) {
         let r0 = 4 * q;
-        for pn in 0..panels {
-            let c0 = pn * NRQ;
-            let w = NRQ.min(n - c0);
-            let dst = &mut data[pn * quads * NRQ * 4 + q * NRQ * 4..][..w * 4];
-            let offs = &off[c0..c0 + w];
-            if r0 + 4 <= k {
-                let (a, b, c, d) = (
-                    &row(r0)[c0..c0 + w],
-                    &row(r0 + 1)[c0..c0 + w],
-                    &row(r0 + 2)[c0..c0 + w],
-                    &row(r0 + 3)[c0..c0 + w],
-                );
-                for (j, (o, &off)) in dst.chunks_exact_mut(4).zip(offs).enumerate() {
-                    o[0] = put(a[j], off);
-                    o[1] = put(b[j], off);
-                    o[2] = put(c[j], off);
-                    o[3] = put(d[j], off);
-                }
-            } else {
-                for t in 0..k - r0 {
-                    let s = &row(r0 + t)[c0..c0 + w];
-                    for (j, (&v, &off)) in s.iter().zip(offs).enumerate() {
-                        dst[j * 4 + t] = put(v, off);
-                    }
+        let dst = &mut slab[q * NRQ * 4..][..w * 4];
+        if r0 + 4 <= k {
+            let (a, b, c, d) = (row(r0), row(r0 + 1), row(r0 + 2), row(r0 + 3));
+            for (j, (o, &off)) in dst.chunks_exact_mut(4).zip(offs).enumerate() {
+                o[0] = put(a[j], off);
+                o[1] = put(b[j], off);
+                o[2] = put(c[j], off);
+                o[3] = put(d[j], off);
+            }
+        } else {
+            for t in 0..k - r0 {
+                for (j, (&v, &off)) in row(r0 + t).iter().zip(offs).enumerate() {
+                    dst[j * 4 + t] = put(v, off);
                 }
             }
         }
     }
-    Some(QuadsB {
-        quads,
-        panels,
-        data,
-        off,
-        colsum,
-        pairs: OnceLock::new(),
-    })
+    true
 }
 
 impl PackedB {
@@ -387,21 +439,39 @@ impl PackedB {
 
     /// Packs a contiguous row-major `k x n` slice through a per-element conversion: the fast
     /// path of [`PackedB::pack`] for per-run (activation) operands, reading rows contiguously.
-    pub fn pack_rows<T: Copy>(k: usize, n: usize, src: &[T], f: impl Fn(T) -> i16) -> PackedB {
-        Self::pack_rows_as(Layout::active(), k, n, src, f)
+    pub fn pack_rows<T: Copy + Sync>(
+        k: usize,
+        n: usize,
+        src: &[T],
+        f: impl Fn(T) -> i16 + Sync,
+    ) -> PackedB {
+        Self::pack_rows_par(Layout::active(), k, n, src, f, 1)
     }
 
     /// [`PackedB::pack_rows`] in a given layout (pairs when a column does not fit quads).
-    pub fn pack_rows_as<T: Copy>(
+    pub fn pack_rows_as<T: Copy + Sync>(
         layout: Layout,
         k: usize,
         n: usize,
         src: &[T],
-        f: impl Fn(T) -> i16,
+        f: impl Fn(T) -> i16 + Sync,
+    ) -> PackedB {
+        Self::pack_rows_par(layout, k, n, src, f, 1)
+    }
+
+    /// [`PackedB::pack_rows_as`] split by column panels across up to `threads` threads (large
+    /// operands only; the result is the same).
+    pub fn pack_rows_par<T: Copy + Sync>(
+        layout: Layout,
+        k: usize,
+        n: usize,
+        src: &[T],
+        f: impl Fn(T) -> i16 + Sync,
+        threads: usize,
     ) -> PackedB {
         assert!(src.len() >= k * n, "packed operand source too short");
         let body = match layout {
-            Layout::Quads => QuadsB::pack_rows(k, n, src, &f).map(BBody::Quads),
+            Layout::Quads => QuadsB::pack_rows(k, n, src, &f, threads).map(BBody::Quads),
             Layout::Pairs => None,
         };
         let body = body.unwrap_or_else(|| BBody::Pairs(PairsB::pack_rows(k, n, src, f)));

@@ -30,7 +30,7 @@ use crate::bail;
 use crate::error::Result;
 use crate::kernel::{Inputs, OpCtx, MAX_OPSET};
 use crate::kernels::idwconv::{self, DwGeom};
-use crate::kernels::igemm::{igemm_then, PackedA, PackedB, MAX_K};
+use crate::kernels::igemm::{igemm_then, Layout, PackedA, PackedB, MAX_K};
 use crate::kernels::lut8;
 use crate::kernels::qconvert::{self, Isa, QInt};
 use crate::ops::conv::{conv_geom, valid_range, Geom};
@@ -371,12 +371,19 @@ impl Job<'_> {
         let pointwise =
             kh == 1 && kw == 1 && g.s[1..] == [1, 1] && g.pb[1..] == [0, 0] && g.pe[1..] == [0, 0];
         let b = if pointwise {
-            PackedB::pack_rows(k, pout, x, |v: X| (v.to_i32() - zx) as i16)
+            PackedB::pack_rows_par(
+                Layout::active(),
+                k,
+                pout,
+                x,
+                |v: X| (v.to_i32() - zx) as i16,
+                self.threads,
+            )
         } else {
             // `im2col` writes every value.
             let mut col: Vec<i16> = crate::buffers::for_overwrite(k * pout);
             im2col(x, g, c, zx, &mut col);
-            let b = PackedB::pack_rows(k, pout, &col, |v| v);
+            let b = PackedB::pack_rows_par(Layout::active(), k, pout, &col, |v| v, self.threads);
             crate::buffers::release(col);
             b
         };
