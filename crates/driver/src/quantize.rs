@@ -411,7 +411,7 @@ pub fn quantize_model(
                 // candidates). Smaller ones stay in memory, shared: the calibration,
                 // method-choice and comparison sessions clone this model and borrow them
                 // instead of copying each one.
-                if weight_bytes(&sm) >= SPILL_SMOOTHED_BYTES {
+                if npuc_quant::qdq::weight_bytes(&sm) >= SPILL_SMOOTHED_BYTES {
                     npuc_onnx::spill::spill_initializers(&mut sm.graph, None, 1 << 20).map_err(
                         |e| anyhow!("moving the smoothed weights to a temporary file: {e}"),
                     )?;
@@ -876,7 +876,7 @@ pub fn compile_quantized(
     // the weights it keeps in float (norms, biases, an embedding table) from the same mapping,
     // whose every page calibration made resident: they move to a fresh mapping of the same
     // file first (no page of it resident yet), so the old one goes with the float model.
-    let float_weight_bytes = weight_bytes(&m);
+    let float_weight_bytes = npuc_quant::qdq::weight_bytes(&m);
     remap_borrowed(&mut qm, &m, path)?;
     drop(m);
     if q.emit_qdq.is_some() && q.options()?.profile == npuc_quant::Profile::Npuc {
@@ -1066,15 +1066,6 @@ fn remap_borrowed(qm: &mut Model, float: &Model, source: &Path) -> Result<usize>
 /// Models with at least this many bytes of weights keep their SmoothQuant-rescaled weights in
 /// a mapped temporary file instead of memory (see [`npuc_onnx::spill`]).
 const SPILL_SMOOTHED_BYTES: usize = 512 << 20;
-
-/// Bytes of a model's main-graph initializers.
-fn weight_bytes(m: &Model) -> usize {
-    m.graph
-        .initializers
-        .iter()
-        .map(|i| i.tensor.len() * i.tensor.dtype().size().max(1))
-        .sum()
-}
 
 fn short(e: &QEnc) -> String {
     npuc_quant::qdq::describe(e)

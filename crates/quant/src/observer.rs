@@ -115,10 +115,8 @@ impl Observer {
         }
         let r = self.half_range;
         let k = BINS as f32 / (2.0 * r);
-        for &x in xs {
-            let i = ((x + r) * k) as usize;
-            self.hist[i.min(BINS - 1)] += 1;
-        }
+        // Bin `trunc((x + r) * k)`, the last one also taking `x == r`.
+        npuc_runtime::kernels::hist::count_bins(xs, r, k, &mut self.hist);
         Ok(())
     }
 
@@ -354,32 +352,8 @@ impl Observer {
     }
 }
 
-/// Min and max of `xs`, or `None` if it holds a NaN or an infinity. Eight independent lanes
-/// with compare-select updates (what `minps`/`maxps` do) let the compiler vectorize the loop;
-/// `x * 0` is NaN exactly for NaN/Inf, so one more lane sum detects them without a branch.
+/// Min and max of `xs`, or `None` if it holds a NaN or an infinity (the runtime's kernel,
+/// compiled per ISA level; -0.0 reads +0.0).
 pub fn min_max_finite(xs: &[f32]) -> Option<(f32, f32)> {
-    const L: usize = 8;
-    let mut lo = [f32::INFINITY; L];
-    let mut hi = [f32::NEG_INFINITY; L];
-    let mut bad = [0f32; L];
-    let mut chunks = xs.chunks_exact(L);
-    for c in &mut chunks {
-        for j in 0..L {
-            let x = c[j];
-            lo[j] = if x < lo[j] { x } else { lo[j] };
-            hi[j] = if x > hi[j] { x } else { hi[j] };
-            bad[j] += x * 0.0;
-        }
-    }
-    for &x in chunks.remainder() {
-        lo[0] = if x < lo[0] { x } else { lo[0] };
-        hi[0] = if x > hi[0] { x } else { hi[0] };
-        bad[0] += x * 0.0;
-    }
-    if bad.iter().any(|b| b.is_nan()) {
-        return None;
-    }
-    let lo = lo.iter().fold(f32::INFINITY, |a, &b| a.min(b));
-    let hi = hi.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-    Some((lo, hi))
+    npuc_runtime::kernels::qconvert::min_max_finite(xs)
 }

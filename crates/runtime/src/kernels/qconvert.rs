@@ -155,6 +155,77 @@ unsafe fn range_avx2(x: &[f32]) -> (f32, f32) {
     range_lanes::<16>(x)
 }
 
+/// Min and max of `x` over `L` independent lanes, or `None` if it holds a NaN or an infinity
+/// (calibration observers). Compare-select updates vectorize to `minps`/`maxps`; `v * 0` is NaN
+/// exactly for NaN/Inf, so one more lane sum detects them without a branch. The pair is
+/// returned with `+ 0.0` added, so a -0.0 extreme reads +0.0 whatever lane saw it first and
+/// every lane count gives the same pair.
+#[inline(always)]
+fn min_max_lanes<const L: usize>(x: &[f32]) -> Option<(f32, f32)> {
+    let (mut lo, mut hi, mut bad) = ([f32::INFINITY; L], [f32::NEG_INFINITY; L], [0f32; L]);
+    let chunks = x.chunks_exact(L);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for j in 0..L {
+            let v = c[j];
+            lo[j] = if v < lo[j] { v } else { lo[j] };
+            hi[j] = if v > hi[j] { v } else { hi[j] };
+            bad[j] += v * 0.0;
+        }
+    }
+    for &v in tail {
+        lo[0] = if v < lo[0] { v } else { lo[0] };
+        hi[0] = if v > hi[0] { v } else { hi[0] };
+        bad[0] += v * 0.0;
+    }
+    if bad.iter().any(|b| b.is_nan()) {
+        return None;
+    }
+    let mn = lo
+        .iter()
+        .fold(f32::INFINITY, |a, &b| if b < a { b } else { a });
+    let mx = hi
+        .iter()
+        .fold(f32::NEG_INFINITY, |a, &b| if b > a { b } else { a });
+    Some((mn + 0.0, mx + 0.0))
+}
+
+/// [`min_max_lanes`] dispatched: 32 lanes compiled for AVX-512, 16 for AVX2, the scalar twin
+/// [`min_max_finite_scalar`] otherwise (all give the same result).
+pub fn min_max_finite(x: &[f32]) -> Option<(f32, f32)> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let isa = Isa::detect();
+        if isa.has_avx512() {
+            // SAFETY: AVX-512 F was detected on this CPU (capped by NPUC_ISA); the body is
+            // safe Rust.
+            return unsafe { min_max_avx512(x) };
+        }
+        if isa.has_avx2() {
+            // SAFETY: AVX2 was detected on this CPU (capped by NPUC_ISA); safe Rust body.
+            return unsafe { min_max_avx2(x) };
+        }
+    }
+    min_max_finite_scalar(x)
+}
+
+/// The scalar twin (baseline target) of [`min_max_finite`].
+pub fn min_max_finite_scalar(x: &[f32]) -> Option<(f32, f32)> {
+    min_max_lanes::<8>(x)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2")]
+unsafe fn min_max_avx512(x: &[f32]) -> Option<(f32, f32)> {
+    min_max_lanes::<32>(x)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn min_max_avx2(x: &[f32]) -> Option<(f32, f32)> {
+    min_max_lanes::<16>(x)
+}
+
 /// `out[i] = (x[i] - zp) as f32 * scale` (ONNX DequantizeLinear, per tensor, f32 output).
 pub fn dequantize<T: QInt>(isa: Isa, x: &[T], scale: f32, zp: i32, out: &mut [f32]) {
     let n = x.len().min(out.len());
@@ -587,6 +658,28 @@ mod tests {
             let got = range_with_zero(&x);
             prop_assert_eq!(got, range_with_zero_scalar(&x));
             prop_assert_eq!(got, want);
+        }
+
+        #[test]
+        fn min_max_matches_scalar_twin(x in values(), special in 0usize..4, at in any::<prop::sample::Index>()) {
+            let mut x = x;
+            if !x.is_empty() {
+                let i = at.index(x.len());
+                x[i] = [-0.0, f32::NAN, f32::INFINITY, f32::NEG_INFINITY][special];
+            }
+            let want = if x.iter().all(|v| v.is_finite()) && !x.is_empty() {
+                let lo = x.iter().fold(f32::INFINITY, |a, &b| a.min(b)) + 0.0;
+                let hi = x.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) + 0.0;
+                Some((lo, hi))
+            } else if x.is_empty() {
+                Some((f32::INFINITY, f32::NEG_INFINITY))
+            } else {
+                None
+            };
+            let got = min_max_finite(&x);
+            let scalar = min_max_finite_scalar(&x);
+            prop_assert_eq!(format!("{got:?}"), format!("{scalar:?}"));
+            prop_assert_eq!(format!("{got:?}"), format!("{want:?}"));
         }
 
         #[test]

@@ -5,6 +5,7 @@
 use super::{binary_same, reusable, same_dtype, Arith, PAR_MIN, PAR_MIN_MATH};
 use crate::error::Result;
 use crate::kernel::{Inputs, OpCtx, Registry};
+use crate::kernels::fmap;
 use crate::value::Value;
 use crate::{bail, dispatch_numeric};
 use npuc_ir::{bf16, f16, DType, Elem, Tensor};
@@ -24,6 +25,37 @@ fn map_in_place<T: Copy + Send + Sync>(v: &mut [T], threads: usize, f: impl Fn(T
             *x = f(*x);
         }
     }
+}
+
+/// [`unary_same`] for f32 with the map compiled per ISA level ([`fmap`]: the closure
+/// vectorizes at the CPU's width instead of the baseline's).
+fn unary_f32(ins: &mut Inputs, threads: usize, f: impl Fn(f32) -> f32 + Sync) -> Result<Tensor> {
+    let par = |v: &mut [f32]| {
+        if threads > 1 && v.len() >= PAR_MIN {
+            let chunk = v.len().div_ceil(threads);
+            v.par_chunks_mut(chunk)
+                .for_each(|c| fmap::map_in_place(c, &f));
+        } else {
+            fmap::map_in_place(v, &f);
+        }
+    };
+    if reusable(ins, 0) {
+        let mut t = ins.take_tensor(0)?;
+        par(t.as_mut_slice::<f32>()?);
+        return Ok(t);
+    }
+    let x = ins.tensor(0)?;
+    let src = x.as_slice::<f32>()?;
+    let mut out = crate::buffers::for_overwrite::<f32>(src.len());
+    if threads > 1 && src.len() >= PAR_MIN {
+        let chunk = src.len().div_ceil(threads);
+        out.par_chunks_mut(chunk)
+            .zip(src.par_chunks(chunk))
+            .for_each(|(o, s)| fmap::map_into(s, o, &f));
+    } else {
+        fmap::map_into(src, &mut out, &f);
+    }
+    Ok(Tensor::from_vec(x.shape().to_vec(), out)?)
 }
 
 /// Applies a same-type map to input 0: in place when the buffer may be reused, else into a
@@ -61,7 +93,7 @@ pub fn unary_float(
     f64f: impl Fn(f64) -> f64 + Sync,
 ) -> Result<Vec<Value>> {
     let t = match ins.tensor(0)?.dtype() {
-        DType::F32 => unary_same::<f32>(&mut ins, ctx.threads, f32f)?,
+        DType::F32 => unary_f32(&mut ins, ctx.threads, f32f)?,
         DType::F64 => unary_same::<f64>(&mut ins, ctx.threads, f64f)?,
         DType::F16 => {
             unary_same::<f16>(&mut ins, ctx.threads, |x| f16::from_f32(f32f(x.to_f32())))?
