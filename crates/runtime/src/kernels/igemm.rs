@@ -735,6 +735,46 @@ impl PackedA {
         }
     }
 
+    /// Packs `m` rows of `k` values in the quads layout from bytes that are already the
+    /// kernel's unsigned operand: `fill(r, row)` writes every one of the row's `k` slots with
+    /// `u = a' + off` (so `a' = u - off`; e.g. raw u8 codes with `off` their zero point), and
+    /// the per-row offsets are all `off`. A gather of 8-bit activations then copies bytes
+    /// instead of widening them to i16 and scanning each row for its range. Only when the
+    /// active layout is [`Layout::Quads`] (callers take [`PackedA::pack_with`] otherwise).
+    pub fn pack_bytes_with(
+        mut buf: PackBuf,
+        m: usize,
+        k: usize,
+        off: i32,
+        mut fill: impl FnMut(usize, &mut [u8]),
+    ) -> PackedA {
+        let kp4 = k.div_ceil(4) * 4;
+        let rows = m.div_ceil(MRQ) * MRQ;
+        buf.quads.resize(rows * kp4, 0);
+        buf.rows.resize(2 * rows, 0);
+        for r in 0..rows {
+            let dst = &mut buf.quads[r * kp4..(r + 1) * kp4];
+            if r >= m || k == 0 {
+                dst.fill(0);
+                buf.rows[r] = 0;
+                buf.rows[rows + r] = 0;
+                continue;
+            }
+            fill(r, &mut dst[..k]);
+            dst[k..].fill(0);
+            buf.rows[r] = off;
+            buf.rows[rows + r] = byte_sum(&dst[..k]);
+        }
+        PackedA {
+            m,
+            k,
+            layout: Layout::Quads,
+            kp: kp4,
+            rows,
+            buf,
+        }
+    }
+
     /// The pairs form: `fill` writes each of the `m` rows once; padding is zeroed here.
     fn pairs_with(
         mut buf: PackBuf,
@@ -793,6 +833,15 @@ impl PackedA {
     pub fn layout(&self) -> Layout {
         self.layout
     }
+}
+
+/// The sum of a row of unsigned operand bytes (exact: at most `MAX_K` * 255 < 2^31 for the
+/// lengths the products accept; wrapping like the rest of the quads arithmetic beyond).
+fn byte_sum(v: &[u8]) -> i32 {
+    // Blocks of 2^16 bytes sum exactly in u32 lanes the compiler vectorizes.
+    v.chunks(1 << 16)
+        .map(|c| c.iter().map(|&b| b as u32).sum::<u32>() as i32)
+        .fold(0i32, |a, b| a.wrapping_add(b))
 }
 
 /// `c[m x n]` (row stride `n`) = `a * b`, exact in i32 for `k <= MAX_K`.

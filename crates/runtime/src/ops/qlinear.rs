@@ -33,7 +33,9 @@ use crate::bail;
 use crate::error::{Result, RtError};
 use crate::kernel::MAX_OPSET;
 use crate::kernel::{Inputs, OpCtx, Registry};
-use crate::kernels::igemm::{igemm, igemm_then, PackBuf, PackedA, PackedB, MAX_K, ROW_ALIGN};
+use crate::kernels::igemm::{
+    igemm, igemm_then, Layout, PackBuf, PackedA, PackedB, MAX_K, ROW_ALIGN,
+};
 use crate::kernels::qconvert::{self, Isa, QInt};
 use crate::ops::matmul::MatMulPlan;
 use crate::value::Value;
@@ -1212,13 +1214,24 @@ fn conv_t_phases(g: &ConvTGeom, wv: &[i64], zp: impl Fn(usize) -> i64) -> Vec<Ph
     out
 }
 
-/// Runs the phase products of one image: `xt` is `x - zx` in HWC order (`[ih * iw, c]`), so
-/// each tap of an output pixel is `c` contiguous values. `sink(phase, sums)` receives the i32
-/// sums `[ny * nx, M]` (row `j * nx + i`) of every phase with outputs.
+/// One image's input of [`conv_t_products`], in HWC order (`[ih * iw, c]`), so each tap of an
+/// output pixel is `c` contiguous values.
+#[derive(Clone, Copy)]
+enum TapInput<'a> {
+    /// `x - zx` as i16 (any layout).
+    Wide(&'a [i16]),
+    /// The quads kernels' unsigned operand `u = x - zx + off` as bytes (raw u8 codes with
+    /// `off = zx`): taps are gathered by byte copies ([`PackedA::pack_bytes_with`]), taps
+    /// outside the input are `off` (a zero product term).
+    Bytes(&'a [u8], i32),
+}
+
+/// Runs the phase products of one image (`xt`, see [`TapInput`]). `sink(phase, sums)`
+/// receives the i32 sums `[ny * nx, M]` (row `j * nx + i`) of every phase with outputs.
 fn conv_t_products(
     g: &ConvTGeom,
     phases: &[Phase],
-    xt: &[i16],
+    xt: TapInput,
     threads: usize,
     abuf: &mut PackBuf,
     col: &mut Vec<i32>,
@@ -1245,21 +1258,37 @@ fn conv_t_products(
             let run = |ci: usize, cchunk: &mut [i32], buf: &mut PackBuf| -> Result<()> {
                 let r0 = ci * rows;
                 let nr = cchunk.len() / m;
-                let a = PackedA::pack_with(std::mem::take(buf), nr, k, |r, row| {
+                // The input pixel of tap `t` of phase row `r`, if inside the input.
+                let src = |r: usize, t: usize| -> Option<usize> {
                     let r = r0 + r;
-                    let (j, i) = ((r / ph.nx) as isize, (r % ph.nx) as isize);
-                    for (t, &(dy, dx)) in ph.taps.iter().enumerate() {
-                        let (iy, ix) = (j + dy, i + dx);
-                        let dst = &mut row[t * c..(t + 1) * c];
-                        if iy >= 0 && (iy as usize) < g.ih && ix >= 0 && (ix as usize) < g.iw {
-                            let p = iy as usize * g.iw + ix as usize;
-                            dst.copy_from_slice(&xt[p * c..(p + 1) * c]);
-                        } else {
-                            // Outside the input: no contribution.
-                            dst.fill(0);
-                        }
+                    let (dy, dx) = ph.taps[t];
+                    let (iy, ix) = ((r / ph.nx) as isize + dy, (r % ph.nx) as isize + dx);
+                    (iy >= 0 && (iy as usize) < g.ih && ix >= 0 && (ix as usize) < g.iw)
+                        .then(|| iy as usize * g.iw + ix as usize)
+                };
+                let a = match xt {
+                    TapInput::Wide(xt) => {
+                        PackedA::pack_with(std::mem::take(buf), nr, k, |r, row| {
+                            for (t, dst) in row.chunks_exact_mut(c).enumerate() {
+                                match src(r, t) {
+                                    Some(p) => dst.copy_from_slice(&xt[p * c..(p + 1) * c]),
+                                    // Outside the input: no contribution.
+                                    None => dst.fill(0),
+                                }
+                            }
+                        })
                     }
-                });
+                    TapInput::Bytes(xt, off) => {
+                        PackedA::pack_bytes_with(std::mem::take(buf), nr, k, off, |r, row| {
+                            for (t, dst) in row.chunks_exact_mut(c).enumerate() {
+                                match src(r, t) {
+                                    Some(p) => dst.copy_from_slice(&xt[p * c..(p + 1) * c]),
+                                    None => dst.fill(off as u8),
+                                }
+                            }
+                        })
+                    }
+                };
                 let r = igemm(&a, &ph.w, cchunk, 1);
                 *buf = a.into_buffer();
                 r
@@ -1407,15 +1436,41 @@ fn qconv_transpose(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         other => bail!("QConvTranspose output must be u8 or i8, found {other}"),
     }
     let mut xt = std::mem::take(&mut scratch.xt);
-    xt.resize(pin * c, 0);
+    // The quads kernels read 8-bit codes as their unsigned operand directly: u8 codes with
+    // offset zx, i8 codes shifted by 128 with offset zx + 128 (both within a byte for codes
+    // and zero points of the input's type).
+    let byte_off = match x.dtype() {
+        DType::U8 => zx,
+        _ => zx + 128,
+    };
+    let bytes = Layout::active() == Layout::Quads && (0..=255).contains(&byte_off);
+    let mut xb: Vec<u8> = vec![];
+    if bytes {
+        xb = crate::buffers::for_overwrite(pin * c);
+    } else {
+        xt.resize(pin * c, 0);
+    }
     let mut tmp_u8: Vec<u8> = vec![];
     let mut tmp_i8: Vec<i8> = vec![];
     for ni in 0..n {
         let xr = ni * c * pin..(ni + 1) * c * pin;
-        match x.dtype() {
-            DType::U8 => to_hwc(&x.as_slice::<u8>()?[xr], c, pin, zx, &mut xt),
+        match (x.dtype(), bytes) {
+            (DType::U8, true) => to_hwc_bytes(&x.as_slice::<u8>()?[xr], c, pin, |v| v, &mut xb),
+            (_, true) => to_hwc_bytes(
+                &x.as_slice::<i8>()?[xr],
+                c,
+                pin,
+                |v| (v as u8) ^ 0x80,
+                &mut xb,
+            ),
+            (DType::U8, false) => to_hwc(&x.as_slice::<u8>()?[xr], c, pin, zx, &mut xt),
             _ => to_hwc(&x.as_slice::<i8>()?[xr], c, pin, zx, &mut xt),
         }
+        let input = if bytes {
+            TapInput::Bytes(&xb, byte_off)
+        } else {
+            TapInput::Wide(&xt)
+        };
         let base = ni * m * pout;
         let sink = |ph: &Phase, sums: &[i32]| {
             // One output row of the phase at a time: its pixels' channel vectors are
@@ -1453,13 +1508,14 @@ fn qconv_transpose(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         conv_t_products(
             &g,
             &packed.phases,
-            &xt,
+            input,
             ctx.threads,
             &mut abuf,
             &mut col,
             sink,
         )?;
     }
+    crate::buffers::release(xb);
     give_scratch(Scratch {
         acc: col,
         acc_lo: scratch.acc_lo,
@@ -1506,6 +1562,15 @@ struct PackedConvT {
     phases: Vec<Phase>,
     /// Per output channel weight scale (length M).
     scale: Vec<f32>,
+}
+
+/// `x [c, pin]` (CHW) as bytes `f(x)`, transposed to HWC `[pin, c]` in `dst`.
+fn to_hwc_bytes<T: Copy>(x: &[T], c: usize, pin: usize, f: impl Fn(T) -> u8, dst: &mut [u8]) {
+    for (ci, plane) in x.chunks_exact(pin).take(c).enumerate() {
+        for (p, &v) in plane.iter().enumerate() {
+            dst[p * c + ci] = f(v);
+        }
+    }
 }
 
 /// `x [c, pin]` (CHW) minus its zero point, transposed to HWC `[pin, c]` in `dst`.
@@ -1584,7 +1649,8 @@ mod tests {
 
     /// The phase products cover every output exactly once and equal the direct sums, for
     /// strides 1-3, kernels 1-4, asymmetric pads and output padding (even kernels smaller than
-    /// the stride, where some phases have no taps), with 1 and 2 threads.
+    /// the stride, where some phases have no taps), with 1 and 2 threads, from i16 taps and (in
+    /// the quads layout) from byte codes with a zero point.
     #[test]
     fn phase_products_match_direct_sums() {
         let mut seed = 0x9e37_79b9_7f4a_7c15u64;
@@ -1652,36 +1718,63 @@ mod tests {
                 .collect();
             let want = direct(&g, &x, &w);
             let phases = conv_t_phases(&g, &w, |_| 0);
-            let mut xt = vec![0i16; ih * iw * c];
-            for ci in 0..c {
-                for p in 0..ih * iw {
-                    xt[p * c + ci] = x[ci * ih * iw + p];
+            let hwc = |v: &[i16]| {
+                let mut t = vec![0i16; ih * iw * c];
+                for ci in 0..c {
+                    for p in 0..ih * iw {
+                        t[p * c + ci] = v[ci * ih * iw + p];
+                    }
                 }
+                t
+            };
+            let xt = hwc(&x);
+            // The byte form (quads layout only): raw 8-bit codes and their zero point, the
+            // corrected values `code - zx` as the reference.
+            let zx = next(256) as i32;
+            let codes: Vec<u8> = (0..c * ih * iw)
+                .map(|i| if i % 6 == 0 { 255 } else { next(256) as u8 })
+                .collect();
+            let corrected: Vec<i16> = codes.iter().map(|&u| (u as i32 - zx) as i16).collect();
+            let want_bytes = direct(&g, &corrected, &w);
+            let xb: Vec<u8> = hwc(&codes.iter().map(|&u| u as i16).collect::<Vec<_>>())
+                .iter()
+                .map(|&v| v as u8)
+                .collect();
+            let mut inputs = vec![(TapInput::Wide(&xt), &want)];
+            if Layout::active() == Layout::Quads {
+                inputs.push((TapInput::Bytes(&xb, zx), &want_bytes));
             }
-            for threads in [1, 2] {
-                let mut got = vec![i64::MIN; g.m * g.oh * g.ow];
-                let (mut abuf, mut col) = (PackBuf::default(), Vec::new());
-                conv_t_products(
-                    &g,
-                    &phases,
-                    &xt,
-                    threads,
-                    &mut abuf,
-                    &mut col,
-                    |ph, sums| {
-                        for (r, row) in sums.chunks_exact(g.m).enumerate() {
-                            let oy = ph.py + g.s[0] * (r / ph.nx);
-                            let ox = ph.px + g.s[1] * (r % ph.nx);
-                            for (co, &v) in row.iter().enumerate() {
-                                let slot = &mut got[(co * g.oh + oy) * g.ow + ox];
-                                assert_eq!(*slot, i64::MIN, "output written twice");
-                                *slot = v as i64;
+            for (input, want) in inputs {
+                for threads in [1, 2] {
+                    let mut got = vec![i64::MIN; g.m * g.oh * g.ow];
+                    let (mut abuf, mut col) = (PackBuf::default(), Vec::new());
+                    conv_t_products(
+                        &g,
+                        &phases,
+                        input,
+                        threads,
+                        &mut abuf,
+                        &mut col,
+                        |ph, sums| {
+                            for (r, row) in sums.chunks_exact(g.m).enumerate() {
+                                let oy = ph.py + g.s[0] * (r / ph.nx);
+                                let ox = ph.px + g.s[1] * (r % ph.nx);
+                                for (co, &v) in row.iter().enumerate() {
+                                    let slot = &mut got[(co * g.oh + oy) * g.ow + ox];
+                                    assert_eq!(*slot, i64::MIN, "output written twice");
+                                    *slot = v as i64;
+                                }
                             }
-                        }
-                    },
-                )
-                .unwrap();
-                assert_eq!(got, want, "case {case}: {g:?}, {threads} threads");
+                        },
+                    )
+                    .unwrap();
+                    let form = if matches!(input, TapInput::Wide(_)) {
+                        "i16"
+                    } else {
+                        "bytes"
+                    };
+                    assert_eq!(&got, want, "case {case} ({form}): {g:?}, {threads} threads");
+                }
             }
             ran += 1;
             let kmax = phases.iter().map(|p| p.taps.len() * c).max().unwrap_or(0);
