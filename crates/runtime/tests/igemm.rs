@@ -42,7 +42,7 @@ fn check(m: usize, n: usize, k: usize, a: Vec<i16>, b: Vec<i16>, threads: usize)
     let layouts = [Layout::Pairs, Layout::Quads];
     for la in layouts {
         // Every packer of A: element-wise, row slices, a stale recycled buffer, the gather path.
-        let pas = [
+        let mut pas = vec![
             PackedA::pack_with_as(la, PackBuf::default(), m, k, |r, row| {
                 for (c, d) in row.iter_mut().enumerate() {
                     *d = a[r * k + c];
@@ -54,6 +54,25 @@ fn check(m: usize, n: usize, k: usize, a: Vec<i16>, b: Vec<i16>, threads: usize)
                 row.copy_from_slice(&a[r * k..(r + 1) * k])
             }),
         ];
+        // The byte packer (quads only), when the whole operand spans one byte: `u = a + off`
+        // with one offset, as 8-bit codes with their zero point are.
+        let (lo, hi) = (a.iter().copied().min(), a.iter().copied().max());
+        if let (Layout::Quads, Some(lo), Some(hi)) = (la, lo, hi) {
+            if hi as i32 - lo as i32 <= 255 {
+                let off = -(lo as i32);
+                pas.push(PackedA::pack_bytes_with(
+                    stale_buffer(la, m, k),
+                    m,
+                    k,
+                    off,
+                    |r, row| {
+                        for (d, &v) in row.iter_mut().zip(&a[r * k..(r + 1) * k]) {
+                            *d = (v as i32 + off) as u8;
+                        }
+                    },
+                ));
+            }
+        }
         for lb in layouts {
             let pbs = [
                 PackedB::pack_as(lb, k, n, |r, c| b[r * n + c]),

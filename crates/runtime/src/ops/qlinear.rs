@@ -344,7 +344,25 @@ fn pack_act(
     za: i32,
 ) -> Result<PackedAct> {
     let len = m * k;
+    // Under the quads layout the 8-bit codes are the kernel's unsigned operand as they are
+    // (u8; i8 with the top bit flipped), the zero point (+ 128 for i8) every row's offset:
+    // a byte copy instead of widening each row and scanning it for its range.
+    let quads = Layout::active() == Layout::Quads;
     Ok(match a.dtype() {
+        DType::U8 if quads && (0..=255).contains(&za) => {
+            let s = &a.as_slice::<u8>()?[off..off + len];
+            PackedAct::Single(PackedA::pack_bytes_with(buf, m, k, za, |r, row| {
+                row.copy_from_slice(&s[r * k..(r + 1) * k])
+            }))
+        }
+        DType::I8 if quads && (-128..=127).contains(&za) => {
+            let s = &a.as_slice::<i8>()?[off..off + len];
+            PackedAct::Single(PackedA::pack_bytes_with(buf, m, k, za + 128, |r, row| {
+                for (d, &v) in row.iter_mut().zip(&s[r * k..(r + 1) * k]) {
+                    *d = (v as u8) ^ 0x80;
+                }
+            }))
+        }
         DType::U8 => {
             let s = &a.as_slice::<u8>()?[off..off + len];
             PackedAct::Single(PackedA::pack_rows_in(buf, m, k, s, |v| {
