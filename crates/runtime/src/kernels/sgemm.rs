@@ -1,11 +1,13 @@
-//! f32 matrix product with an AVX-512 micro-kernel: `c[m x n] = scale * a[m x k] * b[k x n]`,
+//! f32 matrix product with AVX-512 and AVX2 micro-kernels: `c[m x n] = scale * a[m x k] * b[k x n]`,
 //! operands given as strided views (any row and column strides), `c` row-major and
 //! overwritten.
 //!
 //! The `gemm` crate, which the runtime used for every f32 product, keeps its AVX-512 kernels
 //! behind a nightly-only feature, so on stable Rust it runs AVX2+FMA kernels on AVX-512 hosts.
 //! `ops::matmul::gemm_into` sends f32 products here when the active level has AVX-512 (and
-//! keeps the `gemm` crate at the AVX2 and scalar levels).
+//! keeps the `gemm` crate at the AVX2 and scalar levels, [`preferred_for_matmul`]); the
+//! convolutions and recurrences come here at AVX2 too, where each tile runs as AVX2 sub-tiles
+//! of 6 rows x 16 columns (`tile_split_avx2`) over the same packed layout.
 //!
 //! Layout, after the usual BLIS scheme:
 //! - `b` is packed into panels of [`NR`] columns, each `k` rows of [`NR`] contiguous values
@@ -45,6 +47,10 @@ const PAR_WORK: usize = 1 << 17;
 /// Reduction steps per pass: a panel block of `b` (`KC` rows of 128 bytes, 32 KB) stays in L1
 /// while the row blocks of `a` pass it; later passes continue each output's chain from `c`.
 const KC: usize = 256;
+/// [`KC`] at the AVX2 level, whose sub-tiles read one 16-column half of each panel row: a
+/// half-panel block's lines lie 128 bytes apart, so they fill only every other L1 set, and at
+/// 256 steps (16 KB in half the sets of a 32 KB L1) they were evicted between row tiles.
+const KC_AVX2: usize = 128;
 /// Rows of `a` packed per block (`MC` x `KC` values, 240 KB, stay in L2 while every panel of
 /// `b` passes them).
 const MC: usize = 20 * MR;
@@ -56,8 +62,18 @@ const MC_IN_PLACE: usize = 512;
 /// costs as much memory traffic as the product itself when `m` is small.
 const PACK_B_MIN_ROWS: usize = 2 * MR;
 
-/// Whether [`sgemm`] runs its AVX-512 kernel at `isa` (else callers keep their own path).
+/// Whether [`sgemm`] runs its own kernels at `isa` (AVX-512, or AVX2 sub-tiles; else callers
+/// keep their own path).
 pub fn available(isa: Isa) -> bool {
+    isa.has_avx2()
+}
+
+/// Whether plain matrix products (MatMul, Gemm) should run here rather than in the `gemm`
+/// crate: at the AVX-512 level. At AVX2 the `gemm` crate's kernel, with both operands packed,
+/// measured 6-15% faster at ViT-S's product shapes than these 6 x 16 sub-tiles even with `b`
+/// prepacked (`examples/sgemm_bench`, Zen 3); convolutions still come here at AVX2, where the
+/// direct (im2col-free) runs and the narrow tiles win.
+pub fn preferred_for_matmul(isa: Isa) -> bool {
     isa.has_avx512()
 }
 
@@ -237,13 +253,14 @@ pub fn sgemm(
     }
     let threads = if m * n * k >= PAR_WORK { threads } else { 1 };
     if b.cs == 1 && m < PACK_B_MIN_ROWS {
-        run(m, n, k, scale, a, BSrc::Rows(b), c, ldc, threads);
+        run(isa, m, n, k, scale, a, BSrc::Rows(b), c, ldc, threads);
         return Ok(());
     }
     let len = n.div_ceil(NR) * k * NR;
     let mut buf = take_scratch(&SCRATCH_B, len);
     pack_b_into(k, n, b, &mut buf[..len], threads);
     run(
+        isa,
         m,
         n,
         k,
@@ -290,10 +307,21 @@ pub fn sgemm_packed(
     }
     let threads = if m * n * k >= PAR_WORK { threads } else { 1 };
     if m == 1 && a.cs == 1 && threads == 1 {
-        gemv_packed(k, &a.data[..k], b, c, scale);
+        gemv_packed(isa, k, &a.data[..k], b, c, scale);
         return Ok(());
     }
-    run(m, n, k, scale, a, BSrc::Packed(&b.data), c, ldc, threads);
+    run(
+        isa,
+        m,
+        n,
+        k,
+        scale,
+        a,
+        BSrc::Packed(&b.data),
+        c,
+        ldc,
+        threads,
+    );
     Ok(())
 }
 
@@ -385,11 +413,12 @@ pub fn sgemm_packed_runs(
                         run.kc,
                     );
                 }
-                // SAFETY: the level has AVX-512 F (`available`); `tile` checks every run's
+                // SAFETY: the level has AVX2 (`available`); `tile` checks every run's
                 // reads; the assert keeps rows i..i+r, columns j0..j0+cols inside `c`,
                 // borrowed mutably here.
                 unsafe {
                     tile(
+                        isa,
                         narrow,
                         r,
                         &parts[..group.len()],
@@ -416,15 +445,39 @@ const GEMV_PANELS: usize = 4;
 /// `c[0..n] = scale * a · b` for one row (a batch-1 recurrence's `h · Rᵀ`): groups of
 /// [`GEMV_PANELS`] panels walked together, every output the same `k`-ordered FMA chain as
 /// the tiles compute.
-fn gemv_packed(k: usize, a: &[f32], b: &PackedB, c: &mut [f32], scale: f32) {
+fn gemv_packed(isa: Isa, k: usize, a: &[f32], b: &PackedB, c: &mut [f32], scale: f32) {
     let n = b.n;
     assert!(a.len() >= k && c.len() >= n && b.data.len() >= n.div_ceil(NR) * k * NR);
     let panels = n.div_ceil(NR);
+    #[cfg(target_arch = "x86_64")]
+    if !isa.has_avx512() {
+        for p in (0..panels).step_by(GEMV_PANELS_AVX2) {
+            let g = GEMV_PANELS_AVX2.min(panels - p);
+            let cols = (n - p * NR).min(g * NR);
+            // SAFETY: `sgemm_packed` runs this only at a level with AVX2 and FMA
+            // (`available`); the assert above keeps panels p..p+g inside `b.data`, `a[..k]`
+            // inside `a`, and the `cols` outputs from p * NR inside `c`.
+            unsafe {
+                gemv_panels_avx2(
+                    g,
+                    k,
+                    a.as_ptr(),
+                    b.data.as_ptr().add(p * k * NR),
+                    k * NR,
+                    c.as_mut_ptr().add(p * NR),
+                    cols,
+                    scale,
+                )
+            };
+        }
+        return;
+    }
+    let _ = isa;
     let mut p = 0;
     while p < panels {
         let g = GEMV_PANELS.min(panels - p);
         let cols = (n - p * NR).min(g * NR);
-        // SAFETY: `sgemm_packed` runs this only at the AVX-512 level (`available`); the
+        // SAFETY: `sgemm_packed` runs this only at the AVX-512 level (checked above); the
         // assert above keeps panels p..p+g (k * NR values each) inside `b.data`, `a[..k]`
         // inside `a`, and the `cols` outputs from p * NR inside `c`.
         unsafe {
@@ -497,6 +550,60 @@ unsafe fn gemv_panels_avx512(
     }
 }
 
+/// Panels [`gemv_panels_avx2`] walks together: 4 accumulators each, 8 FMA chains in 8 of the
+/// 16 registers.
+const GEMV_PANELS_AVX2: usize = 2;
+
+/// [`gemv_panels_avx512`] with 8-lane registers: `g <= GEMV_PANELS_AVX2` panels.
+///
+/// # Safety
+/// AVX2 and FMA; `b` holds `g` panels of `k * NR` values at stride `ps`, `a` `k` values, `c`
+/// `cols` writable values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemv_panels_avx2(
+    g: usize,
+    k: usize,
+    a: *const f32,
+    b: *const f32,
+    ps: usize,
+    c: *mut f32,
+    cols: usize,
+    scale: f32,
+) {
+    use std::arch::x86_64::*;
+    const V: usize = NR / 8;
+    let mut acc = [_mm256_setzero_ps(); V * GEMV_PANELS_AVX2];
+    for kk in 0..k {
+        // SAFETY: a[kk] (kk < k) and row kk of each of the g panels (NR values at
+        // q * ps + kk * NR) are inside the operands (the contract).
+        unsafe {
+            let av = _mm256_broadcast_ss(&*a.add(kk));
+            for q in 0..g {
+                let bp = b.add(q * ps + kk * NR);
+                for v in 0..V {
+                    acc[V * q + v] =
+                        _mm256_fmadd_ps(av, _mm256_loadu_ps(bp.add(8 * v)), acc[V * q + v]);
+                }
+            }
+        }
+    }
+    let mut out = [0f32; NR * GEMV_PANELS_AVX2];
+    let sv = _mm256_set1_ps(scale);
+    for (v, accv) in acc.iter().enumerate().take(V * g) {
+        let x = if scale != 1.0 {
+            _mm256_mul_ps(*accv, sv)
+        } else {
+            *accv
+        };
+        // SAFETY: v < V * GEMV_PANELS_AVX2, so the 8 values at 8 v lie inside `out`.
+        unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(8 * v), x) };
+    }
+    // SAFETY: `cols` <= g * NR values, writable per the contract; `out` is a local.
+    unsafe { std::ptr::copy_nonoverlapping(out.as_ptr(), c, cols) };
+}
+
 /// The non-x86 build never reaches [`gemv_panels_avx512`] (sgemm runs only at the AVX-512
 /// level); this keeps the call site compiling.
 #[cfg(not(target_arch = "x86_64"))]
@@ -558,6 +665,7 @@ unsafe impl Sync for Out {}
 /// The blocked product over all of `c`, split across `threads` (bounds already checked).
 #[allow(clippy::too_many_arguments)]
 fn run(
+    isa: Isa,
     m: usize,
     n: usize,
     k: usize,
@@ -577,7 +685,7 @@ fn run(
     };
     let t = threads.max(1).min(blocks.max(panels));
     if t <= 1 {
-        block(0..m, 0..panels, n, k, scale, a, b, out);
+        block(isa, 0..m, 0..panels, n, k, scale, a, b, out);
         return;
     }
     // Split whichever of row blocks and column panels divides more evenly over `t` threads
@@ -588,6 +696,7 @@ fn run(
         let per = panels.div_ceil(t);
         (0..panels.div_ceil(per)).into_par_iter().for_each(|g| {
             block(
+                isa,
                 0..m,
                 g * per..((g + 1) * per).min(panels),
                 n,
@@ -602,6 +711,7 @@ fn run(
         let per = blocks.div_ceil(t) * MR;
         (0..m.div_ceil(per)).into_par_iter().for_each(|g| {
             block(
+                isa,
                 g * per..((g + 1) * per).min(m),
                 0..panels,
                 n,
@@ -619,6 +729,7 @@ fn run(
 /// writes them).
 #[allow(clippy::too_many_arguments)]
 fn block(
+    isa: Isa,
     rows: std::ops::Range<usize>,
     panels: std::ops::Range<usize>,
     n: usize,
@@ -628,12 +739,13 @@ fn block(
     b: BSrc,
     c: Out,
 ) {
-    let mut apack = if a.cs == 1 {
+    let in_place = a.cs == 1;
+    let mut apack = if in_place {
         Vec::new()
     } else {
         take_scratch(&SCRATCH_A, MC.div_ceil(MR) * MR * KC)
     };
-    let mc = if a.cs == 1 {
+    let mc = if in_place {
         let len = rows.len();
         len.div_ceil(len.div_ceil(MC_IN_PLACE).max(1))
     } else {
@@ -644,10 +756,10 @@ fn block(
         let c1 = (c0 + mc).min(rows.end);
         let mut k0 = 0;
         while k0 < k {
-            let kc = KC.min(k - k0);
+            let kc = if isa.has_avx512() { KC } else { KC_AVX2 }.min(k - k0);
             // A row-major `a` is read in place (12 row streams; packing it cost more than it
             // saved); other strides are packed.
-            if a.cs != 1 {
+            if !in_place {
                 pack_a(a, c0..c1, k0, kc, &mut apack);
             }
             let last = k0 + kc == k;
@@ -659,7 +771,7 @@ fn block(
                     BSrc::Rows(v) => (&v.data[k0 * v.rs + j0..], v.rs),
                 };
                 // Row-major `a` in place and one register of columns: narrow tiles.
-                let narrow = cols <= 16 && a.cs == 1;
+                let narrow = cols <= 16 && in_place;
                 let step = if narrow { MR_NARROW } else { MR };
                 // Narrow tiles over an in-place `a` have near-equal heights, wide ones are MR
                 // rows but for the last one or two ([`in_place_height`]); packed micro-panels
@@ -667,7 +779,7 @@ fn block(
                 let tiles = (c1 - c0).div_ceil(step);
                 let (mut i, mut t) = (c0, 0);
                 while i < c1 {
-                    let r = if a.cs != 1 {
+                    let r = if !in_place {
                         step.min(c1 - i)
                     } else if narrow {
                         (c1 - i) / (tiles - t).max(1)
@@ -675,7 +787,7 @@ fn block(
                         in_place_height(c1 - i)
                     };
                     t += 1;
-                    let (ap, ars, acs) = if a.cs == 1 {
+                    let (ap, ars, acs) = if in_place {
                         (&a.data[i * a.rs + k0..], a.rs, 1)
                     } else {
                         (&apack[(i - c0) * kc..][..kc * MR], 1, MR)
@@ -692,6 +804,7 @@ fn block(
                     // j0..j0+cols inside `c`, which only this call writes.
                     unsafe {
                         tile(
+                            isa,
                             narrow,
                             r,
                             &[(ap, bp, kc)],
@@ -812,10 +925,11 @@ fn seg(
 /// accumulator per row), wide ones up to [`MR`] rows of at most [`NR`] columns.
 ///
 /// # Safety
-/// AVX-512 F (on x86-64); `c` points at `rows` writable rows of `cols` values at stride `ldc`
+/// The level `isa` (AVX-512 F, or AVX2 and FMA, on x86-64); `c` points at `rows` writable rows of `cols` values at stride `ldc`
 /// that nothing else accesses meanwhile.
 #[allow(clippy::too_many_arguments)]
 unsafe fn tile(
+    isa: Isa,
     narrow: bool,
     rows: usize,
     runs: &[(&[f32], &[f32], usize)],
@@ -848,6 +962,7 @@ unsafe fn tile(
         // SAFETY: every run's reads were checked by `seg`; `c` as this function's contract.
         unsafe {
             tile_kernel(
+                isa,
                 narrow,
                 rows,
                 segs,
@@ -870,6 +985,7 @@ unsafe fn tile(
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn tile_kernel(
+    isa: Isa,
     narrow: bool,
     rows: usize,
     segs: &[Seg],
@@ -890,10 +1006,219 @@ unsafe fn tile_kernel(
             }
         };
     }
-    if narrow {
+    if !isa.has_avx512() {
+        // SAFETY: `tile` runs only at a level with AVX2 and FMA ([`available`]); the runs'
+        // bounds and `c` per this function's contract.
+        unsafe { tile_split_avx2(rows, segs, (ars, acs), ldb, c, ldc, cols, cont, scale) };
+    } else if narrow {
         go!(tile_narrow_avx512: 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24);
     } else {
         go!(tile_avx512: 1 2 3 4 5 6 7 8 9 10 11 12);
+    }
+}
+
+/// Rows of an AVX2 sub-tile of 16 columns: 2 accumulators a row, 12 of the 16 registers.
+const MR_AVX2: usize = 6;
+/// Rows of an AVX2 sub-tile of at most 8 columns: 1 accumulator a row.
+const MR_AVX2_HALF: usize = 12;
+
+/// An AVX2 (16-register) tile of any shape [`tile`] takes, as sub-tiles: each 16-column half
+/// of the columns on its own (a 32-column panel row is two 64-byte lines, and a half-panel
+/// block of `b`, `KC` lines, stays in L1 while the sub-tiles of its rows pass), rows in
+/// near-equal chunks of at most [`MR_AVX2`] ([`MR_AVX2_HALF`] when the half has 8 columns or
+/// fewer). Every output is the same `k`-ordered FMA chain as at the other levels.
+///
+/// # Safety
+/// AVX2 and FMA; runs and `c` valid as [`tile`] states.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile_split_avx2(
+    rows: usize,
+    segs: &[Seg],
+    (ars, acs): (usize, usize),
+    ldb: usize,
+    c: *mut f32,
+    ldc: usize,
+    cols: usize,
+    cont: bool,
+    scale: f32,
+) {
+    for h in 0..cols.div_ceil(16) {
+        let hc = (cols - 16 * h).min(16);
+        let most = if hc <= 8 { MR_AVX2_HALF } else { MR_AVX2 };
+        let chunks = rows.div_ceil(most);
+        let mut i = 0;
+        for t in 0..chunks {
+            let r = (rows - i) / (chunks - t);
+            let mut sub = [Seg {
+                a: std::ptr::null(),
+                b: std::ptr::null(),
+                k: 0,
+            }; SEGS];
+            for (d, s) in sub.iter_mut().zip(segs) {
+                // SAFETY: rows i..i + r lie within the tile's `rows` rows of the run's `a`, and
+                // columns 16 h.. within its `cols` columns of `b` (the contract); the offsets
+                // stay inside those operands.
+                *d = unsafe {
+                    Seg {
+                        a: s.a.add(i * ars),
+                        b: s.b.add(16 * h),
+                        k: s.k,
+                    }
+                };
+            }
+            let sub = &sub[..segs.len()];
+            // SAFETY: rows i..i + r and columns 16 h..16 h + hc of the tile, inside `c` and the
+            // runs' operands by the contract; AVX2 and FMA as the contract.
+            unsafe {
+                let ct = c.add(i * ldc + 16 * h);
+                macro_rules! go {
+                    ($w:literal: $($r:literal)*) => {
+                        match r {
+                            $($r => tile_avx2::<$r, $w>(sub, ars, acs, ldb, ct, ldc, hc, cont, scale),)*
+                            _ => unreachable!("AVX2 sub-tiles have 1..=12 rows"),
+                        }
+                    };
+                }
+                if hc <= 8 {
+                    go!(1: 1 2 3 4 5 6 7 8 9 10 11 12)
+                } else {
+                    go!(2: 1 2 3 4 5 6)
+                }
+            }
+            i += r;
+        }
+    }
+}
+
+/// Lane masks of the first `cols` (0..=16) columns over two 8-lane registers.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn lane_masks(cols: usize) -> [std::arch::x86_64::__m256i; 2] {
+    use std::arch::x86_64::*;
+    let n = _mm256_set1_epi32(cols as i32);
+    let lo = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    let hi = _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15);
+    [_mm256_cmpgt_epi32(n, lo), _mm256_cmpgt_epi32(n, hi)]
+}
+
+/// R rows x `cols` (<= 8 W) columns in W 8-lane accumulators a row (from zero, or from `c`
+/// when `cont`): per step W loads of the `b` row (masked when `cols` < 8 W, so nothing past
+/// the columns is read) and a broadcast of each row's `a` value from memory. The same FMA
+/// chains as the scalar twin.
+///
+/// # Safety
+/// AVX2 and FMA; every run's `a` holds `R` rows of `k` steps at strides (`ars`, `acs`), its
+/// `b` `k` rows of `cols` values `ldb` apart; `c` `R` writable rows of `cols` values `ldc`
+/// apart, accessed by nothing else meanwhile.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile_avx2<const R: usize, const W: usize>(
+    segs: &[Seg],
+    ars: usize,
+    acs: usize,
+    ldb: usize,
+    c: *mut f32,
+    ldc: usize,
+    cols: usize,
+    cont: bool,
+    scale: f32,
+) {
+    use std::arch::x86_64::*;
+    let full = cols == 8 * W;
+    let masks = lane_masks(cols);
+    let mut acc = [[_mm256_setzero_ps(); W]; R];
+    if cont {
+        for (r, accr) in acc.iter_mut().enumerate() {
+            for (w, v) in accr.iter_mut().enumerate() {
+                // SAFETY: row r < R of `c` holds `cols` values at r * ldc; the masked load
+                // reads only those.
+                *v = unsafe { _mm256_maskload_ps(c.add(r * ldc + 8 * w), masks[w]) };
+            }
+        }
+    }
+    for s in segs {
+        let rows: [*const f32; R] = std::array::from_fn(|r| s.a.wrapping_add(r * ars));
+        let mut b = s.b;
+        let mut off = 0;
+        // SAFETY (both loops): step kk < k of row r < R is a[r * ars + kk * acs], inside the
+        // run's `a`; row kk of `b` holds `cols` values at kk * ldb, read in full only when
+        // `cols` is the whole width, else through the lane masks (the contract).
+        if full {
+            let mut kk = 0;
+            if acs == 1 && R <= MR_AVX2 {
+                // Four steps an iteration at constant offsets from the row bases (one address
+                // update per four steps rather than per step); 12-row tiles, whose row bases
+                // alone take 12 registers, keep the single-step loop (this one spilled).
+                while kk + 4 <= s.k {
+                    unsafe {
+                        for u in 0..4 {
+                            let bp = b.wrapping_add(u * ldb);
+                            let bv: [__m256; W] =
+                                std::array::from_fn(|w| _mm256_loadu_ps(bp.add(8 * w)));
+                            for (row, accr) in rows.iter().zip(acc.iter_mut()) {
+                                let av = _mm256_broadcast_ss(&*row.add(off + u));
+                                for (v, bw) in accr.iter_mut().zip(bv) {
+                                    *v = _mm256_fmadd_ps(av, bw, *v);
+                                }
+                            }
+                        }
+                        b = b.wrapping_add(4 * ldb);
+                    }
+                    off += 4;
+                    kk += 4;
+                }
+            }
+            for _ in kk..s.k {
+                unsafe {
+                    let bv: [__m256; W] = std::array::from_fn(|w| _mm256_loadu_ps(b.add(8 * w)));
+                    for (row, accr) in rows.iter().zip(acc.iter_mut()) {
+                        let av = _mm256_broadcast_ss(&*row.add(off));
+                        for (v, bw) in accr.iter_mut().zip(bv) {
+                            *v = _mm256_fmadd_ps(av, bw, *v);
+                        }
+                    }
+                    b = b.wrapping_add(ldb);
+                }
+                off += acs;
+            }
+        } else {
+            for _ in 0..s.k {
+                unsafe {
+                    let bv: [__m256; W] =
+                        std::array::from_fn(|w| _mm256_maskload_ps(b.add(8 * w), masks[w]));
+                    for (row, accr) in rows.iter().zip(acc.iter_mut()) {
+                        let av = _mm256_broadcast_ss(&*row.add(off));
+                        for (v, bw) in accr.iter_mut().zip(bv) {
+                            *v = _mm256_fmadd_ps(av, bw, *v);
+                        }
+                    }
+                    b = b.wrapping_add(ldb);
+                }
+                off += acs;
+            }
+        }
+    }
+    let sv = _mm256_set1_ps(scale);
+    for (r, accr) in acc.iter().enumerate() {
+        for (w, v) in accr.iter().enumerate() {
+            let v = if scale != 1.0 {
+                _mm256_mul_ps(*v, sv)
+            } else {
+                *v
+            };
+            // SAFETY: row r < R of `c` holds `cols` writable values at r * ldc; the masked
+            // store writes only those.
+            unsafe {
+                let p = c.add(r * ldc + 8 * w);
+                if full {
+                    _mm256_storeu_ps(p, v)
+                } else {
+                    _mm256_maskstore_ps(p, masks[w], v)
+                }
+            }
+        }
     }
 }
 
@@ -904,6 +1229,7 @@ unsafe fn tile_kernel(
 #[cfg(not(target_arch = "x86_64"))]
 #[allow(clippy::too_many_arguments)]
 unsafe fn tile_kernel(
+    _isa: Isa,
     _narrow: bool,
     rows: usize,
     segs: &[Seg],

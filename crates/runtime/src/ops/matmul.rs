@@ -84,7 +84,7 @@ impl GemmFloat for f32 {
         threads: usize,
     ) -> Option<Result<()>> {
         let isa = Isa::detect();
-        if !sgemm::available(isa) {
+        if !sgemm::preferred_for_matmul(isa) {
             return None;
         }
         fn view(x: Mat<'_, f32>) -> View<'_> {
@@ -512,7 +512,7 @@ pub(crate) fn matmul_const_b(ctx: &OpCtx, a: &Tensor, b: &Tensor) -> Result<Opti
     if a.dtype() != DType::F32
         || b.dtype() != DType::F32
         || b.rank() != 2
-        || !sgemm::available(isa)
+        || !sgemm::preferred_for_matmul(isa)
         || !ctx.input_is_const(1)
         || !ctx.prepack_weights()
     {
