@@ -514,6 +514,17 @@ struct Match {
     ort_self: (f64, f64),
 }
 
+impl Match {
+    /// 0.999, or twice onnxruntime's own spread (optimized vs unoptimized run of the same
+    /// file) where that is wider: two independent perturbations of one size add that way, as
+    /// 1 - cosine ~ |e|^2 / 2.
+    fn spread_bar(&self, label: &str) -> f64 {
+        let bar = (1.0 - 2.0 * (1.0 - self.ort_self.0)).min(0.999);
+        eprintln!("{label}: bar {bar:.6} (0.999, or twice onnxruntime's own spread)");
+        bar
+    }
+}
+
 /// Quantizes a real model (`scheme`, minmax) with `--emit-qdq` and `--emit-encodings`, checks the
 /// encodings round trip (quantizing with the written encodings gives a byte-identical export),
 /// and compares npuc running the artifact with onnxruntime running the export on the held-out
@@ -616,6 +627,14 @@ fn qdq_match(
 /// (profile qnn-htp: per-tensor MatMul weights), so this compares runtimes, not two
 /// quantizations; the remaining differences are 1-LSB flips at rounding ties where the float
 /// paths of onnxruntime land on the other side (scripts/qdq_match.py `layers`).
+///
+/// Against onnxruntime's optimized run the bar is 0.999 or, where onnxruntime's optimized and
+/// unoptimized runs of the same file disagree by more, twice that spread (the rule of the
+/// recogniser's test below): on hosts without AVX-512 VNNI its fused int8 operators run u8 x s8
+/// kernels built on `vpmaddubsw`, whose i16 pair sums saturate (onnxruntime's documentation
+/// advises `reduce_range` there). Measured on a Zen 3 AVX2 host: optimized vs unoptimized
+/// 0.99882, npuc vs unoptimized 0.99992, npuc vs optimized 0.99858; on AVX-512 VNNI hosts npuc
+/// was within 0.999 of both runs.
 #[test]
 fn vit_s_qdq_export_matches_onnxruntime() {
     let m = qdq_match(
@@ -631,7 +650,12 @@ fn vit_s_qdq_export_matches_onnxruntime() {
         "vs unoptimized: cosine {}",
         m.vs_noopt.0
     );
-    assert!(m.vs_opt.0 >= 0.999, "vs optimized: cosine {}", m.vs_opt.0);
+    let bar = m.spread_bar("vit-s (vs optimized)");
+    assert!(
+        m.vs_opt.0 >= bar,
+        "vs optimized: cosine {} < {bar}",
+        m.vs_opt.0
+    );
 }
 
 /// The PP-OCRv5 recogniser: QDQ export (opset 11: com.microsoft per-channel DQ) in onnxruntime vs
@@ -662,8 +686,7 @@ fn ppocr_rec_qdq_export_matches_onnxruntime() {
         "x",
         "fetch_name_0",
     );
-    let bar = (1.0 - 2.0 * (1.0 - m.ort_self.0)).min(0.999);
-    eprintln!("ppocrv5-rec: bar {bar:.6} (0.999, or twice onnxruntime's own spread)");
+    let bar = m.spread_bar("ppocrv5-rec");
     assert!(
         m.vs_noopt.0 >= bar,
         "vs unoptimized: cosine {} < {bar}",
