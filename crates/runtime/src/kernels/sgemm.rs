@@ -449,39 +449,27 @@ fn gemv_packed(isa: Isa, k: usize, a: &[f32], b: &PackedB, c: &mut [f32], scale:
     let n = b.n;
     assert!(a.len() >= k && c.len() >= n && b.data.len() >= n.div_ceil(NR) * k * NR);
     let panels = n.div_ceil(NR);
+    type Panels = unsafe fn(usize, usize, *const f32, *const f32, usize, *mut f32, usize, f32);
     #[cfg(target_arch = "x86_64")]
-    if !isa.has_avx512() {
-        for p in (0..panels).step_by(GEMV_PANELS_AVX2) {
-            let g = GEMV_PANELS_AVX2.min(panels - p);
-            let cols = (n - p * NR).min(g * NR);
-            // SAFETY: `sgemm_packed` runs this only at a level with AVX2 and FMA
-            // (`available`); the assert above keeps panels p..p+g inside `b.data`, `a[..k]`
-            // inside `a`, and the `cols` outputs from p * NR inside `c`.
-            unsafe {
-                gemv_panels_avx2(
-                    g,
-                    k,
-                    a.as_ptr(),
-                    b.data.as_ptr().add(p * k * NR),
-                    k * NR,
-                    c.as_mut_ptr().add(p * NR),
-                    cols,
-                    scale,
-                )
-            };
-        }
-        return;
-    }
-    let _ = isa;
-    let mut p = 0;
-    while p < panels {
-        let g = GEMV_PANELS.min(panels - p);
+    let (group, kernel): (usize, Panels) = if isa.has_avx512() {
+        (GEMV_PANELS, gemv_panels_avx512)
+    } else {
+        (GEMV_PANELS_AVX2, gemv_panels_avx2)
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let (group, kernel): (usize, Panels) = {
+        let _ = isa;
+        (GEMV_PANELS, gemv_panels_avx512)
+    };
+    for p in (0..panels).step_by(group) {
+        let g = group.min(panels - p);
         let cols = (n - p * NR).min(g * NR);
-        // SAFETY: `sgemm_packed` runs this only at the AVX-512 level (checked above); the
-        // assert above keeps panels p..p+g (k * NR values each) inside `b.data`, `a[..k]`
-        // inside `a`, and the `cols` outputs from p * NR inside `c`.
+        // SAFETY: `sgemm_packed` runs this only at a level with AVX2 and FMA (`available`),
+        // and the AVX-512 kernel only where the level has AVX-512 (chosen above); the assert
+        // above keeps panels p..p+g (k * NR values each) inside `b.data`, `a[..k]` inside `a`,
+        // and the `cols` outputs from p * NR inside `c`.
         unsafe {
-            gemv_panels_avx512(
+            kernel(
                 g,
                 k,
                 a.as_ptr(),
@@ -492,7 +480,6 @@ fn gemv_packed(isa: Isa, k: usize, a: &[f32], b: &PackedB, c: &mut [f32], scale:
                 scale,
             )
         };
-        p += g;
     }
 }
 
