@@ -15,6 +15,7 @@
 //! twins like the compiled copies. GELU in f32 used to go through f64 and libm's `exp`, a fifth
 //! of a ViT-S run, then through an erfc with an exp (twice the operations of the rational form).
 
+use crate::kernels::fmap::map_into_scalar;
 use crate::ops::elementwise::exp_f32;
 use crate::ops::real::{max_of, sum_of};
 
@@ -79,14 +80,6 @@ pub fn gelu_f32(x: f32) -> f32 {
         -0.0
     } else {
         g
-    }
-}
-
-/// `dst[i] = f(old[i])`: an in-place map's body under [`crate::kernels::fmap::via_copy`].
-#[inline(always)]
-fn map_from(old: &[f32], dst: &mut [f32], f: impl Fn(f32) -> f32) {
-    for (d, &x) in dst.iter_mut().zip(old) {
-        *d = f(x);
     }
 }
 
@@ -532,7 +525,7 @@ twin_loop!(
     tanh_scalar,
     tanh_avx2,
     avx512: tanh16,
-    |v| crate::kernels::fmap::via_copy(v, |old, v| map_from(old, v, tanh_f32))
+    |v| crate::kernels::fmap::via_copy(v, |old, v| map_into_scalar(old, v, &tanh_f32))
 );
 twin_loop!(
     /// Softmax of one contiguous row, in place.
@@ -647,7 +640,7 @@ twin_loop!(
     nan_to_zero_scalar,
     nan_to_zero_avx2,
     nan_to_zero_avx512,
-    |v| crate::kernels::fmap::via_copy(v, |old, v| map_from(old, v, |x| if x.is_nan() {
+    |v| crate::kernels::fmap::via_copy(v, |old, v| map_into_scalar(old, v, &|x: f32| if x.is_nan() {
         0.0
     } else {
         x
@@ -692,7 +685,7 @@ twin_loop2!(
     leaky_relu_scalar,
     leaky_relu_avx2,
     leaky_relu_avx512,
-    |v, a, _unused| crate::kernels::fmap::via_copy(v, |old, v| map_from(old, v, |x| if x < 0.0 {
+    |v, a, _unused| crate::kernels::fmap::via_copy(v, |old, v| map_into_scalar(old, v, &|x: f32| if x < 0.0 {
         a * x
     } else {
         x
