@@ -17,6 +17,8 @@ fn main() {
         ("upconv1", 196, 1536, 256),
         ("upconv2", 784, 1024, 128),
         ("upconv3", 3136, 512, 64),
+        // text2tashkeel's LSTM input projections (32 timesteps x input x 4 gates * 256).
+        ("lstm_in", 32, 512, 1024),
     ];
     let cold = std::env::args().any(|a| a == "--cold");
     let mut layouts = vec![Layout::Pairs];

@@ -117,7 +117,36 @@ enum BBody {
 struct PairsB {
     pairs: usize,
     panels: usize,
-    data: Vec<i16>,
+    data: PairsData,
+}
+
+/// The values of a pairs-layout B. Constant weights whose corrected values all fit i8 (8-bit
+/// weights with a zero point of 0, or 128 for u8) are stored as i8 and widened in registers:
+/// half the bytes streamed per product (a text2tashkeel LSTM input projection is 512 KiB
+/// instead of 1 MiB, one core's whole L2), same arithmetic.
+#[derive(Debug, Clone)]
+enum PairsData {
+    Wide(Vec<i16>),
+    Narrow(Vec<i8>),
+}
+
+/// A value type a pairs panel can hold: widened to i16 by the kernels.
+trait PanelElem: Copy + Default + Into<i32> + Send + Sync {
+    /// True for i8 (the AVX2 kernel sign-extends 16 bytes per 16 lanes).
+    const NARROW: bool;
+    fn from_i16(v: i16) -> Self;
+}
+impl PanelElem for i16 {
+    const NARROW: bool = false;
+    fn from_i16(v: i16) -> Self {
+        v
+    }
+}
+impl PanelElem for i8 {
+    const NARROW: bool = true;
+    fn from_i16(v: i16) -> Self {
+        v as i8
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -135,10 +164,26 @@ struct QuadsB {
 }
 
 impl PairsB {
+    /// Packs a constant operand: i8 panels when every value fits (see [`PairsData`]).
     fn pack(k: usize, n: usize, get: impl Fn(usize, usize) -> i16) -> PairsB {
+        let narrow = (0..k).all(|r| (0..n).all(|c| i8::try_from(get(r, c)).is_ok()));
+        let data = if narrow {
+            PairsData::Narrow(Self::fill(k, n, &get))
+        } else {
+            PairsData::Wide(Self::fill(k, n, &get))
+        };
+        PairsB {
+            pairs: k.div_ceil(2),
+            panels: n.div_ceil(NR),
+            data,
+        }
+    }
+
+    /// The panels of [`PairsB::pack`] as `T` values.
+    fn fill<T: PanelElem>(k: usize, n: usize, get: &impl Fn(usize, usize) -> i16) -> Vec<T> {
         let pairs = k.div_ceil(2);
         let panels = n.div_ceil(NR);
-        let mut data = vec![0i16; panels * pairs * 2 * NR];
+        let mut data = vec![T::default(); panels * pairs * 2 * NR];
         for pn in 0..panels {
             let base = pn * pairs * 2 * NR;
             let c0 = pn * NR;
@@ -147,15 +192,11 @@ impl PairsB {
                 let (p, h) = (r / 2, r % 2);
                 let row = &mut data[base + p * 2 * NR..base + (p + 1) * 2 * NR];
                 for j in 0..cols {
-                    row[2 * j + h] = get(r, c0 + j);
+                    row[2 * j + h] = T::from_i16(get(r, c0 + j));
                 }
             }
         }
-        PairsB {
-            pairs,
-            panels,
-            data,
-        }
+        data
     }
 
     fn pack_rows<T: Copy>(k: usize, n: usize, src: &[T], f: impl Fn(T) -> i16) -> PairsB {
@@ -181,7 +222,7 @@ impl PairsB {
         PairsB {
             pairs,
             panels,
-            data,
+            data: PairsData::Wide(data),
         }
     }
 }
@@ -971,31 +1012,47 @@ fn igemm_core<T: Send, F: Fn(&[i32], &mut [T]) + Sync>(
         }
         (Layout::Pairs, _) => {
             let p = b.pairs();
-            let kp2 = a.kp;
-            let ad = &a.buf.pairs[..];
-            let simd = isa.has_avx2();
-            let tile = |bi: usize, pn: usize, dst: &mut [i32], ldt: usize| {
-                let ablk = &ad[bi * MR * kp2..(bi + 1) * MR * kp2];
-                let bpan = &p.data[pn * p.pairs * 2 * NR..(pn + 1) * p.pairs * 2 * NR];
-                if simd {
-                    #[cfg(target_arch = "x86_64")]
-                    // SAFETY: avx2 support was checked above (`isa <= Isa::detect()`); `ablk`
-                    // holds MR rows of `kp2 = 2 * pairs` values and `bpan` holds
-                    // `pairs * 2 * NR` values, exactly what the kernel reads; `dst` holds
-                    // (MR - 1) * ldt + NR slots (a full tile of C, or the edge buffer).
-                    unsafe {
-                        tile_avx2(p.pairs, ablk, kp2, bpan, dst, ldt)
-                    }
-                    #[cfg(not(target_arch = "x86_64"))]
-                    tile_scalar(p.pairs, ablk, kp2, bpan, dst, ldt)
-                } else {
-                    tile_scalar(p.pairs, ablk, kp2, bpan, dst, ldt)
-                }
-            };
-            drive::<MR, NR, T, F, _>(shape, p.panels, kp2 * 2, c, out, &tile);
+            match &p.data {
+                PairsData::Wide(d) => run_pairs(isa, shape, a, p, d, c, out),
+                PairsData::Narrow(d) => run_pairs(isa, shape, a, p, d, c, out),
+            }
         }
     }
     Ok(())
+}
+
+/// The pairs-layout product over B panels of `E` values.
+fn run_pairs<E: PanelElem, T: Send, F: Fn(&[i32], &mut [T]) + Sync>(
+    isa: Isa,
+    shape: Shape,
+    a: &PackedA,
+    p: &PairsB,
+    data: &[E],
+    c: &mut [i32],
+    out: Option<(&mut [T], &F)>,
+) {
+    let kp2 = a.kp;
+    let ad = &a.buf.pairs[..];
+    let simd = isa.has_avx2();
+    let tile = |bi: usize, pn: usize, dst: &mut [i32], ldt: usize| {
+        let ablk = &ad[bi * MR * kp2..(bi + 1) * MR * kp2];
+        let bpan = &data[pn * p.pairs * 2 * NR..(pn + 1) * p.pairs * 2 * NR];
+        if simd {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: avx2 support was checked by the caller (`isa <= Isa::detect()`); `ablk`
+            // holds MR rows of `kp2 = 2 * pairs` values and `bpan` holds `pairs * 2 * NR`
+            // values, exactly what the kernel reads; `dst` holds (MR - 1) * ldt + NR slots (a
+            // full tile of C, or the edge buffer).
+            unsafe {
+                tile_avx2(p.pairs, ablk, kp2, bpan, dst, ldt)
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            tile_scalar(p.pairs, ablk, kp2, bpan, dst, ldt)
+        } else {
+            tile_scalar(p.pairs, ablk, kp2, bpan, dst, ldt)
+        }
+    };
+    drive::<MR, NR, T, F, _>(shape, p.panels, kp2 * 2, c, out, &tile);
 }
 
 #[derive(Clone, Copy)]
@@ -1108,7 +1165,14 @@ fn drive<const TM: usize, const TN: usize, T: Send, F, K>(
 
 /// Scalar twin of [`tile_avx2`]: one MR x NR tile from packed operands, written to `out`
 /// with row stride `ldt` (`out` holds at least `(MR - 1) * ldt + NR` values).
-fn tile_scalar(pairs: usize, a: &[i16], lda: usize, b: &[i16], out: &mut [i32], ldt: usize) {
+fn tile_scalar<E: PanelElem>(
+    pairs: usize,
+    a: &[i16],
+    lda: usize,
+    b: &[E],
+    out: &mut [i32],
+    ldt: usize,
+) {
     let mut tile = [0i32; MR * NR];
     for p in 0..pairs {
         let bp = &b[p * 2 * NR..(p + 1) * 2 * NR];
@@ -1117,7 +1181,8 @@ fn tile_scalar(pairs: usize, a: &[i16], lda: usize, b: &[i16], out: &mut [i32], 
             let a1 = a[r * lda + 2 * p + 1] as i32;
             let t = &mut tile[r * NR..(r + 1) * NR];
             for (j, d) in t.iter_mut().enumerate() {
-                *d = d.wrapping_add(a0 * bp[2 * j] as i32 + a1 * bp[2 * j + 1] as i32);
+                let (b0, b1): (i32, i32) = (bp[2 * j].into(), bp[2 * j + 1].into());
+                *d = d.wrapping_add(a0 * b0 + a1 * b1);
             }
         }
     }
@@ -1126,8 +1191,9 @@ fn tile_scalar(pairs: usize, a: &[i16], lda: usize, b: &[i16], out: &mut [i32], 
     }
 }
 
-/// One MR x NR tile with AVX2: per k pair, two B loads, MR broadcasts of an (a0, a1) pair and
-/// 2 * MR `vpmaddwd` + `vpaddd`.
+/// One MR x NR tile with AVX2: per k pair, two B loads (i8 panels: two 16-byte loads
+/// sign-extended with `vpmovsxbw`), MR broadcasts of an (a0, a1) pair and 2 * MR `vpmaddwd` +
+/// `vpaddd`.
 ///
 /// The tile is written to `out` with row stride `ldt`: straight into C for a full tile.
 ///
@@ -1136,7 +1202,14 @@ fn tile_scalar(pairs: usize, a: &[i16], lda: usize, b: &[i16], out: &mut [i32], 
 /// least `pairs * 2 * NR` values.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn tile_avx2(pairs: usize, a: &[i16], lda: usize, b: &[i16], out: &mut [i32], ldt: usize) {
+unsafe fn tile_avx2<E: PanelElem>(
+    pairs: usize,
+    a: &[i16],
+    lda: usize,
+    b: &[E],
+    out: &mut [i32],
+    ldt: usize,
+) {
     use std::arch::x86_64::*;
     debug_assert!(a.len() >= (MR - 1) * lda + 2 * pairs && b.len() >= pairs * 2 * NR);
     assert!(
@@ -1150,8 +1223,18 @@ unsafe fn tile_avx2(pairs: usize, a: &[i16], lda: usize, b: &[i16], out: &mut [i
         // SAFETY: p < pairs, so b[p*32 .. p*32+32] and a[r*lda + 2p .. +2] are in bounds
         // (caller contract); unaligned loads are used throughout.
         unsafe {
-            let b0 = _mm256_loadu_si256(bp.add(p * 2 * NR) as *const __m256i);
-            let b1 = _mm256_loadu_si256(bp.add(p * 2 * NR + NR) as *const __m256i);
+            let (b0, b1) = if E::NARROW {
+                let q = bp.add(p * 2 * NR) as *const __m128i;
+                (
+                    _mm256_cvtepi8_epi16(_mm_loadu_si128(q)),
+                    _mm256_cvtepi8_epi16(_mm_loadu_si128(q.add(1))),
+                )
+            } else {
+                (
+                    _mm256_loadu_si256(bp.add(p * 2 * NR) as *const __m256i),
+                    _mm256_loadu_si256(bp.add(p * 2 * NR + NR) as *const __m256i),
+                )
+            };
             for r in 0..MR {
                 let pair = (ap.add(r * lda + 2 * p) as *const i32).read_unaligned();
                 let av = _mm256_set1_epi32(pair);
@@ -1266,6 +1349,57 @@ unsafe fn tile_vnni(t: &QuadsTile, out: &mut [i32], ldt: usize) {
                 let v = _mm512_sub_epi32(accr[j], _mm512_mullo_epi32(bo[j], s));
                 let v = _mm512_sub_epi32(v, _mm512_mullo_epi32(bs[j], o));
                 _mm512_storeu_si512(op.add(r * ldt + 16 * j) as *mut _, v);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Constant weights that fit i8 are stored narrow, others wide; both multiply alike (the
+    /// products themselves are compared with the definition in `tests/igemm.rs`).
+    #[test]
+    fn constant_panels_are_narrow_exactly_when_every_value_fits_i8() {
+        let narrow = PairsB::pack(5, 3, |r, c| (r as i16 * 60 - 126).min(127) - c as i16);
+        assert!(matches!(narrow.data, PairsData::Narrow(_)));
+        let wide = PairsB::pack(5, 3, |r, c| if r == 4 && c == 2 { 128 } else { -3 });
+        assert!(matches!(wide.data, PairsData::Wide(_)));
+        let a = PackedA::pack_with_as(Layout::Pairs, PackBuf::default(), 2, 5, |r, row| {
+            for (c, d) in row.iter_mut().enumerate() {
+                *d = (r * 5 + c) as i16 - 255;
+            }
+        });
+        for (pb, get) in [
+            (
+                narrow,
+                &(|r: usize, c: usize| (r as i16 * 60 - 126).min(127) - c as i16)
+                    as &dyn Fn(usize, usize) -> i16,
+            ),
+            (wide, &|r: usize, c: usize| {
+                if r == 4 && c == 2 {
+                    128
+                } else {
+                    -3
+                }
+            }),
+        ] {
+            let pb = PackedB {
+                k: 5,
+                n: 3,
+                body: BBody::Pairs(pb),
+            };
+            for isa in [Isa::Scalar, Isa::detect()] {
+                let mut c = vec![0i32; 6];
+                igemm_with(isa, &a, &pb, &mut c, 1).unwrap();
+                for (i, &v) in c.iter().enumerate() {
+                    let (r, col) = (i / 3, i % 3);
+                    let want: i32 = (0..5)
+                        .map(|p| ((r * 5 + p) as i32 - 255) * get(p, col) as i32)
+                        .sum();
+                    assert_eq!(v, want, "{isa:?} ({r}, {col})");
+                }
             }
         }
     }
