@@ -20,6 +20,22 @@
 //! always does): `Σ a·b = Σ u·b - off · Σ b`, with each column's `Σ b` stored at packing. Four
 //! products per lane per instruction instead of two, no widening shuffles, and every step is
 //! wrapping i32 arithmetic whose final value fits i32: bit-identical to the pairs kernels.
+//!
+//! [`gemv_fast`] (what the LSTM recurrence calls) runs, at the AVX2 level without VNNI,
+//! onnxruntime's own AVX2 u8 x s8 arithmetic on the same quads (`vpmaddubsw`: each pair sum
+//! `u0 b0 + u1 b1` saturates to i16, then `vpmaddwd` with ones adds a column's two pairs into
+//! i32): three vector operations per 32 multiply-adds instead of the exact kernel's six, whose
+//! `vpmovsxbw` widening bounds it (256 x 1024, one step: 4.5-5.7 -> 3.3-3.8 us on an AVX2 Zen host,
+//! `examples/qgemv_bench.rs`).
+//! Pair sums reach 2 * 255 * 128 = 65280, so it is inexact where both values of a pair are
+//! large and alike in sign: on text2tashkeel's BiLSTM test input 29 of 62.9 M pair sums
+//! (`scripts/u8s8_saturation.py`, with `u` the u8 code as onnxruntime forms it; here `u` is
+//! shifted to start at 0, which only lowers the values). Its effect on the outputs
+//! (`scripts/u8s8_quality.py`: the test input and 20 random sequences per model, against
+//! onnxruntime on the same AVX2 host): BiLSTM logits at most 0.405 from onnxruntime's (exact
+//! kernel: 0.466), argmax agreement 99.70% of 672 positions (exact: 99.40%); rawi the same as
+//! exact (0.189, 99.40%). `NPUC_INT8_EXACT=1` keeps the exact kernels everywhere; levels with
+//! VNNI are exact anyway (`vpdpbusd` does not saturate).
 
 use crate::bail;
 use crate::error::Result;
@@ -80,6 +96,16 @@ impl Quads {
 }
 
 impl PackedI8 {
+    /// [`PackedI8::pack`] with the quads built whatever the level (tests of the saturating
+    /// kernels at every level).
+    pub fn pack_with_quads(k: usize, n: usize, get: impl Fn(usize, usize) -> i8) -> PackedI8 {
+        let mut b = Self::pack(k, n, &get);
+        if b.quads.is_none() {
+            b.quads = Some(Quads::pack(k, n, &get));
+        }
+        b
+    }
+
     /// Packs `B[k x n]` where element (r, c) is `get(r, c)`.
     pub fn pack(k: usize, n: usize, get: impl Fn(usize, usize) -> i8) -> PackedI8 {
         let pairs = k.div_ceil(2);
@@ -92,8 +118,8 @@ impl PackedI8 {
                 data[(pn * pairs + p) * 2 * NRV + 2 * j + h] = get(r, c);
             }
         }
-        let quads = Isa::detect()
-            .has_avx512_vnni()
+        let isa = Isa::detect();
+        let quads = (isa.has_avx512_vnni() || (isa.has_avx2() && saturating_allowed()))
             .then(|| Quads::pack(k, n, &get));
         PackedI8 {
             k,
@@ -120,8 +146,59 @@ pub fn gemv(a: &[i16], b: &PackedI8, out: &mut [i32]) -> Result<()> {
     gemv_with(Isa::detect(), a, b, out)
 }
 
-/// [`gemv`] with an explicit kernel choice (tests compare the kernels).
-pub fn gemv_with(isa: Isa, a: &[i16], b: &PackedI8, out: &mut [i32]) -> Result<()> {
+/// Whether [`gemv_fast`] may saturate (not with `NPUC_INT8_EXACT=1`; read once).
+pub fn saturating_allowed() -> bool {
+    static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ALLOWED.get_or_init(|| std::env::var("NPUC_INT8_EXACT").map_or(true, |v| v != "1"))
+}
+
+/// `out ≈ a · B` in onnxruntime's AVX2 u8 x s8 arithmetic where that is the fastest kernel
+/// (the AVX2 level without VNNI, unless [`saturating_allowed`] says no), exact [`gemv`]
+/// elsewhere. Same operand contract as [`gemv`].
+pub fn gemv_fast(a: &[i16], b: &PackedI8, out: &mut [i32]) -> Result<()> {
+    let isa = Isa::detect();
+    if isa.has_avx2() && !isa.has_avx512_vnni() && saturating_allowed() {
+        gemv_saturating_with(isa, a, b, out)
+    } else {
+        gemv_with(isa, a, b, out)
+    }
+}
+
+/// The saturating u8 x s8 product (see the module docs) with an explicit kernel choice:
+/// AVX2 or its scalar twin, bit for bit the same; needs the quads (the exact product where
+/// they were not built or `a` spans more than 256 values).
+pub fn gemv_saturating_with(isa: Isa, a: &[i16], b: &PackedI8, out: &mut [i32]) -> Result<()> {
+    check_operands(a, b, out)?;
+    let Some(qd) = &b.quads else {
+        return gemv_with(isa, a, b, out);
+    };
+    let ak = &a[..b.k];
+    let (lo, hi) = ak
+        .iter()
+        .fold((i16::MAX, i16::MIN), |(l, h), &v| (l.min(v), h.max(v)));
+    if !ak.is_empty() && (hi as i32 - lo as i32) > 255 {
+        return gemv_with(isa, a, b, out);
+    }
+    let off = if ak.is_empty() { 0 } else { -(lo as i32) };
+    U8_ROW.with(|u| {
+        let mut u = u.borrow_mut();
+        u.clear();
+        u.extend(ak.iter().map(|&v| (v as i32 + off) as u8));
+        u.resize(4 * qd.nq, 0);
+        #[cfg(target_arch = "x86_64")]
+        if isa.has_avx2() && Isa::detect().has_avx2() {
+            // SAFETY: AVX2 is present (checked); `u` holds 4 * nq bytes, `qd.data`
+            // panels * nq * NRQ * 4 and `qd.colsum` panels * NRQ (by construction), and
+            // `out` holds `b.out_len()` <= panels * NRQ values (checked above).
+            unsafe { gemv_avx2_sat(&u, qd, off, out) };
+            return;
+        }
+        gemv_sat_scalar(&u, qd, off, out);
+    });
+    Ok(())
+}
+
+fn check_operands(a: &[i16], b: &PackedI8, out: &[i32]) -> Result<()> {
     if a.len() != b.a_len() || out.len() != b.out_len() {
         bail!(
             "integer matrix-vector product: operand of {} and output of {} values, {} and {} expected",
@@ -137,6 +214,12 @@ pub fn gemv_with(isa: Isa, a: &[i16], b: &PackedI8, out: &mut [i32]) -> Result<(
             b.k
         );
     }
+    Ok(())
+}
+
+/// [`gemv`] with an explicit kernel choice (tests compare the kernels).
+pub fn gemv_with(isa: Isa, a: &[i16], b: &PackedI8, out: &mut [i32]) -> Result<()> {
+    check_operands(a, b, out)?;
     #[cfg(target_arch = "x86_64")]
     if isa.has_avx512_vnni() && Isa::detect().has_avx512_vnni() {
         if let Some(qd) = &b.quads {
@@ -317,6 +400,94 @@ unsafe fn gemv_avx2(a: &[i16], b: &PackedI8, out: &mut [i32]) {
     }
 }
 
+/// Scalar twin of [`gemv_avx2_sat`]: onnxruntime's AVX2 u8 x s8 arithmetic. Per column and quad
+/// of rows, the two pair sums `u0 b0 + u1 b1` and `u2 b2 + u3 b3` are each saturated to i16
+/// (`vpmaddubsw`), then added in i32 (`vpmaddwd` with ones); then `- off * colsum`.
+fn gemv_sat_scalar(u: &[u8], q: &Quads, off: i32, out: &mut [i32]) {
+    let plen = q.nq * NRQ * 4;
+    let sat = |v: i32| v.clamp(i16::MIN as i32, i16::MAX as i32);
+    for (c, o) in out.iter_mut().enumerate() {
+        let (pn, j) = (c / NRQ, c % NRQ);
+        let panel = &q.data[pn * plen..(pn + 1) * plen];
+        let mut acc = 0i32;
+        for qi in 0..q.nq {
+            let w = &panel[qi * NRQ * 4 + 4 * j..qi * NRQ * 4 + 4 * j + 4];
+            let x = &u[4 * qi..4 * qi + 4];
+            let p0 = sat(x[0] as i32 * w[0] as i32 + x[1] as i32 * w[1] as i32);
+            let p1 = sat(x[2] as i32 * w[2] as i32 + x[3] as i32 * w[3] as i32);
+            acc = acc.wrapping_add(p0 + p1);
+        }
+        *o = acc.wrapping_sub(off.wrapping_mul(q.colsum[c]));
+    }
+}
+
+/// Per panel of [`NRQ`] columns and quad of rows: one broadcast of four `u` bytes, eight
+/// 32-byte weight loads, eight `vpmaddubsw` (u8 x i8 pairs, saturating to i16) + `vpmaddwd`
+/// with ones (the two pairs of each column into i32) + `vpaddd`: 32 multiply-adds per three
+/// vector operations instead of six for the exact kernel's widening. Then `- off * colsum`.
+///
+/// # Safety
+/// The CPU must support AVX2; `u.len() == 4 * q.nq`,
+/// `q.data.len() == q.panels * q.nq * NRQ * 4`, `q.colsum.len() == q.panels * NRQ`,
+/// `out.len() <= q.panels * NRQ`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn gemv_avx2_sat(u: &[u8], q: &Quads, off: i32, out: &mut [i32]) {
+    use std::arch::x86_64::*;
+    assert!(
+        u.len() == 4 * q.nq
+            && q.data.len() == q.panels * q.nq * NRQ * 4
+            && q.colsum.len() == q.panels * NRQ
+            && out.len() <= q.panels * NRQ
+    );
+    let plen = q.nq * NRQ * 4;
+    let up = u.as_ptr();
+    let ones = _mm256_set1_epi16(1);
+    let offv = _mm256_set1_epi32(off);
+    let mut tmp = [0i32; 8];
+    for pn in 0..q.panels {
+        let lo = pn * NRQ;
+        if lo >= out.len() {
+            break;
+        }
+        let wp = q.data[pn * plen..].as_ptr();
+        let mut acc = [_mm256_setzero_si256(); 8];
+        for qi in 0..q.nq {
+            // SAFETY: qi < nq, so u[4qi..4qi + 4] and this panel's 256 bytes of quad qi lie
+            // inside the slices (asserted lengths); loads are unaligned.
+            unsafe {
+                let a = _mm256_set1_epi32((up.add(4 * qi) as *const i32).read_unaligned());
+                let w = wp.add(qi * NRQ * 4);
+                for (j, s) in acc.iter_mut().enumerate() {
+                    let b = _mm256_loadu_si256(w.add(32 * j) as *const __m256i);
+                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), ones);
+                    *s = _mm256_add_epi32(*s, p);
+                }
+            }
+        }
+        for (j, s) in acc.iter().enumerate() {
+            let c = lo + 8 * j;
+            if c >= out.len() {
+                break;
+            }
+            let n = (out.len() - c).min(8);
+            // SAFETY: colsum holds panels * NRQ values, so the 8 at c are inside.
+            let v = unsafe {
+                let cs = _mm256_loadu_si256(q.colsum.as_ptr().add(c) as *const __m256i);
+                _mm256_sub_epi32(*s, _mm256_mullo_epi32(offv, cs))
+            };
+            if n == 8 {
+                // SAFETY: out holds c + 8 values here.
+                unsafe { _mm256_storeu_si256(out.as_mut_ptr().add(c) as *mut __m256i, v) };
+            } else {
+                // SAFETY: tmp holds 8 values.
+                unsafe { _mm256_storeu_si256(tmp.as_mut_ptr() as *mut __m256i, v) };
+                out[c..c + n].copy_from_slice(&tmp[..n]);
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -365,6 +536,104 @@ mod tests {
                 prop_assert_eq!(got[c], want);
             }
         }
+    }
+
+    /// The saturating product's definition: per column and quad, each pair sum of `u = a - min(a)`
+    /// clamped to i16, then `+ min(a) * Σ b`.
+    fn saturating_definition(a: &[i16], k: usize, n: usize, w: &[i8], c: usize) -> i32 {
+        if c >= n {
+            return 0;
+        }
+        let lo = a[..k].iter().copied().min().unwrap_or(0) as i32;
+        let (mut acc, mut sum) = (0i32, 0i32);
+        for r in (0..k).step_by(2) {
+            let t = |r: usize| {
+                if r < k {
+                    (a[r] as i32 - lo) * w[r * n + c] as i32
+                } else {
+                    0
+                }
+            };
+            acc += (t(r) + t(r + 1)).clamp(-32768, 32767);
+        }
+        for r in 0..k {
+            sum += w[r * n + c] as i32;
+        }
+        acc + lo * sum
+    }
+
+    proptest! {
+        /// The saturating product's AVX2 kernel equals its scalar twin and the definition
+        /// (saturation included) at every level the host has, and equals the exact product
+        /// whenever no pair can saturate (|w| <= 64: 2 * 255 * 64 < 32768).
+        #[test]
+        fn saturating_kernels_equal_twin_and_definition(
+            k in prop_oneof![1usize..70, 250usize..300],
+            n in prop_oneof![1usize..80, 120usize..300],
+            zp in 0i16..=255,
+            small in any::<bool>(),
+            seed in any::<u64>(),
+        ) {
+            let mut s = seed | 1;
+            let mut rnd = || super::super::xorshift(&mut s);
+            let w: Vec<i8> = (0..k * n)
+                .map(|i| match (small, i % 5) {
+                    (true, _) => (rnd() % 129) as i8 - 64,
+                    (false, 0) => 127,
+                    (false, 1) => -128,
+                    _ => rnd() as i8,
+                })
+                .collect();
+            let b = PackedI8::pack_with_quads(k, n, |r, c| w[r * n + c]);
+            let mut a: Vec<i16> = (0..b.a_len())
+                .map(|i| match i % 3 {
+                    0 => 255 - zp,
+                    1 => -zp,
+                    _ => (rnd() % 256) as i16 - zp,
+                })
+                .collect();
+            a[k..].fill(0);
+            let mut twin = vec![7i32; b.out_len()];
+            gemv_saturating_with(Isa::Scalar, &a, &b, &mut twin).unwrap();
+            for (c, &v) in twin.iter().enumerate() {
+                prop_assert_eq!(v, saturating_definition(&a, k, n, &w, c), "column {}", c);
+            }
+            for isa in Isa::ALL.into_iter().filter(|&l| l <= Isa::detect()) {
+                let mut got = vec![7i32; b.out_len()];
+                gemv_saturating_with(isa, &a, &b, &mut got).unwrap();
+                prop_assert_eq!(&got, &twin, "{:?}", isa);
+            }
+            let mut fast = vec![7i32; b.out_len()];
+            gemv_fast(&a, &b, &mut fast).unwrap();
+            if small {
+                let mut exact = vec![7i32; b.out_len()];
+                gemv(&a, &b, &mut exact).unwrap();
+                prop_assert_eq!(&twin, &exact);
+                prop_assert_eq!(&fast, &exact);
+            }
+        }
+    }
+
+    /// Large codes against large weights of one sign saturate each pair at i16's ends, as
+    /// onnxruntime's AVX2 kernel does; the exact product does not.
+    #[test]
+    fn saturation_clamps_each_pair() {
+        let (k, n) = (8, 3);
+        let w = [127i8, -128, 5];
+        let b = PackedI8::pack_with_quads(k, n, |_, c| w[c]);
+        // min(a) = 0 at row 0, so u = a; rows 0..2 form the first pair.
+        let a: Vec<i16> = (0..b.a_len())
+            .map(|r| if r == 0 { 0 } else { 255 })
+            .collect();
+        let mut got = vec![0i32; b.out_len()];
+        gemv_saturating_with(Isa::Scalar, &a, &b, &mut got).unwrap();
+        // Pairs: (0, 255) then three (255, 255).
+        assert_eq!(got[0], 255 * 127 + 3 * 32767);
+        assert_eq!(got[1], -(255 * 128) + 3 * -32768);
+        assert_eq!(got[2], 7 * 255 * 5);
+        let mut exact = vec![0i32; b.out_len()];
+        gemv(&a, &b, &mut exact).unwrap();
+        assert_eq!(exact[0], 7 * 255 * 127);
     }
 
     #[test]

@@ -12,7 +12,7 @@ use crate::error::{Result, RtError};
 use crate::kernel::{Inputs, OpCtx, Registry};
 use crate::kernels::act;
 use crate::kernels::igemm::{igemm, PackBuf, PackedA, PackedB};
-use crate::kernels::qgemv::{gemv as qgemv, PackedI8};
+use crate::kernels::qgemv::{gemv_fast as qgemv, PackedI8};
 use crate::kernels::sgemm::{self, View};
 use crate::ops::quant::{dynamic_qparams_u8, quantize_u8};
 use crate::value::Value;
@@ -230,7 +230,8 @@ fn gemm_wt(
 /// Quantized weights of one projection (DynamicQuantizeLSTM), zero points subtracted, converted
 /// once per plan (see [`dq_lstm_op`]).
 enum QWeights {
-    /// Int8 panels for the one-row-at-a-time recurrent product ([`qgemv`]); used when every
+    /// Int8 panels for the one-row-at-a-time recurrent product ([`qgemv`]: onnxruntime's
+    /// saturating u8 x s8 arithmetic at the AVX2 level, see `kernels::qgemv`); used when every
     /// corrected value fits i8 (int8 weights with zero point 0, as quantizers write them).
     Narrow(PackedI8),
     /// I16 panels for the many-row input projection, and for weights that do not fit i8.
