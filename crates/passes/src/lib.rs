@@ -371,6 +371,7 @@ impl PassManager {
         if opts.fuse {
             all.push(Box::new(fuse::MatMulBiasFusion));
             all.push(Box::new(fuse::ActivationFusion));
+            all.push(Box::new(fuse::BinaryActivationFusion));
         }
         for p in all {
             if !opts.disable.iter().any(|d| d == p.name()) {

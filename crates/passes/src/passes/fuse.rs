@@ -10,6 +10,11 @@
 //!   Gelu (exact and tanh forms), and the decomposed `x * HardSigmoid(x)` (HardSwish with the
 //!   HardSigmoid's alpha/beta) and `x * Sigmoid(x)` (Swish). The fused kernel computes the
 //!   same function of the same product.
+//! - [`BinaryActivationFusion`]: an f32 Add / Sub / Mul / Div whose output only an activation
+//!   reads becomes `FusedBinary(A, B)` (attribute `op`, plus the activation attributes): each
+//!   stretch of output gets the activation while it is in cache, instead of a second pass over
+//!   a tensor that left it (text2tashkeel's additive attention: `Tanh(q + k)` over 32 x 32 x
+//!   512 values). Not next to Q/DQ nodes, whose patterns the quantized lowering matches.
 
 use crate::util::{fixed_shape, is_op, Index};
 use crate::{GraphPatch, Pass, PassError, PassStats, Rewriter};
@@ -23,6 +28,7 @@ type FusedActivation<'a> = ((&'a str, Vec<f32>), Vec<usize>, String);
 
 pub struct MatMulBiasFusion;
 pub struct ActivationFusion;
+pub struct BinaryActivationFusion;
 
 fn dtype_of(r: &InferResult, name: &str) -> Option<DType> {
     match r.type_of(name)? {
@@ -264,6 +270,72 @@ impl Pass for ActivationFusion {
     }
 }
 
+impl Pass for BinaryActivationFusion {
+    fn name(&self) -> &'static str {
+        "binary-activation-fusion"
+    }
+
+    fn run(&self, rw: &mut Rewriter<'_>) -> Result<PassStats, PassError> {
+        const OPS: [&str; 4] = ["Add", "Sub", "Mul", "Div"];
+        let base = |n: &Node| n.domain.is_empty() && OPS.contains(&n.op_type.as_str());
+        let m = rw.model();
+        if !m.graph.nodes.iter().any(base) {
+            return Ok(PassStats::default());
+        }
+        let r = infer_model(m, &HashMap::new());
+        let g = &m.graph;
+        let ix = Index::new(g);
+        let qdq = |n: &Node| is_op(n, "QuantizeLinear") || is_op(n, "DequantizeLinear");
+        let mut patch = GraphPatch::new();
+        let mut fused = 0;
+        for (i, n) in g.nodes.iter().enumerate() {
+            if !base(n) || n.inputs.len() != 2 || n.outputs.len() != 1 {
+                continue;
+            }
+            let y = &n.outputs[0];
+            if !ix.is_internal(y) || dtype_of(&r, y) != Some(DType::F32) {
+                continue;
+            }
+            let from_dq = n
+                .inputs
+                .iter()
+                .any(|x| ix.prod(g, x).is_some_and(|(_, p)| qdq(p)));
+            let Some(ui) = ix.sole_user(y) else { continue };
+            let un = &g.nodes[ui];
+            if from_dq || un.input(0) != Some(y.as_str()) {
+                continue;
+            }
+            let Some((act, params)) = activation_of(g, &ix, un) else {
+                continue;
+            };
+            let out = &un.outputs[0];
+            if ix.users(out).iter().any(|&k| qdq(&g.nodes[k])) {
+                continue;
+            }
+            let mut f = Node::new("FusedBinary", &[], &[]);
+            f.name = n.name.clone();
+            f.domain = "npuc".into();
+            f.inputs = n.inputs.clone();
+            f.outputs = vec![out.clone()];
+            f.attrs.push(("op".into(), Attr::String(n.op_type.clone())));
+            f.attrs
+                .push(("activation".into(), Attr::String(act.into())));
+            if !params.is_empty() {
+                f.attrs
+                    .push(("activation_params".into(), Attr::Floats(params)));
+            }
+            if patch.fuse(i, f, &[ui]) {
+                fused += 1;
+            }
+        }
+        if fused > 0 {
+            patch.import_domain("npuc");
+        }
+        rw.apply(patch);
+        Ok(PassStats::new(fused))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -295,6 +367,71 @@ mod tests {
         let (m2, n2) = check_pass(&ActivationFusion, &m1, &feeds);
         assert_eq!(n2, 2);
         assert_eq!(ops(&m2), ["FusedMatMul", "FusedConv"]);
+    }
+
+    /// Binary ops whose only reader is an activation become `FusedBinary` (broadcast and
+    /// equal shapes, with activation parameters); one whose output is also a graph output,
+    /// one fed by a DequantizeLinear and one read by two nodes stay as they are.
+    #[test]
+    fn binary_then_activation() {
+        let mut m = model(
+            vec![
+                Node::new("Add", &["q", "k"], &["s"]),
+                Node::new("Tanh", &["s"], &["y"]),
+                Node::new("Sub", &["y", "e"], &["d"]),
+                Node::new("Clip", &["d", "lo", "hi"], &["z"]),
+                Node::new("Mul", &["z", "e"], &["p"]),
+                Node::new("Relu", &["p"], &["r"]),
+                Node::new("DequantizeLinear", &["c8", "cs"], &["c"]),
+                Node::new("Div", &["c", "r"], &["v"]),
+                Node::new("Sigmoid", &["v"], &["w"]),
+                Node::new("Add", &["w", "e"], &["u"]),
+                Node::new("Relu", &["u"], &["u1"]),
+                Node::new("Neg", &["u"], &["u2"]),
+            ],
+            &[
+                ("q", &[1, 4, 1, 8]),
+                ("k", &[1, 1, 4, 8]),
+                ("e", &[1, 4, 4, 8]),
+            ],
+            &["z", "p", "u1", "u2"],
+        );
+        let c8: Vec<u8> = (0..8).map(|i| i * 29 + 3).collect();
+        m.graph
+            .initializers
+            .push(init("c8", npuc_ir::Tensor::from_vec(vec![8], c8).unwrap()));
+        m.graph.initializers.push(init("cs", f32s(&[], &[0.02])));
+        m.graph.initializers.push(init("lo", f32s(&[], &[-0.5])));
+        m.graph.initializers.push(init("hi", f32s(&[], &[0.25])));
+        let feeds = [
+            ("q", data(&[1, 4, 1, 8], 1)),
+            ("k", data(&[1, 1, 4, 8], 2)),
+            ("e", data(&[1, 4, 4, 8], 3)),
+        ];
+        let (m1, n1) = check_pass(&BinaryActivationFusion, &m, &feeds);
+        assert_eq!(n1, 2);
+        assert_eq!(
+            ops(&m1),
+            [
+                "FusedBinary",
+                "FusedBinary",
+                "Mul",
+                "Relu",
+                "DequantizeLinear",
+                "Div",
+                "Sigmoid",
+                "Add",
+                "Relu",
+                "Neg"
+            ]
+        );
+        let clip = &m1.graph.nodes[1];
+        assert_eq!(clip.str_or("op", "").unwrap(), "Sub");
+        assert_eq!(clip.str_or("activation", "").unwrap(), "Clip");
+        assert_eq!(
+            clip.attr_floats("activation_params").unwrap(),
+            Some(&[-0.5f32, 0.25][..])
+        );
     }
 
     /// A weight stored as int8 and scaled at run time (`Cast` + `Mul`, as PP-OCRv6 rec's

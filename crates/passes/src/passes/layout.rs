@@ -173,7 +173,7 @@ fn classify(g: &npuc_ir::Graph, ix: &Index, n: &Node) -> Option<Kind> {
         return Some(Kind::Conv);
     }
     let elementwise = (n.domain.is_empty() && ELEMENTWISE.contains(&n.op_type.as_str()))
-        || (n.domain == "npuc" && n.op_type == "Gelu");
+        || (n.domain == "npuc" && ["Gelu", "FusedBinary"].contains(&n.op_type.as_str()));
     if elementwise {
         return Some(Kind::Elementwise);
     }

@@ -5,7 +5,8 @@
 //! The `gemm` crate, which the runtime used for every f32 product, keeps its AVX-512 kernels
 //! behind a nightly-only feature, so on stable Rust it runs AVX2+FMA kernels on AVX-512 hosts.
 //! `ops::matmul::gemm_into` sends f32 products here when the active level has AVX-512 (and
-//! keeps the `gemm` crate at the AVX2 and scalar levels, [`preferred_for_matmul`]); the
+//! keeps the `gemm` crate at the AVX2 and scalar levels, [`preferred_for_matmul`], except for
+//! products of few rows with a weight packed once per plan, [`prepacked_preferred`]); the
 //! convolutions and recurrences come here at AVX2 too, where each tile runs as AVX2 sub-tiles
 //! of 6 rows x 16 columns (`tile_split_avx2`) over the same packed layout.
 //!
@@ -75,6 +76,21 @@ pub fn available(isa: Isa) -> bool {
 /// direct (im2col-free) runs and the narrow tiles win.
 pub fn preferred_for_matmul(isa: Isa) -> bool {
     isa.has_avx512()
+}
+
+/// At most this many rows, a product with a constant, prepacked `b` runs here at AVX2 too
+/// ([`prepacked_preferred`]).
+pub const AVX2_PREPACKED_MAX_ROWS: usize = 128;
+
+/// Whether a product of `rows` rows with a constant `b` packed once per plan should run here:
+/// always at AVX-512; at AVX2 when `rows` is at most [`AVX2_PREPACKED_MAX_ROWS`]. Few rows
+/// amortize the `gemm` crate's per-call packing of `b` badly (it reads the whole weight from
+/// memory and writes it again for each call): `examples/sgemm_bench` on Zen 3, 1 thread,
+/// prepacked here vs the `gemm` crate: 40x80x6906 (PP-OCRv6 rec head) 0.54 vs 0.63 ms,
+/// 32x120x18385 3.7 vs 5.1, 16x512x512 0.16 vs 0.22, 96x256x1024 0.73 vs 0.77,
+/// 128x384x1152 2.09 vs 2.17; from 240 rows on the `gemm` crate's kernel is 4-8% ahead.
+pub fn prepacked_preferred(isa: Isa, rows: usize) -> bool {
+    isa.has_avx512() || (available(isa) && rows <= AVX2_PREPACKED_MAX_ROWS)
 }
 
 /// A strided operand view: element (i, j) is `data[i * rs + j * cs]`.
@@ -253,7 +269,7 @@ pub fn sgemm(
     }
     let threads = if m * n * k >= PAR_WORK { threads } else { 1 };
     if b.cs == 1 && m < PACK_B_MIN_ROWS {
-        run(isa, m, n, k, scale, a, BSrc::Rows(b), c, ldc, threads);
+        run(isa, m, n, k, scale, a, BSrc::Rows(b), c, ldc, threads, None);
         return Ok(());
     }
     let len = n.div_ceil(NR) * k * NR;
@@ -270,10 +286,17 @@ pub fn sgemm(
         c,
         ldc,
         threads,
+        None,
     );
     give_scratch(&SCRATCH_B, buf);
     Ok(())
 }
+
+/// Work done on each finished stretch of the output while it is still in cache (a bias, an
+/// activation): called with the stretch's first column and its values, row by row, once for
+/// every output value, after the value's last multiply-add and `scale`. On the thread that
+/// computed the stretch, so a product's epilogue is split like the product.
+pub type Finish<'a> = &'a (dyn Fn(usize, &mut [f32]) + Sync);
 
 /// [`sgemm`] with `b` packed beforehand (a constant weight, packed once per plan).
 #[allow(clippy::too_many_arguments)]
@@ -287,7 +310,31 @@ pub fn sgemm_packed(
     ldc: usize,
     threads: usize,
 ) -> Result<()> {
+    sgemm_packed_then(isa, m, scale, a, b, c, ldc, threads, None)
+}
+
+/// [`sgemm_packed`], then `finish` on every finished stretch of `c` ([`Finish`]).
+#[allow(clippy::too_many_arguments)]
+pub fn sgemm_packed_then(
+    isa: Isa,
+    m: usize,
+    scale: f32,
+    a: View,
+    b: &PackedB,
+    c: &mut [f32],
+    ldc: usize,
+    threads: usize,
+    finish: Option<Finish>,
+) -> Result<()> {
     let (n, k) = (b.n, b.k);
+    // Applied to whole rows on the paths that do not run the blocked product.
+    let finish_rows = |c: &mut [f32]| {
+        if let Some(f) = finish {
+            for i in 0..m {
+                f(0, &mut c[i * ldc..i * ldc + n]);
+            }
+        }
+    };
     check(isa, m, n, k, a, None, c, ldc)?;
     if m == 0 || n == 0 {
         return Ok(());
@@ -303,11 +350,13 @@ pub fn sgemm_packed(
                 c[i * ldc + j] = acc * scale;
             }
         }
+        finish_rows(c);
         return Ok(());
     }
     let threads = if m * n * k >= PAR_WORK { threads } else { 1 };
     if m == 1 && a.cs == 1 && threads == 1 {
         gemv_packed(isa, k, &a.data[..k], b, c, scale);
+        finish_rows(c);
         return Ok(());
     }
     run(
@@ -321,6 +370,7 @@ pub fn sgemm_packed(
         c,
         ldc,
         threads,
+        finish,
     );
     Ok(())
 }
@@ -662,6 +712,7 @@ fn run(
     c: &mut [f32],
     ldc: usize,
     threads: usize,
+    finish: Option<Finish>,
 ) {
     let blocks = m.div_ceil(MR);
     let panels = n.div_ceil(NR);
@@ -672,7 +723,7 @@ fn run(
     };
     let t = threads.max(1).min(blocks.max(panels));
     if t <= 1 {
-        block(isa, 0..m, 0..panels, n, k, scale, a, b, out);
+        block(isa, 0..m, 0..panels, n, k, scale, a, b, out, finish);
         return;
     }
     // Split whichever of row blocks and column panels divides more evenly over `t` threads
@@ -692,6 +743,7 @@ fn run(
                 a,
                 b,
                 out,
+                finish,
             );
         });
     } else {
@@ -707,6 +759,7 @@ fn run(
                 a,
                 b,
                 out,
+                finish,
             );
         });
     }
@@ -725,6 +778,7 @@ fn block(
     a: View,
     b: BSrc,
     c: Out,
+    finish: Option<Finish>,
 ) {
     let in_place = a.cs == 1;
     let mut apack = if in_place {
@@ -805,6 +859,21 @@ fn block(
                         )
                     }
                     i += r;
+                }
+                if let (true, Some(f)) = (last, finish) {
+                    assert!(
+                        (c1 - 1) * c.ldc + j0 + cols <= c.len,
+                        "sgemm finished block outside the output"
+                    );
+                    for row in c0..c1 {
+                        // SAFETY: the assert keeps rows c0..c1, columns j0..j0+cols inside
+                        // `c`; this call alone writes them (see `Out`), the tiles above are
+                        // done with them, and no other reference to them exists.
+                        let s = unsafe {
+                            std::slice::from_raw_parts_mut(c.ptr.add(row * c.ldc + j0), cols)
+                        };
+                        f(j0, s);
+                    }
                 }
             }
             k0 += kc;
@@ -1768,7 +1837,7 @@ mod tests {
             m in prop_oneof![1usize..30, 250usize..270], n in 1usize..80,
             k in prop_oneof![0usize..90, 250usize..600], pad in 0usize..3,
             trans_a in any::<bool>(), trans_b in any::<bool>(), packed in any::<bool>(),
-            scale in prop_oneof![Just(1f32), -2f32..2f32],
+            finish in any::<bool>(), scale in prop_oneof![Just(1f32), -2f32..2f32],
             threads in 1usize..4, seed in any::<u64>(),
         ) {
             let mut s = seed | 1;
@@ -1787,7 +1856,25 @@ mod tests {
             let mut want = vec![f32::NAN; m * ldc];
             sgemm_scalar(m, n, k, scale, va, vb, &mut want, ldc);
             let mut got = vec![f32::NAN; m * ldc];
-            if packed {
+            if packed && finish {
+                // A per-column bias then a doubling, as a fused epilogue: each value must be
+                // finished exactly once, after its product.
+                let bias: Vec<f32> = (0..n).map(|j| j as f32 * 0.25 - 3.0).collect();
+                let f = |j0: usize, v: &mut [f32]| {
+                    for (x, &c) in v.iter_mut().zip(&bias[j0..]) {
+                        *x = (*x + c) * 2.0;
+                    }
+                };
+                let pb = PackedB::new_par(k, n, vb, threads).unwrap();
+                sgemm_packed_then(Isa::detect(), m, scale, va, &pb, &mut got, ldc, threads, Some(&f))
+                    .unwrap();
+                for i in 0..m {
+                    for j in 0..n {
+                        let w = &mut want[i * ldc + j];
+                        *w = (*w + bias[j]) * 2.0;
+                    }
+                }
+            } else if packed {
                 let pb = PackedB::new_par(k, n, vb, threads).unwrap();
                 sgemm_packed(Isa::detect(), m, scale, va, &pb, &mut got, ldc, threads).unwrap();
             } else {

@@ -283,6 +283,42 @@ pub fn reusable(ins: &Inputs, i: usize) -> bool {
     }
 }
 
+/// One stretch of a broadcast output row: `out[j] = f(a[ia + sa j], b[ib + sb j])`, with the
+/// row's input offsets `offs` and inner strides `st` (0 or 1) as [`Bcast::for_each_row_in`]
+/// gives them, starting `c0` values into the row.
+pub(crate) fn binary_span(
+    offs: &[usize],
+    st: &[usize],
+    c0: usize,
+    a: &[f32],
+    b: &[f32],
+    out: &mut [f32],
+    f: impl Fn(f32, f32) -> f32,
+) {
+    let n = out.len();
+    let (ia, ib) = (offs[0] + st[0] * c0, offs[1] + st[1] * c0);
+    match (st[0], st[1]) {
+        (0, 0) => out.fill(f(a[ia], b[ib])),
+        (0, _) => {
+            let x = a[ia];
+            for (v, &y) in out.iter_mut().zip(&b[ib..ib + n]) {
+                *v = f(x, y);
+            }
+        }
+        (_, 0) => {
+            let y = b[ib];
+            for (v, &x) in out.iter_mut().zip(&a[ia..ia + n]) {
+                *v = f(x, y);
+            }
+        }
+        _ => {
+            for ((v, &x), &y) in out.iter_mut().zip(&a[ia..ia + n]).zip(&b[ib..ib + n]) {
+                *v = f(x, y);
+            }
+        }
+    }
+}
+
 /// `v[i] = f(v[i], y)` for a contiguous slice, split across threads when large.
 fn apply_scalar<T: Copy + Send + Sync>(
     v: &mut [T],

@@ -5,6 +5,8 @@
 //!   `activation_params`).
 //! - `FusedMatMul(A, B[, bias])`: ONNX MatMul, plus a bias broadcast along the last axis,
 //!   plus an activation, all in one pass over the output.
+//! - `FusedBinary(A, B)`: ONNX Add / Sub / Mul / Div (attribute `op`) over f32, then an
+//!   activation on each stretch of the output right after it is computed.
 //! - `LayerNormalization`, `RMSNormalization`, `Gelu`, `Attention`: the ONNX ops at the
 //!   newest opset npuc implements, for models whose own opset predates them (the optimizer
 //!   fuses decomposed forms into these).
@@ -16,6 +18,7 @@
 use crate::bail;
 use crate::error::Result;
 use crate::kernel::{registry, Inputs, OpCtx, Registry, MAX_OPSET};
+use crate::ops::elementwise::binary_span;
 use crate::ops::matmul::{matmul_const_b, matmul_tensors};
 use crate::value::Value;
 use npuc_ir::infer::onnx_rule;
@@ -27,6 +30,7 @@ pub fn register(r: &mut Registry) {
     r.define(&FUSED_CONV, fused_conv);
     r.define(&FUSED_GEMM, fused_gemm);
     r.define(&FUSED_MATMUL, fused_matmul);
+    r.define(&FUSED_BINARY, fused_binary);
     r.define(&LAYER_NORMALIZATION, |c, i| {
         delegate(c, i, "LayerNormalization")
     });
@@ -97,6 +101,20 @@ pub static FUSED_MATMUL: OpDef = onnx_variant!(
     ],
     ONE_OUTPUT,
     ACTIVATION_ATTRS
+);
+
+/// `npuc.FusedBinary`: ONNX Add, Sub, Mul or Div (`op`, numpy broadcasting; the shapes are
+/// Add's for all four) plus an activation.
+pub static FUSED_BINARY: OpDef = onnx_variant!(
+    "FusedBinary",
+    "Add",
+    &[Param::required("A"), Param::required("B")],
+    ONE_OUTPUT,
+    &[
+        AttrDef::required("op", "string"),
+        AttrDef::optional("activation", "string"),
+        AttrDef::optional("activation_params", "floats"),
+    ]
 );
 
 /// `npuc.LayerNormalization`: the ONNX op at the newest opset.
@@ -439,16 +457,220 @@ fn fused_matmul(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
             );
         }
     }
-    let t = match matmul_const_b(ctx, a, b)? {
+    // A bias of the product's column count and the activation run inside the prepacked
+    // product, on each stretch of output while it is in cache and on the thread that made it;
+    // otherwise (and on the other paths) after it, over the whole output.
+    let n_out = b.shape().last().copied().unwrap_or(0);
+    let bias_f32 = match bias {
+        Some(t) if t.dtype() == DType::F32 && t.len() == n_out => Some(t.as_slice::<f32>()?),
+        Some(_) => None,
+        None => Some(&[][..]),
+    };
+    if let (Some(bv), true) = (bias_f32, bias.is_some() || act != Act::None) {
+        let finish = |j0: usize, v: &mut [f32]| {
+            if !bv.is_empty() {
+                for (x, &c) in v.iter_mut().zip(&bv[j0..]) {
+                    *x += c;
+                }
+            }
+            apply_f32(act, v);
+        };
+        if let Some(t) = matmul_const_b(ctx, a, b, Some(&finish))? {
+            return Ok(vec![Value::tensor(t)]);
+        }
+    }
+    let t = match matmul_const_b(ctx, a, b, None)? {
         Some(t) => t,
         None => matmul_tensors(a, b, ctx.threads)?,
     };
     Ok(vec![Value::tensor(epilogue(t, bias, act)?)])
 }
 
+/// Values per stretch of a [`fused_binary`] output: the binary op's results are still in L1
+/// when the activation reads them.
+const BINARY_STRETCH: usize = 1024;
+
+/// `FusedBinary(A, B)`: the binary op over the broadcast, the activation applied per stretch
+/// of [`BINARY_STRETCH`] output values (the same values as the two ops one after the other);
+/// output rows split across threads when large.
+fn fused_binary(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
+    let act = Act::from_node(ctx.node)?;
+    let (a, b) = (ins.tensor(0)?, ins.tensor(1)?);
+    if a.dtype() != DType::F32 || b.dtype() != DType::F32 {
+        bail!(
+            "FusedBinary takes f32 inputs, got {} and {}",
+            a.dtype(),
+            b.dtype()
+        );
+    }
+    let op = ctx.node.str_or("op", "")?;
+    let plan = crate::ops::elementwise::Bcast::new(&[a.shape(), b.shape()])?;
+    let (xa, xb) = (a.as_slice::<f32>()?, b.as_slice::<f32>()?);
+    // Every value is written below.
+    let mut out = crate::buffers::for_overwrite::<f32>(plan.len());
+    fn go(
+        plan: &crate::ops::elementwise::Bcast,
+        xa: &[f32],
+        xb: &[f32],
+        out: &mut [f32],
+        act: Act,
+        threads: usize,
+        f: impl Fn(f32, f32) -> f32 + Copy + Sync,
+    ) {
+        let (rows, inner) = plan.rows_inner();
+        if rows == 0 || inner == 0 {
+            return;
+        }
+        // Rows r0.. of the output into `part` (which starts at row r0).
+        let rows_into = |part: &mut [f32], r0: usize| {
+            let r1 = r0 + part.len() / inner;
+            plan.for_each_row_in(r0..r1, |offs, oo, n, st| {
+                let row = &mut part[oo - r0 * inner..oo - r0 * inner + n];
+                for (j, o) in row.chunks_mut(BINARY_STRETCH).enumerate() {
+                    binary_span(offs, st, j * BINARY_STRETCH, xa, xb, o, f);
+                    apply_f32(act, o);
+                }
+            });
+        };
+        let par = threads > 1 && plan.len() >= crate::ops::elementwise::PAR_MIN;
+        if par && rows >= threads {
+            use rayon::prelude::*;
+            let per = rows.div_ceil(threads);
+            out.par_chunks_mut(per * inner)
+                .enumerate()
+                .for_each(|(i, part)| rows_into(part, i * per));
+        } else if par && rows == 1 {
+            // One long row (equal shapes): stretches split across threads.
+            use rayon::prelude::*;
+            let per = inner.div_ceil(threads).div_ceil(BINARY_STRETCH) * BINARY_STRETCH;
+            out.par_chunks_mut(per).enumerate().for_each(|(i, part)| {
+                plan.for_each_row_in(0..1, |offs, _, _, st| {
+                    for (j, o) in part.chunks_mut(BINARY_STRETCH).enumerate() {
+                        binary_span(offs, st, i * per + j * BINARY_STRETCH, xa, xb, o, f);
+                        apply_f32(act, o);
+                    }
+                });
+            });
+        } else {
+            rows_into(out, 0);
+        }
+    }
+    let th = ctx.threads;
+    match op {
+        "Add" => go(&plan, xa, xb, &mut out, act, th, |x, y| x + y),
+        "Sub" => go(&plan, xa, xb, &mut out, act, th, |x, y| x - y),
+        "Mul" => go(&plan, xa, xb, &mut out, act, th, |x, y| x * y),
+        "Div" => go(&plan, xa, xb, &mut out, act, th, |x, y| x / y),
+        other => bail!("FusedBinary: unknown op '{other}' (expected Add, Sub, Mul or Div)"),
+    }
+    Ok(vec![Value::tensor(Tensor::from_vec(plan.out_shape, out)?)])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Runs `nodes` (inputs `a`, `b`; output `y`; opsets default 17 and npuc 1).
+    fn run_ab(nodes: Vec<Node>, a: &Tensor, b: &Tensor, threads: usize) -> Tensor {
+        use npuc_ir::{Graph, Model, OpsetImport, ValueInfo};
+        let m = Model {
+            ir_version: 8,
+            opset_imports: vec![
+                OpsetImport {
+                    domain: String::new(),
+                    version: 17,
+                },
+                OpsetImport {
+                    domain: "npuc".into(),
+                    version: 1,
+                },
+            ],
+            graph: Graph {
+                name: "g".into(),
+                nodes,
+                inputs: vec![ValueInfo::new("a", None), ValueInfo::new("b", None)],
+                outputs: vec![ValueInfo::new("y", None)],
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let s = crate::Session::new(&m, crate::SessionOptions { threads }).unwrap();
+        let feeds = vec![
+            ("a".to_string(), Value::tensor(a.clone())),
+            ("b".to_string(), Value::tensor(b.clone())),
+        ];
+        s.run(feeds).unwrap()[0].1.as_tensor().unwrap().clone()
+    }
+
+    /// `FusedBinary` gives the bits of the binary op then the activation as two nodes, for
+    /// broadcasts whose rows are shorter and longer than a stretch, equal shapes (one long
+    /// row, split across threads) and a scalar operand, at 1 and 2 threads.
+    #[test]
+    fn fused_binary_equals_the_two_ops() {
+        let val = |n: usize, seed: usize| -> Vec<f32> {
+            (0..n)
+                .map(|i| ((i * 7919 + seed * 104_729) % 4001) as f32 / 1000.0 - 2.0)
+                .collect()
+        };
+        let t = |s: &[usize], seed| Tensor::from_vec(s.to_vec(), val(s.iter().product(), seed));
+        let cases: [(&[usize], &[usize], &str, &str); 5] = [
+            (&[1, 32, 1, 512], &[1, 1, 32, 512], "Add", "Tanh"),
+            (&[3, 1, 1500], &[1, 50, 1500], "Sub", "Sigmoid"),
+            (&[70_001], &[70_001], "Mul", "Relu"),
+            (&[40, 33], &[], "Div", "LeakyRelu"),
+            (&[2, 300, 1], &[2, 1, 260], "Add", "Clip"),
+        ];
+        for (ci, (sa, sb, op, act)) in cases.into_iter().enumerate() {
+            let (a, b) = (t(sa, 1).unwrap(), t(sb, 2).unwrap());
+            let params: Vec<f32> = match act {
+                "Clip" => vec![-0.5, 1.25],
+                "LeakyRelu" => vec![0.01],
+                _ => vec![],
+            };
+            let act_node = Node::new(act, &["s"], &["y"]);
+            let mut fused = Node::new("FusedBinary", &["a", "b"], &["y"])
+                .with_attr("op", npuc_ir::Attr::String(op.into()))
+                .with_attr("activation", npuc_ir::Attr::String(act.into()));
+            fused.domain = "npuc".into();
+            if !params.is_empty() {
+                fused = fused.with_attr("activation_params", npuc_ir::Attr::Floats(params));
+            }
+            for threads in [1, 2] {
+                let want = if act == "Clip" {
+                    // Clip with constant bounds, as the optimizer fuses it (bounds as inputs).
+                    let s = run_ab(vec![Node::new(op, &["a", "b"], &["y"])], &a, &b, threads);
+                    let v: Vec<f32> = s
+                        .as_slice::<f32>()
+                        .unwrap()
+                        .iter()
+                        .map(|x| x.clamp(-0.5, 1.25))
+                        .collect();
+                    Tensor::from_vec(s.shape().to_vec(), v).unwrap()
+                } else {
+                    run_ab(
+                        vec![Node::new(op, &["a", "b"], &["s"]), act_node.clone()],
+                        &a,
+                        &b,
+                        threads,
+                    )
+                };
+                let got = run_ab(vec![fused.clone()], &a, &b, threads);
+                assert_eq!(got.shape(), want.shape(), "case {ci}");
+                let (g, w) = (
+                    got.as_slice::<f32>().unwrap(),
+                    want.as_slice::<f32>().unwrap(),
+                );
+                for (i, (x, y)) in g.iter().zip(w).enumerate() {
+                    // The same bits, but for the sign of a zero: the fused activations' Relu
+                    // is max(x, 0) (+0 for -0), the Relu op keeps -0.
+                    assert!(
+                        x.to_bits() == y.to_bits() || (*x == 0.0 && *y == 0.0),
+                        "case {ci} threads {threads} at {i}: {x} vs {y}"
+                    );
+                }
+            }
+        }
+    }
 
     #[test]
     fn gelu_matches_reference_values() {

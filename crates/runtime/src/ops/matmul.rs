@@ -1,7 +1,8 @@
 //! Matrix products: MatMul, Gemm, Einsum and the attention family.
 //!
 //! f32 products run the runtime's AVX-512 kernel (`kernels::sgemm`) when the active level has
-//! AVX-512, with a constant right operand packed once per plan ([`matmul_const_b`]); otherwise,
+//! AVX-512, with a constant right operand packed once per plan ([`matmul_const_b`], which also
+//! takes products of few rows at AVX2); otherwise,
 //! and for f64, they go through the `gemm` crate ([`gemm_into`]). f16/bf16 are widened to f32
 //! (which is also what numpy-based references effectively accumulate in); integer products use
 //! a plain wrapping triple loop.
@@ -495,7 +496,7 @@ pub fn matmul_tensors(a: &Tensor, b: &Tensor, threads: usize) -> Result<Tensor> 
 /// MatMul: numpy `matmul` semantics (batch broadcasting, 1-D operands promoted then squeezed).
 fn matmul(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     let (a, b) = (ins.tensor(0)?, ins.tensor(1)?);
-    let t = match matmul_const_b(ctx, a, b)? {
+    let t = match matmul_const_b(ctx, a, b, None)? {
         Some(t) => t,
         None => matmul_tensors(a, b, ctx.threads)?,
     };
@@ -503,23 +504,28 @@ fn matmul(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
 }
 
 /// f32 `a [..., m, k] x b [k, n]` with `b` a constant of the plan (a weight), at the AVX-512
-/// level, in a session that keeps weights packed ([`OpCtx::prepack_weights`]): `b` is packed
+/// level (at AVX2 for few rows, [`sgemm::prepacked_preferred`]), in a session that keeps weights packed ([`OpCtx::prepack_weights`]): `b` is packed
 /// for `kernels::sgemm` once per plan (the node's cache) instead of on every call. `None` when
 /// that does not apply (other dtypes or levels, a computed or batched `b`, prepacking off);
-/// the caller then runs [`matmul_tensors`].
-pub(crate) fn matmul_const_b(ctx: &OpCtx, a: &Tensor, b: &Tensor) -> Result<Option<Tensor>> {
+/// the caller then runs [`matmul_tensors`]. `finish` runs on each finished stretch of the
+/// output inside the product ([`sgemm::Finish`]; only when the result is `Some`).
+pub(crate) fn matmul_const_b(
+    ctx: &OpCtx,
+    a: &Tensor,
+    b: &Tensor,
+    finish: Option<sgemm::Finish>,
+) -> Result<Option<Tensor>> {
     let isa = Isa::detect();
     if a.dtype() != DType::F32
         || b.dtype() != DType::F32
         || b.rank() != 2
-        || !sgemm::preferred_for_matmul(isa)
         || !ctx.input_is_const(1)
         || !ctx.prepack_weights()
     {
         return Ok(None);
     }
     let p = MatMulPlan::new(a.shape(), b.shape())?;
-    if !p.fold_batch {
+    if !p.fold_batch || !sgemm::prepacked_preferred(isa, p.batches() * p.m) {
         return Ok(None);
     }
     let (k, n) = (p.k, p.n);
@@ -533,7 +539,7 @@ pub(crate) fn matmul_const_b(ctx: &OpCtx, a: &Tensor, b: &Tensor) -> Result<Opti
     }
     let rows = p.batches() * p.m;
     let mut out = crate::buffers::for_overwrite::<f32>(rows * n);
-    sgemm::sgemm_packed(
+    sgemm::sgemm_packed_then(
         isa,
         rows,
         1.0,
@@ -542,6 +548,7 @@ pub(crate) fn matmul_const_b(ctx: &OpCtx, a: &Tensor, b: &Tensor) -> Result<Opti
         &mut out,
         n,
         ctx.threads,
+        finish,
     )?;
     Ok(Some(Tensor::from_vec(p.out_shape, out)?))
 }
