@@ -371,12 +371,16 @@ impl PassManager {
         if opts.fuse {
             all.push(Box::new(fuse::MatMulBiasFusion));
             all.push(Box::new(fuse::ActivationFusion));
-            all.push(Box::new(fuse::BinaryActivationFusion));
         }
         for p in all {
             if !opts.disable.iter().any(|d| d == p.name()) {
                 pm.add(p);
             }
+        }
+        // After the fixed point: a binary op with an activation is the last fusion its nodes
+        // can take, and folding a conv's affine Mul/Add or a MatMul's bias comes first.
+        if opts.fuse && !opts.disable.iter().any(|d| d == "binary-activation-fusion") {
+            pm.add_late(Box::new(fuse::BinaryActivationFusion));
         }
         let layout_on = !OPT_IN_PASSES.contains(&"layout-nhwc")
             || opts.enable.iter().any(|e| e == "layout-nhwc");

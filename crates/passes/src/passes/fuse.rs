@@ -14,7 +14,8 @@
 //!   reads becomes `FusedBinary(A, B)` (attribute `op`, plus the activation attributes): each
 //!   stretch of output gets the activation while it is in cache, instead of a second pass over
 //!   a tensor that left it (text2tashkeel's additive attention: `Tanh(q + k)` over 32 x 32 x
-//!   512 values). Not next to Q/DQ nodes, whose patterns the quantized lowering matches.
+//!   512 values). Not next to Q/DQ nodes, whose patterns the quantized lowering matches; run
+//!   once after the fixed point of the other passes (`PassManager::add_late`).
 
 use crate::util::{fixed_shape, is_op, Index};
 use crate::{GraphPatch, Pass, PassError, PassStats, Rewriter};
