@@ -118,6 +118,16 @@ impl Pass for MatMulBiasFusion {
     }
 }
 
+/// Sets a fused op's activation attributes (`activation`, and `activation_params` when any).
+fn push_activation(f: &mut Node, act: &str, params: Vec<f32>) {
+    f.attrs
+        .push(("activation".into(), Attr::String(act.into())));
+    if !params.is_empty() {
+        f.attrs
+            .push(("activation_params".into(), Attr::Floats(params)));
+    }
+}
+
 /// The activation an op computes, as fused-op attributes (name, params), when supported.
 fn activation_of(g: &Graph, ix: &Index, u: &Node) -> Option<(&'static str, Vec<f32>)> {
     if u.domain == "npuc" && u.op_type == "Gelu" || is_op(u, "Gelu") {
@@ -252,12 +262,7 @@ impl Pass for ActivationFusion {
                 _ => "FusedMatMul",
             }
             .into();
-            f.attrs
-                .push(("activation".into(), Attr::String(act.into())));
-            if !params.is_empty() {
-                f.attrs
-                    .push(("activation_params".into(), Attr::Floats(params)));
-            }
+            push_activation(&mut f, act, params);
             f.outputs = vec![out];
             if patch.fuse(i, f, &gone) {
                 fused += 1;
@@ -319,12 +324,7 @@ impl Pass for BinaryActivationFusion {
             f.inputs = n.inputs.clone();
             f.outputs = vec![out.clone()];
             f.attrs.push(("op".into(), Attr::String(n.op_type.clone())));
-            f.attrs
-                .push(("activation".into(), Attr::String(act.into())));
-            if !params.is_empty() {
-                f.attrs
-                    .push(("activation_params".into(), Attr::Floats(params)));
-            }
+            push_activation(&mut f, act, params);
             if patch.fuse(i, f, &[ui]) {
                 fused += 1;
             }

@@ -223,33 +223,7 @@ fn binary_rows<A: Copy, B: Copy, O>(
         return;
     }
     plan.for_each_row_in(rows, |offs, oo, n, st| {
-        let o = &mut out[oo - base..oo - base + n];
-        let (ia, ib) = (offs[0], offs[1]);
-        match (st[0], st[1]) {
-            (0, 0) => {
-                let (x, y) = (a[ia], b[ib]);
-                for v in o {
-                    *v = f(x, y);
-                }
-            }
-            (0, _) => {
-                let x = a[ia];
-                for (v, &y) in o.iter_mut().zip(&b[ib..ib + n]) {
-                    *v = f(x, y);
-                }
-            }
-            (_, 0) => {
-                let y = b[ib];
-                for (v, &x) in o.iter_mut().zip(&a[ia..ia + n]) {
-                    *v = f(x, y);
-                }
-            }
-            _ => {
-                for ((v, &x), &y) in o.iter_mut().zip(&a[ia..ia + n]).zip(&b[ib..ib + n]) {
-                    *v = f(x, y);
-                }
-            }
-        }
+        binary_span(offs, st, 0, a, b, &mut out[oo - base..oo - base + n], &f);
     });
 }
 
@@ -286,19 +260,24 @@ pub fn reusable(ins: &Inputs, i: usize) -> bool {
 /// One stretch of a broadcast output row: `out[j] = f(a[ia + sa j], b[ib + sb j])`, with the
 /// row's input offsets `offs` and inner strides `st` (0 or 1) as [`Bcast::for_each_row_in`]
 /// gives them, starting `c0` values into the row.
-pub(crate) fn binary_span(
+pub(crate) fn binary_span<A: Copy, B: Copy, O>(
     offs: &[usize],
     st: &[usize],
     c0: usize,
-    a: &[f32],
-    b: &[f32],
-    out: &mut [f32],
-    f: impl Fn(f32, f32) -> f32,
+    a: &[A],
+    b: &[B],
+    out: &mut [O],
+    f: impl Fn(A, B) -> O,
 ) {
     let n = out.len();
     let (ia, ib) = (offs[0] + st[0] * c0, offs[1] + st[1] * c0);
     match (st[0], st[1]) {
-        (0, 0) => out.fill(f(a[ia], b[ib])),
+        (0, 0) => {
+            let (x, y) = (a[ia], b[ib]);
+            for v in out {
+                *v = f(x, y);
+            }
+        }
         (0, _) => {
             let x = a[ia];
             for (v, &y) in out.iter_mut().zip(&b[ib..ib + n]) {
