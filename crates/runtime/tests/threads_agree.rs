@@ -232,47 +232,52 @@ fn image_to_channels_last_matches_definition() {
 
 #[test]
 fn conv_transpose_tiled_matches_definition() {
-    // 2x2 stride 2 (taps tile the output) with bias, and a 3x3 stride 2 padded one (overlapping
-    // taps: the accumulating path) for the thread check.
-    let (c, m, h, w) = (16usize, 16usize, 40usize, 40usize);
-    let wt = Tensor::from_vec(vec![c, m, 2, 2], rnd(c * m * 4, 3)).unwrap();
-    let bias = rnd(m, 4);
-    let outs = agree(
-        "ConvTranspose 2x2 s2",
-        vec![Node::new("ConvTranspose", &["x", "w", "b"], &["y"])
-            .with_attr("kernel_shape", Attr::Ints(vec![2, 2]))
-            .with_attr("strides", Attr::Ints(vec![2, 2]))],
-        &[("x", vec![1, c, h, w])],
-        &["y"],
-        vec![
-            ("w", wt.clone()),
-            ("b", Tensor::from_vec(vec![m], bias.clone()).unwrap()),
-        ],
-    );
-    let y = outs[0].as_slice::<f32>().unwrap();
-    assert_eq!(outs[0].shape(), &[1, m, 2 * h, 2 * w]);
-    let x = rnd(c * h * w, 7);
-    let wv = wt.as_slice::<f32>().unwrap();
-    for mi in 0..m {
-        for oy in 0..2 * h {
-            for ox in 0..2 * w {
-                let (iy, a, ix, b) = (oy / 2, oy % 2, ox / 2, ox % 2);
-                let sum: f64 = (0..c)
-                    .map(|ci| {
-                        x[(ci * h + iy) * w + ix] as f64
-                            * wv[((ci * m + mi) * 2 + a) * 2 + b] as f64
-                    })
-                    .sum();
-                let want = sum + bias[mi] as f64;
-                let got = y[(mi * 2 * h + oy) * 2 * w + ox] as f64;
-                // 16 products of values in [-1, 1] summed in f32: 1e-5 is ~100 ulps of headroom.
-                assert!(
-                    (got - want).abs() <= 1e-5,
-                    "({mi}, {oy}, {ox}): {got} vs {want}"
-                );
+    // 2x2 stride 2 (taps tile the output) with bias: 16 output channels (a product per kernel
+    // row), 1 and 3 (a narrow head: one product over all taps, 2 or 6 values a pixel copied
+    // out); and a 3x3 stride 2 padded one (overlapping taps: the accumulating path) for the
+    // thread check.
+    let (c, h, w) = (16usize, 40usize, 40usize);
+    for m in [16usize, 1, 3] {
+        let wt = Tensor::from_vec(vec![c, m, 2, 2], rnd(c * m * 4, 3)).unwrap();
+        let bias = rnd(m, 4);
+        let outs = agree(
+            &format!("ConvTranspose 2x2 s2, {m} outputs"),
+            vec![Node::new("ConvTranspose", &["x", "w", "b"], &["y"])
+                .with_attr("kernel_shape", Attr::Ints(vec![2, 2]))
+                .with_attr("strides", Attr::Ints(vec![2, 2]))],
+            &[("x", vec![1, c, h, w])],
+            &["y"],
+            vec![
+                ("w", wt.clone()),
+                ("b", Tensor::from_vec(vec![m], bias.clone()).unwrap()),
+            ],
+        );
+        let y = outs[0].as_slice::<f32>().unwrap();
+        assert_eq!(outs[0].shape(), &[1, m, 2 * h, 2 * w]);
+        let x = rnd(c * h * w, 7);
+        let wv = wt.as_slice::<f32>().unwrap();
+        for mi in 0..m {
+            for oy in 0..2 * h {
+                for ox in 0..2 * w {
+                    let (iy, a, ix, b) = (oy / 2, oy % 2, ox / 2, ox % 2);
+                    let sum: f64 = (0..c)
+                        .map(|ci| {
+                            x[(ci * h + iy) * w + ix] as f64
+                                * wv[((ci * m + mi) * 2 + a) * 2 + b] as f64
+                        })
+                        .sum();
+                    let want = sum + bias[mi] as f64;
+                    let got = y[(mi * 2 * h + oy) * 2 * w + ox] as f64;
+                    // 16 products of values in [-1, 1] summed in f32: 1e-5 is ~100 ulps of headroom.
+                    assert!(
+                        (got - want).abs() <= 1e-5,
+                        "({mi}, {oy}, {ox}): {got} vs {want}"
+                    );
+                }
             }
         }
     }
+    let m = 16;
     agree(
         "ConvTranspose 3x3 s2 padded",
         vec![Node::new("ConvTranspose", &["x", "w"], &["y"])

@@ -3,7 +3,8 @@
 //!
 //! The generic tiled transpose moves one value per iteration with its index arithmetic, about a
 //! cycle a value; with three planes its inner rows are three values long, so the tiling does not
-//! help. At AVX-512 each 16 pixels take three loads, six permutes and three stores.
+//! help. At AVX-512 each 16 pixels take three loads, six permutes and three stores; at AVX2 each
+//! 8 pixels three loads, nine in-register permutes, six blends and three stores.
 
 /// `dst[3 r + c] = [p0, p1, p2][c][r]` for every `r < p0.len()`; `false` (nothing written) when
 /// the planes differ in length or `dst` is not three times as long, so a caller can fall back
@@ -18,6 +19,13 @@ pub fn interleave3(p0: &[f32], p1: &[f32], p2: &[f32], dst: &mut [f32]) -> bool 
         // SAFETY: the ISA module detected AVX-512F on this CPU (capped by NPUC_ISA); the
         // lengths were checked above.
         unsafe { interleave3_avx512(p0, p1, p2, dst) };
+        return true;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if npuc_isa::Isa::detect().has_avx2() {
+        // SAFETY: the ISA module detected AVX2 on this CPU (capped by NPUC_ISA); the lengths
+        // were checked above.
+        unsafe { interleave3_avx2(p0, p1, p2, dst) };
         return true;
     }
     interleave3_scalar(p0, p1, p2, dst);
@@ -89,6 +97,68 @@ unsafe fn interleave3_avx512(p0: &[f32], p1: &[f32], p2: &[f32], dst: &mut [f32]
             }
         }
         r += 16;
+    }
+    interleave3_scalar(
+        &p0[whole..],
+        &p1[whole..],
+        &p2[whole..],
+        &mut dst[3 * whole..],
+    );
+}
+
+/// AVX2 output vector `k` (values `8 k .. 8 k + 8` of a 24-value group): the pixel each lane
+/// takes (the same index into whichever plane), and the lanes of planes 1 and 2 (all bits set).
+const fn lanes8(k: usize) -> ([i32; 8], [i32; 8], [i32; 8]) {
+    let mut idx = [0i32; 8];
+    let mut from1 = [0i32; 8];
+    let mut from2 = [0i32; 8];
+    let mut j = 0;
+    while j < 8 {
+        let f = 8 * k + j;
+        idx[j] = (f / 3) as i32;
+        match f % 3 {
+            1 => from1[j] = -1,
+            2 => from2[j] = -1,
+            _ => {}
+        }
+        j += 1;
+    }
+    (idx, from1, from2)
+}
+
+const LANES8: [([i32; 8], [i32; 8], [i32; 8]); 3] = [lanes8(0), lanes8(1), lanes8(2)];
+
+/// # Safety
+/// AVX2; the lengths as [`interleave3`] checks them.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn interleave3_avx2(p0: &[f32], p1: &[f32], p2: &[f32], dst: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let rows = p0.len();
+    let whole = rows / 8 * 8;
+    // SAFETY (loads of the constant tables): 8 i32 each.
+    let lanes = LANES8.map(|(idx, from1, from2)| unsafe {
+        (
+            _mm256_loadu_si256(idx.as_ptr().cast()),
+            _mm256_castsi256_ps(_mm256_loadu_si256(from1.as_ptr().cast())),
+            _mm256_castsi256_ps(_mm256_loadu_si256(from2.as_ptr().cast())),
+        )
+    });
+    let mut r = 0;
+    while r < whole {
+        // SAFETY: r + 8 <= rows, so each plane has 8 values at r and dst 24 at 3 r.
+        unsafe {
+            let a = _mm256_loadu_ps(p0.as_ptr().add(r));
+            let b = _mm256_loadu_ps(p1.as_ptr().add(r));
+            let c = _mm256_loadu_ps(p2.as_ptr().add(r));
+            for (k, &(idx, from1, from2)) in lanes.iter().enumerate() {
+                let v = _mm256_permutevar8x32_ps(a, idx);
+                let v = _mm256_blendv_ps(v, _mm256_permutevar8x32_ps(b, idx), from1);
+                let v = _mm256_blendv_ps(v, _mm256_permutevar8x32_ps(c, idx), from2);
+                _mm256_storeu_ps(dst.as_mut_ptr().add(3 * r + 8 * k), v);
+            }
+        }
+        r += 8;
     }
     interleave3_scalar(
         &p0[whole..],

@@ -196,3 +196,22 @@ macro_rules! dispatch_pod {
         }
     }};
 }
+
+/// `dst` = `src` (equal lengths) for plain data: runs of 8, 16, 32 or 64 values as fixed-size
+/// copies (inline vector moves), others through `copy_from_slice`. A channels-last Concat or
+/// nearest Resize copies one short run per pixel (PP-OCRv6 det: 16 channels, 77k runs per
+/// Concat call), where a `memcpy` call per run cost more than the bytes it moved.
+pub fn copy_run<T: Copy>(dst: &mut [T], src: &[T]) {
+    fn fixed<T: Copy, const N: usize>(dst: &mut [T], src: &[T]) {
+        let s: &[T; N] = src.try_into().expect("N source values");
+        let d: &mut [T; N] = dst.try_into().expect("N destination values");
+        *d = *s;
+    }
+    match src.len() {
+        8 => fixed::<T, 8>(dst, src),
+        16 => fixed::<T, 16>(dst, src),
+        32 => fixed::<T, 32>(dst, src),
+        64 => fixed::<T, 64>(dst, src),
+        _ => dst.copy_from_slice(src),
+    }
+}

@@ -30,6 +30,10 @@ pub trait Movable: Clone + Default + Send + Sync + 'static {
     fn interleave3(_p0: &[Self], _p1: &[Self], _p2: &[Self], _dst: &mut [Self]) -> bool {
         false
     }
+    /// `dst` = `src` (equal lengths): plain data types copy short runs at a fixed width.
+    fn copy_run(dst: &mut [Self], src: &[Self]) {
+        dst.clone_from_slice(src)
+    }
 }
 
 macro_rules! movable_pod {
@@ -48,6 +52,9 @@ macro_rules! movable_pod {
             }
             fn out_buffer(len: usize) -> Vec<Self> {
                 crate::buffers::for_overwrite(len)
+            }
+            fn copy_run(dst: &mut [Self], src: &[Self]) {
+                crate::ops::common::copy_run(dst, src)
             }
         }
     )*};
@@ -690,7 +697,7 @@ fn concat_typed<T: Movable>(
             let o = o0 + i;
             let mut at = 0;
             for &(s, chunk) in &srcs {
-                dst[at..at + chunk].clone_from_slice(&s[o * chunk..][..chunk]);
+                T::copy_run(&mut dst[at..at + chunk], &s[o * chunk..][..chunk]);
                 at += chunk;
             }
         }

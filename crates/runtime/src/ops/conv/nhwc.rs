@@ -635,8 +635,15 @@ fn gemm_rows(
         return Ok(());
     }
     // About 1 MB of columns per chunk: large enough for efficient (and threaded) GEMMs,
-    // small enough that the chunk's output is still in cache for the epilogue.
-    let chunk = ((1usize << 18) / k.max(1)).clamp(16, total.max(16));
+    // small enough that the chunk's output is still in cache for the epilogue. On one thread
+    // (a thread's share of a split, or a small conv) also at most ~256 KB of output: a
+    // pointwise conv over few input channels otherwise took every pixel at once, and its
+    // epilogue read megabytes back from L3 (PP-OCRv6 det's 160x160 stage).
+    let mut chunk = (1usize << 18) / k.max(1);
+    if threads <= 1 {
+        chunk = chunk.min((1 << 16) / m.max(1));
+    }
+    let chunk = chunk.clamp(16, total.max(16));
     // Every chunk writes each of its rows' k values (copies or zero padding) before use.
     // Per-thread, reused across calls: the worker threads of a split have no run's pool.
     let mut col = if pointwise {

@@ -189,22 +189,16 @@ fn max_pool_nhwc(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
             };
             if x0 < x1 {
                 let inner = &mut orow[x0 * c..x1 * c];
-                let mut first = true;
-                for b in b0..b1 {
+                let len = inner.len();
+                // Tap (b, t) of kernel row b0 + b: pixels from x0 - pw + t dw of its input row.
+                let tap = |i: usize| {
+                    let (b, t) = (b0 + i / kw, i % kw);
                     let py = (sy + (b * g.d[1]) as isize) as usize;
-                    for t in 0..kw {
-                        let px = (x0 as isize - pw + (t * dw) as isize) as usize;
-                        let src = &xi[(py * w + px) * c..][..inner.len()];
-                        if first {
-                            inner.copy_from_slice(src);
-                            first = false;
-                        } else {
-                            crate::kernels::act::max_keep_into(inner, src);
-                        }
-                    }
-                }
+                    let px = (x0 as isize - pw + (t * dw) as isize) as usize;
+                    &xi[(py * w + px) * c..][..len]
+                };
                 // All-NaN windows give 0, as the plane kernels do.
-                crate::kernels::act::nan_to_zero(inner);
+                crate::kernels::act::max_taps_into(inner, (b1 - b0) * kw, tap);
             }
             for (ox, o) in orow.chunks_exact_mut(c).enumerate() {
                 if (x0..x1).contains(&ox) {

@@ -655,7 +655,7 @@ fn resample_row<F: Real>(s: &[F], d: &mut [F], inner: usize, taps: &Taps<F>, ext
         }
         let (ix, w) = (&taps.idx[y * n..(y + 1) * n], &taps.w[y * n..(y + 1) * n]);
         if n == 1 {
-            drow.copy_from_slice(&s[ix[0] * inner..(ix[0] + 1) * inner]);
+            crate::ops::common::copy_run(drow, &s[ix[0] * inner..(ix[0] + 1) * inner]);
             continue;
         }
         let w0 = w[0];
