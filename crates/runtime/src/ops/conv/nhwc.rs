@@ -636,11 +636,12 @@ fn gemm_rows(
     }
     // About 1 MB of columns per chunk: large enough for efficient (and threaded) GEMMs,
     // small enough that the chunk's output is still in cache for the epilogue. On one thread
-    // (a thread's share of a split, or a small conv) also at most ~256 KB of output: a
-    // pointwise conv over few input channels otherwise took every pixel at once, and its
-    // epilogue read megabytes back from L3 (PP-OCRv6 det's 160x160 stage).
+    // (a thread's share of a split, or a small conv) with a weight of at most 256 KB, also at
+    // most ~256 KB of output: a pointwise conv over few input channels otherwise took every
+    // pixel at once, and its epilogue read megabytes back from L3 (PP-OCRv6 det's 160x160
+    // stage). Larger weights keep the longer chunks: every chunk streams the whole weight.
     let mut chunk = (1usize << 18) / k.max(1);
-    if threads <= 1 {
+    if threads <= 1 && k * m <= SMALL_WEIGHT {
         chunk = chunk.min((1 << 16) / m.max(1));
     }
     let chunk = chunk.clamp(16, total.max(16));
@@ -700,6 +701,11 @@ fn gemm_rows(
     });
     Ok(())
 }
+
+/// Values of a conv weight small enough that [`gemm_rows`] splits its pixels into chunks of at
+/// most ~256 KB of output (re-reading the weight per chunk costs less than the epilogue's
+/// trip to L3).
+const SMALL_WEIGHT: usize = 1 << 16;
 
 /// Most input channels of the one-output-channel pointwise path (its weight column sits in a
 /// stack array).
