@@ -295,11 +295,55 @@ pub fn sgemm(
     Ok(())
 }
 
-/// Work done on each finished stretch of the output while it is still in cache (a bias, an
-/// activation): called with the stretch's first column and its values, row by row, once for
-/// every output value, after the value's last multiply-add and `scale`. On the thread that
-/// computed the stretch, so a product's epilogue is split like the product.
-pub type Finish<'a> = &'a (dyn Fn(usize, &mut [f32]) + Sync);
+/// Work done on each finished block of the output while it is still in cache (a bias, an
+/// activation): called once for every output value, after the value's last multiply-add and
+/// `scale`, with blocks of whole tiles (one call per column panel of a row range, not per row:
+/// a narrow product such as a 32-column panel over 40 rows would otherwise pay a dynamic call
+/// per 32 values). On the thread that computed the block, so a product's epilogue is split
+/// like the product.
+pub type Finish<'a> = &'a (dyn Fn(Stretch) + Sync);
+
+/// A finished block of the output for a [`Finish`]: `rows` rows of `cols` values, `ldc` apart,
+/// the first at column `j0` of the product. Only the block's own values are reachable: the
+/// values between its rows may belong to another thread's block.
+pub struct Stretch<'a> {
+    /// First column of the block in the product.
+    pub j0: usize,
+    ptr: *mut f32,
+    rows: usize,
+    cols: usize,
+    ldc: usize,
+    _rows: std::marker::PhantomData<&'a mut [f32]>,
+}
+
+impl<'a> Stretch<'a> {
+    /// Rows of `cols` values `ldc` apart in `data` (from its start).
+    pub fn new(data: &'a mut [f32], j0: usize, cols: usize, ldc: usize) -> Stretch<'a> {
+        let rows = if cols == 0 || data.len() < cols {
+            0
+        } else {
+            (data.len() - cols) / ldc.max(1) + 1
+        };
+        Stretch {
+            j0,
+            ptr: data.as_mut_ptr(),
+            rows,
+            cols,
+            ldc: ldc.max(1),
+            _rows: std::marker::PhantomData,
+        }
+    }
+
+    /// The block's rows, `cols` values each, one at a time.
+    pub fn for_each_row(&mut self, mut f: impl FnMut(&mut [f32])) {
+        for r in 0..self.rows {
+            // SAFETY: row r's `cols` values lie inside the block ([`Stretch::new`] derived
+            // `rows` from a slice that holds them; `block` from bounds it asserted), which this
+            // `Stretch` borrows mutably; one row slice exists at a time.
+            f(unsafe { std::slice::from_raw_parts_mut(self.ptr.add(r * self.ldc), self.cols) });
+        }
+    }
+}
 
 /// [`sgemm`] with `b` packed beforehand (a constant weight, packed once per plan).
 #[allow(clippy::too_many_arguments)]
@@ -332,10 +376,8 @@ pub fn sgemm_packed_then(
     let (n, k) = (b.n, b.k);
     // Applied to whole rows on the paths that do not run the blocked product.
     let finish_rows = |c: &mut [f32]| {
-        if let Some(f) = finish {
-            for i in 0..m {
-                f(0, &mut c[i * ldc..i * ldc + n]);
-            }
+        if let (Some(f), true) = (finish, m > 0) {
+            f(Stretch::new(&mut c[..(m - 1) * ldc + n], 0, n, ldc));
         }
     };
     check(isa, m, n, k, a, None, c, ldc)?;
@@ -868,15 +910,17 @@ fn block(
                         (c1 - 1) * c.ldc + j0 + cols <= c.len,
                         "sgemm finished block outside the output"
                     );
-                    for row in c0..c1 {
-                        // SAFETY: the assert keeps rows c0..c1, columns j0..j0+cols inside
-                        // `c`; this call alone writes them (see `Out`), the tiles above are
-                        // done with them, and no other reference to them exists.
-                        let s = unsafe {
-                            std::slice::from_raw_parts_mut(c.ptr.add(row * c.ldc + j0), cols)
-                        };
-                        f(j0, s);
-                    }
+                    // The rows c0..c1, columns j0..j0+cols, inside `c` by the assert: this call
+                    // alone writes them (see `Out`) and the tiles above are done with them.
+                    f(Stretch {
+                        j0,
+                        // SAFETY: in bounds by the assert.
+                        ptr: unsafe { c.ptr.add(c0 * c.ldc + j0) },
+                        rows: c1 - c0,
+                        cols,
+                        ldc: c.ldc,
+                        _rows: std::marker::PhantomData,
+                    });
                 }
             }
             k0 += kc;
@@ -1863,10 +1907,13 @@ mod tests {
                 // A per-column bias then a doubling, as a fused epilogue: each value must be
                 // finished exactly once, after its product.
                 let bias: Vec<f32> = (0..n).map(|j| j as f32 * 0.25 - 3.0).collect();
-                let f = |j0: usize, v: &mut [f32]| {
-                    for (x, &c) in v.iter_mut().zip(&bias[j0..]) {
-                        *x = (*x + c) * 2.0;
-                    }
+                let f = |mut s: Stretch| {
+                    let j0 = s.j0;
+                    s.for_each_row(|v| {
+                        for (x, &c) in v.iter_mut().zip(&bias[j0..]) {
+                            *x = (*x + c) * 2.0;
+                        }
+                    });
                 };
                 let pb = PackedB::new_par(k, n, vb, threads).unwrap();
                 sgemm_packed_then(Isa::detect(), m, scale, va, &pb, &mut got, ldc, threads, Some(&f))

@@ -467,13 +467,16 @@ fn fused_matmul(ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         None => Some(&[][..]),
     };
     if let (Some(bv), true) = (bias_f32, bias.is_some() || act != Act::None) {
-        let finish = |j0: usize, v: &mut [f32]| {
-            if !bv.is_empty() {
-                for (x, &c) in v.iter_mut().zip(&bv[j0..]) {
-                    *x += c;
+        let finish = |mut s: crate::kernels::sgemm::Stretch| {
+            let j0 = s.j0;
+            s.for_each_row(|v| {
+                if !bv.is_empty() {
+                    for (x, &c) in v.iter_mut().zip(&bv[j0..]) {
+                        *x += c;
+                    }
                 }
-            }
-            apply_f32(act, v);
+                apply_f32(act, v);
+            });
         };
         if let Some(t) = matmul_const_b(ctx, a, b, Some(&finish))? {
             return Ok(vec![Value::tensor(t)]);
