@@ -14,7 +14,7 @@ use npuc_generate::{
 };
 use npuc_llm::{
     Bundle, BundleOptions, Engine, EngineOptions, LlmEncodings, Precision, Variant, WeightQuant,
-    WeightQuantOptions,
+    WeightQuantOptions, WeightRounding,
 };
 use npuc_tokenizer::Tokenizer;
 use std::io::{BufRead, Write};
@@ -177,6 +177,13 @@ pub struct ModelArgs {
     /// deployments often keep the head at 8 bits, its error lands directly on the logits).
     #[arg(long, value_name = "SCHEME", requires = "quantize_weights")]
     pub quantize_head: Option<String>,
+    /// How `--quantize-weights` rounds values onto its grid: `nearest` (the default) or
+    /// `gptq` (GPTQ: input channels rounded one at a time in order of decreasing activation
+    /// energy, each rounding's error compensated in the channels not yet rounded through the
+    /// calibration inputs' correlations; same grid, other integers). Needs `--calib-text`;
+    /// its rounding choices are not in an encodings file, so not with `--export-encodings`.
+    #[arg(long, value_name = "nearest|gptq", requires = "calib_text", value_parser = ["nearest", "gptq"])]
+    pub weight_rounding: Option<String>,
     /// Write the re-quantized weights' grids (and the linear inputs' scales with
     /// `--act-bits`) as AIMET encodings 1.0.0 JSON: `LPBQ` / `PER_CHANNEL` entries named by the
     /// GGUF weight names in their `[out, in]` layout, activations as `<weight>.input`.
@@ -187,7 +194,7 @@ pub struct ModelArgs {
     #[arg(
         long,
         value_name = "FILE",
-        conflicts_with_all = ["quantize_weights", "calib_text", "awq_alpha", "act_bits", "quantize_head"]
+        conflicts_with_all = ["quantize_weights", "calib_text", "awq_alpha", "act_bits", "quantize_head", "weight_rounding"]
     )]
     pub encodings: Option<PathBuf>,
 }
@@ -367,6 +374,7 @@ pub fn check_precision(model: &Path, given: &Given) -> Result<()> {
                 "awq_alpha",
                 "act_bits",
                 "quantize_head",
+                "weight_rounding",
                 "export_encodings",
                 "encodings",
             ],
@@ -514,6 +522,10 @@ pub fn load(args: &ModelArgs) -> Result<(Model, Tokenizer)> {
                 }
                 a => a,
             },
+            rounding: match args.weight_rounding.as_deref() {
+                Some(r) => WeightRounding::parse(r)?,
+                None => WeightRounding::Nearest,
+            },
             ..Default::default()
         },
         ..Default::default()
@@ -528,6 +540,9 @@ pub fn load(args: &ModelArgs) -> Result<(Model, Tokenizer)> {
     if args.export_encodings.is_some() {
         if opts.weight_quant.scheme == WeightQuant::Gguf {
             bail!("--export-encodings: give --quantize-weights (or --encodings): the GGUF's own blocks have no AIMET encoding");
+        }
+        if opts.weight_quant.rounding == WeightRounding::Gptq {
+            bail!("--export-encodings with --weight-rounding gptq: an encodings file records the grids, not GPTQ's rounding choices, so a converter reading it would round to nearest; drop one of them");
         }
         if opts.weight_quant.awq_alpha.is_some() {
             bail!("--export-encodings with --awq-alpha: AWQ-scaled weights have no encoding to export (the scales are not folded into the graph); drop one of them");

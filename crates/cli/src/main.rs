@@ -356,6 +356,7 @@ fn main() {
                             awq_alpha: None,
                             act_bits: None,
                             quantize_head: None,
+                            weight_rounding: None,
                             export_encodings: None,
                             encodings: None,
                         },

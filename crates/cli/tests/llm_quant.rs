@@ -147,6 +147,36 @@ fn bad_weight_quantization_flags_are_refused_clearly() {
             &["--quantize-weights", "lpbq4", "--act-bits", "16"],
             "--calib-text",
         ),
+        // GPTQ's second moments come from the calibration run too.
+        (
+            &["--quantize-weights", "lpbq4", "--weight-rounding", "gptq"],
+            "--calib-text",
+        ),
+        (
+            &[
+                "--quantize-weights",
+                "lpbq4",
+                "--calib-text",
+                t,
+                "--weight-rounding",
+                "best",
+            ],
+            "invalid value 'best'",
+        ),
+        // An encodings file records grids, not GPTQ's integers.
+        (
+            &[
+                "--quantize-weights",
+                "lpbq4",
+                "--calib-text",
+                t,
+                "--weight-rounding",
+                "gptq",
+                "--export-encodings",
+                "/tmp/npuc-never-written.json",
+            ],
+            "--weight-rounding gptq",
+        ),
     ];
     for (extra, want) in cases {
         let mut args = vec!["perplexity", m, "--file", t, "--chunks", "1", "--ctx", "64"];

@@ -6,7 +6,8 @@
 //! at the call's positions.
 
 use crate::build::{
-    self, BuildOptions, Precision, Variant, WeightMode, WeightQuant, WeightQuantOptions,
+    self, BuildOptions, InputMoment, Precision, Variant, WeightMode, WeightQuant,
+    WeightQuantOptions, WeightRounding,
 };
 use crate::kv::{
     self, check_fits, input_ids, kv_slots, logit_rows, outputs_by_name, Chunked, KvCaches,
@@ -16,6 +17,7 @@ use crate::{bail, LlmError, Result};
 use npuc_gguf::GgufFile;
 use npuc_gguf::GgufMetaJson;
 use npuc_ir::{DType, Model, Tensor};
+use npuc_runtime::ops::matmul::{gemm_into, Mat};
 use npuc_runtime::{Session, SessionOptions};
 use std::collections::HashMap;
 use std::path::Path;
@@ -97,9 +99,12 @@ impl Engine {
             && wq.importance.is_none()
         {
             let mut o = opts.clone();
-            let (importance, absmax) = linear_input_stats(&g, opts)?;
-            o.weight_quant.importance = Some(Arc::new(importance));
-            o.weight_quant.act_absmax = Some(Arc::new(absmax));
+            let stats = linear_input_stats(&g, opts)?;
+            o.weight_quant.importance = Some(Arc::new(stats.importance));
+            o.weight_quant.act_absmax = Some(Arc::new(stats.absmax));
+            if o.weight_quant.rounding == WeightRounding::Gptq {
+                o.weight_quant.second_moments = Some(Arc::new(stats.second_moments));
+            }
             calibrated = o;
             &calibrated
         } else {
@@ -538,12 +543,22 @@ struct LinearInputObserver {
     inputs: Vec<(String, String)>,
     /// Input value name -> (sum of squares per channel, rows seen, absolute maximum).
     sums: HashMap<String, (Vec<f64>, usize, f32)>,
+    /// Input value name -> second moment `sum x x^T` over every row (sink included: its
+    /// keys and values are read by every later position, so its products' error counts),
+    /// when GPTQ rounding asks for it ([`WeightRounding::Gptq`]).
+    second_moments: Option<HashMap<String, Vec<f32>>>,
+    threads: usize,
 }
 
 impl LinearInputObserver {
     /// Adds every observed input's rows `..rows` to its range, rows `skip..rows` to its mean square.
     fn add(&mut self, outs: &HashMap<String, Arc<Tensor>>, skip: usize, rows: usize) -> Result<()> {
+        // Weights that read one input (q/k/v, gate/up) share its statistics: each input once.
+        let mut seen = std::collections::HashSet::new();
         for (_, x) in &self.inputs {
+            if !seen.insert(x.as_str()) {
+                continue;
+            }
             let Some(t) = outs.get(x) else {
                 bail!("calibration graph lacks the linear input '{x}' among its outputs");
             };
@@ -567,6 +582,25 @@ impl LinearInputObserver {
                 }
             }
             *n += rows - skip.min(rows);
+            if let Some(moments) = &mut self.second_moments {
+                let h = moments
+                    .entry(x.clone())
+                    .or_insert_with(|| vec![0f32; k * k]);
+                // h += X^T X over all the chunk's rows (X: rows x k, row-major).
+                gemm_into::<f32>(
+                    k,
+                    k,
+                    rows,
+                    1.0,
+                    Mat::cols(&v[..rows * k], k),
+                    Mat::rows(&v[..rows * k], k),
+                    Some(1.0),
+                    h,
+                    k,
+                    self.threads,
+                )
+                .map_err(|e| LlmError::msg(format!("second moment of '{x}': {e}")))?;
+            }
         }
         Ok(())
     }
@@ -575,9 +609,15 @@ impl LinearInputObserver {
 /// Context of the calibration run's chunks.
 const CALIB_CTX: usize = 512;
 
-/// Linear weight name -> its input's per-channel RMS (the importance its
-/// re-quantization weighs the error with), and -> its input's absolute maximum.
-type LinearInputStats = (HashMap<String, Vec<f32>>, HashMap<String, f32>);
+/// Statistics of every linear weight's input over the calibration run, by weight name.
+struct LinearInputStats {
+    /// Per-channel RMS (the importance its re-quantization weighs the error with).
+    importance: HashMap<String, Vec<f32>>,
+    /// Absolute maximum.
+    absmax: HashMap<String, f32>,
+    /// GPTQ's statistics, shared by the weights reading one input; only for GPTQ rounding.
+    second_moments: HashMap<String, Arc<InputMoment>>,
+}
 
 /// Runs the model unquantized (exact precision) over `opts.weight_quant.calib_tokens`, in
 /// chunks of [`CALIB_CTX`] tokens each from an empty cache, and returns the statistics of each
@@ -614,16 +654,27 @@ fn linear_input_stats(g: &GgufFile, opts: &EngineOptions) -> Result<LinearInputS
         bail!("the calibration graph records no linear inputs");
     }
     let mut e = Engine::from_models(models, GgufMetaJson::default(), opts.threads)?;
+    let gptq = opts.weight_quant.rounding == WeightRounding::Gptq;
     e.observer = Some(LinearInputObserver {
         inputs: inputs.clone(),
         sums: HashMap::new(),
+        second_moments: gptq.then(HashMap::new),
+        threads: opts.threads,
     });
     for chunk in opts.weight_quant.calib_tokens.chunks(ctx) {
         e.reset();
         e.forward(chunk, false)?;
     }
-    let obs = e.observer.take().expect("set above");
+    let mut obs = e.observer.take().expect("set above");
     let (mut importance, mut absmax) = (HashMap::new(), HashMap::new());
+    let mut second_moments = HashMap::new();
+    let shared: HashMap<String, Arc<InputMoment>> = obs
+        .second_moments
+        .take()
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(x, h)| (x, Arc::new(InputMoment { h })))
+        .collect();
     for (w, x) in inputs {
         let Some((sum, n, amax)) = obs.sums.get(&x) else {
             continue;
@@ -638,7 +689,14 @@ fn linear_input_stats(g: &GgufFile, opts: &EngineOptions) -> Result<LinearInputS
             w.clone(),
             sum.iter().map(|s| (s / n).sqrt() as f32).collect(),
         );
+        if let Some(h) = shared.get(&x) {
+            second_moments.insert(w.clone(), h.clone());
+        }
         absmax.insert(w, *amax);
     }
-    Ok((importance, absmax))
+    Ok(LinearInputStats {
+        importance,
+        absmax,
+        second_moments,
+    })
 }

@@ -18,8 +18,8 @@ pub mod kv;
 pub mod ops;
 
 pub use build::{
-    build, BuildOptions, Hparams, LlmEncodings, Precision, Variant, WeightMode, WeightQuant,
-    WeightQuantOptions,
+    build, BuildOptions, Hparams, InputMoment, LlmEncodings, Precision, Variant, WeightMode,
+    WeightQuant, WeightQuantOptions, WeightRounding,
 };
 pub use bundle::{Bundle, BundleOptions};
 pub use engine::{Engine, EngineOptions};

@@ -24,6 +24,7 @@ pub mod adaround;
 pub mod calib;
 pub mod encodings;
 pub mod export;
+pub mod gptq;
 pub mod lpbq;
 pub mod observer;
 pub mod overrides;

@@ -291,10 +291,11 @@ pub fn quantize_with_scales(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn lcg(n: usize, seed: u64) -> Vec<f32> {
+    /// Deterministic pseudo-random values in [-0.5, 0.5) (also used by the GPTQ tests).
+    pub(crate) fn lcg(n: usize, seed: u64) -> Vec<f32> {
         let mut s = seed;
         (0..n)
             .map(|_| {

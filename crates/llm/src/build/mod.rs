@@ -183,6 +183,31 @@ impl WeightQuant {
     }
 }
 
+/// How re-quantized weights are rounded onto their grid.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum WeightRounding {
+    /// Each value to its nearest grid point.
+    #[default]
+    Nearest,
+    /// GPTQ ([`npuc_quant::gptq`]): channel by channel, each rounding's error compensated in
+    /// the channels not yet rounded, through the calibration inputs' second moment; the grid
+    /// is the one nearest rounding would use. Needs calibration text.
+    Gptq,
+}
+
+impl WeightRounding {
+    /// Parses `nearest` or `gptq`.
+    pub fn parse(s: &str) -> Result<WeightRounding> {
+        match s {
+            "nearest" => Ok(WeightRounding::Nearest),
+            "gptq" => Ok(WeightRounding::Gptq),
+            _ => Err(LlmError::msg(format!(
+                "unknown weight rounding '{s}' (expected nearest or gptq)"
+            ))),
+        }
+    }
+}
+
 /// Weight re-quantization of a build: the scheme and, when calibrated, each linear weight's
 /// per-input-channel importance.
 #[derive(Clone, Debug, Default)]
@@ -222,6 +247,21 @@ pub struct WeightQuantOptions {
     pub encodings: Option<std::sync::Arc<LlmEncodings>>,
     /// Where the grids chosen (or applied) are recorded, for `--export-encodings`.
     pub record: Option<std::sync::Arc<std::sync::Mutex<LlmEncodings>>>,
+    /// How values are rounded onto the chosen grids.
+    pub rounding: WeightRounding,
+    /// Weight name -> its input's second moment over the calibration run (filled by the
+    /// engine for [`WeightRounding::Gptq`]).
+    pub second_moments:
+        Option<std::sync::Arc<std::collections::HashMap<String, std::sync::Arc<InputMoment>>>>,
+}
+
+/// A linear input's statistics for GPTQ rounding ([`npuc_quant::gptq::round`]).
+#[derive(Clone, Debug, Default)]
+pub struct InputMoment {
+    /// `sum x x^T` over every calibration row (`k x k`), the attention sink included: its
+    /// keys and values are read by every later position, and leaving it out let GPTQ move
+    /// error into the channels where its activations are massive (SmolLM2 perplexity 3071).
+    pub h: Vec<f32>,
 }
 
 /// How weights enter the graph.
@@ -987,7 +1027,18 @@ impl Builder<'_> {
                 let (q, enc) = scheme
                     .quantize(&w, rows, cols, importance)
                     .map_err(|e| terr(e.to_string()))?;
-                (q, Some(enc))
+                let moment = wq
+                    .second_moments
+                    .as_ref()
+                    .and_then(|m| m.get(&t.name))
+                    .filter(|_| wq.rounding == WeightRounding::Gptq);
+                match moment {
+                    Some(m) => {
+                        let q = gptq_values(&w, rows, cols, m, &enc).map_err(terr)?;
+                        (q, Some(enc))
+                    }
+                    None => (q, Some(enc)),
+                }
             }
         };
         if let Some(rec) = &wq.record {
@@ -1621,6 +1672,44 @@ impl Builder<'_> {
         self.push("Identity", "", &[&logits], "logits", vec![]);
         Ok(())
     }
+}
+
+/// `w` rounded by GPTQ onto the grid of `enc` (the grid nearest rounding chose), with `m`
+/// its input's statistics.
+fn gptq_values(
+    w: &[f32],
+    rows: usize,
+    cols: usize,
+    m: &InputMoment,
+    enc: &WeightEncoding,
+) -> std::result::Result<Vec<f32>, String> {
+    let (scales, group, bw) = match enc {
+        WeightEncoding::Lpbq {
+            bw,
+            block,
+            int_scales,
+            channel_scales,
+            ..
+        } => {
+            let nb = cols / block;
+            let s: Vec<f32> = (0..rows * nb)
+                .map(|i| channel_scales[i / nb] * int_scales[i] as f32)
+                .collect();
+            (s, *block, *bw)
+        }
+        WeightEncoding::PerChannel { bw, scales } => (scales.clone(), cols, *bw),
+    };
+    let grid = npuc_quant::gptq::Grid {
+        scales: &scales,
+        group,
+        qmin: -((1i32 << (bw - 1)) as f32),
+        qmax: ((1i32 << (bw - 1)) - 1) as f32,
+    };
+    let opts = npuc_quant::gptq::GptqOptions {
+        threads: rayon::current_num_threads(),
+        ..Default::default()
+    };
+    npuc_quant::gptq::round(w, rows, cols, &m.h, None, &grid, &opts).map_err(|e| e.to_string())
 }
 
 /// AWQ-style per-input-channel scales `rms^alpha`, normalized to geometric mean 1 (see
