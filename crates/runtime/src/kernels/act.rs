@@ -8,12 +8,12 @@
 //! builds perform the same IEEE operations in the same order: the AVX2 copy is bit-identical to
 //! its scalar twin (tested). GELU, tanh and softmax are the exceptions: they fuse their
 //! polynomials (`mul_add`, exactly rounded on every level; GELU and tanh are rational forms
-//! without exp, softmax rows use a fused exp) and have hand-interleaved AVX-512 copies,
-//! [`gelu_avx512`], `tanh16` and `softmax_row16`.
-//! Sigmoid and swish have hand-interleaved AVX-512 copies as well (`sigmoid16`, ...: four
-//! vectors a step, the unfused exp's operations), bit-identical to the
-//! twins like the compiled copies. GELU in f32 used to go through f64 and libm's `exp`, a fifth
-//! of a ViT-S run, then through an erfc with an exp (twice the operations of the rational form).
+//! without exp, softmax rows use a fused exp). GELU, tanh, sigmoid, swish and softmax have
+//! hand-interleaved vector copies at AVX2 and AVX-512 ([`interleaved`]: one generic loop over
+//! `__m256` / `__m512`, several vectors a step, the one-value functions' operations in order),
+//! bit-identical to the twins like the compiled copies. GELU in f32 used to go through f64 and
+//! libm's `exp`, a fifth of a ViT-S run, then through an erfc with an exp (twice the operations
+//! of the rational form).
 
 use crate::kernels::fmap::map_into_scalar;
 use crate::ops::elementwise::exp_f32;
@@ -46,8 +46,8 @@ const GELU_Q: [f32; 6] = [
 
 /// [`exp_f32`] with its products and sums fused (`mul_add`): softmax's copy, about half the
 /// vector operations of the unfused one. The fused multiply-add is exactly rounded on every
-/// level (the instruction, or libm's `fmaf` in the baseline build), so the vector copy in
-/// `softmax_row16` gives these bits too.
+/// level (the instruction, or libm's `fmaf` in the baseline build), so the vector copies in
+/// `interleaved` (`softmax_row_avx2`, `softmax_row_avx512`) give these bits too.
 #[inline(always)]
 fn exp_fma_f32(x: f32) -> f32 {
     use crate::ops::elementwise::exp_consts::*;
@@ -176,12 +176,14 @@ fn softmax_body(row: &mut [f32]) {
 }
 
 /// An elementwise loop, its scalar twin (`$scalar`, public so tests compare against it), the
-/// AVX2 and AVX-512 copies and the dispatcher `$name`. The AVX-512 copy is the same safe Rust
-/// compiled 16 lanes wide: the same IEEE operations in the same order (no contraction), so it
-/// too equals the scalar twin bit for bit; or, given as `avx512: path`, a hand-written copy.
+/// AVX2 and AVX-512 copies and the dispatcher `$name`. The compiled copies are the same safe
+/// Rust compiled 8 and 16 lanes wide: the same IEEE operations in the same order (no
+/// contraction), so they equal the scalar twin bit for bit; or, given as `avx2: path, avx512:
+/// path`, hand-written copies (the interleaved vector loops below).
 macro_rules! twin_loop {
-    // The AVX-512 copy written by hand (`$custom`, unsafe, AVX-512 F): the dispatcher calls it.
-    ($(#[$doc:meta])* $name:ident, $scalar:ident, $avx2:ident, avx512: $custom:path, |$v:ident| $body:expr) => {
+    // Both vector copies written by hand (unsafe; `$avx2` needs AVX2 and FMA, `$avx512`
+    // AVX-512 F): the dispatcher calls them.
+    ($(#[$doc:meta])* $name:ident, $scalar:ident, avx2: $avx2:path, avx512: $custom:path, |$v:ident| $body:expr) => {
         $(#[$doc])*
         pub fn $name($v: &mut [f32]) {
             #[cfg(target_arch = "x86_64")]
@@ -194,7 +196,7 @@ macro_rules! twin_loop {
                 }
                 if isa.has_avx2() {
                     // SAFETY: the ISA module detected AVX2 and FMA on this CPU (capped by
-                    // NPUC_ISA); the body is safe Rust over the slice.
+                    // NPUC_ISA).
                     unsafe { $avx2($v) };
                     return;
                 }
@@ -206,15 +208,15 @@ macro_rules! twin_loop {
         pub fn $scalar($v: &mut [f32]) {
             $body
         }
+    };
+    ($(#[$doc:meta])* $name:ident, $scalar:ident, $avx2:ident, $avx512:ident, |$v:ident| $body:expr) => {
+        twin_loop!($(#[$doc])* $name, $scalar, avx2: $avx2, avx512: $avx512, |$v| $body);
 
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = "avx2,fma")]
         unsafe fn $avx2($v: &mut [f32]) {
             $body
         }
-    };
-    ($(#[$doc:meta])* $name:ident, $scalar:ident, $avx2:ident, $avx512:ident, |$v:ident| $body:expr) => {
-        twin_loop!($(#[$doc])* $name, $scalar, $avx2, avx512: $avx512, |$v| $body);
 
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = "avx512f,avx2,fma")]
@@ -224,317 +226,565 @@ macro_rules! twin_loop {
     };
 }
 
-/// Exact GELU over a slice, in place: [`gelu_f32`] on every value, at AVX-512 by
-/// [`gelu_avx512`]'s interleaved vectors, at AVX2 by the compiler's vectorization of the same
-/// Rust; every level gives the scalar twin's bits.
-pub fn gelu(v: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        let isa = npuc_isa::Isa::detect();
-        if isa.has_avx512() {
-            // SAFETY: the ISA module detected AVX-512F on this CPU (capped by NPUC_ISA).
-            unsafe { gelu_avx512(v) };
-            return;
-        }
-        if isa.has_avx2() {
-            // SAFETY: the ISA module detected AVX2 and FMA on this CPU (capped by NPUC_ISA).
-            unsafe { gelu_avx2(v) };
-            return;
-        }
-    }
-    gelu_scalar(v)
-}
-
-/// The scalar twin (baseline target) of [`gelu`].
-pub fn gelu_scalar(v: &mut [f32]) {
-    v.iter_mut().for_each(|x| *x = gelu_f32(*x))
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn gelu_avx2(v: &mut [f32]) {
-    v.iter_mut().for_each(|x| *x = gelu_f32(*x))
-}
-
-/// [`gelu_f32`] on 16-lane vectors, [`EXP_LANES`] of them interleaved step by step: a GELU is
-/// a ~45-deep chain of dependent multiplies and adds, and one vector per loop iteration (the
-/// compiler's vectorization) left the multiply-add units waiting on latency. The same IEEE
-/// operations in the same order as [`gelu_f32`] and [`exp_fma_f32`] (fused where they fuse),
-/// so the results equal the scalar twin's bits.
-///
-/// # Safety
-/// AVX-512 F.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn gelu_avx512(v: &mut [f32]) {
-    use std::arch::x86_64::*;
-    let set = |c: f32| _mm512_set1_ps(c);
-    // SAFETY: AVX-512 F, as this function requires.
-    unsafe { map16xn(v, |x| gelu16xn(x, set), gelu_f32) }
-}
-
-/// The body of [`gelu_avx512`] on `N` vectors.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-#[inline]
-fn gelu16xn<const N: usize>(
-    x: [std::arch::x86_64::__m512; N],
-    set: impl Fn(f32) -> std::arch::x86_64::__m512,
-) -> [std::arch::x86_64::__m512; N] {
-    use std::arch::x86_64::*;
-    let each = |f: &dyn Fn(usize) -> __m512| -> [__m512; N] { std::array::from_fn(f) };
-    let e = odd_rational_unit16xn(x, GELU_CLAMP, &GELU_P, &GELU_Q, &set);
-    each(&|i| {
-        let half = _mm512_mul_ps(set(0.5), x[i]);
-        let g = _mm512_fmadd_ps(half, e[i], half);
-        let below = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x[i], set(-GELU_CLAMP));
-        _mm512_mask_blend_ps(below, g, set(-0.0))
-    })
-}
-
-/// [`odd_rational_unit`] on `N` 16-lane vectors, operation for operation.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-#[inline]
-fn odd_rational_unit16xn<const N: usize>(
-    x: [std::arch::x86_64::__m512; N],
-    clamp: f32,
-    p: &[f32],
-    q: &[f32],
-    set: &impl Fn(f32) -> std::arch::x86_64::__m512,
-) -> [std::arch::x86_64::__m512; N] {
-    use std::arch::x86_64::*;
-    let each = |f: &dyn Fn(usize) -> __m512| -> [__m512; N] { std::array::from_fn(f) };
-    // clamp_keep_nan: min(hi, max(lo, v)) returns v when it is NaN (the second operand).
-    let limit = |v: __m512, lo: f32, hi: f32| _mm512_min_ps(set(hi), _mm512_max_ps(set(lo), v));
-    let xc = each(&|i| limit(x[i], -clamp, clamp));
-    let s = each(&|i| _mm512_mul_ps(xc[i], xc[i]));
-    let mut pv = [set(p[0]); N];
-    for &c in &p[1..] {
-        pv = each(&|i| _mm512_fmadd_ps(pv[i], s[i], set(c)));
-    }
-    let mut qv = [set(q[0]); N];
-    for &c in &q[1..] {
-        qv = each(&|i| _mm512_fmadd_ps(qv[i], s[i], set(c)));
-    }
-    each(&|i| limit(_mm512_div_ps(_mm512_mul_ps(xc[i], pv[i]), qv[i]), -1.0, 1.0))
-}
-
-/// [`exp_fma_f32`] (`FUSED`) or [`exp_f32`] (products and sums rounded apart) on `N` 16-lane
-/// vectors, operation for operation.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-#[inline]
-fn exp16xn<const N: usize, const FUSED: bool>(
-    x: [std::arch::x86_64::__m512; N],
-    set: &impl Fn(f32) -> std::arch::x86_64::__m512,
-) -> [std::arch::x86_64::__m512; N] {
-    use crate::ops::elementwise::exp_consts as k;
-    use std::arch::x86_64::*;
-    let each = |f: &dyn Fn(usize) -> __m512| -> [__m512; N] { std::array::from_fn(f) };
-    // max(LO, x) then min(HI, .) is `clamp`, and returns x when it is NaN (the second operand).
-    // a * b + c, fused or rounded twice as the scalar copy does it.
-    let madd = |a: __m512, b: __m512, c: __m512| {
-        if FUSED {
-            _mm512_fmadd_ps(a, b, c)
-        } else {
-            _mm512_add_ps(_mm512_mul_ps(a, b), c)
-        }
-    };
-    let xc = each(&|i| _mm512_min_ps(set(k::HI), _mm512_max_ps(set(k::LO), x[i])));
-    let t = each(&|i| madd(xc[i], set(k::LOG2E), set(k::MAGIC)));
-    let n = each(&|i| _mm512_sub_ps(t[i], set(k::MAGIC)));
-    let r = each(&|i| {
-        if FUSED {
-            let r = _mm512_fnmadd_ps(n[i], set(k::LN2_HI), xc[i]);
-            _mm512_fnmadd_ps(n[i], set(k::LN2_LO), r)
-        } else {
-            let r = _mm512_sub_ps(xc[i], _mm512_mul_ps(n[i], set(k::LN2_HI)));
-            _mm512_sub_ps(r, _mm512_mul_ps(n[i], set(k::LN2_LO)))
-        }
-    });
-    let mut p = [set(k::P[0]); N];
-    for &c in &k::P[1..] {
-        p = each(&|i| madd(p[i], r[i], set(c)));
-    }
-    each(&|i| {
-        let e = madd(_mm512_mul_ps(p[i], r[i]), r[i], r[i]);
-        let e = _mm512_add_ps(e, set(1.0));
-        let ni = _mm512_sub_epi32(_mm512_castps_si512(t[i]), _mm512_set1_epi32(0x4B40_0000));
-        let n1 = _mm512_srai_epi32::<1>(ni);
-        let n2 = _mm512_sub_epi32(ni, n1);
-        let bias = _mm512_set1_epi32(127);
-        let s1 = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(n1, bias)));
-        let s2 = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(n2, bias)));
-        let y = _mm512_mul_ps(_mm512_mul_ps(e, s1), s2);
-        // Below LO: 0; above HI: infinity; NaN compares false both ways and passes through.
-        let lo = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x[i], set(k::LO));
-        let hi = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(x[i], set(k::HI));
-        let y = _mm512_mask_blend_ps(lo, y, _mm512_setzero_ps());
-        _mm512_mask_blend_ps(hi, y, set(f32::INFINITY))
-    })
-}
-/// Vectors the hand-written AVX-512 loops below carry through each step together (an exp is a
-/// ~20-deep chain of dependent operations: one vector per loop iteration, the compiler's
-/// vectorization, waits on latency; sigmoid measured ~1.0 ns a value that way).
-const EXP_LANES: usize = 4;
-
-/// `f` over whole blocks of `16 * EXP_LANES` values of `v` (loaded, mapped, stored) and
-/// `scalar` over the rest.
-///
-/// # Safety
-/// AVX-512 F.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-#[inline]
-unsafe fn map16xn(
-    v: &mut [f32],
-    f: impl Fn([std::arch::x86_64::__m512; EXP_LANES]) -> [std::arch::x86_64::__m512; EXP_LANES],
-    scalar: impl Fn(f32) -> f32,
-) {
-    use std::arch::x86_64::*;
-    let mut blocks = v.chunks_exact_mut(16 * EXP_LANES);
-    for block in &mut blocks {
-        let mut x = [_mm512_setzero_ps(); EXP_LANES];
-        for (i, xi) in x.iter_mut().enumerate() {
-            // SAFETY: the block holds 16 * EXP_LANES values.
-            *xi = unsafe { _mm512_loadu_ps(block.as_ptr().add(16 * i)) };
-        }
-        let y = f(x);
-        for (i, yi) in y.iter().enumerate() {
-            // SAFETY: as the loads.
-            unsafe { _mm512_storeu_ps(block.as_mut_ptr().add(16 * i), *yi) };
-        }
-    }
-    for x in blocks.into_remainder() {
-        *x = scalar(*x);
-    }
-}
-
-/// `-x` on each vector (sign bit flipped, as scalar negation does).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-#[inline]
-fn neg16(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
-    use std::arch::x86_64::*;
-    _mm512_castsi512_ps(_mm512_xor_si512(
-        _mm512_castps_si512(x),
-        _mm512_set1_epi32(i32::MIN),
-    ))
-}
-
-/// [`sigmoid`] at AVX-512: [`sigmoid_f32`]'s operations on interleaved vectors.
-///
-/// # Safety
-/// AVX-512 F.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn sigmoid16(v: &mut [f32]) {
-    use std::arch::x86_64::*;
-    let set = |c: f32| _mm512_set1_ps(c);
-    let f = |x: [__m512; EXP_LANES]| {
-        let e = exp16xn::<EXP_LANES, false>(x.map(|x| neg16(x)), &set);
-        e.map(|e| _mm512_div_ps(set(1.0), _mm512_add_ps(set(1.0), e)))
-    };
-    // SAFETY: AVX-512 F, as this function requires.
-    unsafe { map16xn(v, f, sigmoid_f32) }
-}
-
-/// [`swish`] at AVX-512: `x / (1 + e^-x)` on interleaved vectors.
-///
-/// # Safety
-/// AVX-512 F.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn swish16(v: &mut [f32]) {
-    use std::arch::x86_64::*;
-    let set = |c: f32| _mm512_set1_ps(c);
-    let f = |x: [__m512; EXP_LANES]| {
-        let e = exp16xn::<EXP_LANES, false>(x.map(|x| neg16(x)), &set);
-        std::array::from_fn(|i| _mm512_div_ps(x[i], _mm512_add_ps(set(1.0), e[i])))
-    };
-    // SAFETY: AVX-512 F, as this function requires.
-    unsafe { map16xn(v, f, |x| x / (1.0 + exp_f32(-x))) }
-}
-
-/// [`tanh`] at AVX-512: [`tanh_f32`]'s fused operations on interleaved vectors.
-///
-/// # Safety
-/// AVX-512 F.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn tanh16(v: &mut [f32]) {
-    use std::arch::x86_64::*;
-    let set = |c: f32| _mm512_set1_ps(c);
-    let f = |x: [__m512; EXP_LANES]| {
-        let each = |f: &dyn Fn(usize) -> __m512| -> [__m512; EXP_LANES] { std::array::from_fn(f) };
-        let r = odd_rational_unit16xn(x, TANH_CLAMP, &TANH_P, &TANH_Q, &set);
-        each(&|i| {
-            let tiny = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(_mm512_abs_ps(x[i]), set(TANH_TINY));
-            _mm512_mask_blend_ps(tiny, r[i], x[i])
-        })
-    };
-    // SAFETY: AVX-512 F, as this function requires.
-    unsafe { map16xn(v, f, tanh_f32) }
-}
-
-/// [`softmax_row`] at AVX-512: the max and sum as [`softmax_body`] takes them, the exps on
-/// interleaved vectors.
-///
-/// # Safety
-/// AVX-512 F.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn softmax_row16(row: &mut [f32]) {
-    use std::arch::x86_64::*;
-    if row.is_empty() {
-        return;
-    }
-    let set = |c: f32| _mm512_set1_ps(c);
-    let m = max_of(row);
-    let f = |x: [__m512; EXP_LANES]| {
-        exp16xn::<EXP_LANES, true>(x.map(|x| _mm512_sub_ps(x, set(m))), &set)
-    };
-    // SAFETY: AVX-512 F, as this function requires.
-    unsafe { map16xn(row, f, |x| exp_fma_f32(x - m)) };
-    let inv = 1.0 / sum_of(row);
-    for v in row.iter_mut() {
-        *v *= inv;
-    }
-}
-
+twin_loop!(
+    /// Exact GELU over a slice, in place: [`gelu_f32`] on every value (at AVX2 and AVX-512 on
+    /// interleaved vectors, [`interleaved`]); every level gives the scalar twin's bits.
+    gelu,
+    gelu_scalar,
+    avx2: interleaved::gelu_avx2,
+    avx512: interleaved::gelu_avx512,
+    |v| v.iter_mut().for_each(|x| *x = gelu_f32(*x))
+);
 twin_loop!(
     /// Sigmoid over a slice, in place.
     sigmoid,
     sigmoid_scalar,
-    sigmoid_avx2,
-    avx512: sigmoid16,
+    avx2: interleaved::sigmoid_avx2,
+    avx512: interleaved::sigmoid_avx512,
     |v| v.iter_mut().for_each(|x| *x = sigmoid_f32(*x))
 );
 twin_loop!(
     /// Swish (`x * sigmoid(x)`, computed as `x / (1 + e^-x)`) over a slice, in place.
     swish,
     swish_scalar,
-    swish_avx2,
-    avx512: swish16,
-    |v| v.iter_mut().for_each(|x| *x /= 1.0 + exp_f32(-*x))
+    avx2: interleaved::swish_avx2,
+    avx512: interleaved::swish_avx512,
+    |v| v.iter_mut().for_each(|x| *x = swish_f32(*x))
 );
 twin_loop!(
     /// Tanh over a slice, in place.
     tanh,
     tanh_scalar,
-    tanh_avx2,
-    avx512: tanh16,
+    avx2: interleaved::tanh_avx2,
+    avx512: interleaved::tanh_avx512,
     |v| crate::kernels::fmap::via_copy(v, |old, v| map_into_scalar(old, v, &tanh_f32))
 );
 twin_loop!(
     /// Softmax of one contiguous row, in place.
     softmax_row,
     softmax_row_scalar,
-    softmax_row_avx2,
-    avx512: softmax_row16,
+    avx2: interleaved::softmax_row_avx2,
+    avx512: interleaved::softmax_row_avx512,
     |v| softmax_body(v)
 );
+
+/// `x / (1 + e^-x)`: swish's one-value form.
+#[inline(always)]
+fn swish_f32(x: f32) -> f32 {
+    x / (1.0 + exp_f32(-x))
+}
+
+/// The exp-, division- and rational-form activations on several vectors at once: each is a
+/// 20-45-deep chain of dependent operations, so one vector per loop iteration (what the
+/// compiler's vectorization of the one-value functions gives) leaves the multiply-add units
+/// waiting on latency: at AVX2 on Zen 3, sigmoid ran 2.5 ns a value that way, barely ahead of
+/// the 4-lane baseline build (3.5). The loops are written once, generic over the vector type
+/// ([`Lanes`]: `__m256` with AVX2 + FMA, `__m512` with AVX-512 F), and perform the one-value
+/// functions' IEEE operations in the same order (fused exactly where those fuse), so every
+/// level gives the scalar twin's bits (the tests below compare them).
+#[cfg(target_arch = "x86_64")]
+mod interleaved {
+    use super::*;
+    use crate::ops::elementwise::exp_consts as k;
+    use std::arch::x86_64::*;
+
+    /// Vectors carried through each step together at AVX-512 (32 registers).
+    const N512: usize = 4;
+    /// The same at AVX2: four exps' temporaries and constants overflow 16 registers, two fit.
+    const N256: usize = 2;
+
+    /// The f32 vector operations the loops are written in.
+    ///
+    /// # Safety
+    /// Every method needs the CPU features of its implementation (AVX2 + FMA for `__m256`,
+    /// AVX-512 F for `__m512`); they are only called from functions that enable them.
+    pub(super) trait Lanes: Copy {
+        /// f32 lanes of one vector.
+        const WIDTH: usize;
+        unsafe fn splat(c: f32) -> Self;
+        /// `WIDTH` values from `p` (unaligned).
+        unsafe fn load(p: *const f32) -> Self;
+        /// `WIDTH` values to `p` (unaligned).
+        unsafe fn store(self, p: *mut f32);
+        unsafe fn add(self, b: Self) -> Self;
+        unsafe fn sub(self, b: Self) -> Self;
+        unsafe fn mul(self, b: Self) -> Self;
+        unsafe fn div(self, b: Self) -> Self;
+        /// `self * b + c`, rounded once.
+        unsafe fn fmadd(self, b: Self, c: Self) -> Self;
+        /// `c - self * b`, rounded once.
+        unsafe fn fnmadd(self, b: Self, c: Self) -> Self;
+        /// `min(self, b)`: `b` when either is NaN (the instruction's operand order).
+        unsafe fn min(self, b: Self) -> Self;
+        /// `max(self, b)`: `b` when either is NaN.
+        unsafe fn max(self, b: Self) -> Self;
+        /// The sign bit cleared.
+        unsafe fn abs(self) -> Self;
+        /// The sign bit flipped (scalar negation).
+        unsafe fn neg(self) -> Self;
+        /// `t` where `self < b` (ordered: false for NaN), else `f`.
+        unsafe fn select_lt(self, b: Self, t: Self, f: Self) -> Self;
+        /// `t` where `self > b` (ordered), else `f`.
+        unsafe fn select_gt(self, b: Self, t: Self, f: Self) -> Self;
+        /// [`exp_finish`]'s scale factors `2^n1` and `2^n2` from `t` (`exp`'s rounded
+        /// `x log2 e + MAGIC`): `ni = bits(t) - 0x4B40_0000`, `n1 = ni >> 1`, `n2 = ni - n1`.
+        unsafe fn exp2_halves(t: Self) -> (Self, Self);
+    }
+
+    impl Lanes for __m256 {
+        const WIDTH: usize = 8;
+        #[inline(always)]
+        unsafe fn splat(c: f32) -> Self {
+            // SAFETY (every method of this impl): AVX2 and FMA, the trait's contract; loads
+            // and stores read/write the 8 values the caller's pointer covers.
+            unsafe { _mm256_set1_ps(c) }
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> Self {
+            unsafe { _mm256_loadu_ps(p) }
+        }
+        #[inline(always)]
+        unsafe fn store(self, p: *mut f32) {
+            unsafe { _mm256_storeu_ps(p, self) }
+        }
+        #[inline(always)]
+        unsafe fn add(self, b: Self) -> Self {
+            unsafe { _mm256_add_ps(self, b) }
+        }
+        #[inline(always)]
+        unsafe fn sub(self, b: Self) -> Self {
+            unsafe { _mm256_sub_ps(self, b) }
+        }
+        #[inline(always)]
+        unsafe fn mul(self, b: Self) -> Self {
+            unsafe { _mm256_mul_ps(self, b) }
+        }
+        #[inline(always)]
+        unsafe fn div(self, b: Self) -> Self {
+            unsafe { _mm256_div_ps(self, b) }
+        }
+        #[inline(always)]
+        unsafe fn fmadd(self, b: Self, c: Self) -> Self {
+            unsafe { _mm256_fmadd_ps(self, b, c) }
+        }
+        #[inline(always)]
+        unsafe fn fnmadd(self, b: Self, c: Self) -> Self {
+            unsafe { _mm256_fnmadd_ps(self, b, c) }
+        }
+        #[inline(always)]
+        unsafe fn min(self, b: Self) -> Self {
+            unsafe { _mm256_min_ps(self, b) }
+        }
+        #[inline(always)]
+        unsafe fn max(self, b: Self) -> Self {
+            unsafe { _mm256_max_ps(self, b) }
+        }
+        #[inline(always)]
+        unsafe fn abs(self) -> Self {
+            unsafe {
+                _mm256_castsi256_ps(_mm256_and_si256(
+                    _mm256_castps_si256(self),
+                    _mm256_set1_epi32(i32::MAX),
+                ))
+            }
+        }
+        #[inline(always)]
+        unsafe fn neg(self) -> Self {
+            unsafe {
+                _mm256_castsi256_ps(_mm256_xor_si256(
+                    _mm256_castps_si256(self),
+                    _mm256_set1_epi32(i32::MIN),
+                ))
+            }
+        }
+        #[inline(always)]
+        unsafe fn select_lt(self, b: Self, t: Self, f: Self) -> Self {
+            unsafe { _mm256_blendv_ps(f, t, _mm256_cmp_ps::<_CMP_LT_OQ>(self, b)) }
+        }
+        #[inline(always)]
+        unsafe fn select_gt(self, b: Self, t: Self, f: Self) -> Self {
+            unsafe { _mm256_blendv_ps(f, t, _mm256_cmp_ps::<_CMP_GT_OQ>(self, b)) }
+        }
+        #[inline(always)]
+        unsafe fn exp2_halves(t: Self) -> (Self, Self) {
+            unsafe {
+                let ni = _mm256_sub_epi32(_mm256_castps_si256(t), _mm256_set1_epi32(0x4B40_0000));
+                let n1 = _mm256_srai_epi32::<1>(ni);
+                let n2 = _mm256_sub_epi32(ni, n1);
+                let bias = _mm256_set1_epi32(127);
+                let s1 = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(n1, bias)));
+                let s2 = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(n2, bias)));
+                (s1, s2)
+            }
+        }
+    }
+
+    impl Lanes for __m512 {
+        const WIDTH: usize = 16;
+        #[inline(always)]
+        unsafe fn splat(c: f32) -> Self {
+            // SAFETY (every method of this impl): AVX-512 F, the trait's contract; loads and
+            // stores read/write the 16 values the caller's pointer covers.
+            unsafe { _mm512_set1_ps(c) }
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> Self {
+            unsafe { _mm512_loadu_ps(p) }
+        }
+        #[inline(always)]
+        unsafe fn store(self, p: *mut f32) {
+            unsafe { _mm512_storeu_ps(p, self) }
+        }
+        #[inline(always)]
+        unsafe fn add(self, b: Self) -> Self {
+            unsafe { _mm512_add_ps(self, b) }
+        }
+        #[inline(always)]
+        unsafe fn sub(self, b: Self) -> Self {
+            unsafe { _mm512_sub_ps(self, b) }
+        }
+        #[inline(always)]
+        unsafe fn mul(self, b: Self) -> Self {
+            unsafe { _mm512_mul_ps(self, b) }
+        }
+        #[inline(always)]
+        unsafe fn div(self, b: Self) -> Self {
+            unsafe { _mm512_div_ps(self, b) }
+        }
+        #[inline(always)]
+        unsafe fn fmadd(self, b: Self, c: Self) -> Self {
+            unsafe { _mm512_fmadd_ps(self, b, c) }
+        }
+        #[inline(always)]
+        unsafe fn fnmadd(self, b: Self, c: Self) -> Self {
+            unsafe { _mm512_fnmadd_ps(self, b, c) }
+        }
+        #[inline(always)]
+        unsafe fn min(self, b: Self) -> Self {
+            unsafe { _mm512_min_ps(self, b) }
+        }
+        #[inline(always)]
+        unsafe fn max(self, b: Self) -> Self {
+            unsafe { _mm512_max_ps(self, b) }
+        }
+        #[inline(always)]
+        unsafe fn abs(self) -> Self {
+            unsafe { _mm512_abs_ps(self) }
+        }
+        #[inline(always)]
+        unsafe fn neg(self) -> Self {
+            unsafe {
+                _mm512_castsi512_ps(_mm512_xor_si512(
+                    _mm512_castps_si512(self),
+                    _mm512_set1_epi32(i32::MIN),
+                ))
+            }
+        }
+        #[inline(always)]
+        unsafe fn select_lt(self, b: Self, t: Self, f: Self) -> Self {
+            unsafe { _mm512_mask_blend_ps(_mm512_cmp_ps_mask::<_CMP_LT_OQ>(self, b), f, t) }
+        }
+        #[inline(always)]
+        unsafe fn select_gt(self, b: Self, t: Self, f: Self) -> Self {
+            unsafe { _mm512_mask_blend_ps(_mm512_cmp_ps_mask::<_CMP_GT_OQ>(self, b), f, t) }
+        }
+        #[inline(always)]
+        unsafe fn exp2_halves(t: Self) -> (Self, Self) {
+            unsafe {
+                let ni = _mm512_sub_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(0x4B40_0000));
+                let n1 = _mm512_srai_epi32::<1>(ni);
+                let n2 = _mm512_sub_epi32(ni, n1);
+                let bias = _mm512_set1_epi32(127);
+                let s1 = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(n1, bias)));
+                let s2 = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(n2, bias)));
+                (s1, s2)
+            }
+        }
+    }
+
+    /// `f` over whole blocks of `N` vectors of `v` (loaded, mapped, stored) and `scalar` over
+    /// the rest.
+    ///
+    /// # Safety
+    /// The CPU features of `V` ([`Lanes`]).
+    #[inline(always)]
+    unsafe fn map_n<V: Lanes, const N: usize>(
+        v: &mut [f32],
+        f: impl Fn([V; N]) -> [V; N],
+        scalar: impl Fn(f32) -> f32,
+    ) {
+        let mut blocks = v.chunks_exact_mut(V::WIDTH * N);
+        for block in &mut blocks {
+            // SAFETY: the block holds N * WIDTH values, vector i the i-th WIDTH of them; the
+            // features as the contract.
+            unsafe {
+                let mut x = [V::splat(0.0); N];
+                for (i, xi) in x.iter_mut().enumerate() {
+                    *xi = V::load(block.as_ptr().add(V::WIDTH * i));
+                }
+                let y = f(x);
+                for (i, yi) in y.iter().enumerate() {
+                    yi.store(block.as_mut_ptr().add(V::WIDTH * i));
+                }
+            }
+        }
+        for x in blocks.into_remainder() {
+            *x = scalar(*x);
+        }
+    }
+
+    // The vector forms below use indexed loops over `[V; N]`, not closures: a closure is
+    // compiled without the entry point's CPU features, and where LLVM keeps it out of line its
+    // intrinsics become calls (`array::from_fn` and `map` did that here: 10x slower).
+
+    /// `a * b + c`, fused (`FUSED`) or rounded twice, as the scalar copy does it.
+    ///
+    /// # Safety
+    /// The CPU features of `V`.
+    #[inline(always)]
+    unsafe fn madd<V: Lanes, const FUSED: bool>(a: V, b: V, c: V) -> V {
+        // SAFETY: the features as the contract.
+        unsafe {
+            if FUSED {
+                a.fmadd(b, c)
+            } else {
+                a.mul(b).add(c)
+            }
+        }
+    }
+
+    /// `min(hi, max(lo, v))`: `clamp`, returning `v` when it is NaN (the second operand).
+    ///
+    /// # Safety
+    /// The CPU features of `V`.
+    #[inline(always)]
+    unsafe fn limit<V: Lanes>(v: V, lo: f32, hi: f32) -> V {
+        // SAFETY: the features as the contract.
+        unsafe { V::splat(hi).min(V::splat(lo).max(v)) }
+    }
+
+    /// [`exp_fma_f32`] (`FUSED`) or [`exp_f32`] (products and sums rounded apart) on `N`
+    /// vectors, operation for operation.
+    ///
+    /// # Safety
+    /// The CPU features of `V`.
+    #[inline(always)]
+    unsafe fn exp_n<V: Lanes, const N: usize, const FUSED: bool>(x: [V; N]) -> [V; N] {
+        // SAFETY: the features as the contract; no memory is touched.
+        unsafe {
+            let (mut t, mut r) = ([V::splat(0.0); N], [V::splat(0.0); N]);
+            for i in 0..N {
+                let xc = limit(x[i], k::LO, k::HI);
+                t[i] = madd::<V, FUSED>(xc, V::splat(k::LOG2E), V::splat(k::MAGIC));
+                let n = t[i].sub(V::splat(k::MAGIC));
+                r[i] = if FUSED {
+                    n.fnmadd(V::splat(k::LN2_LO), n.fnmadd(V::splat(k::LN2_HI), xc))
+                } else {
+                    xc.sub(n.mul(V::splat(k::LN2_HI)))
+                        .sub(n.mul(V::splat(k::LN2_LO)))
+                };
+            }
+            let mut p = [V::splat(k::P[0]); N];
+            for &c in &k::P[1..] {
+                for i in 0..N {
+                    p[i] = madd::<V, FUSED>(p[i], r[i], V::splat(c));
+                }
+            }
+            let mut y = [V::splat(0.0); N];
+            for i in 0..N {
+                let e = madd::<V, FUSED>(p[i].mul(r[i]), r[i], r[i]).add(V::splat(1.0));
+                let (s1, s2) = V::exp2_halves(t[i]);
+                let v = e.mul(s1).mul(s2);
+                // Below LO: 0; above HI: infinity; NaN compares false both ways and passes.
+                let v = x[i].select_lt(V::splat(k::LO), V::splat(0.0), v);
+                y[i] = x[i].select_gt(V::splat(k::HI), V::splat(f32::INFINITY), v);
+            }
+            y
+        }
+    }
+
+    /// [`odd_rational_unit`] on `N` vectors, operation for operation.
+    ///
+    /// # Safety
+    /// The CPU features of `V`.
+    #[inline(always)]
+    unsafe fn odd_rational_unit_n<V: Lanes, const N: usize>(
+        x: [V; N],
+        clamp: f32,
+        p: &[f32],
+        q: &[f32],
+    ) -> [V; N] {
+        // SAFETY: the features as the contract; no memory is touched.
+        unsafe {
+            let (mut xc, mut s) = ([V::splat(0.0); N], [V::splat(0.0); N]);
+            for i in 0..N {
+                xc[i] = limit(x[i], -clamp, clamp);
+                s[i] = xc[i].mul(xc[i]);
+            }
+            let mut pv = [V::splat(p[0]); N];
+            for &c in &p[1..] {
+                for i in 0..N {
+                    pv[i] = pv[i].fmadd(s[i], V::splat(c));
+                }
+            }
+            let mut qv = [V::splat(q[0]); N];
+            for &c in &q[1..] {
+                for i in 0..N {
+                    qv[i] = qv[i].fmadd(s[i], V::splat(c));
+                }
+            }
+            for i in 0..N {
+                xc[i] = limit(xc[i].mul(pv[i]).div(qv[i]), -1.0, 1.0);
+            }
+            xc
+        }
+    }
+
+    /// [`gelu_f32`] on `N` vectors.
+    ///
+    /// # Safety
+    /// The CPU features of `V`.
+    #[inline(always)]
+    unsafe fn gelu_n<V: Lanes, const N: usize>(x: [V; N]) -> [V; N] {
+        // SAFETY: the features as the contract.
+        unsafe {
+            let mut e = odd_rational_unit_n(x, GELU_CLAMP, &GELU_P, &GELU_Q);
+            for i in 0..N {
+                let half = V::splat(0.5).mul(x[i]);
+                let g = half.fmadd(e[i], half);
+                e[i] = x[i].select_lt(V::splat(-GELU_CLAMP), V::splat(-0.0), g);
+            }
+            e
+        }
+    }
+
+    /// [`sigmoid_f32`] on `N` vectors.
+    ///
+    /// # Safety
+    /// The CPU features of `V`.
+    #[inline(always)]
+    unsafe fn sigmoid_n<V: Lanes, const N: usize>(mut x: [V; N]) -> [V; N] {
+        // SAFETY: the features as the contract.
+        unsafe {
+            for xi in &mut x {
+                *xi = xi.neg();
+            }
+            let mut e = exp_n::<V, N, false>(x);
+            for ei in &mut e {
+                *ei = V::splat(1.0).div(V::splat(1.0).add(*ei));
+            }
+            e
+        }
+    }
+
+    /// [`swish_f32`] on `N` vectors.
+    ///
+    /// # Safety
+    /// The CPU features of `V`.
+    #[inline(always)]
+    unsafe fn swish_n<V: Lanes, const N: usize>(x: [V; N]) -> [V; N] {
+        // SAFETY: the features as the contract.
+        unsafe {
+            let mut nx = x;
+            for v in &mut nx {
+                *v = v.neg();
+            }
+            let mut e = exp_n::<V, N, false>(nx);
+            for i in 0..N {
+                e[i] = x[i].div(V::splat(1.0).add(e[i]));
+            }
+            e
+        }
+    }
+
+    /// [`tanh_f32`] on `N` vectors.
+    ///
+    /// # Safety
+    /// The CPU features of `V`.
+    #[inline(always)]
+    unsafe fn tanh_n<V: Lanes, const N: usize>(x: [V; N]) -> [V; N] {
+        // SAFETY: the features as the contract.
+        unsafe {
+            let mut r = odd_rational_unit_n(x, TANH_CLAMP, &TANH_P, &TANH_Q);
+            for i in 0..N {
+                r[i] = x[i].abs().select_lt(V::splat(TANH_TINY), x[i], r[i]);
+            }
+            r
+        }
+    }
+
+    /// `exp(x - m)` on `N` vectors, fused as [`exp_fma_f32`].
+    ///
+    /// # Safety
+    /// The CPU features of `V`.
+    #[inline(always)]
+    unsafe fn exp_shifted_n<V: Lanes, const N: usize>(mut x: [V; N], m: f32) -> [V; N] {
+        // SAFETY: the features as the contract.
+        unsafe {
+            for xi in &mut x {
+                *xi = xi.sub(V::splat(m));
+            }
+            exp_n::<V, N, true>(x)
+        }
+    }
+
+    /// The dispatched entry points of the mapped activations: `$vector` on interleaved
+    /// vectors, `$one` on the remainder, at each level.
+    macro_rules! entries {
+        ($($avx2:ident, $avx512:ident: $vector:ident, $one:ident;)*) => {$(
+            /// # Safety
+            /// AVX2 and FMA.
+            #[target_feature(enable = "avx2,fma")]
+            pub(super) unsafe fn $avx2(v: &mut [f32]) {
+                // SAFETY: AVX2 and FMA, the features of `__m256`.
+                unsafe { map_n::<__m256, N256>(v, |x| $vector(x), $one) }
+            }
+            /// # Safety
+            /// AVX-512 F.
+            #[target_feature(enable = "avx512f")]
+            pub(super) unsafe fn $avx512(v: &mut [f32]) {
+                // SAFETY: AVX-512 F, the features of `__m512`.
+                unsafe { map_n::<__m512, N512>(v, |x| $vector(x), $one) }
+            }
+        )*};
+    }
+
+    entries! {
+        gelu_avx2, gelu_avx512: gelu_n, gelu_f32;
+        sigmoid_avx2, sigmoid_avx512: sigmoid_n, sigmoid_f32;
+        swish_avx2, swish_avx512: swish_n, swish_f32;
+        tanh_avx2, tanh_avx512: tanh_n, tanh_f32;
+    }
+
+    /// [`softmax_body`] with the exps on interleaved vectors (the max and sum as it takes
+    /// them), at each level.
+    macro_rules! softmax_entries {
+        ($($entry:ident: $features:literal, $v:ty, $n:expr;)*) => {$(
+            /// # Safety
+            /// The CPU features named.
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn $entry(row: &mut [f32]) {
+                if row.is_empty() {
+                    return;
+                }
+                let m = max_of(row);
+                // SAFETY: the features `$v` needs, enabled here.
+                unsafe {
+                    map_n::<$v, { $n }>(row, |x| exp_shifted_n(x, m), |x| exp_fma_f32(x - m))
+                };
+                let inv = 1.0 / sum_of(row);
+                for v in row.iter_mut() {
+                    *v *= inv;
+                }
+            }
+        )*};
+    }
+
+    softmax_entries! {
+        softmax_row_avx2: "avx2,fma", __m256, N256;
+        softmax_row_avx512: "avx512f", __m512, N512;
+    }
+}
 
 /// [`twin_loop!`] for loops with two `f32` parameters (clip bounds, hard-sigmoid slope and
 /// offset): the parameters are passed through to all three copies.
