@@ -970,7 +970,7 @@ fn igemm_core<T: Send, F: Fn(&[i32], &mut [T]) + Sync>(
             let vnni = isa.has_avx512_vnni();
             let (kp4, rows) = (a.kp, a.rows);
             let (ad, ar) = (&a.buf.quads[..], &a.buf.rows[..]);
-            let tile = |bi: usize, pn: usize, dst: &mut [i32], ldt: usize| {
+            let tile = |bi: usize, pn: usize, _rows: usize, dst: &mut [i32], ldt: usize| {
                 let ablk = &ad[bi * MRQ * kp4..(bi + 1) * MRQ * kp4];
                 let aoff = &ar[bi * MRQ..(bi + 1) * MRQ];
                 let asum = &ar[rows + bi * MRQ..rows + (bi + 1) * MRQ];
@@ -1034,17 +1034,27 @@ fn run_pairs<E: PanelElem, T: Send, F: Fn(&[i32], &mut [T]) + Sync>(
     let kp2 = a.kp;
     let ad = &a.buf.pairs[..];
     let simd = isa.has_avx2();
-    let tile = |bi: usize, pn: usize, dst: &mut [i32], ldt: usize| {
+    let tile = |bi: usize, pn: usize, rows: usize, dst: &mut [i32], ldt: usize| {
         let ablk = &ad[bi * MR * kp2..(bi + 1) * MR * kp2];
         let bpan = &data[pn * p.pairs * 2 * NR..(pn + 1) * p.pairs * 2 * NR];
         if simd {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: avx2 support was checked by the caller (`isa <= Isa::detect()`); `ablk`
-            // holds MR rows of `kp2 = 2 * pairs` values and `bpan` holds `pairs * 2 * NR`
-            // values, exactly what the kernel reads; `dst` holds (MR - 1) * ldt + NR slots (a
-            // full tile of C, or the edge buffer).
+            // holds MR >= R rows of `kp2 = 2 * pairs` values and `bpan` holds `pairs * 2 * NR`
+            // values, exactly what the kernel reads; `dst` holds (MR - 1) * ldt + NR >= (R - 1)
+            // * ldt + NR slots (a full tile of C, or the edge buffer).
             unsafe {
-                tile_avx2(p.pairs, ablk, kp2, bpan, dst, ldt)
+                // An edge block of fewer rows runs a kernel of that height: the rows past
+                // `rows` are padding, and computing them cost a text2tashkeel LSTM's 32-row
+                // input projection 36 rows' time.
+                match rows {
+                    1 => tile_avx2::<E, 1>(p.pairs, ablk, kp2, bpan, dst, ldt),
+                    2 => tile_avx2::<E, 2>(p.pairs, ablk, kp2, bpan, dst, ldt),
+                    3 => tile_avx2::<E, 3>(p.pairs, ablk, kp2, bpan, dst, ldt),
+                    4 => tile_avx2::<E, 4>(p.pairs, ablk, kp2, bpan, dst, ldt),
+                    5 => tile_avx2::<E, 5>(p.pairs, ablk, kp2, bpan, dst, ldt),
+                    _ => tile_avx2::<E, MR>(p.pairs, ablk, kp2, bpan, dst, ldt),
+                }
             }
             #[cfg(not(target_arch = "x86_64"))]
             tile_scalar(p.pairs, ablk, kp2, bpan, dst, ldt)
@@ -1062,7 +1072,8 @@ struct Shape {
     threads: usize,
 }
 
-/// Runs `tile(row_block, panel, dst, ldt)` over every TM x TN tile of `c` (and the epilogue
+/// Runs `tile(row_block, panel, rows, dst, ldt)` over every TM x TN tile of `c` (`rows`: the
+/// block's rows inside `c`, TM but at the last block; a tile may compute just those) (and the epilogue
 /// over finished row chunks), split into one group of row blocks per thread. `a_row_bytes`
 /// sizes the L2 chunks.
 fn drive<const TM: usize, const TN: usize, T: Send, F, K>(
@@ -1074,7 +1085,7 @@ fn drive<const TM: usize, const TN: usize, T: Send, F, K>(
     tile: &K,
 ) where
     F: Fn(&[i32], &mut [T]) + Sync,
-    K: Fn(usize, usize, &mut [i32], usize) + Sync,
+    K: Fn(usize, usize, usize, &mut [i32], usize) + Sync,
 {
     let blocks = m.div_ceil(TM);
     let k_work = a_row_bytes.max(1);
@@ -1101,11 +1112,12 @@ fn drive<const TM: usize, const TN: usize, T: Send, F, K>(
                     tile(
                         bi,
                         pn,
+                        rows,
                         &mut cgrp[r0 * n + c0..(r0 + TM - 1) * n + c0 + TN],
                         n,
                     );
                 } else {
-                    tile(bi, pn, &mut buf[..TM * TN], TN);
+                    tile(bi, pn, rows, &mut buf[..TM * TN], TN);
                     for r in 0..rows {
                         let d = &mut cgrp[(r0 + r) * n + c0..(r0 + r) * n + c0 + cols];
                         d.copy_from_slice(&buf[r * TN..r * TN + cols]);
@@ -1191,18 +1203,19 @@ fn tile_scalar<E: PanelElem>(
     }
 }
 
-/// One MR x NR tile with AVX2: per k pair, two B loads (i8 panels: two 16-byte loads
-/// sign-extended with `vpmovsxbw`), MR broadcasts of an (a0, a1) pair and 2 * MR `vpmaddwd` +
-/// `vpaddd`.
+/// One R x NR tile (R <= MR: MR for every block but a shorter last one) with AVX2: per k pair,
+/// two B loads (i8 panels: two 16-byte loads sign-extended with `vpmovsxbw`), R broadcasts of
+/// an (a0, a1) pair and 2 * R `vpmaddwd` + `vpaddd`. The rows are those of [`tile_scalar`]'s
+/// first R, bit for bit.
 ///
 /// The tile is written to `out` with row stride `ldt`: straight into C for a full tile.
 ///
 /// # Safety
-/// The CPU must support avx2; `a` must hold `MR` rows of stride `lda >= 2 * pairs`, `b` at
+/// The CPU must support avx2; `a` must hold `R` rows of stride `lda >= 2 * pairs`, `b` at
 /// least `pairs * 2 * NR` values.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn tile_avx2<E: PanelElem>(
+unsafe fn tile_avx2<E: PanelElem, const R: usize>(
     pairs: usize,
     a: &[i16],
     lda: usize,
@@ -1211,12 +1224,12 @@ unsafe fn tile_avx2<E: PanelElem>(
     ldt: usize,
 ) {
     use std::arch::x86_64::*;
-    debug_assert!(a.len() >= (MR - 1) * lda + 2 * pairs && b.len() >= pairs * 2 * NR);
+    debug_assert!(R <= MR && a.len() >= (R - 1) * lda + 2 * pairs && b.len() >= pairs * 2 * NR);
     assert!(
-        out.len() >= (MR - 1) * ldt + NR,
+        out.len() >= (R - 1) * ldt + NR,
         "igemm tile output too short"
     );
-    let mut acc = [_mm256_setzero_si256(); 2 * MR];
+    let mut acc = [[_mm256_setzero_si256(); 2]; R];
     let ap = a.as_ptr();
     let bp = b.as_ptr();
     for p in 0..pairs {
@@ -1235,21 +1248,21 @@ unsafe fn tile_avx2<E: PanelElem>(
                     _mm256_loadu_si256(bp.add(p * 2 * NR + NR) as *const __m256i),
                 )
             };
-            for r in 0..MR {
+            for (r, acc) in acc.iter_mut().enumerate() {
                 let pair = (ap.add(r * lda + 2 * p) as *const i32).read_unaligned();
                 let av = _mm256_set1_epi32(pair);
-                acc[2 * r] = _mm256_add_epi32(acc[2 * r], _mm256_madd_epi16(av, b0));
-                acc[2 * r + 1] = _mm256_add_epi32(acc[2 * r + 1], _mm256_madd_epi16(av, b1));
+                acc[0] = _mm256_add_epi32(acc[0], _mm256_madd_epi16(av, b0));
+                acc[1] = _mm256_add_epi32(acc[1], _mm256_madd_epi16(av, b1));
             }
         }
     }
     let tp = out.as_mut_ptr();
-    for r in 0..MR {
-        // SAFETY: `out` holds (MR - 1) * ldt + NR slots (asserted above); row r occupies
+    for (r, acc) in acc.iter().enumerate() {
+        // SAFETY: `out` holds (R - 1) * ldt + NR slots (asserted above); row r occupies
         // [r * ldt, r * ldt + 16).
         unsafe {
-            _mm256_storeu_si256(tp.add(r * ldt) as *mut __m256i, acc[2 * r]);
-            _mm256_storeu_si256(tp.add(r * ldt + 8) as *mut __m256i, acc[2 * r + 1]);
+            _mm256_storeu_si256(tp.add(r * ldt) as *mut __m256i, acc[0]);
+            _mm256_storeu_si256(tp.add(r * ldt + 8) as *mut __m256i, acc[1]);
         }
     }
 }
