@@ -1072,10 +1072,10 @@ struct Shape {
     threads: usize,
 }
 
-/// Runs `tile(row_block, panel, rows, dst, ldt)` over every TM x TN tile of `c` (`rows`: the
-/// block's rows inside `c`, TM but at the last block; a tile may compute just those) (and the epilogue
-/// over finished row chunks), split into one group of row blocks per thread. `a_row_bytes`
-/// sizes the L2 chunks.
+/// Runs `tile(row_block, panel, rows, dst, ldt)` over every TM x TN tile of `c` (and the
+/// epilogue over finished row chunks), split into one group of row blocks per thread.
+/// `rows` is the block's row count inside `c`: TM, except at a shorter last block, where a tile
+/// may compute just those rows. `a_row_bytes` sizes the L2 chunks.
 fn drive<const TM: usize, const TN: usize, T: Send, F, K>(
     Shape { m, n, threads }: Shape,
     panels: usize,
