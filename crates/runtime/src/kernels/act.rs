@@ -290,7 +290,8 @@ mod interleaved {
 
     /// Vectors carried through each step together at AVX-512 (32 registers).
     const N512: usize = 4;
-    /// The same at AVX2: four exps' temporaries and constants overflow 16 registers, two fit.
+    /// The same at AVX2 (16 registers): 2 and 4 measured within noise of each other on Zen 3, 1
+    /// slower.
     const N256: usize = 2;
 
     /// The f32 vector operations the loops are written in.
