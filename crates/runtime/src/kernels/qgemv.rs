@@ -164,6 +164,76 @@ pub fn gemv_fast(a: &[i16], b: &PackedI8, out: &mut [i32]) -> Result<()> {
     }
 }
 
+/// [`gemv_fast`] with the operand given as unsigned codes and their zero point,
+/// `a[i] = u[i] - zp` for `i < k` (`u` holds at least `k` codes; any past `k` are ignored), as
+/// DynamicQuantizeLinear writes a hidden state. The quads kernels take codes as they are (`Σ
+/// (u - zp)·b = Σ u·b - zp·Σ b`), so where they run (VNNI, or AVX2's saturating arithmetic)
+/// no i16 row is built; elsewhere `a` is formed in `scratch`. Same values as [`gemv_fast`]
+/// on `a`, bit for bit, at every level.
+pub fn gemv_codes_fast(
+    u: &[u8],
+    zp: u8,
+    b: &PackedI8,
+    out: &mut [i32],
+    scratch: &mut Vec<i16>,
+) -> Result<()> {
+    if u.len() < b.k || out.len() != b.out_len() {
+        bail!(
+            "integer matrix-vector product: {} codes and output of {} values, at least {} and {} expected",
+            u.len(),
+            out.len(),
+            b.k,
+            b.out_len()
+        );
+    }
+    #[cfg(target_arch = "x86_64")]
+    if let Some(qd) = &b.quads {
+        let (isa, uk) = (Isa::detect(), &u[..b.k]);
+        if isa.has_avx512_vnni() && b.k <= MAX_K {
+            // The exact product: any offset gives the same sums, so the codes go in as they
+            // are (the row is copied only to pad it to whole quads).
+            let run = |row: &[u8], out: &mut [i32]| {
+                // SAFETY: AVX-512 F/BW/VNNI were detected on this CPU (capped by NPUC_ISA);
+                // `row` holds 4 * nq bytes, `qd.data` panels * nq * NRQ * 4 and `qd.colsum`
+                // panels * NRQ (by construction); the kernel stores at most `out.len()` values.
+                unsafe { gemv_vnni(row, qd, zp as i32, out) }
+            };
+            if u.len() >= 4 * qd.nq {
+                run(&u[..4 * qd.nq], out);
+            } else {
+                U8_ROW.with(|r| {
+                    let mut r = r.borrow_mut();
+                    r.clear();
+                    r.extend_from_slice(uk);
+                    r.resize(4 * qd.nq, 0);
+                    run(&r, out);
+                });
+            }
+            return Ok(());
+        }
+        if isa.has_avx2() && saturating_allowed() && b.k <= MAX_K {
+            // Shifted to start at 0 as `gemv_saturating_with` does (fewer saturating pair
+            // sums): u - min(u) with the offset zp - min(u) is the same `a`.
+            let lo = uk.iter().copied().min().unwrap_or(0);
+            U8_ROW.with(|r| {
+                let mut r = r.borrow_mut();
+                r.clear();
+                r.extend(uk.iter().map(|&v| v - lo));
+                r.resize(4 * qd.nq, 0);
+                // SAFETY: AVX2 was detected on this CPU (capped by NPUC_ISA); `r` holds
+                // 4 * nq bytes, `qd.data` panels * nq * NRQ * 4 and `qd.colsum` panels * NRQ
+                // (by construction), and `out` holds `b.out_len()` <= panels * NRQ values.
+                unsafe { gemv_avx2_sat(&r, qd, zp as i32 - lo as i32, out) };
+            });
+            return Ok(());
+        }
+    }
+    scratch.clear();
+    scratch.extend(u[..b.k].iter().map(|&v| v as i16 - zp as i16));
+    scratch.resize(b.a_len(), 0);
+    gemv_fast(scratch, b, out)
+}
+
 /// The saturating u8 x s8 product (see the module docs) with an explicit kernel choice:
 /// AVX2 or its scalar twin, bit for bit the same; needs the quads (the exact product where
 /// they were not built or `a` spans more than 256 values).
@@ -614,6 +684,39 @@ mod tests {
         }
     }
 
+    proptest! {
+        /// The codes entry gives [`gemv_fast`]'s values on `a = u - zp` at the host's level
+        /// (run again at each lower level by the kernel re-run), with codes at both ends and
+        /// extra codes past `k` ignored; weights packed as the recurrence packs them.
+        #[test]
+        fn codes_entry_equals_gemv_fast(
+            k in prop_oneof![1usize..70, 250usize..300],
+            n in prop_oneof![1usize..80, 120usize..300],
+            zp in any::<u8>(),
+            extra in 0usize..9,
+            seed in any::<u64>(),
+        ) {
+            let mut s = seed | 1;
+            let mut rnd = || super::super::xorshift(&mut s);
+            let w: Vec<i8> = (0..k * n).map(|_| rnd() as i8).collect();
+            let b = PackedI8::pack(k, n, |r, c| w[r * n + c]);
+            let u: Vec<u8> = (0..k + extra)
+                .map(|i| match i % 5 {
+                    0 => 255,
+                    1 => 0,
+                    _ => rnd() as u8,
+                })
+                .collect();
+            let mut a: Vec<i16> = u[..k].iter().map(|&v| v as i16 - zp as i16).collect();
+            a.resize(b.a_len(), 0);
+            let mut want = vec![7i32; b.out_len()];
+            gemv_fast(&a, &b, &mut want).unwrap();
+            let (mut got, mut scratch) = (vec![5i32; b.out_len()], vec![3i16; 2]);
+            gemv_codes_fast(&u, zp, &b, &mut got, &mut scratch).unwrap();
+            prop_assert_eq!(&got, &want);
+        }
+    }
+
     /// Large codes against large weights of one sign saturate each pair at i16's ends, as
     /// onnxruntime's AVX2 kernel does; the exact product does not.
     #[test]
@@ -641,5 +744,7 @@ mod tests {
         let b = PackedI8::pack(3, 5, |_, _| 1);
         let err = gemv(&[0; 3], &b, &mut [0; NRV]).unwrap_err();
         assert!(err.to_string().contains("operand of 3"), "{err}");
+        let err = gemv_codes_fast(&[0; 2], 0, &b, &mut [0; NRV], &mut Vec::new()).unwrap_err();
+        assert!(err.to_string().contains("2 codes"), "{err}");
     }
 }
