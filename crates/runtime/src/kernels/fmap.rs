@@ -89,6 +89,49 @@ unsafe fn run_avx2<B: LevelBody>(body: B) -> B::Output {
     body.run()
 }
 
+/// [`map_in_place`] for any element type (a binary op with one scalar operand), compiled at
+/// the CPU's level through [`vectorized`].
+pub fn map_in_place_any<T: Copy, F: Fn(T) -> T>(v: &mut [T], f: &F) {
+    vectorized(MapInPlace { v, f })
+}
+
+struct MapInPlace<'a, T, F> {
+    v: &'a mut [T],
+    f: &'a F,
+}
+
+impl<T: Copy, F: Fn(T) -> T> LevelBody for MapInPlace<'_, T, F> {
+    type Output = ();
+    #[inline(always)]
+    fn run(self) {
+        for x in self.v.iter_mut() {
+            *x = (self.f)(*x);
+        }
+    }
+}
+
+/// `v[i] = f(v[i], w[i])` over the shorter of the two, compiled at the CPU's level like
+/// [`map_in_place`] (the binary element-wise ops' equal-shape case).
+pub fn zip_in_place<T: Copy, F: Fn(T, T) -> T>(v: &mut [T], w: &[T], f: &F) {
+    vectorized(ZipInPlace { v, w, f })
+}
+
+struct ZipInPlace<'a, T, F> {
+    v: &'a mut [T],
+    w: &'a [T],
+    f: &'a F,
+}
+
+impl<T: Copy, F: Fn(T, T) -> T> LevelBody for ZipInPlace<'_, T, F> {
+    type Output = ();
+    #[inline(always)]
+    fn run(self) {
+        for (x, &y) in self.v.iter_mut().zip(self.w) {
+            *x = (self.f)(*x, y);
+        }
+    }
+}
+
 /// The scalar twin (baseline target) of [`map_in_place`].
 #[inline(always)]
 pub fn map_in_place_scalar<F: Fn(f32) -> f32>(v: &mut [f32], f: &F) {

@@ -201,7 +201,9 @@ macro_rules! dispatch_pod {
 /// copies (inline vector moves), others through `copy_from_slice`. A channels-last Concat or
 /// nearest Resize copies one short run per pixel (PP-OCRv6 det: 16 channels, 77k runs per
 /// Concat call), where a `memcpy` call per run cost more than the bytes it moved.
+#[inline(always)]
 pub fn copy_run<T: Copy>(dst: &mut [T], src: &[T]) {
+    #[inline(always)]
     fn fixed<T: Copy, const N: usize>(dst: &mut [T], src: &[T]) {
         let s: &[T; N] = src.try_into().expect("N source values");
         let d: &mut [T; N] = dst.try_into().expect("N destination values");

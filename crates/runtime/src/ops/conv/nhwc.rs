@@ -172,12 +172,27 @@ fn bias_act(out: &mut [f32], bias: Option<&[f32]>, m: usize, act: Act) {
     };
     let rows = (BIAS_ACT_SPAN / m.max(1)).max(1);
     for span in out.chunks_mut(rows * m.max(1)) {
-        for row in span.chunks_exact_mut(m) {
-            for (o, &bv) in row.iter_mut().zip(b) {
+        crate::kernels::fmap::vectorized(AddBias { span, bias: b, m });
+        apply_f32(act, span);
+    }
+}
+
+/// `span[r * m + j] += bias[j]`, compiled at the CPU's level (16 or 8 lanes, not SSE2's 4).
+struct AddBias<'a> {
+    span: &'a mut [f32],
+    bias: &'a [f32],
+    m: usize,
+}
+
+impl crate::kernels::fmap::LevelBody for AddBias<'_> {
+    type Output = ();
+    #[inline(always)]
+    fn run(self) {
+        for row in self.span.chunks_exact_mut(self.m) {
+            for (o, &bv) in row.iter_mut().zip(self.bias) {
                 *o += bv;
             }
         }
-        apply_f32(act, span);
     }
 }
 
@@ -732,11 +747,7 @@ fn gap_nhwc(_ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     let mut out = crate::buffers::zeroed::<f32>(n * c);
     if c > 0 && hw > 0 {
         for (img, o) in xv.chunks_exact(hw * c).zip(out.chunks_exact_mut(c)) {
-            for px in img.chunks_exact(c) {
-                for (a, &v) in o.iter_mut().zip(px) {
-                    *a += v;
-                }
-            }
+            crate::kernels::fmap::vectorized(ChannelSums { img, sums: o });
             let inv = 1.0 / hw as f32;
             o.iter_mut().for_each(|a| *a *= inv);
         }
@@ -745,6 +756,24 @@ fn gap_nhwc(_ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         vec![n, 1, 1, c],
         out,
     )?)])
+}
+
+/// `sums[j] += px[j]` over the pixels of one channels-last image, compiled at the CPU's level.
+struct ChannelSums<'a> {
+    img: &'a [f32],
+    sums: &'a mut [f32],
+}
+
+impl crate::kernels::fmap::LevelBody for ChannelSums<'_> {
+    type Output = ();
+    #[inline(always)]
+    fn run(self) {
+        for px in self.img.chunks_exact(self.sums.len()) {
+            for (a, &v) in self.sums.iter_mut().zip(px) {
+                *a += v;
+            }
+        }
+    }
 }
 
 #[cfg(test)]
