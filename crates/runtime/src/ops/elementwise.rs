@@ -228,40 +228,45 @@ impl<A: Copy, B: Copy, O, F: Fn(A, B) -> O> fmap::LevelBody for BinaryRows<'_, A
     type Output = ();
     #[inline(always)]
     fn run(self) {
-        let BinaryRows {
-            plan,
-            rows,
-            a,
-            b,
-            out,
-            f,
-        } = self;
-        let inner = plan.rows_inner().1;
-        let base = rows.start * inner;
-        // One input the same short row for every output row, the other contiguous: plain loops.
-        for (row_input, full) in [(1usize, 0usize), (0, 1)] {
-            if inner == 0 || !plan.repeats_one_row(row_input) || !plan.is_contiguous(full) {
-                continue;
-            }
-            let span = base..base + out.len();
-            for (i, o) in out.chunks_exact_mut(inner).enumerate() {
-                let at = span.start + i * inner;
-                if row_input == 1 {
-                    for ((v, &x), &y) in o.iter_mut().zip(&a[at..at + inner]).zip(&b[..inner]) {
-                        *v = f(x, y);
-                    }
-                } else {
-                    for ((v, &x), &y) in o.iter_mut().zip(&a[..inner]).zip(&b[at..at + inner]) {
-                        *v = f(x, y);
-                    }
+        binary_rows_body(self.plan, self.rows, self.a, self.b, self.out, self.f)
+    }
+}
+
+/// [`BinaryRows`]'s loops, the slices as (no-alias) parameters (see [`fmap::LevelBody`]).
+#[inline(always)]
+fn binary_rows_body<A: Copy, B: Copy, O>(
+    plan: &Bcast,
+    rows: std::ops::Range<usize>,
+    a: &[A],
+    b: &[B],
+    out: &mut [O],
+    f: impl Fn(A, B) -> O,
+) {
+    let inner = plan.rows_inner().1;
+    let base = rows.start * inner;
+    // One input the same short row for every output row, the other contiguous: plain loops.
+    for (row_input, full) in [(1usize, 0usize), (0, 1)] {
+        if inner == 0 || !plan.repeats_one_row(row_input) || !plan.is_contiguous(full) {
+            continue;
+        }
+        let span = base..base + out.len();
+        for (i, o) in out.chunks_exact_mut(inner).enumerate() {
+            let at = span.start + i * inner;
+            if row_input == 1 {
+                for ((v, &x), &y) in o.iter_mut().zip(&a[at..at + inner]).zip(&b[..inner]) {
+                    *v = f(x, y);
+                }
+            } else {
+                for ((v, &x), &y) in o.iter_mut().zip(&a[..inner]).zip(&b[at..at + inner]) {
+                    *v = f(x, y);
                 }
             }
-            return;
         }
-        plan.for_each_row_in(rows, |offs, oo, n, st| {
-            binary_span(offs, st, 0, a, b, &mut out[oo - base..oo - base + n], &f);
-        });
+        return;
     }
+    plan.for_each_row_in(rows, |offs, oo, n, st| {
+        binary_span(offs, st, 0, a, b, &mut out[oo - base..oo - base + n], &f);
+    });
 }
 
 /// Broadcasting binary map with any input and output element types (always allocates).

@@ -729,13 +729,19 @@ impl<T: Movable> crate::kernels::fmap::LevelBody for ConcatRows<'_, T> {
     type Output = ();
     #[inline(always)]
     fn run(self) {
-        for (i, dst) in self.part.chunks_exact_mut(self.row).enumerate() {
-            let o = self.o0 + i;
-            let mut at = 0;
-            for &(s, chunk) in self.srcs {
-                T::copy_run(&mut dst[at..at + chunk], &s[o * chunk..][..chunk]);
-                at += chunk;
-            }
+        concat_rows(self.srcs, self.row, self.o0, self.part)
+    }
+}
+
+/// [`ConcatRows`]'s loop, its slices as (no-alias) parameters.
+#[inline(always)]
+fn concat_rows<T: Movable>(srcs: &[(&[T], usize)], row: usize, o0: usize, part: &mut [T]) {
+    for (i, dst) in part.chunks_exact_mut(row).enumerate() {
+        let o = o0 + i;
+        let mut at = 0;
+        for &(s, chunk) in srcs {
+            T::copy_run(&mut dst[at..at + chunk], &s[o * chunk..][..chunk]);
+            at += chunk;
         }
     }
 }

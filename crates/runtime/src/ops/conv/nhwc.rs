@@ -188,10 +188,16 @@ impl crate::kernels::fmap::LevelBody for AddBias<'_> {
     type Output = ();
     #[inline(always)]
     fn run(self) {
-        for row in self.span.chunks_exact_mut(self.m) {
-            for (o, &bv) in row.iter_mut().zip(self.bias) {
-                *o += bv;
-            }
+        add_bias_rows(self.span, self.bias, self.m)
+    }
+}
+
+/// [`AddBias`]'s loop, its slices as (no-alias) parameters.
+#[inline(always)]
+fn add_bias_rows(span: &mut [f32], bias: &[f32], m: usize) {
+    for row in span.chunks_exact_mut(m) {
+        for (o, &bv) in row.iter_mut().zip(bias) {
+            *o += bv;
         }
     }
 }
@@ -747,7 +753,13 @@ fn gap_nhwc(_ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
     let mut out = crate::buffers::zeroed::<f32>(n * c);
     if c > 0 && hw > 0 {
         for (img, o) in xv.chunks_exact(hw * c).zip(out.chunks_exact_mut(c)) {
-            crate::kernels::fmap::vectorized(ChannelSums { img, sums: o });
+            // A chain through memory per channel (each pixel adds to the same sums): wider
+            // vectors did not help (0.13 -> 0.17 ms over PP-OCRv6 det's 13 pools at AVX-512).
+            for px in img.chunks_exact(c) {
+                for (a, &v) in o.iter_mut().zip(px) {
+                    *a += v;
+                }
+            }
             let inv = 1.0 / hw as f32;
             o.iter_mut().for_each(|a| *a *= inv);
         }
@@ -756,24 +768,6 @@ fn gap_nhwc(_ctx: &OpCtx, ins: Inputs) -> Result<Vec<Value>> {
         vec![n, 1, 1, c],
         out,
     )?)])
-}
-
-/// `sums[j] += px[j]` over the pixels of one channels-last image, compiled at the CPU's level.
-struct ChannelSums<'a> {
-    img: &'a [f32],
-    sums: &'a mut [f32],
-}
-
-impl crate::kernels::fmap::LevelBody for ChannelSums<'_> {
-    type Output = ();
-    #[inline(always)]
-    fn run(self) {
-        for px in self.img.chunks_exact(self.sums.len()) {
-            for (a, &v) in self.sums.iter_mut().zip(px) {
-                *a += v;
-            }
-        }
-    }
 }
 
 #[cfg(test)]
