@@ -18,7 +18,7 @@
 //! are dropped (pruning, last-ranked first, within an evaluation budget). The result is a small
 //! set, not a proven minimum.
 
-use super::{canonical_name, prepare_quantized, run_named, with_outputs, Acc, Sample};
+use super::{canonical_name, run_named, with_outputs, Acc, Sample};
 use anyhow::{anyhow, bail, Context, Result};
 use npuc_ir::{DType, Initializer, Model, Tensor};
 use npuc_runtime::{Session, SessionOptions};
@@ -545,8 +545,10 @@ impl<'a> Evaluator<'a> {
     }
 
     /// One evaluation on `threads` threads.
-    fn measure(&self, q: Model, threads: usize) -> Result<(f64, f64)> {
-        let prepared = prepare_quantized(q, self.simulate)?;
+    fn measure(&self, mut q: Model, threads: usize) -> Result<(f64, f64)> {
+        // Outputs only: the graph `npuc run` executes (what `npuc verify` reports as output SQNR).
+        crate::quantized::prepare(&mut q, self.simulate)?;
+        let prepared = q;
         let sess = Session::new(&prepared, SessionOptions { threads })?;
         let mut acc = vec![Acc::default(); self.output_pairs.len()];
         for (s, r) in self.samples.iter().zip(&self.reference_outputs) {
@@ -610,7 +612,7 @@ pub struct SuggestInput<'a> {
     pub ranges: Option<&'a HashMap<String, (f32, f32)>>,
     /// Threads per session.
     pub threads: usize,
-    /// Passed to [`prepare_quantized`].
+    /// Passed to [`crate::quantized::prepare`] (and [`super::prepare_quantized`]).
     pub simulate: bool,
     /// Most model evaluations spent pruning the chosen set.
     pub prune_evals: usize,
