@@ -893,7 +893,8 @@ pub fn max_taps_into_scalar<'a>(dst: &mut [f32], taps: usize, tap: impl Fn(usize
 
 /// Folds `srcs` (each `dst.len()` long) into running maxima, block by block: starting from
 /// `dst` when `resume` (the maxima of earlier taps), from `srcs[0]` otherwise (what a NaN start
-/// takes); `finish` writes 0 where the maximum is NaN.
+/// takes); `finish` writes 0 where the maximum is NaN. The first select reads `srcs[0]` in
+/// place and the last one writes `dst`: a 2x2 window is three passes, nothing copied.
 #[inline(always)]
 fn max_taps_group(dst: &mut [f32], srcs: &[&[f32]], resume: bool, finish: bool) {
     let n = dst.len();
@@ -904,32 +905,74 @@ fn max_taps_group(dst: &mut [f32], srcs: &[&[f32]], resume: bool, finish: bool) 
     let mut i0 = 0;
     while i0 < n {
         let len = MAX_TAPS_BLOCK.min(n - i0);
-        let (mut cur, mut next) = (&mut a, &mut b);
         let d = &mut dst[i0..i0 + len];
-        if resume {
-            cur[..len].copy_from_slice(d);
-        } else {
-            cur[..len].copy_from_slice(&srcs[0][i0..i0 + len]);
+        let (mut cur, mut next) = (&mut a[..len], &mut b[..len]);
+        if rest.is_empty() {
+            // One tap, no earlier maxima.
+            max_select_into(d, &srcs[0][i0..i0 + len], None, finish);
+        } else if resume {
+            cur.copy_from_slice(d);
         }
-        for src in rest {
-            let src = &src[i0..i0 + len];
-            for ((o, &m), &v) in next[..len].iter_mut().zip(&cur[..len]).zip(src) {
-                #[allow(clippy::eq_op)] // `m != m`: the running maximum is NaN
-                let take = v > m || m != m;
-                *o = if take { v } else { m };
+        for (j, src) in rest.iter().enumerate() {
+            let v = &src[i0..i0 + len];
+            let m: &[f32] = if j == 0 && !resume {
+                &srcs[0][i0..i0 + len]
+            } else {
+                cur
+            };
+            if j + 1 == rest.len() {
+                max_select_into(d, m, Some(v), finish);
+            } else {
+                max_select_into(next, m, Some(v), false);
+                std::mem::swap(&mut cur, &mut next);
             }
-            std::mem::swap(&mut cur, &mut next);
-        }
-        if finish {
-            for (d, &m) in d.iter_mut().zip(&cur[..len]) {
-                #[allow(clippy::eq_op)] // `m != m`: every tap was NaN
-                let none = m != m;
-                *d = if none { 0.0 } else { m };
-            }
-        } else {
-            d.copy_from_slice(&cur[..len]);
         }
         i0 += len;
+    }
+}
+
+/// `out[i]` = `v[i]` where it wins over the running maximum `m[i]` (larger, or `m[i]` NaN),
+/// else `m[i]` (`m` as is without `v`); with `finish`, 0 where that is NaN. `out` is neither
+/// `m` nor `v`.
+#[inline(always)]
+fn max_select_into(out: &mut [f32], m: &[f32], v: Option<&[f32]>, finish: bool) {
+    #[inline(always)]
+    fn pick(m: f32, v: f32) -> f32 {
+        #[allow(clippy::eq_op)] // `m != m`: the running maximum is NaN
+        let take = v > m || m != m;
+        if take {
+            v
+        } else {
+            m
+        }
+    }
+    #[inline(always)]
+    fn zero_nan(x: f32) -> f32 {
+        #[allow(clippy::eq_op)] // `x != x`: every tap was NaN
+        let none = x != x;
+        if none {
+            0.0
+        } else {
+            x
+        }
+    }
+    match (v, finish) {
+        (Some(v), false) => {
+            for ((o, &m), &v) in out.iter_mut().zip(m).zip(v) {
+                *o = pick(m, v);
+            }
+        }
+        (Some(v), true) => {
+            for ((o, &m), &v) in out.iter_mut().zip(m).zip(v) {
+                *o = zero_nan(pick(m, v));
+            }
+        }
+        (None, false) => out.copy_from_slice(m),
+        (None, true) => {
+            for (o, &m) in out.iter_mut().zip(m) {
+                *o = zero_nan(m);
+            }
+        }
     }
 }
 
