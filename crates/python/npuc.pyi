@@ -75,6 +75,7 @@ class Session:
         simulate: bool = ...,
         input_shape: Optional[Mapping[str, Sequence[int]]] = ...,
         dim: Optional[Mapping[str, int]] = ...,
+        optimize: bool = ...,
     ) -> None: ...
     @property
     def inputs(self) -> List[TensorInfo]: ...

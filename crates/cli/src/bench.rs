@@ -121,6 +121,7 @@ pub fn bench(
     simulate: bool,
     profile: bool,
     trace: Option<&Path>,
+    optimize: bool,
 ) -> Result<()> {
     let t0 = Instant::now();
     let (input_shapes, dims) = parse_bindings(input_shape, dim)?;
@@ -132,6 +133,7 @@ pub fn bench(
             dims,
             simulate,
             threads,
+            optimize,
         },
     )?;
     crate::check_simulate(path, simulate, &opened)?;

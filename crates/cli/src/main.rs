@@ -86,6 +86,10 @@ enum Cmd {
         /// quantized tensor (QuantSim) instead of the integer kernels.
         #[arg(long)]
         simulate: bool,
+        /// Float ONNX models: run the graph as imported, without `npuc compile`'s optimizer
+        /// (which runs by default, as onnxruntime optimizes at session creation).
+        #[arg(long)]
+        no_optimize: bool,
     },
     /// Compile models into one pre-compiled, weight-shared, mmap-able .npuc artifact.
     Compile(npuc_cli::compile_cmd::CompileArgs),
@@ -102,6 +106,10 @@ enum Cmd {
         /// integer kernels.
         #[arg(long)]
         simulate: bool,
+        /// Float ONNX models: run the graph as imported, without `npuc compile`'s optimizer
+        /// (which runs by default, as onnxruntime optimizes at session creation).
+        #[arg(long)]
+        no_optimize: bool,
         /// Time every node over `--runs` extra runs and print the time per op type and the
         /// slowest nodes (with `--json`: a `profile` object).
         #[arg(long)]
@@ -290,7 +298,7 @@ fn main() {
             ..
         } => given
             .reject(
-                &["inputs", "graph", "simulate"],
+                &["inputs", "graph", "simulate", "no_optimize"],
                 "--component runs the component's artifact on --image (its input comes from the image)",
             )
             .and_then(|_| {
@@ -303,6 +311,7 @@ fn main() {
             threads,
             graph,
             simulate,
+            no_optimize,
             ..
         } => run(
             &model,
@@ -311,6 +320,7 @@ fn main() {
             output_dir.as_deref(),
             threads,
             simulate,
+            !no_optimize,
         ),
         Cmd::Compile(a) => npuc_cli::compile_cmd::cmd(&a, &given),
         Cmd::Bench {
@@ -338,6 +348,7 @@ fn main() {
                         "simulate",
                         "profile",
                         "trace",
+                        "no_optimize",
                     ],
                     "not supported when benchmarking an LLM (.gguf, or --prompt-len)",
                 )
@@ -379,6 +390,7 @@ fn main() {
             simulate,
             profile,
             trace,
+            no_optimize,
             ..
         } => given
             .reject(
@@ -398,6 +410,7 @@ fn main() {
                     simulate,
                     profile,
                     trace.as_deref(),
+                    !no_optimize,
                 )
             }),
         Cmd::Build(a) => npuc_cli::build_cmd::cmd(&a),
@@ -740,6 +753,7 @@ fn run(
     out_dir: Option<&Path>,
     threads: usize,
     simulate: bool,
+    optimize: bool,
 ) -> Result<()> {
     let t0 = Instant::now();
     let opened = npuc_driver::open(
@@ -748,6 +762,7 @@ fn run(
             graph: graph.map(String::from),
             simulate,
             threads,
+            optimize,
             ..Default::default()
         },
     )?;

@@ -3,7 +3,7 @@
 
 use crate::compile::bind_inputs;
 use crate::quantized::{self, Prepared};
-use anyhow::Result;
+use anyhow::{Context, Result};
 use npuc_format::Artifact;
 use npuc_ir::Model;
 use npuc_runtime::{Session, SessionOptions};
@@ -45,6 +45,11 @@ pub struct OpenOptions {
     pub simulate: bool,
     /// Threads of the session.
     pub threads: usize,
+    /// Float ONNX models: run `npuc compile`'s optimizer (fusions, folding, channels-last conv
+    /// chains) before the session is built, as onnxruntime optimizes at session creation;
+    /// `false` runs the graph as imported. Artifacts are optimized when compiled; quantized
+    /// (QDQ) models go through their integer lowering instead.
+    pub optimize: bool,
 }
 
 impl Default for OpenOptions {
@@ -55,6 +60,7 @@ impl Default for OpenOptions {
             dims: HashMap::new(),
             simulate: false,
             threads: SessionOptions::default().threads,
+            optimize: true,
         }
     }
 }
@@ -72,10 +78,30 @@ pub struct Opened {
 /// the executable model: the steps before [`Session::new`] in [`open`].
 pub fn load_for_execution(path: &Path, opts: &OpenOptions) -> Result<(Model, Prepared)> {
     crate::register_ops();
+    let artifact = is_artifact(path);
     let mut m = load_any(path, opts.graph.as_deref())?;
     bind_inputs(&mut m, &opts.input_shapes, &opts.dims)?;
     let prepared = quantized::prepare(&mut m, opts.simulate)?;
+    if opts.optimize && !artifact && !prepared.quantized {
+        optimize_for_execution(&mut m).with_context(|| {
+            format!(
+                "optimizing '{}' for execution (--no-optimize runs the graph as imported)",
+                path.display()
+            )
+        })?;
+    }
     Ok((m, prepared))
+}
+
+/// `npuc compile`'s optimization of a float ONNX model: model-local functions inlined, then
+/// the standard pass pipeline (about 0.1 s for a ViT-S or a PP-OCR detector).
+fn optimize_for_execution(m: &mut Model) -> Result<()> {
+    if !m.functions.is_empty() {
+        m.graph = npuc_runtime::exec::inline_functions(&m.graph, &m.functions)?;
+        m.functions.clear();
+    }
+    crate::compile::optimize(m, &[], &[])?;
+    Ok(())
 }
 
 /// Opens `path` (ONNX or artifact) as a [`Session`]: what `npuc run` executes.

@@ -219,9 +219,11 @@ impl Session {
     /// Opens `path` (ONNX model or `.npuc` artifact) as `npuc run` does: `graph` picks an
     /// artifact's graph (default: its first), `threads` the session's threads, `simulate` runs a
     /// quantized model as QuantSim; `input_shape`/`dim` bind input shapes of an ONNX model
-    /// (`{"x": [1, 3, 224, 224]}`, `{"batch": 1}`).
+    /// (`{"x": [1, 3, 224, 224]}`, `{"batch": 1}`); `optimize=False` runs a float ONNX model's
+    /// graph as imported (`npuc run --no-optimize`).
     #[new]
-    #[pyo3(signature = (path, *, graph=None, threads=1, simulate=false, input_shape=None, dim=None))]
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (path, *, graph=None, threads=1, simulate=false, input_shape=None, dim=None, optimize=true))]
     fn new(
         py: Python<'_>,
         path: &Bound<'_, PyAny>,
@@ -230,6 +232,7 @@ impl Session {
         simulate: bool,
         input_shape: Option<HashMap<String, Vec<usize>>>,
         dim: Option<HashMap<String, usize>>,
+        optimize: bool,
     ) -> PyResult<Session> {
         let path = path_arg(path)?;
         if threads == 0 {
@@ -241,6 +244,7 @@ impl Session {
             dims: dim.unwrap_or_default(),
             simulate,
             threads,
+            optimize,
         };
         let opened = py
             .detach(|| {
