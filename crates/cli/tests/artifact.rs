@@ -429,8 +429,8 @@ fn an_artifact_for_another_cpu_is_refused_with_a_recompile_hint() {
 }
 
 /// `npuc bench --profile --json` times every node of the plan: one entry per node of the
-/// model (the uncompiled recogniser runs each ONNX node as one step), per-op totals that add
-/// up to the per-node times, and the timed runs' keys unchanged.
+/// model (the recogniser run as imported, `--no-optimize`, runs each ONNX node as one step),
+/// per-op totals that add up to the per-node times, and the timed runs' keys unchanged.
 #[test]
 fn bench_profile_covers_every_node() {
     let o = ok(&[
@@ -442,6 +442,7 @@ fn bench_profile_covers_every_node() {
         "--json",
         "--input-shape",
         "x=1x3x48x320",
+        "--no-optimize",
     ]);
     let j: Value = serde_json::from_slice(&o.stdout).expect("bench --json prints one object");
     for k in ["load_ms", "first_run_ms", "median_ms", "min_ms", "max_ms"] {

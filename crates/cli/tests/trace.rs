@@ -48,7 +48,15 @@ fn bench_trace_is_a_valid_chrome_trace_covering_every_node() {
     npuc_onnx::save_model(&m, &onnx, &Default::default()).unwrap();
     let trace = d.path().join("trace.json");
     let o = Command::new(env!("CARGO_BIN_EXE_npuc"))
-        .args(["bench", onnx.to_str().unwrap(), "--runs", "2", "--trace"])
+        // As imported: one span per node of the model.
+        .args([
+            "bench",
+            onnx.to_str().unwrap(),
+            "--runs",
+            "2",
+            "--no-optimize",
+            "--trace",
+        ])
         .arg(&trace)
         .output()
         .unwrap();
